@@ -38,6 +38,7 @@ class LLMEngine:
         # how many tokens/logprobs each request has already been told about
         self._emitted: dict[str, int] = {}
         self._pending_logprobs: dict[str, list] = {}
+        self.num_preemptions = 0
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull or ValueError (can never fit)."""
@@ -57,6 +58,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        self.num_preemptions += len(batch.preempted_ids)
         if batch.is_empty:
             return []
         requests = {r.request_id: self.scheduler.get_request(r.request_id) for r in batch.requests}

@@ -1,0 +1,175 @@
+"""Sampler: one token per row of a batch of logits, plus optional logprobs.
+
+Order per row (as in vLLM):
+  1. presence / frequency penalties over the row's generated tokens (OpenAI semantics);
+  2. banned token ids (e.g. EOS/stop ids until min_tokens) set to -inf;
+  3. logprobs = log_softmax of the logits at this point, i.e. after penalties and bans but BEFORE
+     temperature, top-k and top-p. NOTE: they describe the model's (penalized) distribution, not
+     the truncated one sampled from, so they do not depend on sampling knobs and are never -inf
+     for a token that top-k/top-p merely cut off;
+  4. greedy rows (temperature 0) take the argmax;
+  5. other rows: divide by temperature, keep top_k, keep the nucleus (top_p) of what is left,
+     then sample by inverse CDF with one uniform drawn from the row's own generator (what
+     torch.multinomial does, vectorized over rows). A seeded row draws only from its own
+     generator, so its tokens do not depend on the other rows in the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprob
+from scheduler.sampling_params import SamplingParams
+
+RowLogprobs = tuple[TokenLogprob, tuple[TokenLogprob, ...]]   # (sampled token, top-k sorted)
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
+    """A generator seeded with `seed`, or from OS entropy when seed is None."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.seed()
+    else:
+        g.manual_seed(seed)
+    return g
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]                     # one per row
+    logprobs: list[RowLogprobs | None]       # one per row; None where the row did not ask
+
+
+class Sampler:
+    def __init__(self, seed: int | None = None):
+        # draws of rows without a generator of their own (unseeded requests)
+        self.default_generator = make_generator(seed)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               output_token_ids: list[list[int]],
+               generators: list[torch.Generator | None],
+               banned_token_ids: list[tuple[int, ...]] | None = None) -> SamplerOutput:
+        """logits: [S, V] (any float dtype; computed in float32). One entry per row in every list."""
+        num_rows, vocab = logits.shape
+        assert len(params) == len(output_token_ids) == len(generators) == num_rows
+        logits = logits.float().clone()   # [S, V]
+        _apply_penalties(logits, params, output_token_ids)
+        if banned_token_ids is not None:
+            for i, banned in enumerate(banned_token_ids):
+                if banned:
+                    logits[i, list(banned)] = float("-inf")
+
+        token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:
+            token_ids[greedy] = _rows(logits, greedy).argmax(dim=-1)
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if rand:
+            token_ids[rand] = self._sample_random(_rows(logits, rand), [params[i] for i in rand],
+                                                  [generators[i] for i in rand])
+        tokens = token_ids.tolist()
+        return SamplerOutput(tokens, _logprobs(logits, params, tokens))
+
+    def _sample_random(self, logits: torch.Tensor, params: list[SamplingParams],
+                       generators: list[torch.Generator | None]) -> torch.Tensor:
+        """logits: [R, V] after penalties; returns [R] token ids."""
+        dev = logits.device
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        logits = _apply_top_k_top_p(logits / temps[:, None], params)
+        cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)           # [R, V]
+        # one uniform per row from the row's own generator (unseeded rows share the sampler's),
+        # drawn on the generator's device (CPU by default) so the device does not change the draw
+        num_shared = sum(g is None for g in generators)
+        draws = iter(torch.rand(num_shared, generator=self.default_generator).tolist())
+        u = torch.tensor([next(draws) if g is None else
+                          float(torch.rand((), generator=g, device=g.device)) for g in generators],
+                         dtype=torch.float32, device=dev)
+        # NOTE: inverse-CDF sampling (what torch.multinomial does for one sample), vectorized:
+        # the first token whose cdf exceeds u * total. A token with probability 0 never has a cdf
+        # step, so it cannot be picked; scaling by the total absorbs float32 cumsum rounding.
+        target = (u * cdf[:, -1])[:, None]
+        return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """x[rows], without a copy when rows is every row."""
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
+def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
+                     output_token_ids: list[list[int]]) -> None:
+    """In place: logits[t] -= count[t] * frequency + (count[t] > 0) * presence, counts over
+    each row's generated tokens."""
+    for i, p in enumerate(params):
+        if not (p.presence_penalty or p.frequency_penalty) or not output_token_ids[i]:
+            continue
+        # NOTE: sparse, per row: only the generated tokens' logits change (a dense [S, V] count
+        # matrix costs more than the whole sampler on CPU)
+        ids, counts = torch.tensor(output_token_ids[i]).unique(return_counts=True)
+        ids = ids.to(logits.device)
+        penalty = counts.to(logits.device, torch.float32) * p.frequency_penalty + p.presence_penalty
+        logits[i, ids] -= penalty
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """In place on logits [R, V] (after temperature), which it returns. Keeps the top_k tokens,
+    then, of those (renormalized), the nucleus: the smallest set of top tokens whose probability
+    sums to >= top_p (at least the top token). Others are set to -inf. Cuts are by value, so
+    tokens tied with the last kept one are kept too: no dependence on how a sort orders ties."""
+    vocab = logits.shape[1]
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    rows = [i for i, p in enumerate(params) if ks[i] < vocab or p.top_p < 1.0]
+    if not rows:
+        return logits
+    dev = logits.device
+    x = _rows(logits, rows)                                            # [T, V]
+    k = torch.tensor([ks[i] for i in rows], device=dev)[:, None]       # [T, 1]
+    top_p = torch.tensor([params[i].top_p for i in rows], device=dev)[:, None]
+    has_k = k[:, 0] < vocab
+    full_lse = None if bool(has_k.all()) else x.logsumexp(dim=-1)
+    # NOTE: a full sort of the vocabulary is slow on CPU (~6 ms per 49k row); the nucleus usually
+    # sits in the top few hundred tokens, so look at a sorted prefix and widen it only if needed.
+    width = max([ks[i] for i in rows if ks[i] < vocab] + [256])
+    while True:
+        width = min(width, vocab)
+        vals = x.topk(width, dim=-1).values                            # [T, W] descending
+        ranks = torch.arange(width, device=dev)[None, :]
+        vals = vals.masked_fill(ranks >= k, float("-inf"))
+        lse = vals.logsumexp(dim=-1)                                   # top-k rows renormalize
+        if full_lse is not None:
+            lse = torch.where(has_k, lse, full_lse)
+        probs = (vals - lse[:, None]).exp()
+        cum = probs.cumsum(dim=-1)
+        if width == vocab or bool(((k[:, 0] <= width) | (cum[:, -1] >= top_p[:, 0])).all()):
+            break
+        width *= 8
+    # rank j is kept while the mass above it is < top_p (rank 0 always) and j < top_k
+    keep = ((cum - probs) < top_p) & (ranks < k)
+    keep[:, 0] = True
+    cutoff = vals.gather(1, keep.sum(dim=-1, keepdim=True) - 1)        # [T, 1] last kept value
+    if x is logits:
+        return logits.masked_fill_(logits < cutoff, float("-inf"))
+    logits[rows] = x.masked_fill_(x < cutoff, float("-inf"))
+    return logits
+
+
+def _logprobs(logits: torch.Tensor, params: list[SamplingParams],
+              tokens: list[int]) -> list[RowLogprobs | None]:
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[RowLogprobs | None] = [None] * len(params)
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[rows], dim=-1)                       # [R, V]
+    k_max = min(max(params[i].logprobs for i in rows), lp.shape[1])
+    top_vals, top_ids = lp.topk(k_max, dim=-1) if k_max > 0 else (None, None)
+    sampled = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device))
+    sampled = sampled[:, 0].tolist()
+    top_vals = top_vals.tolist() if top_vals is not None else [[] for _ in rows]
+    top_ids = top_ids.tolist() if top_ids is not None else [[] for _ in rows]
+    for r, i in enumerate(rows):
+        k = min(params[i].logprobs, k_max)
+        top = tuple(TokenLogprob(t, v) for t, v in zip(top_ids[r][:k], top_vals[r][:k]))
+        out[i] = (TokenLogprob(tokens[i], sampled[r]), top)
+    return out

@@ -1,0 +1,11 @@
+"""Scheduler errors (the engine maps them to engine.protocol errors)."""
+from __future__ import annotations
+
+
+class QueueFull(Exception):
+    """The waiting queue holds max_waiting requests already (engine: QueueFullError, HTTP 429)."""
+
+
+class RequestTooLarge(ValueError):
+    """prompt + max_tokens can never fit: beyond max_model_len, or more KV pages than exist
+    (engine: RequestTooLargeError, HTTP 400)."""

@@ -1,0 +1,239 @@
+"""Scheduler: continuous batching under a per-step token budget (vLLM v1 style).
+
+There are no prefill or decode modes. Each request has num_tokens (prompt + outputs so far) and
+num_computed_tokens (tokens whose K/V are in the KV store); every step each scheduled request
+computes a chunk of the tokens it still lacks. A decode is a chunk of 1; a long prompt is computed
+in chunks (chunked prefill). When the last known token is computed, the engine samples one token.
+
+Policy:
+- running requests first, in arrival order, then waiting requests FIFO (no head-of-line skipping);
+- when pages run out for a running request, the NEWEST running request is preempted (pages freed,
+  recomputed later from prompt + outputs so far) and goes to the front of the waiting queue;
+- no admission in a step that preempted, and a waiting request is admitted only if its first chunk
+  fits in the free pages (admission never preempts).
+The oldest running request is never preempted while others run, so every request that fits alone
+completes eventually.
+
+Not thread-safe: only the engine's step loop calls it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvstore.page_allocator import PageAllocator
+from scheduler.batch import ScheduledBatch, ScheduledRequest
+from scheduler.errors import QueueFull, RequestTooLarge
+from scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16               # running requests at most
+    max_num_batched_tokens: int = 2048   # tokens computed per step, over all requests
+    max_waiting: int = 256               # waiting requests at most; add_request raises QueueFull beyond
+    max_model_len: int = 8192            # prompt + max_tokens at most
+    long_prefill_chunk: int = 0          # tokens per request per step at most; 0: only the budget caps
+    page_size: int = 16                  # tokens per KV page (must match the allocator)
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0 or self.long_prefill_chunk < 0:
+            raise ValueError("SchedulerConfig.max_waiting and long_prefill_chunk must be >= 0")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator):
+        if allocator.page_size != config.page_size:
+            raise ValueError(f"allocator page_size {allocator.page_size} != "
+                             f"scheduler page_size {config.page_size}")
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []     # in arrival order: the last one is the newest
+        self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+
+    # ---- queries ----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    # ---- admission --------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a request. Raises RequestTooLarge (a ValueError) if it can never fit, QueueFull
+        if max_waiting requests are already waiting, ValueError on a duplicate id."""
+        p = req.sampling_params
+        if req.num_prompt_tokens < 1:
+            raise ValueError("the prompt must hold at least one token")
+        if p.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
+        total = req.num_prompt_tokens + p.max_tokens
+        if total > self.config.max_model_len:
+            raise RequestTooLarge(
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({p.max_tokens}) = {total} "
+                f"exceeds the maximum context length of {self.config.max_model_len} tokens")
+        pages = self.allocator.pages_for_tokens(total)
+        if pages > self.allocator.num_pages:
+            raise RequestTooLarge(
+                f"prompt + max_tokens = {total} tokens needs {pages} KV pages but the pool has "
+                f"{self.allocator.num_pages}; lower max_tokens or raise the KV memory budget")
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already queued")
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        self.requests[req.request_id] = req
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        """Pick this step's chunks. Allocates the pages they need; may preempt."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk_len(req, budget)
+            if n == 0:       # nothing to compute (update() not called yet): leave it be
+                i += 1
+                continue
+            while not self.allocator.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()       # the newest running request
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(self._schedule_chunk(req, n))
+                budget -= n
+                i += 1
+
+        while (not preempted and self.waiting and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            n = self._chunk_len(req, budget)
+            if n == 0 or not self.allocator.allocate(req.request_id, req.num_computed_tokens + n):
+                break        # FIFO: a later request does not overtake the head of the queue
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            scheduled.append(self._schedule_chunk(req, n))
+            budget -= n
+
+        return ScheduledBatch(tuple(scheduled), tuple(preempted))
+
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
+        """Record a step's results: advance progress, append sampled tokens, finish requests
+        that stopped. Returns the requests that finished in this update (pages already freed).
+        Requests aborted between schedule() and update() are skipped."""
+        finished: list[Request] = []
+        for sr in batch.requests:
+            req = self.requests.get(sr.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens = sr.start_pos + len(sr.token_ids)
+            if not sr.sample:
+                continue
+            token = sampled[sr.request_id]
+            req.output_token_ids.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    # ---- ending requests early --------------------------------------------------------------
+
+    def abort(self, request_id: str,
+              status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
+        """Finish a waiting or running request with `status` and free its pages. Returns the
+        request, or None when it is unknown or already finished (idempotent)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, status)
+        return req
+
+    def finish_with_error(self, request_id: str, message: str) -> Request | None:
+        logger.warning("request %s failed: %s", request_id, message)
+        return self.abort(request_id, RequestStatus.FINISHED_ERROR)
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _chunk_len(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self.config.long_prefill_chunk:
+            n = min(n, self.config.long_prefill_chunk)
+        return max(n, 0)
+
+    def _schedule_chunk(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        end = start + n
+        return ScheduledRequest(
+            request_id=req.request_id,
+            token_ids=_token_slice(req, start, end),
+            start_pos=start,
+            page_ids=self.allocator.pages(req.request_id),
+            sample=end == req.num_tokens,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.allocator.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (%d tokens to recompute)", req.request_id, req.num_tokens)
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        p = req.sampling_params
+        n_out = len(req.output_token_ids)
+        if n_out >= p.min_tokens and (
+                token in p.stop_token_ids or (not p.ignore_eos and token in req.eos_token_ids)):
+            return RequestStatus.FINISHED_STOPPED
+        if n_out >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self.allocator.free(req.request_id)
+        req.status = status
+        del self.requests[req.request_id]
+
+
+def _token_slice(req: Request, start: int, end: int) -> tuple[int, ...]:
+    """req.all_token_ids[start:end] without copying the whole prompt (long contexts)."""
+    prompt, outputs = req.prompt_token_ids, req.output_token_ids
+    n = len(prompt)
+    if end <= n:
+        return tuple(prompt[start:end])
+    if start >= n:
+        return tuple(outputs[start - n:end - n])
+    return tuple(prompt[start:]) + tuple(outputs[:end - n])
