@@ -118,9 +118,9 @@ class AsyncEngine:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                finished = item.finished
                 yield item
-                if item.finished:
-                    finished = True
+                if finished:
                     return
         finally:
             with self._lock:

@@ -5,6 +5,7 @@ import logging
 
 from engine.args import EngineArgs
 from engine.gguf_convert import ensure_hf_folder
+from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from kvstore.page_allocator import PageAllocator
@@ -19,13 +20,14 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         self.model_folder = ensure_hf_folder(args.model, args.resolved_cache_dir)
-        self.runner = ModelRunner(self.model_folder, args.dtype, args.page_size,
-                                  int(args.kv_device_gb * 2**30), device=args.device)
-        cfg = self.runner.config
+        cfg = ModelConfig.from_hf(self.model_folder)
         self.max_model_len = args.max_model_len or cfg.max_position_embeddings
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions")
+        self.runner = ModelRunner(self.model_folder, cfg, args.dtype, args.page_size,
+                                  int(args.kv_device_gb * 2**30), self.max_model_len,
+                                  device=args.device)
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
         self.scheduler = Scheduler(SchedulerConfig(

@@ -33,12 +33,14 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, folder: Path, dtype: str, page_size: int, kv_budget_bytes: int,
-                 device: str = "cpu"):
+    def __init__(self, folder: Path, config: ModelConfig, dtype: str, page_size: int,
+                 kv_budget_bytes: int, max_model_len: int, device: str = "cpu"):
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
-        self.config: ModelConfig = ModelConfig.from_hf(folder)
-        self.model = load_model(folder, self.config, dtype=self.dtype, device=self.device)
+        self.config = config
+        self.attention = make_attention_backend(self.device)
+        self.model = load_model(folder, config, dtype=self.dtype, device=self.device,
+                                max_model_len=max_model_len, attn_backend=self.attention)
         c = self.config
         num_pages = KVCache.num_pages_for_budget(kv_budget_bytes, c.num_hidden_layers, page_size,
                                                  c.num_key_value_heads, c.head_dim, self.dtype)
@@ -48,7 +50,6 @@ class ModelRunner:
         self.kv_cache = KVCache(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads,
                                 c.head_dim, self.dtype, device=self.device)
         self.page_size = page_size
-        self.attention = make_attention_backend(self.device)
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
         logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, page_size,

@@ -1,0 +1,186 @@
+"""The Llama-family forward (Llama, SmolLM2, Qwen2, Mistral) over a paged KV cache.
+
+One step runs T tokens of B sequences, flattened: every projection sees all T tokens at once
+([T, hidden]); only attention knows about sequences, through the AttentionBatch. Each layer
+writes its new K/V to the cache (batch.slot_mapping) before attending, so a sequence's queries
+see its cached tokens and this step's tokens alike. Weights are fused at load: q/k/v into one
+`qkv_proj`, gate/up into one `gate_up_proj`.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.rope import RotaryEmbedding
+from kernels.attention import AttentionBatch, make_attention_backend
+from kvstore.kv_cache import KVCache
+
+
+def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+    # NOTE: uninitialised on purpose: load_weights fills every parameter (and checks it did).
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device):
+        super().__init__()
+        self.weight = _param(dim, dtype=dtype, device=device)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, dim] -> [T, dim]; float32 statistics as in HF."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.index = index
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, d)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        self.scale = d ** -0.5
+        p = dict(dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h, **p)        # [q|k|v, hidden]
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, **p) if cfg.attention_bias else None
+        self.o_proj = _param(h, self.q_size, **p)
+        self.o_bias = _param(h, **p) if cfg.o_proj_bias else None
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, h, **p)         # [gate|up, hidden]
+        self.gate_up_bias = _param(2 * cfg.intermediate_size, **p) if cfg.mlp_bias else None
+        self.down_proj = _param(h, cfg.intermediate_size, **p)
+        self.down_bias = _param(h, **p) if cfg.mlp_bias else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn,
+                batch: AttentionBatch, kv_cache: KVCache) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; rope = (cos, sin) [T, 1, head_dim] of the step."""
+        t = x.shape[0]
+        qkv = F.linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias)  # [T, q+2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        cos, sin = rope
+        q = RotaryEmbedding.apply(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = RotaryEmbedding.apply(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        kv_cache.write(self.index, batch.slot_mapping, k, v)
+        o = attn.forward(q, kv_cache.layer(self.index), batch, self.scale)    # [T, H, D]
+        x = x + F.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
+        gate_up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj, self.gate_up_bias)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Our Llama-family model. Build with `engine.model_loader.load_model`."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", max_model_len: int | None = None,
+                 attn_backend=None):
+        super().__init__()
+        max_len = max_model_len or config.max_position_embeddings
+        if config.sliding_window is not None and config.sliding_window < max_len:
+            raise ValueError(
+                f"{config.architecture} uses sliding-window attention ({config.sliding_window} "
+                f"tokens) but Strata attends to the full context; serve it with "
+                f"--max-model-len <= {config.sliding_window}")
+        self.config = config
+        self.dtype = dtype
+        self.max_model_len = max_len
+        p = dict(dtype=dtype, device=device)
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, **p)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = (None if config.tie_word_embeddings
+                        else _param(config.vocab_size, config.hidden_size, **p))
+        self.rope = RotaryEmbedding(config.head_dim, max_len, config.rope_theta,
+                                    config.rope_scaling, config.max_position_embeddings).to(device)
+        self.attn = attn_backend if attn_backend is not None else make_attention_backend(device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv_cache: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] int64, positions [T] int64 -> logits [S, vocab] float32 for the rows
+        `logits_indices` [S] int64 (the last token of each sequence that samples)."""
+        cfg = self.config
+        self.attn.plan(batch, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                       self.dtype, kv_cache.dtype, cfg.head_dim ** -0.5)
+        x = F.embedding(input_ids, self.embed_tokens)                        # [T, hidden]
+        rope = self.rope.cos_sin(positions, self.dtype)                      # [T, 1, head_dim]
+        for layer in self.layers:
+            x = layer(x, rope, self.attn, batch, kv_cache)
+        x = self.norm(x[logits_indices])                                     # [S, hidden]
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()
+
+    def make_kv_cache(self, num_pages: int, page_size: int,
+                      dtype: torch.dtype | None = None) -> KVCache:
+        """A KVCache shaped for this model, on its device."""
+        cfg = self.config
+        return KVCache(cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads,
+                       cfg.head_dim, dtype or self.dtype, self.embed_tokens.device)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...) into the fused
+        parameters; raises if a parameter was left unfilled or a name is unknown."""
+        cfg = self.config
+        q, kv, inter = cfg.num_attention_heads * cfg.head_dim, \
+            cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
+        fused = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
+                 "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter)}
+        plain = {"o_proj": "o", "down_proj": "down"}
+        filled: dict[int, int] = {}
+
+        def put(param: torch.Tensor | None, tensor: torch.Tensor, name: str, start=0, size=None):
+            if param is None:
+                raise ValueError(f"checkpoint has {name} but the config says it has no such "
+                                 "parameter (check attention_bias / mlp_bias)")
+            dst = param if size is None else param.narrow(0, start, size)
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                 f"model expects {tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor)
+            filled[id(param)] = filled.get(id(param), 0) + dst.numel()
+
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "model.embed_tokens.weight":
+                put(self.embed_tokens, tensor, name)
+            elif name == "lm_head.weight":
+                if self.lm_head is not None:   # tied checkpoints may still carry a copy
+                    put(self.lm_head, tensor, name)
+            elif name == "model.norm.weight":
+                put(self.norm.weight, tensor, name)
+            elif name.startswith("model.layers."):
+                idx, rest = name[len("model.layers."):].split(".", 1)
+                layer = self.layers[int(idx)]
+                module, kind = rest.rsplit(".", 1)           # e.g. self_attn.q_proj, weight
+                leaf = module.split(".")[-1]
+                if leaf in ("input_layernorm", "post_attention_layernorm"):
+                    put(getattr(layer, leaf).weight, tensor, name)
+                elif leaf in fused:
+                    group, start, size = fused[leaf]
+                    attr = f"{group}_proj" if kind == "weight" else f"{group}_bias"
+                    put(getattr(layer, attr), tensor, name, start, size)
+                elif leaf in plain:
+                    attr = f"{leaf}" if kind == "weight" else f"{plain[leaf]}_bias"
+                    put(getattr(layer, attr), tensor, name)
+                else:
+                    raise ValueError(f"unexpected checkpoint tensor {name}")
+            else:
+                raise ValueError(f"unexpected checkpoint tensor {name}")
+        missing = [n for n, p in self.named_parameters() if filled.get(id(p), 0) != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))

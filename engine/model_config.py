@@ -1,0 +1,136 @@
+"""What the engine needs to know about a Llama-family checkpoint, read from its HF config.json."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "mistral": "MistralForCausalLM"}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str                     # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None   # HF dict with "rope_type" (no rope_theta); None = default
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool                  # bias on q/k/v projections
+    o_proj_bias: bool                     # bias on o_proj (Llama's attention_bias covers it too)
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    sliding_window: int | None            # None when absent or disabled
+    dtype: str | None = None              # checkpoint dtype ("bfloat16", ...) if recorded
+
+    @property
+    def group_size(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
+        """From an HF model folder (config.json, plus generation_config.json when present for
+        extra eos ids) or an already-parsed config dict."""
+        gen: Mapping[str, Any] = {}
+        if isinstance(path_or_dict, Mapping):
+            cfg = dict(path_or_dict)
+        else:
+            folder = Path(path_or_dict)
+            cfg = json.loads((folder / "config.json").read_text())
+            gen_file = folder / "generation_config.json"
+            if gen_file.is_file():
+                gen = json.loads(gen_file.read_text())
+        return cls._parse(cfg, gen)
+
+    @classmethod
+    def _parse(cls, cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(cfg.get("model_type", ""))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {arch or cfg.get('model_type')!r}: "
+                             f"Strata runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads {heads} is not a multiple of "
+                             f"num_key_value_heads {kv_heads}")
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        rope_theta, rope_scaling = _rope(cfg)
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_mistral = arch == "MistralForCausalLM"
+        attention_bias = True if is_qwen2 else (False if is_mistral
+                                                else bool(cfg.get("attention_bias", False)))
+        o_bias = attention_bias if arch == "LlamaForCausalLM" else False
+        mlp_bias = bool(cfg.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False
+        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError("partial_rotary_factor != 1 is not supported")
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=o_bias,
+            mlp_bias=mlp_bias,
+            eos_token_ids=_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
+            bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
+            sliding_window=_sliding_window(cfg, is_qwen2, is_mistral),
+            dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        )
+
+
+def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from `rope_scaling` (transformers 4) or
+    `rope_parameters` (transformers 5, which also carries rope_theta)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or params)
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling.pop("rope_theta", None)
+    if "type" in scaling and "rope_type" not in scaling:
+        scaling["rope_type"] = scaling.pop("type")
+    scaling.pop("type", None)
+    if scaling.get("rope_type") in (None, "default"):
+        return theta, None
+    return theta, scaling
+
+
+def _ids(*values: Any) -> tuple[int, ...]:
+    out: list[int] = []
+    for v in values:
+        for i in ([v] if isinstance(v, int) else list(v or [])):
+            if int(i) not in out:
+                out.append(int(i))
+    return tuple(out)
+
+
+def _sliding_window(cfg: Mapping[str, Any], is_qwen2: bool, is_mistral: bool) -> int | None:
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    if is_mistral:
+        return int(window)
+    if is_qwen2 and (cfg.get("use_sliding_window")
+                     or "sliding_attention" in (cfg.get("layer_types") or [])):
+        return int(window)
+    return None

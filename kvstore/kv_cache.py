@@ -1,0 +1,83 @@
+"""The paged KV cache tensors of the device tier: one preallocated tensor per layer.
+
+Layout per layer: [num_pages, 2, page_size, num_kv_heads, head_dim], K at index 0 and V at 1.
+A page (all its tokens, all KV heads, K and V) is one contiguous block, which is FlashInfer's
+"NHD" paged layout and the unit the tiers move. Page ids are handed out by the page allocator;
+this class only owns the memory.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Preallocated, pre-touched paged K/V storage for every layer.
+
+    A slot is `page_id * page_size + offset`; `write` scatters new tokens' K/V to their slots.
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        if min(num_layers, num_pages, page_size, num_kv_heads, head_dim) <= 0:
+            raise ValueError(
+                f"KVCache needs positive sizes, got layers={num_layers} pages={num_pages} "
+                f"page_size={page_size} kv_heads={num_kv_heads} head_dim={head_dim}")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
+        # NOTE: zeros (not empty) so every page is touched now: no page faults mid-decode, and
+        # the memory budget is really taken at start-up.
+        self._layers = [torch.zeros(shape, dtype=dtype, device=self.device)
+                        for _ in range(num_layers)]
+        self._last_slots: torch.Tensor | None = None
+        self._last_split: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """The cache of one layer: [num_pages, 2, page_size, num_kv_heads, head_dim]."""
+        return self._layers[layer]
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store K/V of T tokens.
+
+        slot_mapping: [T] int64, slot = page_id * page_size + offset
+        k, v:         [T, num_kv_heads, head_dim] (cast to the cache dtype)
+        """
+        # NOTE: every layer of a step passes the same slot_mapping; split it into
+        # (page, offset) once.
+        if slot_mapping is not self._last_slots:
+            pages = torch.div(slot_mapping, self.page_size, rounding_mode="floor")
+            self._last_slots, self._last_split = slot_mapping, (
+                pages, slot_mapping - pages * self.page_size)
+        pages, offsets = self._last_split
+        cache = self._layers[layer]
+        cache[pages, 0, offsets] = k.to(self.dtype)
+        cache[pages, 1, offsets] = v.to(self.dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page summed over all layers (K and V)."""
+        return self.bytes_per_page(self.num_layers, self.page_size, self.num_kv_heads,
+                                   self.head_dim, self.dtype)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.page_bytes * self.num_pages
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int,
+                       dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return num_layers * 2 * page_size * num_kv_heads * head_dim * elem
+
+    @classmethod
+    def num_pages_for_budget(cls, budget_bytes: int, num_layers: int, page_size: int,
+                             num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """How many pages (over all layers) fit in `budget_bytes`."""
+        per_page = cls.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
+        return int(budget_bytes) // per_page

@@ -1,0 +1,179 @@
+"""ChoiceStream: one engine request seen as text deltas (detokenized, stop strings applied).
+
+One OpenAI choice is one engine request. The stream turns each ``RequestOutput`` into a
+:class:`ChoiceDelta`, records the request's metrics, aborts the engine request when a stop string
+ends it early, and aborts it when closed before the engine finished (client gone).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.protocol import EngineClient, EngineError
+from scheduler.sampling_params import SamplingParams
+from server.detokenizer import Decoder, IncrementalDetokenizer
+from server.metrics import ServerMetrics
+from server.stop_checker import StopChecker
+
+logger = logging.getLogger(__name__)
+
+Logprobs = tuple[tuple[TokenLogprob, tuple[TokenLogprob, ...]], ...]
+
+
+class RequestFailed(Exception):
+    """The engine accepted the request and then failed it (finish_reason "error")."""
+
+
+@dataclass(frozen=True)
+class ChoiceSpec:
+    index: int                      # choice index in the response
+    prompt_index: int               # which prompt (completions accept several)
+    request_id: str                 # engine request id
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChoiceDelta:
+    index: int
+    text: str
+    logprobs: Logprobs = ()         # one entry per new token when logprobs were asked
+    finish_reason: str | None = None
+
+
+class ChoiceStream:
+    """Drives one engine request: ``await start()`` once, then iterate ``deltas()``."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Decoder, metrics: ServerMetrics,
+                 spec: ChoiceSpec):
+        self.spec = spec
+        self._engine = engine
+        self._metrics = metrics
+        self._detokenizer = IncrementalDetokenizer(tokenizer, spec.prompt_token_ids)
+        self._stop = StopChecker(spec.stop)
+        self._outputs: AsyncIterator[RequestOutput] | None = None
+        self._first: RequestOutput | None = None
+        self._arrival = time.monotonic()
+        self._last_token_time: float | None = None
+        self._prompt_counted = False
+        self.started = False
+        self.finished = False
+        self.num_output_tokens = 0
+
+    async def start(self) -> None:
+        """Submit and wait for the first output, so admission errors surface before any HTTP
+        response starts (QueueFullError, EngineNotReadyError, EngineDeadError, ...)."""
+        self._outputs = self._engine.generate(self.spec.request_id, self.spec.prompt_token_ids,
+                                              self.spec.params)
+        self.started = True
+        try:
+            first = await anext(self._outputs, None)
+        except EngineError:
+            self.finished = True                 # refused: nothing to abort, nothing to count
+            raise
+        if first is None:
+            raise RequestFailed("the engine returned no output")
+        self._first = first
+
+    async def deltas(self) -> AsyncIterator[ChoiceDelta]:
+        output, self._first = self._first, None
+        while output is not None:
+            delta = await self._on_output(output)
+            if delta.text or delta.logprobs or delta.finish_reason:
+                yield delta
+            if self.finished:
+                return
+            try:
+                output = await anext(self._outputs, None)
+            except EngineError:                  # e.g. the step loop died mid-request
+                self._finish("error", None)
+                raise
+        self._finish("error", None)
+        raise RequestFailed("the engine stream ended before the request finished")
+
+    async def close(self) -> None:
+        """Close the engine's iterator; abort the request unless it finished (idempotent)."""
+        if not self.started:
+            return
+        if self.finished:
+            await self._close_outputs()
+            return
+        self._finish("abort", None)
+        await self._abort_engine()
+
+    async def _on_output(self, out: RequestOutput) -> ChoiceDelta:
+        self._record_tokens(out)
+        text = self._detokenizer.push(out.new_token_ids)
+        if out.finished:
+            text += self._detokenizer.flush()
+        text = self._stop.push(text)
+        if self._stop.stopped:
+            self._finish("stop", out)
+            if not out.finished:
+                await self._abort_engine()
+            return ChoiceDelta(self.spec.index, text, out.new_logprobs, "stop")
+        if not out.finished:
+            return ChoiceDelta(self.spec.index, text, out.new_logprobs)
+        text += self._stop.flush()
+        if out.finish_reason == "error":
+            self._finish("error", out)
+            raise RequestFailed(out.error or "unknown engine error")
+        if out.finish_reason == "abort":
+            self._finish("abort", out)
+            raise RequestFailed("the request was aborted by the engine")
+        reason = out.finish_reason or "stop"
+        self._finish(reason, out)
+        return ChoiceDelta(self.spec.index, text, out.new_logprobs, reason)
+
+    def _record_tokens(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        if not self._prompt_counted:
+            self._prompt_counted = True
+            self._metrics.prompt_tokens.inc(out.num_prompt_tokens or len(self.spec.prompt_token_ids))
+        if not out.new_token_ids:
+            return
+        if self._last_token_time is None:
+            self._metrics.time_to_first_token.observe(max(0.0, now - self._arrival_of(out)))
+        else:
+            self._metrics.inter_token_latency.observe(now - self._last_token_time)
+        self._last_token_time = now
+        self.num_output_tokens += len(out.new_token_ids)
+        self._metrics.generation_tokens.inc(len(out.new_token_ids))
+
+    def _arrival_of(self, out: RequestOutput | None) -> float:
+        # NOTE: the engine stamps arrival with time.monotonic() in this process, when its
+        # thread takes the request; the server saw it earlier. Latencies start at the earlier.
+        if out is not None and out.arrival_time:
+            return min(self._arrival, out.arrival_time)
+        return self._arrival
+
+    def _finish(self, reason: str, out: RequestOutput | None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        queue_s = None
+        if out is not None and out.first_scheduled_time is not None and out.arrival_time:
+            queue_s = out.first_scheduled_time - out.arrival_time
+        self._metrics.record_finished(reason, e2e_s=time.monotonic() - self._arrival_of(out),
+                                      queue_s=queue_s)
+
+    async def _abort_engine(self) -> None:
+        # Closing the engine's iterator aborts the request; the explicit abort makes sure.
+        await self._close_outputs()
+        try:
+            await self._engine.abort(self.spec.request_id)
+        except Exception:
+            logger.exception("aborting request %s failed", self.spec.request_id)
+
+    async def _close_outputs(self) -> None:
+        aclose = getattr(self._outputs, "aclose", None)
+        if aclose is None:
+            return
+        try:
+            await aclose()
+        except Exception:
+            logger.exception("closing the outputs of request %s failed", self.spec.request_id)

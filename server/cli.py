@@ -1,0 +1,181 @@
+"""`strata serve`: start the HTTP server at once, load the engine in the background.
+
+/health answers 503 (and /v1 routes 503) until the engine has loaded; then 200. The engine is
+imported here, lazily, inside the loader thread: no other module of `server/` imports torch.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import inspect
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from server.api import build_app
+from server.engine_slot import EngineSlot
+from server.tokenizer import Tokenizer
+
+logger = logging.getLogger("strata.cli")
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+BUNDLED_ALIAS = "bundled"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="strata", description="Strata inference server")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_model_flags(serve)
+    serve.add_argument("--served-model-name", default=None,
+                       help="model id in the API (default: SmolLM2-135M-Instruct for the bundled "
+                            "model, else the folder or file name)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    serve.add_argument("--max-model-len", type=int, default=None,
+                       help="prompt + completion tokens (default: the model's positions)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="running requests at most")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="tokens per engine step at most")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="waiting requests at most; more get HTTP 429")
+    serve.add_argument("--kv-device-gb", type=float, default=1.0, help="device KV tier size")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 (env STRATA_API_KEY)")
+    serve.add_argument("--log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug"))
+    serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all)")
+    prepare = commands.add_parser("prepare-model",
+                                  help="convert a .gguf model once into the cached HF folder")
+    _add_model_flags(prepare)
+    return parser
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF model folder or .gguf file (default: the bundled "
+                             "SmolLM2-135M-Instruct GGUF, also named 'bundled')")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where converted models are cached (default: $STRATA_CACHE_DIR or "
+                             "~/.cache/strata/models)")
+
+
+def served_name(model: str | None, explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    if model is None or model == BUNDLED_ALIAS:
+        return BUNDLED_MODEL_NAME
+    path = Path(model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def engine_args(args: argparse.Namespace, served_model_name: str):
+    """EngineArgs from the CLI flags (only fields EngineArgs declares; None keeps its default).
+    Raises ValueError for invalid values, before anything is loaded."""
+    from engine.args import EngineArgs                 # plain dataclass: no torch
+    values = {"model": args.model, "served_model_name": served_model_name, "dtype": args.dtype,
+              "page_size": args.page_size, "max_model_len": args.max_model_len,
+              "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens,
+              "max_waiting": args.max_waiting, "kv_device_gb": args.kv_device_gb,
+              "threads": args.threads, "cache_dir": args.cache_dir}
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    return EngineArgs(**{k: v for k, v in values.items() if k in known and v is not None})
+
+
+class EngineLoader:
+    """Loads the engine off the event loop, then attaches it to the slot."""
+
+    def __init__(self, engine_args, slot: EngineSlot, server: uvicorn.Server):
+        self._engine_args, self._slot, self._server = engine_args, slot, server
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.failed = False
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        threading.Thread(target=self._run, name="strata-engine-loader", daemon=True).start()
+
+    def _call(self, fn, *args):
+        result = fn(*args)
+        if inspect.isawaitable(result):          # an async factory / start runs on the loop
+            result = asyncio.run_coroutine_threadsafe(result, self._loop).result()
+        return result
+
+    def _run(self) -> None:
+        try:
+            from engine.async_engine import AsyncEngine
+            logger.info("loading %s", self._engine_args.model or BUNDLED_ALIAS)
+            create = getattr(AsyncEngine, "create", None)
+            engine = self._call(create if callable(create) else AsyncEngine, self._engine_args)
+            if not engine.is_ready and hasattr(engine, "start"):
+                self._call(engine.start)
+            tokenizer = Tokenizer.from_folder(engine.tokenizer_path)
+            self._slot.attach(engine, tokenizer)
+            logger.info("ready: %s (max_model_len %d)", engine.model_name, engine.max_model_len)
+        except Exception as exc:
+            logger.exception("loading the engine failed")
+            self._slot.fail(str(exc))
+            self.failed = True
+            self._server.should_exit = True
+
+
+async def _serve(server: uvicorn.Server, loader: EngineLoader) -> None:
+    serving = asyncio.create_task(server.serve())
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:                         # listening: /health answers 503 from now on
+        loader.start(asyncio.get_running_loop())
+    await serving
+
+
+def serve(args: argparse.Namespace) -> int:
+    name = served_name(args.model, args.served_model_name)
+    try:
+        load_args = engine_args(args, name)
+    except ValueError as exc:
+        print(f"strata serve: {exc}", file=sys.stderr)
+        return 2
+    slot = EngineSlot(name)
+    aliases = tuple(a for a in {args.model} if a and a != name)
+    app = build_app(slot, slot.tokenizer, served_model_name=name,
+                    api_key=args.api_key or os.environ.get("STRATA_API_KEY"),
+                    model_aliases=aliases)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    loader = EngineLoader(load_args, slot, server)
+    with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
+        runner.run(_serve(server, loader))
+    engine = slot.engine
+    shutdown = getattr(engine, "shutdown", None) if engine is not None else None
+    if callable(shutdown):
+        shutdown()
+    return 1 if loader.failed or not server.started else 0
+
+
+def prepare_model(args: argparse.Namespace) -> int:
+    """Convert the model once (a .gguf into the HF-folder cache), so `serve` starts fast."""
+    from engine.gguf_convert import ensure_hf_folder    # imports torch when converting
+    folder = ensure_hf_folder(args.model, Path(args.cache_dir) if args.cache_dir else None)
+    print(folder)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "prepare-model":
+        return prepare_model(args)
+    return serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

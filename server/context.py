@@ -1,0 +1,67 @@
+"""ServerContext: what every route needs (engine, tokenizer, served names, API key, metrics)."""
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Callable
+
+from engine.protocol import EngineClient
+from server.errors import invalid_api_key, model_not_found, not_ready
+from server.metrics import ServerMetrics
+from server.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# The tokenizer may exist only once the engine has loaded the model: accept a loader.
+TokenizerSource = Tokenizer | Callable[[], Tokenizer | None]
+
+
+class ServerContext:
+    def __init__(self, engine: EngineClient, tokenizer: TokenizerSource, *,
+                 served_model_name: str, model_aliases: tuple[str, ...] = (),
+                 api_key: str | None = None):
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self.model_names = frozenset((served_model_name, *model_aliases))
+        self.metrics = ServerMetrics(engine)
+        self._api_key = api_key or None
+        self._tokenizer_source = tokenizer
+        self._tokenizer: Tokenizer | None = tokenizer if isinstance(tokenizer, Tokenizer) else None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = self._tokenizer_source()
+            except Exception:
+                logger.exception("loading the tokenizer failed")
+        return self._tokenizer
+
+    @property
+    def is_ready(self) -> bool:
+        return bool(self.engine.is_ready) and self.tokenizer is not None
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.engine.max_model_len)
+
+    def require_ready(self) -> Tokenizer:
+        """The tokenizer, or 503 while the model is loading (or the engine is gone)."""
+        if not self.is_ready:
+            self.metrics.record_rejection("not_ready")
+            raise not_ready()
+        return self._tokenizer
+
+    def check_api_key(self, authorization: str | None) -> None:
+        """401 unless ``Authorization: Bearer <key>`` matches (no key configured: open)."""
+        if self._api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self._api_key.encode()):
+            raise invalid_api_key()
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless the request names the served model (or an alias); omitted means served."""
+        if model is not None and model not in self.model_names:
+            raise model_not_found(model)

@@ -1,0 +1,163 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}``.
+
+Every failure the HTTP edge can report is an :class:`APIError`; engine errors are mapped with
+:func:`from_engine_error`; handlers installed by :func:`install_error_handlers` make sure that
+pydantic validation errors, unknown routes and unexpected exceptions use the same shape and that
+no traceback ever reaches a client.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.protocol import (EngineDeadError, EngineError, EngineNotReadyError, QueueFullError,
+                             RequestTooLargeError)
+from server.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_CHARS = 500
+# NOTE: pydantic puts union member names into error locations; they are not request fields.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
+
+
+class APIError(Exception):
+    """An error with its HTTP status, in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, type: str, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, type="invalid_request_error", param=param, code=code)
+
+
+def context_length_exceeded(max_model_len: int, prompt_tokens: int,
+                            max_tokens: int | None) -> APIError:
+    if max_tokens is None:
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, your "
+                   f"messages resulted in {prompt_tokens} tokens. Please reduce the length of the "
+                   "messages.")
+    else:
+        message = (f"This model's maximum context length is {max_model_len} tokens. However, you "
+                   f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                   f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                   "messages or completion.")
+    return invalid_request(message, param="messages", code="context_length_exceeded")
+
+
+def invalid_api_key() -> APIError:
+    return APIError(401, "Incorrect API key provided.", type="authentication_error",
+                    code="invalid_api_key")
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"The model `{model}` does not exist.", type="invalid_request_error",
+                    param="model", code="model_not_found")
+
+
+def not_ready() -> APIError:
+    return APIError(503, "The model is still loading; retry shortly.", type="service_unavailable",
+                    code="model_loading", headers={"Retry-After": "5"})
+
+
+def request_failed(message: str | None) -> APIError:
+    """A request the engine accepted and then failed (e.g. an I/O error in a KV tier)."""
+    return APIError(500, f"The request failed in the engine: {one_line(message)}",
+                    type="server_error", code="engine_error")
+
+
+def internal_error() -> APIError:
+    return APIError(500, "Internal server error.", type="server_error", code="internal_error")
+
+
+def from_engine_error(exc: EngineError) -> APIError:
+    if isinstance(exc, QueueFullError):
+        return APIError(429, f"Server is busy: {one_line(str(exc))}", type="rate_limit_error",
+                        code="queue_full", headers={"Retry-After": str(max(1, exc.retry_after_s))})
+    if isinstance(exc, EngineNotReadyError):
+        return not_ready()
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, f"The engine is not running: {one_line(str(exc))}",
+                        type="service_unavailable", code="engine_dead")
+    if isinstance(exc, RequestTooLargeError):
+        return invalid_request(one_line(str(exc)), code="request_too_large")
+    return request_failed(str(exc))
+
+
+def one_line(message: str | None) -> str:
+    """The first line of a message, bounded (engine messages must not carry tracebacks)."""
+    lines = (message or "").strip().splitlines()
+    return (lines[0] if lines else "unknown error")[:MAX_MESSAGE_CHARS]
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if not errors:
+        return invalid_request("Invalid request.")
+    # NOTE: a union reports one error per member; "wrong type" ones are the least telling.
+    first = next((e for e in errors if not str(e.get("type", "")).endswith("_type")), errors[0])
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    param = _param_name(loc)
+    if first.get("type") == "json_invalid":
+        return invalid_request("The request body is not valid JSON.")
+    if first.get("type") == "missing":
+        return invalid_request(f"Missing required parameter: '{param}'.", param=param)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    where = f" for '{param}'" if param else ""
+    return invalid_request(f"Invalid value{where}: {msg}.", param=param)
+
+
+def _param_name(loc: list) -> str | None:
+    name = ""
+    for part in loc:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        elif "[" in part or part in _TYPE_TAGS or part.startswith("function-"):
+            break
+        else:
+            name += f".{part}" if name else part
+    return name or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(EngineError)
+    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
+        return from_engine_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type=kind,
+                        headers=dict(exc.headers or {})).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        return internal_error().response()

@@ -1,0 +1,267 @@
+"""OpenAI API wire models (chat completions, completions, models, errors).
+
+Fields follow the order of the OpenAI API reference; the vLLM extensions (top_k, ignore_eos,
+min_tokens, stop_token_ids) come last. Unknown request fields are accepted and ignored.
+Constraints live in the shared ``Annotated`` aliases so both request models check the same way.
+"""
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+MAX_N = 16                 # choices per request (each choice is one engine request)
+MAX_STOP_STRINGS = 4
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+
+Temperature = Annotated[float | None, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float | None, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
+NumChoices = Annotated[int | None, Field(ge=1, le=MAX_N)]
+MaxTokens = Annotated[int | None, Field(ge=1)]
+Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
+TopK = Annotated[int | None, Field(ge=-1)]
+MinTokens = Annotated[int | None, Field(ge=0)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(default=None)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = False
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message content as one string (text parts joined by newlines, as vLLM does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+def _check_top_logprobs(value: int | None, logprobs: bool | None) -> int | None:
+    if value is not None and not logprobs:
+        raise ValueError("top_logprobs requires logprobs to be true")
+    return value
+
+
+class ChatCompletionRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    frequency_penalty: Penalty = 0.0
+    logprobs: bool | None = False
+    max_completion_tokens: MaxTokens = None
+    max_tokens: MaxTokens = None
+    n: NumChoices = 1
+    presence_penalty: Penalty = 0.0
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature = None
+    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] = None
+    top_p: TopP = None
+    user: str | None = None
+    # extensions (vLLM)
+    top_k: TopK = None
+    ignore_eos: bool | None = False
+    min_tokens: MinTokens = 0
+    stop_token_ids: TokenIds = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_needs_logprobs(cls, value, info):
+        return _check_top_logprobs(value, info.data.get("logprobs"))
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        """SamplingParams.logprobs: None when off, else how many alternatives per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# A prompt is text, a batch of texts, one token-id list or a batch of token-id lists.
+Prompt = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+
+
+class CompletionRequest(_Request):
+    model: str | None = None
+    prompt: Prompt
+    echo: bool | None = False
+    frequency_penalty: Penalty = 0.0
+    logprobs: Annotated[int | None, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] = None
+    max_tokens: MaxTokens = 16            # the legacy API defaults to 16
+    n: NumChoices = 1
+    presence_penalty: Penalty = 0.0
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: Temperature = None
+    top_p: TopP = None
+    user: str | None = None
+    # extensions (vLLM)
+    top_k: TopK = None
+    ignore_eos: bool | None = False
+    min_tokens: MinTokens = 0
+    stop_token_ids: TokenIds = None
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_unsupported(cls, value):
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+
+# ----------------------------------------------------------------------------- responses
+
+class UsageInfo(_Wire):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(_Wire):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Wire):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(_Wire):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(_Wire):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(_Wire):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(_Wire):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(_Wire):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler) -> dict[str, Any]:
+        # NOTE: OpenAI deltas carry only the keys that changed ({} on the finish chunk).
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(_Wire):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Wire):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(_Wire):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Wire):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(_Wire):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    pass
+
+
+class ModelCard(_Wire):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "strata"
+    max_model_len: int | None = None
+
+
+class ModelList(_Wire):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorInfo(_Wire):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Wire):
+    error: ErrorInfo

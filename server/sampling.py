@@ -1,0 +1,62 @@
+"""From a validated OpenAI request to engine SamplingParams (shared by chat and completions)."""
+from __future__ import annotations
+
+from scheduler.sampling_params import SamplingParams
+from server.errors import context_length_exceeded, invalid_request
+from server.protocol import ChatCompletionRequest, CompletionRequest
+
+Request = ChatCompletionRequest | CompletionRequest
+
+
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
+    """Tokens to generate at most; the rest of the context when the request does not say.
+
+    Raises the 400 ``context_length_exceeded`` error when the prompt (plus the requested
+    completion) does not fit in ``max_model_len``.
+    """
+    if prompt_tokens >= max_model_len:
+        raise context_length_exceeded(max_model_len, prompt_tokens, requested)
+    if requested is None:
+        return max_model_len - prompt_tokens
+    if prompt_tokens + requested > max_model_len:
+        raise context_length_exceeded(max_model_len, prompt_tokens, requested)
+    return requested
+
+
+def stop_strings(request: Request) -> tuple[str, ...]:
+    if request.stop is None:
+        return ()
+    stops = [request.stop] if isinstance(request.stop, str) else request.stop
+    return tuple(s for s in stops if s)
+
+
+def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise invalid_request(f"Token id {bad} is out of range [0, {vocab_size}).", param=param)
+
+
+def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int = 0,
+                          vocab_size: int | None = None) -> SamplingParams:
+    """SamplingParams for one choice; choice i of a seeded request uses seed + i."""
+    min_tokens = request.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise invalid_request(f"min_tokens ({min_tokens}) must not exceed max_tokens "
+                              f"({max_tokens}).", param="min_tokens")
+    stop_ids = tuple(request.stop_token_ids or ())
+    if vocab_size is not None:
+        check_token_ids(list(stop_ids), vocab_size, "stop_token_ids")
+    top_k = request.top_k or 0
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if top_k < 0 else top_k,
+        seed=None if request.seed is None else request.seed + seed_offset,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(request.ignore_eos),
+        logprobs=request.logprobs_k(),
+        min_tokens=min_tokens,
+    )

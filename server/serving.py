@@ -1,0 +1,125 @@
+"""OpenAIServing: the request flow shared by chat and completions.
+
+prompt token ids -> context check -> SamplingParams per choice -> Generation -> either an SSE
+stream (``EventStreamResponse``) or one JSON body, with client disconnects aborting the engine
+requests on both paths. Subclasses only build prompts and format chunks / responses.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from pydantic import BaseModel
+from starlette.responses import Response
+
+from engine.outputs import TokenLogprob
+from engine.protocol import EngineError
+from server.choice_stream import ChoiceSpec, ChoiceStream, RequestFailed
+from server.context import ServerContext
+from server.disconnect import ClientDisconnected, run_until_disconnected
+from server.errors import APIError, from_engine_error, internal_error, invalid_request, request_failed
+from server.generation import ChoiceResult, Generation
+from server.sampling import Request as SamplingRequest
+from server.sampling import build_sampling_params, resolve_max_tokens, stop_strings
+from server.sse import DONE, EventStreamResponse, sse_event
+
+logger = logging.getLogger(__name__)
+
+MIN_LOGPROB = -9999.0          # JSON has no -inf
+CLIENT_CLOSED_REQUEST = 499    # nginx's status for "client went away" (nobody reads it)
+
+
+def clamp_logprob(value: float) -> float:
+    return MIN_LOGPROB if math.isnan(value) else max(value, MIN_LOGPROB)
+
+
+def to_api_error(exc: Exception) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RequestFailed):
+        return request_failed(str(exc))
+    if isinstance(exc, EngineError):
+        return from_engine_error(exc)
+    logger.error("request failed", exc_info=exc)
+    return internal_error()
+
+
+def json_response(body: BaseModel) -> Response:
+    return Response(content=body.model_dump_json(), media_type="application/json")
+
+
+class OpenAIServing:
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+
+    def generation(self, request: SamplingRequest, prompts: list[list[int]],
+                   request_id: str, prompt_param: str) -> Generation:
+        """One engine request per (prompt, choice): ids f"{request_id}-{index}", seed + i."""
+        ctx = self.ctx
+        tokenizer = ctx.tokenizer
+        n = request.n or 1
+        stops = stop_strings(request)
+        streams = []
+        for prompt_index, prompt_ids in enumerate(prompts):
+            if not prompt_ids:
+                raise invalid_request("The prompt must contain at least one token.",
+                                      param=prompt_param)
+            try:
+                max_tokens = resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids),
+                                                ctx.max_model_len)
+            except APIError:
+                ctx.metrics.record_rejection("context_length")
+                raise
+            for i in range(n):
+                index = prompt_index * n + i
+                params = build_sampling_params(request, max_tokens=max_tokens, seed_offset=i,
+                                               vocab_size=tokenizer.vocab_size)
+                spec = ChoiceSpec(index=index, prompt_index=prompt_index,
+                                  request_id=f"{request_id}-{index}", prompt_token_ids=prompt_ids,
+                                  params=params, stop=stops)
+                streams.append(ChoiceStream(ctx.engine, tokenizer, ctx.metrics, spec))
+        return Generation(streams, ctx.metrics)
+
+    async def respond(self, raw: Request, generation: Generation, *, stream: bool,
+                      events: Callable[[], AsyncIterator[BaseModel]],
+                      build: Callable[[list[ChoiceResult]], BaseModel]) -> Response:
+        """Stream ``events()`` as SSE, or collect every choice and ``build`` one JSON body.
+        Admission errors (429, 503, ...) come back as HTTP statuses on both paths."""
+        try:
+            if stream:
+                await run_until_disconnected(raw, generation.start())
+                return EventStreamResponse(self._event_stream(generation, events()),
+                                           on_close=generation.close)
+            results = await run_until_disconnected(raw, self._collect(generation))
+            return json_response(build(results))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except RequestFailed as exc:
+            raise request_failed(str(exc)) from None
+
+    async def _collect(self, generation: Generation) -> list[ChoiceResult]:
+        try:
+            await generation.start()
+            return await generation.collect()
+        finally:
+            await generation.close()
+
+    async def _event_stream(self, generation: Generation,
+                            events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield sse_event(event)
+        except Exception as exc:               # mid-stream: an error event, then [DONE]
+            yield sse_event(to_api_error(exc).body())
+        finally:
+            await generation.close()
+        yield DONE
+
+    # ---------------------------------------------------------------- shared formatting
+    def token_text(self, token: TokenLogprob) -> str:
+        return self.ctx.tokenizer.token_text(token.token_id)
+
+    def token_bytes(self, token: TokenLogprob) -> list[int]:
+        return self.ctx.tokenizer.token_bytes(token.token_id)

@@ -1,0 +1,97 @@
+"""CompletionServing: POST /v1/completions (legacy text completions)."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+import anyio
+from fastapi import Request
+from starlette.responses import Response
+
+from server.choice_stream import Logprobs
+from server.errors import invalid_request
+from server.generation import ChoiceResult, Generation
+from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                             CompletionResponse, CompletionStreamResponse)
+from server.sampling import check_token_ids
+from server.serving import OpenAIServing, clamp_logprob
+from server.tokenizer import Tokenizer
+
+
+def prompt_token_ids(prompt, tokenizer: Tokenizer) -> list[list[int]]:
+    """Text, a batch of texts, one token-id list, or a batch of token-id lists."""
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt:
+        raise invalid_request("The prompt must not be empty.", param="prompt")
+    if isinstance(prompt[0], str):
+        return [tokenizer.encode(text) for text in prompt]
+    batch = [prompt] if isinstance(prompt[0], int) else prompt
+    for ids in batch:
+        check_token_ids(ids, tokenizer.vocab_size, "prompt")
+    return [list(ids) for ids in batch]
+
+
+class CompletionServing(OpenAIServing):
+    async def create(self, request: CompletionRequest, raw: Request) -> Response:
+        self.ctx.check_model(request.model)
+        tokenizer = self.ctx.require_ready()
+        prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt, tokenizer)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        generation = self.generation(request, prompts, request_id, "prompt")
+        return await self.respond(
+            raw, generation, stream=bool(request.stream),
+            events=lambda: self._chunks(request, generation, request_id, created),
+            build=lambda results: self._response(request, generation, results, request_id,
+                                                 created))
+
+    def _response(self, request: CompletionRequest, generation: Generation,
+                  results: list[ChoiceResult], request_id: str,
+                  created: int) -> CompletionResponse:
+        choices = [CompletionChoice(index=r.index, text=r.text,
+                                    logprobs=self._logprobs(request, r.logprobs, 0)[0],
+                                    finish_reason=r.finish_reason)
+                   for r in results]
+        return CompletionResponse(id=request_id, created=created,
+                                  model=self.ctx.served_model_name, choices=choices,
+                                  usage=generation.usage())
+
+    async def _chunks(self, request: CompletionRequest, generation: Generation,
+                      request_id: str, created: int) -> AsyncIterator[CompletionStreamResponse]:
+        def chunk(choices, usage=None) -> CompletionStreamResponse:
+            return CompletionStreamResponse(id=request_id, created=created,
+                                            model=self.ctx.served_model_name, choices=choices,
+                                            usage=usage)
+
+        offsets = {s.spec.index: 0 for s in generation.streams}   # text_offset per choice
+        async for delta in generation.deltas():
+            if delta.text or delta.logprobs:
+                logprobs, offsets[delta.index] = self._logprobs(request, delta.logprobs,
+                                                                offsets[delta.index])
+                yield chunk([CompletionChoice(index=delta.index, text=delta.text,
+                                              logprobs=logprobs)])
+            if delta.finish_reason:
+                yield chunk([CompletionChoice(index=delta.index, text="",
+                                              finish_reason=delta.finish_reason)])
+        if request.stream_options and request.stream_options.include_usage:
+            yield chunk([], usage=generation.usage())
+
+    def _logprobs(self, request: CompletionRequest, entries: Logprobs | list,
+                  offset: int) -> tuple[CompletionLogprobs | None, int]:
+        """Legacy shape: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
+        if request.logprobs is None:
+            return None, offset
+        out = CompletionLogprobs()
+        for sampled, top in entries:
+            text = self.token_text(sampled)
+            out.tokens.append(text)
+            out.token_logprobs.append(clamp_logprob(sampled.logprob))
+            alternatives = {self.token_text(t): clamp_logprob(t.logprob)
+                            for t in top[:request.logprobs]}
+            alternatives.setdefault(text, clamp_logprob(sampled.logprob))
+            out.top_logprobs.append(alternatives)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out, offset

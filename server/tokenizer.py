@@ -1,0 +1,133 @@
+"""Tokenizer: a HF tokenizer folder read with `tokenizers` and `jinja2` (no transformers, no torch).
+
+NOTE: `from transformers import AutoTokenizer` imports torch, which the HTTP edge must not do;
+so this reads `tokenizer.json` with `tokenizers.Tokenizer` and renders the chat template (from
+`chat_template.jinja`, or `tokenizer_config.json["chat_template"]`) the way transformers does:
+a sandboxed jinja2 environment with trim_blocks, lstrip_blocks, loop controls, `tojson`,
+`raise_exception` and `strftime_now`.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+class TemplateError(ValueError):
+    """The chat template rejected the conversation (HTTP 400)."""
+
+
+def _raise_exception(message: str):
+    raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=8)
+def _compile_template(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character that stands for each byte, inverted."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+def _token_content(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """Encode, decode and chat-template one model's tokenizer (immutable after load)."""
+
+    def __init__(self, backend: HFTokenizer, *, chat_template: str | None = None,
+                 bos_token: str | None = None, eos_token: str | None = None):
+        self._backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+        self._byte_level = decoder.get("type") == "ByteLevel" or any(
+            d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "Tokenizer":
+        folder = Path(folder)
+        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        template = config.get("chat_template")
+        if (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        elif (folder / "chat_template.json").exists():
+            template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+        if isinstance(template, list):      # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(backend, chat_template=template, bos_token=_token_content(config.get("bos_token")),
+                   eos_token=_token_content(config.get("eos_token")))
+
+    # ------------------------------------------------------------------ text <-> ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (partial UTF-8 sequences show as U+FFFD), special tokens kept."""
+        return self._backend.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The exact UTF-8 bytes of one token (OpenAI logprobs `bytes`)."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is not None and self._byte_level and token_id not in self._added_ids:
+            table = _byte_decoder()
+            if all(ch in table for ch in piece):
+                return [table[ch] for ch in piece]
+        return list(self.token_text(token_id).encode("utf-8"))
+
+    # ------------------------------------------------------------------ chat
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+        """Render a conversation ending with the assistant's generation prompt."""
+        if not self.chat_template:
+            raise TemplateError("This model has no chat template; use /v1/completions.")
+        template = _compile_template(self.chat_template)
+        try:
+            return template.render(messages=messages, add_generation_prompt=True,
+                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateError:
+            raise
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"The chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # NOTE: the template writes the special tokens itself; add none on top.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)

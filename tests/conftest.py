@@ -1,0 +1,29 @@
+"""Shared fixtures: markers, and the bundled SmolLM2 converted once to an HF folder."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# NOTE: the one-time GGUF conversion (~20-30 s) is cached inside the repo (.cache is ignored),
+# so every test session after the first reuses it.
+os.environ.setdefault("STRATA_CACHE_DIR", str(REPO_ROOT / ".cache" / "models"))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CUDA (skipped on CPU-only machines)")
+    config.addinivalue_line("markers", "slow: loads a real model or runs for seconds")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """HF folder of the bundled SmolLM2-135M-Instruct (converted from its GGUF on first use)."""
+    from engine.gguf_convert import bundled_gguf_path, ensure_hf_folder
+
+    try:
+        bundled_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    return ensure_hf_folder("bundled", Path(os.environ["STRATA_CACHE_DIR"]))

@@ -1,0 +1,52 @@
+"""ModelConfig.from_hf over the config shapes transformers 4 and 5 write."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.model_config import ModelConfig
+
+BASE = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, eos_token_id=2, bos_token_id=1)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen2ForCausalLM, Mistral"):
+        ModelConfig.from_hf(dict(BASE, architectures=["GPT2LMHeadModel"]))
+
+
+def test_defaults_head_dim_and_rope():
+    c = ModelConfig.from_hf(BASE)
+    assert c.head_dim == 16 and c.rope_theta == 10000.0 and c.rope_scaling is None
+    assert c.group_size == 2 and not c.tie_word_embeddings and c.sliding_window is None
+
+
+def test_transformers4_rope_scaling_with_type_key():
+    c = ModelConfig.from_hf(dict(BASE, rope_theta=5e5,
+                                 rope_scaling={"type": "linear", "factor": 2.0}))
+    assert c.rope_theta == 5e5 and c.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+
+
+def test_transformers5_rope_parameters_carry_theta():
+    c = ModelConfig.from_hf(dict(BASE, rope_parameters={"rope_type": "default",
+                                                        "rope_theta": 1e5}))
+    assert c.rope_theta == 1e5 and c.rope_scaling is None
+
+
+def test_eos_ids_merge_config_and_generation_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(BASE, eos_token_id=[2, 0])))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 7]}))
+    assert ModelConfig.from_hf(tmp_path).eos_token_ids == (2, 0, 7)
+
+
+def test_qwen2_has_qkv_bias_and_ignores_disabled_sliding_window():
+    c = ModelConfig.from_hf(dict(BASE, architectures=["Qwen2ForCausalLM"], sliding_window=4096,
+                                 use_sliding_window=False))
+    assert c.attention_bias and not c.o_proj_bias and c.sliding_window is None
+
+
+def test_mistral_sliding_window():
+    c = ModelConfig.from_hf(dict(BASE, architectures=["MistralForCausalLM"], sliding_window=4096))
+    assert c.sliding_window == 4096 and not c.attention_bias

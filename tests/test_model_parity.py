@@ -1,0 +1,128 @@
+"""Our paged Llama-family forward equals transformers' on tiny random checkpoints (float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.model_loader import load_model
+from tests.model_helpers import PagedSequence, page_pool, step
+
+PAGE_SIZE = 4
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+CASES = {
+    "llama": ("llama", {}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "llama_rope_llama3": ("llama", {"rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32}}),
+    "llama_rope_linear_tied": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                                         "tie_word_embeddings": True}),
+    "llama_rope_yarn": ("llama", {"rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}),
+    "llama_rope_dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+    "llama_biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "qwen2": ("qwen2", {}),
+    "mistral": ("mistral", {"sliding_window": None}),
+}
+
+
+def _save_tiny(kind: str, extra: dict, folder) -> torch.nn.Module:
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM)
+
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                          "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    kwargs = dict(TINY, **extra)
+    if "rope_scaling" in kwargs:
+        kwargs["rope_parameters"] = dict(kwargs.pop("rope_scaling"), rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**kwargs)).float().eval()
+    with torch.no_grad():   # weights big enough that mistakes show in the logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.15)
+    model.save_pretrained(folder)
+    return model
+
+
+def _prompts(n: int, lengths=(37, 23, 9)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [torch.randint(3, 256, (length,), generator=g).tolist() for length in lengths]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    kind, extra = CASES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = _save_tiny(kind, extra, folder)
+    ours = load_model(folder, dtype=torch.float32)
+    return hf, ours
+
+
+def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def test_single_prefill_matches_hf_logits(pair):
+    hf, ours = pair
+    cache = ours.make_kv_cache(64, PAGE_SIZE)
+    pool = page_pool(64)
+    for i, tokens in enumerate(_prompts(0)):
+        seq = PagedSequence(tokens, pool[i * 12:(i + 1) * 12])
+        (got,) = step(ours, cache, [(seq, len(tokens))])
+        torch.testing.assert_close(got, _hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_and_decode_in_mixed_batches_match_hf_logits(pair):
+    """Three sequences advance together with different chunkings (prefill chunks crossing
+    pages, decode steps of one token) in shared batches; every row equals HF's."""
+    hf, ours = pair
+    cache = ours.make_kv_cache(64, PAGE_SIZE)
+    pool = page_pool(64, seed=3)
+    prompts = _prompts(1)
+    seqs = [PagedSequence(t, pool[i * 12:(i + 1) * 12]) for i, t in enumerate(prompts)]
+    plans = [[7, 1, 12, 5, 1, 1, 1, 2, 7], [1, 1, 9, 3, 1, 1, 1, 1, 5], [9]]
+    for s, plan in zip(seqs, plans):
+        assert sum(plan) == len(s.tokens)
+    for t in range(max(len(p) for p in plans)):
+        work = [(s, p[t]) for s, p in zip(seqs, plans) if t < len(p)]
+        step(ours, cache, work)
+    for s in seqs:
+        torch.testing.assert_close(torch.cat(s.logits), _hf_logits(hf, s.tokens),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_logits_only_for_requested_rows(pair):
+    hf, ours = pair
+    cache = ours.make_kv_cache(16, PAGE_SIZE)
+    tokens = _prompts(2)[0]
+    seq = PagedSequence(tokens, page_pool(16))
+    (last,) = step(ours, cache, [(seq, len(tokens))], all_logits=False)
+    assert last.shape == (1, 256) and last.dtype == torch.float32
+    torch.testing.assert_close(last[0], _hf_logits(hf, tokens)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_mistral_sliding_window_shorter_than_served_length_is_refused(tmp_path):
+    _save_tiny("mistral", {"sliding_window": 16}, tmp_path)
+    with pytest.raises(ValueError, match="sliding-window"):
+        load_model(tmp_path, dtype=torch.float32, max_model_len=64)
+    load_model(tmp_path, dtype=torch.float32, max_model_len=16)   # within the window: fine
+
+
+def test_sharded_checkpoint_loads_through_its_index(tmp_path):
+    hf = _save_tiny("llama", {}, tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ours = load_model(tmp_path / "sharded", dtype=torch.float32)
+    tokens = _prompts(4)[0]
+    (got,) = step(ours, ours.make_kv_cache(16, PAGE_SIZE), [(PagedSequence(tokens,
+                                                                          page_pool(16)),
+                                                           len(tokens))])
+    torch.testing.assert_close(got, _hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)

@@ -1,0 +1,138 @@
+"""Request validation, error shapes and SamplingParams building (pure functions, no server)."""
+from __future__ import annotations
+
+import pytest
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
+from engine.protocol import EngineDeadError, QueueFullError, RequestTooLargeError
+from server.errors import APIError, from_engine_error, one_line, validation_error
+from server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
+                             ChatCompletionStreamChoice, CompletionRequest, DeltaMessage)
+from server.sampling import build_sampling_params, resolve_max_tokens, stop_strings
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+def chat(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest(**{"messages": HELLO, **kw})
+
+
+def error_for(model, body: dict) -> APIError:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    errors = [{**e, "loc": ("body", *e["loc"])} for e in info.value.errors()]
+    return validation_error(RequestValidationError(errors))
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": HELLO, "temperature": 2.5}, "temperature"),
+    ({"messages": HELLO, "temperature": "hot"}, "temperature"),
+    ({"messages": HELLO, "n": 0}, "n"),
+    ({"messages": HELLO, "n": 17}, "n"),
+    ({"messages": HELLO, "top_p": 0.0}, "top_p"),
+    ({"messages": HELLO, "presence_penalty": -3}, "presence_penalty"),
+    ({"messages": HELLO, "stop": ["a"] * 5}, "stop"),
+    ({"messages": HELLO, "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": []}, "messages"),
+    ({}, "messages"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+])
+def test_invalid_chat_values_name_the_param(body, param):
+    error = error_for(ChatCompletionRequest, body)
+    assert (error.status, error.type, error.param) == (400, "invalid_request_error", param)
+    assert error.body()["error"].keys() == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": [-1]}, "prompt"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+])
+def test_invalid_completion_values_name_the_param(body, param):
+    assert error_for(CompletionRequest, body).param == param
+
+
+def test_unknown_fields_are_ignored_and_text_parts_are_joined():
+    request = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                          {"type": "text", "text": "b"}]}],
+                   no_such_field=1)
+    assert request.messages[0].text() == "a\nb"
+
+
+def test_prompts_accept_text_batches_and_token_ids():
+    for prompt in ("x", ["x", "y"], [1, 2], [[1], [2, 3]]):
+        assert CompletionRequest(prompt=prompt).prompt == prompt
+
+
+def test_context_overflow_names_both_numbers():
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(100, prompt_tokens=30, max_model_len=120)
+    error = info.value
+    assert error.code == "context_length_exceeded" and error.status == 400
+    assert "120" in error.message and "130" in error.message
+    assert "30 in the messages" in error.message and "100 in the completion" in error.message
+
+
+def test_prompt_alone_filling_the_context_is_rejected():
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(None, prompt_tokens=120, max_model_len=120)
+    assert info.value.code == "context_length_exceeded" and "120" in info.value.message
+
+
+def test_max_tokens_defaults_to_the_rest_of_the_context():
+    assert resolve_max_tokens(None, prompt_tokens=30, max_model_len=120) == 90
+    assert resolve_max_tokens(90, prompt_tokens=30, max_model_len=120) == 90
+
+
+def test_sampling_params_from_a_chat_request():
+    request = chat(max_tokens=5, max_completion_tokens=7, seed=10, top_k=-1, logprobs=True,
+                   stop="x", stop_token_ids=[3], ignore_eos=True, min_tokens=2)
+    assert request.requested_max_tokens() == 7
+    params = build_sampling_params(request, max_tokens=7, seed_offset=2, vocab_size=100)
+    assert (params.max_tokens, params.seed, params.top_k, params.logprobs) == (7, 12, 0, 0)
+    assert params.temperature == 1.0 and params.top_p == 1.0
+    assert params.stop_token_ids == (3,) and params.ignore_eos and params.min_tokens == 2
+    assert stop_strings(request) == ("x",)
+
+
+def test_logprobs_mapping():
+    assert chat().logprobs_k() is None
+    assert chat(logprobs=True, top_logprobs=4).logprobs_k() == 4
+    assert CompletionRequest(prompt="x", logprobs=2).logprobs_k() == 2
+
+
+def test_min_tokens_above_max_tokens_is_400():
+    with pytest.raises(APIError) as info:
+        build_sampling_params(chat(min_tokens=9), max_tokens=4)
+    assert info.value.param == "min_tokens"
+
+
+def test_out_of_range_stop_token_id_is_400():
+    with pytest.raises(APIError) as info:
+        build_sampling_params(chat(stop_token_ids=[500]), max_tokens=4, vocab_size=100)
+    assert info.value.param == "stop_token_ids"
+
+
+def test_engine_errors_map_to_statuses():
+    full = from_engine_error(QueueFullError("busy", retry_after_s=3))
+    assert full.status == 429 and full.headers["Retry-After"] == "3"
+    assert from_engine_error(EngineDeadError("gone")).status == 503
+    assert from_engine_error(RequestTooLargeError("too big")).status == 400
+
+
+def test_engine_messages_lose_their_tracebacks():
+    assert one_line("EIO on page 7\nTraceback (most recent call last):\n  x") == "EIO on page 7"
+    assert one_line(None) == "unknown error"
+
+
+def test_stream_deltas_carry_only_set_keys():
+    chunk = ChatCompletionChunk(id="c", created=0, model="m", choices=[
+        ChatCompletionStreamChoice(index=0, delta=DeltaMessage())])
+    dumped = chunk.model_dump()
+    assert dumped["choices"][0]["delta"] == {} and dumped["choices"][0]["finish_reason"] is None
+    assert DeltaMessage(role="assistant", content="").model_dump() == {"role": "assistant",
+                                                                       "content": ""}
