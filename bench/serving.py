@@ -26,6 +26,7 @@ from openai import AsyncOpenAI
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 TOPICS = ["the water cycle", "how a compiler works", "the history of the printing press",
           "why the sky is blue", "how vaccines train the immune system", "the rules of chess",
           "photosynthesis", "how bridges carry load", "the causes of inflation", "plate tectonics",

@@ -4,6 +4,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvstore.config import KVStoreConfig
 
 DTYPES = ("bf16", "fp32")
 
@@ -23,6 +27,15 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048    # per-step token budget (chunked prefill)
     max_waiting: int = 256                # queued requests at most (429 beyond)
     kv_device_gb: float = 1.0             # KV pool in device memory (a RAM pool on CPU)
+    kv_host_gb: float = 0.0               # DRAM tier below the device (0: none)
+    kv_disk_gb: float = 0.0               # disk tier, the backing store when set (0: none)
+    kv_disk_path: Path | None = None      # where the disk tier's files go
+    sparse_budget: int = 0                # tokens attended per request/layer/KV head; 0: dense
+    sparse_sink_tokens: int = 16          # first tokens always attended in sparse decode
+    sparse_local_tokens: int = 64         # last tokens always attended in sparse decode
+    dense_layers: int = 2                 # the first layers always run dense
+    selector: str = "quest"               # page selector: quest | mean
+    kv_force_tier: str = "none"           # tests/diagnostics: evict down to host or disk every step
     threads: int = 0                      # torch intra-op threads; 0: all cores
     cache_dir: Path | None = None         # converted-model cache; default STRATA_CACHE_DIR or ~/.cache/strata/models
     device: str = "cpu"
@@ -39,6 +52,21 @@ class EngineArgs:
             raise ValueError("--max-waiting must be >= 0")
         if self.kv_device_gb <= 0:
             raise ValueError("--kv-device-gb must be > 0")
+        self.kv_store_config()          # validates the KV store flags at start-up
+
+    def kv_store_config(self) -> "KVStoreConfig":
+        from kvstore.config import KVStoreConfig
+        gb = 2**30
+        disk_path = self.kv_disk_path
+        if self.kv_disk_gb and disk_path is None:
+            disk_path = self.resolved_cache_dir.parent / "kv"
+        return KVStoreConfig(
+            page_size=self.page_size, device_bytes=int(self.kv_device_gb * gb),
+            host_bytes=int(self.kv_host_gb * gb), disk_bytes=int(self.kv_disk_gb * gb),
+            disk_path=Path(disk_path) if disk_path else None, sparse_budget=self.sparse_budget,
+            sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
+            dense_layers=self.dense_layers, selector=self.selector,
+            max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier)
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -18,6 +18,7 @@ from engine.args import EngineArgs
 from engine.outputs import RequestOutput
 from engine.protocol import (EngineDeadError, EngineNotReadyError, EngineStats, QueueFullError,
                              RequestTooLargeError)
+from kvstore.store import KVFull
 from scheduler.errors import QueueFull
 from scheduler.sampling_params import SamplingParams
 
@@ -89,21 +90,23 @@ class AsyncEngine:
         return EngineStats(
             num_running=e.scheduler.num_running,
             num_waiting=e.scheduler.num_waiting + len(self._new),
-            kv_pages_used=e.allocator.num_used_pages,
-            kv_pages_total=e.allocator.num_pages,
-            kv_page_bytes=e.runner.kv_cache.page_bytes,
+            kv_pages_used=e.store.num_used_pages,
+            kv_pages_total=e.store.num_pages,
+            kv_page_bytes=e.store.page_shape.nbytes * e.store.num_layers,
+            kv_tiers=e.store.tier_usage(),
+            kv=e.store.stats.snapshot(),
         )
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         e = self.engine
-        capacity = e.allocator.num_pages * self.args.page_size
+        capacity = e.store.capacity_tokens()
         need = len(prompt_token_ids) + params.max_tokens
         if need > capacity:
             raise RequestTooLargeError(
-                f"request needs KV for {need} tokens but the KV cache holds {capacity}; "
-                f"raise --kv-device-gb or lower max_tokens")
+                f"request needs KV for {need} tokens but the KV store holds {capacity}; "
+                f"raise --kv-{e.store.cfg.backing}-gb or lower max_tokens")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -158,7 +161,7 @@ class AsyncEngine:
         for rid, prompt, params in new:
             try:
                 e.add_request(rid, prompt, params)
-            except QueueFull as exc:
+            except (QueueFull, KVFull) as exc:
                 self._deliver(rid, QueueFullError(str(exc)))
             except ValueError as exc:
                 self._deliver(rid, RequestTooLargeError(str(exc)))

@@ -1,9 +1,9 @@
 """The Llama-family forward (Llama, SmolLM2, Qwen2, Mistral) over a paged KV cache.
 
 One step runs T tokens of B sequences, flattened: every projection sees all T tokens at once
-([T, hidden]); only attention knows about sequences, through the AttentionBatch. Each layer
-writes its new K/V to the cache (batch.slot_mapping) before attending, so a sequence's queries
-see its cached tokens and this step's tokens alike. Weights are fused at load: q/k/v into one
+([T, hidden]); only attention knows about sequences, through the step's KV access object
+(`kv.attend`), which writes the new K/V before attending, so a sequence's queries see its
+cached tokens and this step's tokens alike. Weights are fused at load: q/k/v into one
 `qkv_proj`, gate/up into one `gate_up_proj`.
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
-from kernels.attention import AttentionBatch, make_attention_backend
 from kvstore.kv_cache import KVCache
 
 
@@ -59,8 +58,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = _param(h, cfg.intermediate_size, **p)
         self.down_bias = _param(h, **p) if cfg.mlp_bias else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn,
-                batch: AttentionBatch, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; rope = (cos, sin) [T, 1, head_dim] of the step."""
         t = x.shape[0]
         qkv = F.linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias)  # [T, q+2kv]
@@ -69,8 +67,7 @@ class DecoderLayer(nn.Module):
         q = RotaryEmbedding.apply(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = RotaryEmbedding.apply(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        kv_cache.write(self.index, batch.slot_mapping, k, v)
-        o = attn.forward(q, kv_cache.layer(self.index), batch, self.scale)    # [T, H, D]
+        o = kv.attend(self.index, q, k, v, self.scale)                       # [T, H, D]
         x = x + F.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
         gate_up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj, self.gate_up_bias)
         gate, up = gate_up.chunk(2, dim=-1)
@@ -81,8 +78,7 @@ class LlamaForCausalLM(nn.Module):
     """Our Llama-family model. Build with `engine.model_loader.load_model`."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", max_model_len: int | None = None,
-                 attn_backend=None):
+                 device: torch.device | str = "cpu", max_model_len: int | None = None):
         super().__init__()
         max_len = max_model_len or config.max_position_embeddings
         if config.sliding_window is not None and config.sliding_window < max_len:
@@ -102,20 +98,18 @@ class LlamaForCausalLM(nn.Module):
                         else _param(config.vocab_size, config.hidden_size, **p))
         self.rope = RotaryEmbedding(config.head_dim, max_len, config.rope_theta,
                                     config.rope_scaling, config.max_position_embeddings).to(device)
-        self.attn = attn_backend if attn_backend is not None else make_attention_backend(device)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv_cache: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,
+                logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids [T] int64, positions [T] int64 -> logits [S, vocab] float32 for the rows
-        `logits_indices` [S] int64 (the last token of each sequence that samples)."""
-        cfg = self.config
-        self.attn.plan(batch, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                       self.dtype, kv_cache.dtype, cfg.head_dim ** -0.5)
+        `logits_indices` [S] int64 (the last token of each sequence that samples).
+        kv: the step's KV access (`attend(layer, q, k, v, scale) -> o`): writes this step's
+        K/V and attends (kvstore.step.StepKV, or kvstore.kv_cache.DenseStep)."""
         x = F.embedding(input_ids, self.embed_tokens)                        # [T, hidden]
         rope = self.rope.cos_sin(positions, self.dtype)                      # [T, 1, head_dim]
         for layer in self.layers:
-            x = layer(x, rope, self.attn, batch, kv_cache)
+            x = layer(x, rope, kv)
         x = self.norm(x[logits_indices])                                     # [S, hidden]
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(x, head).float()

@@ -8,7 +8,7 @@ from engine.gguf_convert import ensure_hf_folder
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
-from kvstore.page_allocator import PageAllocator
+from kvstore.store import RequestKVError
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -25,11 +25,12 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions")
-        self.runner = ModelRunner(self.model_folder, cfg, args.dtype, args.page_size,
-                                  int(args.kv_device_gb * 2**30), self.max_model_len,
-                                  device=args.device)
+        self.runner = ModelRunner(self.model_folder, cfg, args.dtype, args.kv_store_config(),
+                                  self.max_model_len, device=args.device)
         self.eos_token_ids = tuple(cfg.eos_token_ids)
-        self.allocator = PageAllocator(self.runner.num_pages, args.page_size)
+        self.store = self.runner.store
+        # NOTE: the scheduler allocates through the store, so freed pages leave every tier
+        self.allocator = self.store
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -45,7 +46,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull or ValueError (can never fit)."""
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
-        self.scheduler.add_request(req)
+        total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        self.store.add_request(request_id, total)       # KVFull / KVNeverFits
+        try:
+            self.scheduler.add_request(req)
+        except Exception:
+            self.store.release(request_id)
+            raise
         self._emitted[request_id] = 0
         self._pending_logprobs[request_id] = []
 
@@ -65,28 +72,35 @@ class LLMEngine:
             return []
         requests = {r.request_id: self.scheduler.get_request(r.request_id) for r in batch.requests}
         try:
-            sampled = self.runner.execute(batch, requests)
+            sampled, write_failures = self.runner.execute(batch, requests)
+        except RequestKVError as exc:
+            # pages of these requests were lost: they end with an error; the others were not
+            # advanced and simply run this step again
+            logger.error("KV lost for %s: %s", exc.request_ids, exc)
+            return [o for rid in exc.request_ids if (o := self._fail(rid, str(exc))) is not None]
         except Exception as exc:  # noqa: BLE001 - one bad step fails its requests, not the server
             logger.exception("step failed; failing its %d requests", len(batch.requests))
-            outs = []
-            for r in batch.requests:
-                req = self.scheduler.finish_with_error(r.request_id, f"internal error: {exc}")
-                if req is not None:
-                    outs.append(self._finish(req, error=f"internal error: {exc}"))
-            return outs
+            return [o for r in batch.requests
+                    if (o := self._fail(r.request_id, f"internal error: {exc}")) is not None]
         for rid, tok in sampled.items():
             if tok.logprobs is not None:
                 self._pending_logprobs[rid].append(tok.logprobs)
         finished = {r.request_id for r in
                     self.scheduler.update(batch, {rid: t.token_id for rid, t in sampled.items()})}
         outputs = []
+        failed = dict(write_failures)
         for rid in sampled:
             req = requests[rid]
             if rid in finished:
                 outputs.append(self._finish(req))
-            else:
+            elif rid not in failed:
                 outputs.append(self._output(req, finished=False))
+        outputs += [o for rid, msg in failed.items() if (o := self._fail(rid, msg)) is not None]
         return outputs
+
+    def _fail(self, request_id: str, message: str) -> RequestOutput | None:
+        req = self.scheduler.finish_with_error(request_id, message)
+        return None if req is None else self._finish(req, error=message)
 
     def _output(self, req: Request, finished: bool, error: str | None = None) -> RequestOutput:
         rid = req.request_id

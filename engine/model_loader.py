@@ -43,19 +43,17 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(path: str | Path, config: ModelConfig | None = None,
                dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-               max_model_len: int | None = None, attn_backend=None) -> LlamaForCausalLM:
+               max_model_len: int | None = None) -> LlamaForCausalLM:
     """Our model with the weights of the HF folder `path`, in `dtype` on `device`, in eval mode.
 
     config: ModelConfig.from_hf(path) when not given.
     max_model_len: longest sequence to serve (default: the config's max_position_embeddings);
     it sizes the RoPE tables and is checked against a sliding window.
-    attn_backend: default make_attention_backend(device) (FlashInfer on CUDA when installed).
     """
     t0 = time.monotonic()
     folder = Path(path)
     config = config or ModelConfig.from_hf(folder)
-    model = LlamaForCausalLM(config, dtype=dtype, device=device, max_model_len=max_model_len,
-                             attn_backend=attn_backend)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, max_model_len=max_model_len)
     model.load_weights(iter_safetensors(folder))
     model.eval()
     logger.info("loaded %s (%s, %d layers, %s) in %.2f s", folder.name, config.architecture,

@@ -15,9 +15,9 @@ from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, make_generator
-from kernels.attention import AttentionBatch, make_attention_backend
-from kernels.page_table import build_page_table
-from kvstore.kv_cache import KVCache
+from kvstore.config import KVStoreConfig
+from kvstore.step import SeqKV
+from kvstore.store import TieredKVStore
 from scheduler.batch import ScheduledBatch
 from scheduler.request import Request
 
@@ -33,65 +33,55 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, folder: Path, config: ModelConfig, dtype: str, page_size: int,
-                 kv_budget_bytes: int, max_model_len: int, device: str = "cpu"):
+    def __init__(self, folder: Path, config: ModelConfig, dtype: str, kv: KVStoreConfig,
+                 max_model_len: int, device: str = "cpu"):
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.config = config
-        self.attention = make_attention_backend(self.device)
         self.model = load_model(folder, config, dtype=self.dtype, device=self.device,
-                                max_model_len=max_model_len, attn_backend=self.attention)
-        c = self.config
-        num_pages = KVCache.num_pages_for_budget(kv_budget_bytes, c.num_hidden_layers, page_size,
-                                                 c.num_key_value_heads, c.head_dim, self.dtype)
-        if num_pages < 1:
-            raise ValueError(f"--kv-device-gb {kv_budget_bytes / 2**30:.3f} holds no KV page "
-                             f"of {page_size} tokens for this model; raise it")
-        self.kv_cache = KVCache(c.num_hidden_layers, num_pages, page_size, c.num_key_value_heads,
-                                c.head_dim, self.dtype, device=self.device)
-        self.page_size = page_size
+                                max_model_len=max_model_len)
+        self.store = TieredKVStore(kv, config.num_hidden_layers, config.num_key_value_heads,
+                                   config.head_dim, self.dtype, self.device)
+        self.page_size = kv.page_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
-        logger.info("KV cache: %d pages of %d tokens (%.1f MiB)", num_pages, page_size,
-                    num_pages * self.kv_cache.page_bytes / 2**20)
-
-    @property
-    def num_pages(self) -> int:
-        return self.kv_cache.num_pages
 
     def release(self, request_id: str) -> None:
+        """The request ended: its generator and its KV in every tier go."""
         self._generators.pop(request_id, None)
+        self.store.release(request_id)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, requests: dict[str, Request]) -> dict[str, SampledToken]:
-        """Run one step. Returns the sampled token of every request whose chunk ends its known tokens."""
+    def execute(self, batch: ScheduledBatch, requests: dict[str, Request]
+                ) -> tuple[dict[str, SampledToken], list[tuple[str, str]]]:
+        """Run one step. Returns the sampled token of every request whose chunk ends its known
+        tokens, and (request_id, error) for requests whose KV write to the backing store failed.
+        Raises kvstore.store.RequestKVError when pages of some requests were lost."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        qo_indptr = [0]
-        kv_lens: list[int] = []
         logits_rows: list[int] = []
-        ps = self.page_size
+        seqs: list[SeqKV] = []
+        prefilled: list[str] = []
         for r in batch.requests:
             n = len(r.token_ids)
             input_ids.extend(r.token_ids)
-            pos = range(r.start_pos, r.start_pos + n)
-            positions.extend(pos)
-            slots.extend(r.page_ids[p // ps] * ps + p % ps for p in pos)
-            qo_indptr.append(qo_indptr[-1] + n)
-            kv_lens.append(r.start_pos + n)
+            positions.extend(range(r.start_pos, r.start_pos + n))
+            seqs.append(SeqKV(r.request_id, r.page_ids, r.start_pos, n))
             if r.sample:
-                logits_rows.append(qo_indptr[-1] - 1)
+                logits_rows.append(len(input_ids) - 1)
+            prompt_len = requests[r.request_id].num_prompt_tokens
+            if r.start_pos < prompt_len <= r.start_pos + n:
+                prefilled.append(r.request_id)
         dev = self.device
-        attn = AttentionBatch(
-            qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32, device=dev),
-            page_table=build_page_table([r.page_ids for r in batch.requests], kv_lens, ps, dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-        )
+        step = self.store.begin_step(seqs)
         logits = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, dtype=torch.int64, device=dev),
-                            attn, self.kv_cache,
+                            torch.tensor(positions, dtype=torch.int64, device=dev), step,
                             torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+        write_failures = self.store.end_step(step, prefilled)
+        return self._sample(batch, requests, logits), write_failures
+
+    def _sample(self, batch: ScheduledBatch, requests: dict[str, Request],
+                logits: torch.Tensor) -> dict[str, SampledToken]:
         sampled_reqs = [requests[r.request_id] for r in batch.requests if r.sample]
         if not sampled_reqs:
             return {}

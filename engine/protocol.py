@@ -1,7 +1,7 @@
 """EngineClient: the only door between the HTTP server and the engine (token ids and dataclasses)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol
 
 from engine.outputs import RequestOutput
@@ -39,6 +39,8 @@ class EngineStats:
     kv_pages_used: int
     kv_pages_total: int
     kv_page_bytes: int          # bytes of one page over all layers (K and V)
+    kv_tiers: dict = field(default_factory=dict)   # tier -> (used bytes, capacity bytes)
+    kv: object | None = None    # kvstore.stats.KVStatsSnapshot: transfers, lookups, hits, ...
 
 
 class EngineClient(Protocol):

@@ -55,3 +55,43 @@ def build_page_table(page_ids: Sequence[Sequence[int]], kv_lens: Sequence[int], 
         last.append(0 if n == 0 else n - (need - 1) * page_size)
     as_t = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
     return PageTable(as_t(indptr), as_t(indices), as_t(last), page_size)
+
+
+def build_head_page_table(indptr: torch.Tensor, page_indices: torch.Tensor,
+                          slot_table: torch.Tensor, kv_lens: torch.Tensor | Sequence[int],
+                          page_size: int) -> PageTable:
+    """Page table with one row per (sequence, KV head), for sparse decode (vectorised).
+
+    indptr       [R + 1] int: R = B * KVH rows, row r = b * KVH + h belongs to sequence b
+    page_indices [nnz] int:   per row, ascending positions in the sequence's page list
+    slot_table   [B, max_pages] int: cache slot of each page of each sequence
+    kv_lens      [B]: tokens of each sequence
+    Row r lists slot_table[b, page_indices of r]. Its last_page_len is the sequence's own
+    last_page_len when the row ends with the sequence's last (possibly partial) page, and
+    page_size otherwise: every page but the sequence's last is full. An empty row gets 0.
+    """
+    dev = slot_table.device
+    b_size = slot_table.shape[0]
+    indptr = indptr.to(dev, torch.int64)
+    page_indices = page_indices.to(dev, torch.int64)
+    rows = indptr.shape[0] - 1
+    if b_size == 0 or rows % b_size:
+        raise ValueError(f"{rows} rows is not a multiple of {b_size} sequences")
+    kvh = rows // b_size
+    kv_lens = torch.as_tensor(kv_lens, dtype=torch.int64, device=dev)
+    n_pages = (kv_lens + page_size - 1) // page_size                # [B]
+    counts = indptr[1:] - indptr[:-1]                               # [R]
+    seq_of_entry = torch.repeat_interleave(
+        torch.arange(rows, device=dev) // kvh, counts, output_size=page_indices.shape[0])
+    if page_indices.numel() and bool((page_indices >= n_pages[seq_of_entry]).any()):
+        raise ValueError("a page index is past its sequence's last page")
+    slots = slot_table[seq_of_entry, page_indices]
+    seq_of_row = torch.arange(rows, device=dev) // kvh
+    last_idx = page_indices[(indptr[1:] - 1).clamp(min=0)] if page_indices.numel() \
+        else torch.zeros(rows, dtype=torch.int64, device=dev)
+    seq_last = kv_lens - (n_pages - 1) * page_size                  # [B], 1..page_size
+    ends_seq = last_idx == n_pages[seq_of_row] - 1
+    last = torch.where(ends_seq, seq_last[seq_of_row], page_size)
+    last = torch.where(counts > 0, last, 0)
+    as_i32 = lambda x: x.to(torch.int32)  # noqa: E731
+    return PageTable(as_i32(indptr), as_i32(slots), as_i32(last), page_size)

@@ -10,6 +10,22 @@ from __future__ import annotations
 import torch
 
 
+class DenseStep:
+    """One step over a KVCache: every sequence attends to all of its pages (dense, in memory).
+    The model calls `attend` once per layer (the same seam as kvstore.step.StepKV)."""
+
+    def __init__(self, cache: "KVCache", batch, backend, num_heads: int, q_dtype: torch.dtype):
+        self.cache, self.batch, self.backend = cache, batch, backend
+        backend.plan(batch, num_heads, cache.num_kv_heads, cache.head_dim, q_dtype, cache.dtype,
+                     cache.head_dim ** -0.5)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; writes k/v at batch.slot_mapping first."""
+        self.cache.write(layer, self.batch.slot_mapping, k, v)
+        return self.backend.forward(q, self.cache.layer(layer), self.batch, scale)
+
+
 class KVCache:
     """Preallocated, pre-touched paged K/V storage for every layer.
 

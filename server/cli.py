@@ -46,7 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens per engine step at most")
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="waiting requests at most; more get HTTP 429")
-    serve.add_argument("--kv-device-gb", type=float, default=1.0, help="device KV tier size")
+    serve.add_argument("--kv-device-gb", type=float, default=1.0,
+                       help="device KV tier (GPU memory; a preallocated RAM pool on CPU)")
+    serve.add_argument("--kv-host-gb", type=float, default=0.0, help="host DRAM KV tier (0: none)")
+    serve.add_argument("--kv-disk-gb", type=float, default=0.0,
+                       help="disk KV tier, the backing store when set (0: none)")
+    serve.add_argument("--kv-disk-path", default=None,
+                       help="folder for the disk tier's files (default: beside the model cache)")
+    serve.add_argument("--sparse-budget", type=int, default=0,
+                       help="KV tokens attended per request, layer and KV head in decode "
+                            "(0: dense attention)")
+    serve.add_argument("--sparse-sink-tokens", type=int, default=16,
+                       help="first tokens always attended in sparse decode")
+    serve.add_argument("--sparse-local-tokens", type=int, default=64,
+                       help="most recent tokens always attended in sparse decode")
+    serve.add_argument("--dense-layers", type=int, default=2,
+                       help="the first layers always attend densely")
+    serve.add_argument("--selector", choices=("quest", "mean"), default="quest",
+                       help="page scoring: Quest's min/max bound or the mean key")
+    serve.add_argument("--kv-force-tier", choices=("none", "host", "disk"), default="none",
+                       help="diagnostics: evict pages down to this tier after every step")
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on /v1 (env STRATA_API_KEY)")
     serve.add_argument("--log-level", default="info",
@@ -85,6 +104,12 @@ def engine_args(args: argparse.Namespace, served_model_name: str):
               "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens,
               "max_waiting": args.max_waiting, "kv_device_gb": args.kv_device_gb,
+              "kv_host_gb": args.kv_host_gb, "kv_disk_gb": args.kv_disk_gb,
+              "kv_disk_path": args.kv_disk_path, "sparse_budget": args.sparse_budget,
+              "sparse_sink_tokens": args.sparse_sink_tokens,
+              "sparse_local_tokens": args.sparse_local_tokens,
+              "dense_layers": args.dense_layers, "selector": args.selector,
+              "kv_force_tier": args.kv_force_tier,
               "threads": args.threads, "cache_dir": args.cache_dir}
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     return EngineArgs(**{k: v for k, v in values.items() if k in known and v is not None})

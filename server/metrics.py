@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engine.protocol import EngineClient
+from server.kv_metrics import kv_families
 
 logger = logging.getLogger(__name__)
 
@@ -46,14 +47,7 @@ class EngineStatsCollector(Collector):
                                 value=stats.num_running)
         yield GaugeMetricFamily("strata_requests_waiting", "Requests waiting for admission.",
                                 value=stats.num_waiting)
-        used = GaugeMetricFamily("strata_kv_tier_used_bytes", "KV bytes in use per tier.",
-                                 labels=["tier"])
-        used.add_metric(["device"], stats.kv_pages_used * stats.kv_page_bytes)
-        yield used
-        capacity = GaugeMetricFamily("strata_kv_tier_capacity_bytes", "KV bytes per tier.",
-                                     labels=["tier"])
-        capacity.add_metric(["device"], stats.kv_pages_total * stats.kv_page_bytes)
-        yield capacity
+        yield from kv_families(stats)
 
 
 class ServerMetrics:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.attention import AttentionBatch
+from kernels.attention import AttentionBatch, TorchPagedAttention
+from kvstore.kv_cache import DenseStep
 
 
 @dataclass
@@ -39,7 +40,9 @@ def step(model, cache, work: list[tuple[PagedSequence, int]], all_logits: bool =
         first = len(ids) - n
         rows += range(first, first + n) if all_logits else [first + n - 1]
     batch = AttentionBatch.build(pages, kv_lens, q_lens, cache.page_size)
-    logits = model(torch.tensor(ids), torch.tensor(pos), batch, cache, torch.tensor(rows))
+    kv = DenseStep(cache, batch, TorchPagedAttention(), model.config.num_attention_heads,
+                   model.dtype)
+    logits = model(torch.tensor(ids), torch.tensor(pos), kv, torch.tensor(rows))
     out, at = [], 0
     for seq, n in work:
         k = n if all_logits else 1

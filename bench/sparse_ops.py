@@ -1,0 +1,152 @@
+"""Per-decode-step cost of the sparse-decode leaf ops against dense paged attention (CPU).
+
+    python -m bench.sparse_ops --threads 1 --batch 8 --context 7000 --budget 1024
+
+SmolLM2 shapes by default (30 layers, 9 heads / 3 KV heads, head_dim 64, page 16, bf16 KV).
+Per layer: summary update at append time (decode: one token per sequence), Quest scoring +
+top-k selection + the per-head page table, sparse attention over the selection, and dense
+TorchPagedAttention over every page; each times `layers` for the step. Random K/V and queries
+(selection quality is the accuracy bench's job); `--resident` distinct layers are cycled so the
+KV does not sit in the CPU caches.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kernels.attention import AttentionBatch, TorchPagedAttention
+from kernels.page_select import make_selector, select_pages
+from kernels.page_summary import summarize_pages, update_summaries
+from kernels.page_table import build_head_page_table
+from kernels.sparse_attention import TorchSparseDecode
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=7000)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--budget", type=int, default=1024, help="tokens per sequence and layer")
+    ap.add_argument("--sink-pages", type=int, default=1)
+    ap.add_argument("--local-pages", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16", help="KV dtype")
+    ap.add_argument("--summary-dtype", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--resident", type=int, default=3, help="distinct layers cycled")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    b, ps, kvh, d = args.batch, args.page_size, args.kv_heads, args.head_dim
+    group = args.heads // kvh
+    n_pages = -(-args.context // ps)
+    budget_pages = args.budget // ps
+    scale = d ** -0.5
+
+    # KV pools of `resident` layers, each sequence's pages on shuffled slots
+    slots_total = b * n_pages
+    perm = torch.randperm(slots_total)
+    slot_table = perm.view(b, n_pages)
+    pools = [torch.randn(slots_total, 2, ps, kvh, d).to(dtype) for _ in range(args.resident)]
+    q = torch.randn(b, args.heads, d).to(dtype)
+    kv_lens = [args.context] * b
+    cyc = {"i": 0}
+
+    def pool() -> torch.Tensor:
+        cyc["i"] = (cyc["i"] + 1) % args.resident
+        return pools[cyc["i"]]
+
+    rows = []
+
+    def report(name: str, ms: float, per: str = "layer") -> None:
+        step = ms * args.layers if per == "layer" else ms
+        rows.append((name, ms if per == "layer" else ms / args.layers, step))
+
+    # 1. summaries at append time: the decode token of every sequence, into its last page
+    last = args.context - 1
+    for sdt_name in args.summary_dtype:
+        sdt = getattr(torch, sdt_name)
+        per_req = [summarize_pages(pools[0][slot_table[i], 0],
+                                   [ps] * (n_pages - 1) + [args.context - (n_pages - 1) * ps], sdt)
+                   for i in range(b)]
+        pooled = torch.cat(per_req)                                 # one tensor for all requests
+        k_new = torch.randn(b, kvh, d).to(dtype)
+        page_rows = torch.arange(b) * n_pages + last // ps
+        offs = torch.full((b,), last % ps)
+        report(f"summary update, one call for the batch ({sdt_name})",
+               _median_ms(lambda: update_summaries(pooled, page_rows, offs, k_new), 50))
+
+        def per_request():
+            for i in range(b):
+                update_summaries(per_req[i], page_rows[i:i + 1] - i * n_pages, offs[i:i + 1],
+                                 k_new[i:i + 1])
+        report(f"summary update, one call per request ({sdt_name})", _median_ms(per_request, 50))
+
+        chunk = torch.randn(2048, kvh, d).to(dtype)
+        pos = torch.arange(2048)
+        report(f"  (prefill chunk 2048 tokens, per layer; {sdt_name})",
+               _median_ms(lambda: update_summaries(per_req[0], pos // ps, pos % ps, chunk), 10))
+
+        # 2. scoring + selection + per-head page table
+        for sel_name in ("quest", "mean"):
+            selector = make_selector(sel_name)
+            num_pages = torch.full((b,), n_pages)
+            report(f"{sel_name} scores ({sdt_name} summaries)",
+                   _median_ms(lambda: selector.score(q, per_req, num_pages, group), args.repeats))
+        scores = make_selector("quest").score(q, per_req, num_pages, group)
+        report("select_pages (top-k, sink, local, union)",
+               _median_ms(lambda: select_pages(scores, num_pages, budget_pages,
+                                               args.sink_pages, args.local_pages), args.repeats))
+    sel = select_pages(scores, num_pages, budget_pages, args.sink_pages, args.local_pages)
+    report("build_head_page_table",
+           _median_ms(lambda: build_head_page_table(sel.indptr, sel.page_indices, slot_table,
+                                                    kv_lens, ps), args.repeats))
+    table = build_head_page_table(sel.indptr, sel.page_indices, slot_table, kv_lens, ps)
+
+    # 3. sparse attention over the selection (planned per layer: each layer selects its own)
+    sparse = TorchSparseDecode()
+
+    def sparse_step():
+        sparse.plan(table, pools[0].shape)
+        sparse.forward(q, pool(), table, group, scale)
+    report(f"sparse attention, plan + forward ({budget_pages} pages per head)",
+           _median_ms(sparse_step, args.repeats))
+
+    # 4. dense paged attention over every page (planned once per step)
+    dense = TorchPagedAttention()
+    batch = AttentionBatch.build(slot_table.tolist(), kv_lens, [1] * b, ps)
+    report("dense plan (once per step)", _median_ms(lambda: dense.plan(batch), args.repeats),
+           per="step")
+    dense.plan(batch)
+    report(f"dense attention forward ({n_pages} pages)",
+           _median_ms(lambda: dense.forward(q, pool(), batch, scale), max(3, args.repeats // 3)))
+
+    print(f"threads={args.threads} batch={b} context={args.context} pages/seq={n_pages} "
+          f"page={ps} heads={args.heads}/{kvh} hd={d} kv={args.dtype} budget={budget_pages} "
+          f"pages (sink {args.sink_pages}, local {args.local_pages}) layers={args.layers}")
+    width = max(len(r[0]) for r in rows)
+    print(f"{'op':<{width}}  {'ms/layer':>9}  {'ms/step':>9}")
+    for name, per_layer, step in rows:
+        print(f"{name:<{width}}  {per_layer:9.3f}  {step:9.2f}")
+
+
+if __name__ == "__main__":
+    main()

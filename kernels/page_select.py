@@ -1,0 +1,190 @@
+"""Query-aware page selection for sparse decode: score pages from their summaries, keep the top.
+
+Quest's two ops, batched: estimate (page scores from page summaries, see kernels.page_summary)
+then top-k with sink pages and a local window always kept. Scores are per (sequence, KV head):
+the query heads of a GQA group share one page list, because they share the KV head's pages.
+
+Shapes:
+  q          [B, H, D]          one decode query per sequence; H = KVH * group, query head h
+                                reads KV head h // group
+  summaries  B tensors [>= num_pages[b], KVH, 3, D] (a padded [B, P, KVH, 3, D] also works)
+  num_pages  [B]                pages of each sequence (its last page may be partial)
+  scores     [B, KVH, P_max]    float32, -inf beyond num_pages[b]
+
+Leaf module: imports only torch and kernels.*.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from kernels.page_summary import SUMMARY_MAX, SUMMARY_MEAN, SUMMARY_MIN
+
+_SELECTOR_NAMES = ("quest", "mean")
+
+
+def _as_counts(num_pages: torch.Tensor | Sequence[int]) -> list[int]:
+    return num_pages.tolist() if isinstance(num_pages, torch.Tensor) else list(num_pages)
+
+
+def _grouped_scores(qf: torch.Tensor, summaries: Sequence[torch.Tensor], counts: list[int],
+                    rows: slice) -> torch.Tensor:
+    """max over each GQA group of qf . summary rows, per page.
+
+    qf [B, KVH, group, F] float32, where F = D * (rows' length): qf[..., i * D:(i + 1) * D]
+    multiplies summary row rows.start + i. Returns [B, KVH, P_max], -inf past each count.
+    """
+    b_size, kvh = qf.shape[:2]
+    out = torch.full((b_size, kvh, max(counts, default=0)), -float("inf"),
+                     dtype=torch.float32, device=qf.device)
+    for b, n in enumerate(counts):
+        if n == 0:
+            continue
+        s = summaries[b][:n, :, rows].reshape(n, kvh, -1)           # [n, KVH, F] (a view)
+        if s.dtype != torch.float32:
+            s = s.float()
+        # NOTE: B as a transposed view is what BLAS wants here (no copy): measured faster than
+        # the padded-batch bmm (which copies every summary) and than per-head mm.
+        torch.amax(torch.bmm(qf[b], s.permute(1, 2, 0)), dim=1, out=out[b, :, :n])
+    return out
+
+
+def quest_scores(q: torch.Tensor, summaries: Sequence[torch.Tensor],
+                 num_pages: torch.Tensor | Sequence[int], group: int) -> torch.Tensor:
+    """Quest's upper bound of q . k over each page, per (sequence, KV head): [B, KVH, P_max].
+
+    Per query head: sum_d max(q_d * max_d, q_d * min_d), computed as q+ . max + q- . min (one
+    matmul; equal because q_d * max_d >= q_d * min_d exactly when q_d >= 0). The heads of a GQA
+    group are combined by their max: the result then bounds the largest logit any head of the
+    group can see in the page, so a page that is critical for a single head (a retrieval head
+    finding the needle) survives. A sum would rank pages by an unnormalised blend of the heads'
+    bounds, where heads with large query norms drown the others.
+    """
+    b_size, h, d = q.shape
+    qf = q.float().view(b_size, h // group, group, d)
+    qq = torch.cat([qf.clamp(max=0), qf.clamp(min=0)], dim=-1)     # pairs with [min, max]
+    return _grouped_scores(qq, summaries, _as_counts(num_pages),
+                           slice(SUMMARY_MIN, SUMMARY_MAX + 1))
+
+
+def mean_scores(q: torch.Tensor, summaries: Sequence[torch.Tensor],
+                num_pages: torch.Tensor | Sequence[int], group: int) -> torch.Tensor:
+    """q . (mean key of the page), max over each GQA group (as quest_scores): [B, KVH, P_max].
+
+    Half the summary bytes of Quest's bound and no sign split, but not a bound: a page with one
+    outstanding key among ordinary ones can rank low.
+    """
+    b_size, h, d = q.shape
+    qf = q.float().view(b_size, h // group, group, d)
+    return _grouped_scores(qf, summaries, _as_counts(num_pages),
+                           slice(SUMMARY_MEAN, SUMMARY_MEAN + 1))
+
+
+class Selector(Protocol):
+    """Scores the pages of each (sequence, KV head) from the page summaries.
+
+    `score(q [B, H, D], summaries (B x [>= num_pages[b], KVH, 3, D]), num_pages [B], group)`
+    -> [B, KVH, P_max] float32, higher = keep first, -inf past num_pages[b]. select_pages turns
+    scores into page lists, so a selector only decides the ranking.
+    """
+
+    name: str
+
+    def score(self, q: torch.Tensor, summaries: Sequence[torch.Tensor],
+              num_pages: torch.Tensor | Sequence[int], group: int) -> torch.Tensor: ...
+
+
+class QuestSelector:
+    """Quest's min/max bound (the default)."""
+
+    name = "quest"
+
+    def score(self, q, summaries, num_pages, group):
+        return quest_scores(q, summaries, num_pages, group)
+
+
+class MeanKeySelector:
+    """Dot product with each page's mean key (chunk mean keys)."""
+
+    name = "mean"
+
+    def score(self, q, summaries, num_pages, group):
+        return mean_scores(q, summaries, num_pages, group)
+
+
+def make_selector(name: str) -> Selector:
+    """The selector called `name`, chosen once at start-up."""
+    if name == "quest":
+        return QuestSelector()
+    if name == "mean":
+        return MeanKeySelector()
+    raise ValueError(f"--selector must be one of {', '.join(_SELECTOR_NAMES)} (got {name!r})")
+
+
+@dataclass(frozen=True)
+class SelectedPages:
+    """Ragged page lists, one row per (sequence, KV head): row r = b * num_kv_heads + h.
+
+    Page numbers index the sequence's own page list (0 = its first page), not cache slots.
+    """
+    indptr: torch.Tensor          # [B * KVH + 1] int64: row r is page_indices[indptr[r]:indptr[r+1]]
+    page_indices: torch.Tensor    # [nnz] int64, ascending within each row
+    union_indptr: torch.Tensor    # [B + 1] int64
+    union_indices: torch.Tensor   # [nnz_union] int64: pages any head of b selected, ascending;
+    #                               the pages to fetch (a page holds every KV head)
+    num_kv_heads: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.union_indptr.shape[0] - 1
+
+    def row(self, b: int, h: int) -> torch.Tensor:
+        r = b * self.num_kv_heads + h
+        return self.page_indices[int(self.indptr[r]):int(self.indptr[r + 1])]
+
+    def union(self, b: int) -> torch.Tensor:
+        return self.union_indices[int(self.union_indptr[b]):int(self.union_indptr[b + 1])]
+
+
+def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
+                 budget_pages: int, sink_pages: int, local_pages: int) -> SelectedPages:
+    """Top pages per (sequence, KV head), with the sink pages and the local window always kept.
+
+    scores [B, KVH, P_max] (entries past num_pages[b] are ignored). Row (b, h) keeps
+    min(num_pages[b], max(budget_pages, sink_pages + local_pages)) pages: the first sink_pages,
+    the last local_pages (which include the partial last page), then the best-scoring others.
+    So a sequence with num_pages[b] <= budget_pages keeps every page (dense). Ties and NaN
+    scores rank below every finite score; a selector only needs a sensible order.
+    budget_pages >= 1; a caller wanting dense decode skips selection instead.
+    """
+    if budget_pages < 1 or sink_pages < 0 or local_pages < 0:
+        raise ValueError(f"need budget_pages >= 1 and sink/local pages >= 0, got budget "
+                         f"{budget_pages}, sink {sink_pages}, local {local_pages}")
+    b_size, kvh, p_max = scores.shape
+    dev = scores.device
+    n = torch.as_tensor(num_pages, dtype=torch.int64, device=dev)
+    if n.shape != (b_size,):
+        raise ValueError(f"num_pages has shape {tuple(n.shape)}, expected ({b_size},)")
+    k = min(p_max, max(budget_pages, sink_pages + local_pages))
+    pos = torch.arange(p_max, device=dev)
+    forced = (pos < sink_pages) | (pos >= n[:, None] - local_pages)   # [B, P]
+    finfo = torch.finfo(torch.float32)
+    key = torch.nan_to_num(scores.float(), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    key = key.masked_fill_(forced[:, None, :], float("inf"))
+    key = key.masked_fill_((pos >= n[:, None])[:, None, :], -float("inf"))
+    # NOTE: unsorted top-k was 2-3x faster here; a row's live entries are its finite-or-forced
+    # ones: exactly min(num_pages[b], k) of them, forced pages first by construction.
+    val, top = torch.topk(key, k, dim=-1, sorted=False)            # [B, KVH, k]
+    live = val != -float("inf")
+    top = torch.where(live, top, p_max).sort(dim=-1).values         # live ascending, then p_max
+    indptr = torch.zeros(b_size * kvh + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(live.view(-1, k).sum(dim=1), 0, out=indptr[1:])
+    page_indices = top[top < p_max]
+    hit = torch.zeros(b_size, p_max + 1, dtype=torch.bool, device=dev)
+    hit.scatter_(1, top.view(b_size, kvh * k), True)
+    hit = hit[:, :p_max]
+    union_indptr = torch.zeros(b_size + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(hit.sum(dim=1), 0, out=union_indptr[1:])
+    return SelectedPages(indptr, page_indices, union_indptr, hit.nonzero()[:, 1], kvh)

@@ -1,0 +1,63 @@
+"""KVStoreConfig: tier budgets and sparse-decode settings, chosen once at start-up."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+FORCE_TIERS = ("none", "host", "disk")
+
+
+@dataclass(frozen=True)
+class KVStoreConfig:
+    page_size: int = 16
+    device_bytes: int = 1 << 30          # --kv-device-gb: the pool attention reads from
+    host_bytes: int = 0                  # --kv-host-gb: DRAM cache below the device
+    disk_bytes: int = 0                  # --kv-disk-gb: files under disk_path (the backing store)
+    disk_path: Path | None = None        # --kv-disk-path
+    disk_threads: int = 8
+    sparse_budget: int = 0               # --sparse-budget tokens per request/layer/KV head; 0: dense
+    sink_tokens: int = 16                # --sparse-sink-tokens: first tokens always attended
+    local_tokens: int = 64               # --sparse-local-tokens: last tokens always attended
+    dense_layers: int = 2                # --dense-layers: the first layers always run dense
+    selector: str = "quest"              # --selector: quest | mean
+    residency: str = "lru"               # --residency: lru
+    max_num_seqs: int = 16               # for per-request placement quotas
+    force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this tier (tests, diagnostics)
+
+    def __post_init__(self):
+        if self.device_bytes <= 0:
+            raise ValueError("--kv-device-gb must be > 0")
+        if self.host_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("--kv-host-gb and --kv-disk-gb must be >= 0")
+        if self.disk_bytes > 0 and self.disk_path is None:
+            raise ValueError("--kv-disk-gb needs --kv-disk-path")
+        if self.sparse_budget < 0:
+            raise ValueError("--sparse-budget must be >= 0 (0 means dense)")
+        if self.force_tier not in FORCE_TIERS:
+            raise ValueError(f"--kv-force-tier must be one of {FORCE_TIERS}")
+        if self.force_tier == "host" and self.host_bytes == 0 and self.disk_bytes == 0:
+            raise ValueError("--kv-force-tier host needs --kv-host-gb > 0 (or a disk tier)")
+        if self.force_tier == "disk" and self.disk_bytes == 0:
+            raise ValueError("--kv-force-tier disk needs --kv-disk-gb > 0")
+        if self.residency != "lru":
+            raise ValueError(f"--residency must be one of ('lru',), got {self.residency!r}")
+
+    @property
+    def backing(self) -> str:
+        """The lowest tier with a budget: it holds every full page; faster tiers cache."""
+        return "disk" if self.disk_bytes else ("host" if self.host_bytes else "device")
+
+    def pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    @property
+    def budget_pages(self) -> int:
+        return self.pages(self.sparse_budget)
+
+    @property
+    def sink_pages(self) -> int:
+        return self.pages(self.sink_tokens)
+
+    @property
+    def local_pages(self) -> int:
+        return max(1, self.pages(self.local_tokens))

@@ -1,0 +1,229 @@
+"""ExtentIO: coalesced, checksummed, thread-pooled page I/O for the disk tier.
+
+A batch of pages becomes *extents*: runs of pages adjacent in one file (sorted by file and
+offset, capped at `max_extent_bytes` and IOV_MAX). Each extent is ONE `os.preadv`/`os.pwritev`:
+- straight into/out of the page buffers (scatter/gather iovecs) when the buffers allow it
+  (buffered I/O, or O_DIRECT with 4096-aligned page buffers whose size is a multiple of 4096);
+- otherwise through a per-thread 4096-aligned staging buffer plus a copy.
+Extents are split into one task per thread; preadv/pwritev and zlib.crc32 release the GIL.
+
+Checksums: crc32 of each page's bytes, recorded at write in `crc[key]` (uint32 [max_keys]) and
+verified at read. `stored[key]` (bool [max_keys]) is set once a page's write has completed.
+Errors are collected per extent and raised once per batch through the batch's Future:
+`TierIOError` (OSError or short transfer) takes precedence over `PageCorrupted`.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstore.tiers.base import ALIGN, PageShape
+from kvstore.tiers.disk_fault import DiskFault
+from kvstore.tiers.errors import PageCorrupted, TierIOError
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+def plan_extents(file_ids: np.ndarray, page_numbers: np.ndarray, max_pages: int):
+    """Group pages into extents of adjacent pages.
+
+    file_ids, page_numbers: int64 [n] (page_numbers < 2**40).
+    Returns (order int64 [n], starts int64 [e], ends int64 [e]): extent i covers the pages
+    `order[starts[i]:ends[i]]`, which are consecutive page numbers of one file, at most
+    `max_pages` of them. A repeated page starts a new extent.
+    """
+    n = file_ids.shape[0]
+    sort_key = (file_ids << 40) | page_numbers
+    order = np.argsort(sort_key, kind="stable")
+    sk = sort_key[order]
+    brk = np.ones(n, dtype=bool)
+    brk[1:] = sk[1:] != sk[:-1] + 1
+    run_start = np.flatnonzero(brk)
+    pos = np.arange(n) - run_start[np.cumsum(brk) - 1]
+    brk |= pos % max_pages == 0
+    starts = np.flatnonzero(brk)
+    return order, starts, np.append(starts[1:], n)
+
+
+@dataclass(frozen=True)
+class ExtentJob:
+    """One batch, in extent order. Arrays are never mutated after construction.
+
+    buf:  uint8 [rows, nbytes] page buffers (destination of reads, source of writes)
+    rows: int64 [n] row of `buf` of each page; keys: int64 [n] key of each page
+    fds, handles, offsets, starts, ends: int64 [e] per extent (pages keys[starts:ends])
+    """
+
+    op: str
+    buf: np.ndarray
+    rows: np.ndarray
+    keys: np.ndarray
+    fds: np.ndarray
+    handles: np.ndarray
+    offsets: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    fault: DiskFault | None
+    keep_alive: object = None  # NOTE: the tensor behind `buf`, held until the job completes
+
+
+class _Batch:
+    """Collects per-task results; resolves `future` when the last task finishes."""
+
+    def __init__(self, tasks: int):
+        self.future: Future = Future()
+        self._left = tasks
+        self._lock = threading.Lock()
+        self.io_errors: list[tuple[np.ndarray, int | None, str]] = []
+        self.corrupt: list[np.ndarray] = []
+        self.bug: BaseException | None = None
+
+    def task_done(self, io_errors, corrupt, bug: BaseException | None = None) -> None:
+        with self._lock:
+            self.io_errors += io_errors
+            self.corrupt += corrupt
+            self.bug = self.bug or bug
+            self._left -= 1
+            last = self._left == 0
+        if not last:
+            return
+        if self.bug is not None:
+            self.future.set_exception(self.bug)
+        elif self.io_errors:
+            keys = np.concatenate([k for k, _, _ in self.io_errors])
+            _, code, msg = self.io_errors[0]
+            self.future.set_exception(TierIOError("disk", keys, code, msg))
+        elif self.corrupt:
+            self.future.set_exception(PageCorrupted("disk", np.concatenate(self.corrupt)))
+        else:
+            self.future.set_result(None)
+
+
+class ExtentIO:
+    def __init__(self, page_shape: PageShape, direct_io: bool, threads: int,
+                 crc: np.ndarray, stored: np.ndarray, max_extent_bytes: int = 1 << 20):
+        self.nbytes = page_shape.nbytes
+        self.stride = page_shape.nbytes_aligned
+        self.direct_io = direct_io
+        self.threads = max(1, threads)
+        self.max_pages = max(1, min(max_extent_bytes // self.stride, _IOV_MAX // 2))
+        self._crc, self._stored = crc, stored
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kv-disk")
+        self._local = threading.local()
+        self._pad_zero = bytes(self.stride - self.nbytes)
+        self._pad_junk = bytearray(self.stride - self.nbytes)
+        self._lock = threading.Lock()
+        self.preadv_calls = self.pwritev_calls = 0
+        self.bytes_read = self.bytes_written = 0
+
+    def direct_ok(self, buf: np.ndarray) -> bool:
+        """Can extents use `buf`'s page rows as iovecs (no staging copy)?"""
+        if not self.direct_io:
+            return True
+        return self.nbytes == self.stride and buf.ctypes.data % ALIGN == 0
+
+    def submit(self, job: ExtentJob) -> Future:
+        """Run the job's extents on the thread pool; the Future resolves when all are done."""
+        e = job.starts.shape[0]
+        if e == 0:
+            f: Future = Future()
+            f.set_result(None)
+            return f
+        pages = np.cumsum(job.ends - job.starts)
+        tasks = min(self.threads, e)
+        cuts = np.searchsorted(pages, pages[-1] * np.arange(1, tasks) / tasks, side="right")
+        bounds = np.unique(np.concatenate([[0], cuts, [e]]))
+        batch = _Batch(len(bounds) - 1)
+        run = self._read if job.op == "read" else self._write
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            self._pool.submit(self._task, run, job, int(lo), int(hi), batch)
+        return batch.future
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # -- worker side ------------------------------------------------------------------------
+
+    def _task(self, run, job: ExtentJob, lo: int, hi: int, batch: _Batch) -> None:
+        io_errors, corrupt, nbytes, bug = [], [], 0, None
+        try:
+            direct = self.direct_ok(job.buf)
+            for i in range(lo, hi):
+                s, t = int(job.starts[i]), int(job.ends[i])
+                keys = job.keys[s:t]
+                try:
+                    if job.fault is not None:
+                        job.fault.check(job.op, int(job.handles[i]))
+                    bad = run(job, int(job.fds[i]), int(job.offsets[i]), job.rows[s:t], keys,
+                              direct)
+                    nbytes += (t - s) * self.stride
+                    if bad is not None:
+                        corrupt.append(bad)
+                except OSError as err:
+                    io_errors.append((keys, err.errno, f"{job.op} of {t - s} pages at offset "
+                                      f"{int(job.offsets[i])} failed: {err.strerror or err}"))
+        except Exception as err:  # NOTE: a bug must fail the batch, not hang its waiters
+            bug = err
+        with self._lock:
+            if job.op == "read":
+                self.preadv_calls += hi - lo
+                self.bytes_read += nbytes
+            else:
+                self.pwritev_calls += hi - lo
+                self.bytes_written += nbytes
+        batch.task_done(io_errors, corrupt, bug)
+
+    def _staging(self, length: int) -> np.ndarray:
+        stage = getattr(self._local, "stage", None)
+        if stage is None or stage.shape[0] < length:
+            # NOTE: anonymous mmap is page-aligned, as O_DIRECT needs.
+            stage = np.frombuffer(mmap.mmap(-1, max(length, self.max_pages * self.stride)),
+                                  dtype=np.uint8)
+            self._local.stage = stage
+        return stage[:length]
+
+    def _iovecs(self, buf: np.ndarray, rows: np.ndarray, pad) -> list:
+        if not len(pad):
+            return [buf[r] for r in rows]
+        iov = []
+        for r in rows:
+            iov += (buf[r], pad)
+        return iov
+
+    def _read(self, job: ExtentJob, fd: int, offset: int, rows: np.ndarray, keys: np.ndarray,
+              direct: bool) -> np.ndarray | None:
+        buf, length = job.buf, len(rows) * self.stride
+        if direct:
+            got = os.preadv(fd, self._iovecs(buf, rows, self._pad_junk), offset)
+        else:
+            stage = self._staging(length)
+            got = os.preadv(fd, [stage], offset)
+        if got != length:
+            raise OSError(None, f"short read: {got} of {length} bytes (file truncated?)")
+        if not direct:
+            pages = stage.reshape(len(rows), self.stride)[:, :self.nbytes]
+            buf[rows] = pages
+        crcs = np.fromiter((zlib.crc32(buf[r]) for r in rows), dtype=np.uint32, count=len(rows))
+        bad = crcs != self._crc[keys]
+        return keys[bad] if bad.any() else None
+
+    def _write(self, job: ExtentJob, fd: int, offset: int, rows: np.ndarray, keys: np.ndarray,
+               direct: bool) -> None:
+        buf, length = job.buf, len(rows) * self.stride
+        crcs = np.fromiter((zlib.crc32(buf[r]) for r in rows), dtype=np.uint32, count=len(rows))
+        if direct:
+            got = os.pwritev(fd, self._iovecs(buf, rows, self._pad_zero), offset)
+        else:
+            stage = self._staging(length)
+            stage.reshape(len(rows), self.stride)[:, :self.nbytes] = buf[rows]
+            got = os.pwritev(fd, [stage], offset)
+        if got != length:
+            raise OSError(None, f"short write: {got} of {length} bytes (disk full?)")
+        self._crc[keys] = crcs
+        self._stored[keys] = True

@@ -1,0 +1,196 @@
+"""MemoryPool: a preallocated slot pool of KV pages; the implementation of the device and host
+tiers (device.py and host.py only choose where the memory lives).
+
+Memory: `pool` [num_slots, 2, page_size, num_kv_heads, head_dim], allocated ONCE at start-up and
+pre-touched (zero-filled), 4096-byte aligned at its base; every slot is 4096-aligned too when
+the page size in bytes is a multiple of 4096 (so the disk tier can O_DIRECT-read into slots).
+
+Bookkeeping (all CPU tensors, so a batch of keys is a handful of vectorized ops, no Python loop):
+- `_slot_of`  int32 [max_keys]  key -> slot, -1 when absent
+- `_key_of`   int64 [num_slots] slot -> key, -1 when free
+- `_free`     int32 [num_slots] free-slot stack; `_free[:_top]` are the free slots
+Invariants: `_slot_of[k] == s  <=>  _key_of[s] == k`; free slots are exactly the slots with
+`_key_of == -1`; `num_pages + num_free == num_slots`.
+
+NOTE: why a dense tensor map and not a dict: for batches of 64-4096 keys a gather
+`_slot_of[keys]` costs a few microseconds, while a dict costs ~100 ns per key in a Python loop
+plus building a tensor of the result (~0.5 ms for 4096 keys). The price is 4 bytes per possible
+key (`max_keys = num_layers * max_pages`: 30 layers x 64K pages = 7.5 MiB).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from kvstore.tiers.base import ALIGN, PageShape, Tier
+from kvstore.tiers.errors import PageMissing, TierFull
+
+
+def aligned_zeros(nbytes: int, device: torch.device, pin: bool = False) -> torch.Tensor:
+    """A pre-touched (zero-filled) uint8 tensor [nbytes] whose data starts 4096-aligned.
+
+    Allocates `nbytes + ALIGN` bytes and slices at the first aligned offset; the slice keeps
+    the whole buffer alive. `pin`: register the host buffer with CUDA (page-locked) in place,
+    so no power-of-two rounding of the pinned caching allocator applies.
+    """
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device=device)
+    offset = (-raw.data_ptr()) % ALIGN
+    buf = raw[offset:offset + nbytes]
+    buf.zero_()
+    if pin and nbytes:
+        _register_pinned(buf)
+    return buf
+
+
+def _register_pinned(buf: torch.Tensor) -> None:
+    cudart = torch.cuda.cudart()
+    ptr, size = buf.data_ptr(), buf.numel()
+    err = int(cudart.cudaHostRegister(ptr, size, 1))  # NOTE: 1 = cudaHostRegisterPortable
+    if err != 0:
+        raise RuntimeError(f"host tier: cudaHostRegister of {size} bytes failed (cudaError "
+                           f"{err}); lower --kv-host-gb or raise the locked-memory limit")
+    weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, ptr)
+
+
+class MemoryPool(Tier):
+    """A Tier over a preallocated slot pool (see module docstring).
+
+    Beyond the Tier interface, attention and fetches use slots in place:
+    `slots(keys)` -> int32 [n] (-1 when absent), `alloc_slots(keys)` reserves slots for keys
+    about to be written in place (e.g. `pool.index_copy_(0, slots, fetched)`), and `pool` is
+    the tensor itself.
+    """
+
+    def __init__(self, name: str, page_shape: PageShape, capacity_bytes: int, max_keys: int,
+                 device: torch.device | str = "cpu", pin_memory: bool = False):
+        if capacity_bytes < 0 or max_keys <= 0:
+            raise ValueError(f"{name} tier: capacity_bytes must be >= 0 and max_keys > 0, "
+                             f"got {capacity_bytes} and {max_keys}")
+        self.name = name
+        self.page_shape = page_shape
+        self.device = torch.device(device)
+        self.max_keys = int(max_keys)
+        self._capacity_bytes = int(capacity_bytes)
+        nbytes = page_shape.nbytes
+        self.num_slots = self._capacity_bytes // nbytes
+        buf = aligned_zeros(self.num_slots * nbytes, self.device, pin=pin_memory)
+        # [num_slots, 2, page_size, num_kv_heads, head_dim]
+        self._pool = buf.view(page_shape.dtype).view(self.num_slots, *page_shape.shape)
+        self._slot_of = torch.full((self.max_keys,), -1, dtype=torch.int32)
+        self._key_of = torch.full((self.num_slots,), -1, dtype=torch.int64)
+        self._free = torch.arange(self.num_slots - 1, -1, -1, dtype=torch.int32)
+        self._top = self.num_slots
+
+    # -- sizes ------------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """The slot pool [num_slots, 2, page_size, num_kv_heads, head_dim] (read in place)."""
+        return self._pool
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity_bytes
+
+    @property
+    def capacity_pages(self) -> int:
+        return self.num_slots
+
+    @property
+    def num_pages(self) -> int:
+        return self.num_slots - self._top
+
+    @property
+    def slot_keys(self) -> torch.Tensor:
+        """int64 [num_slots]: the key stored in each slot, -1 for free slots (read-only view)."""
+        return self._key_of
+
+    @property
+    def num_free(self) -> int:
+        return self._top
+
+    @property
+    def used_bytes(self) -> int:
+        return self.num_pages * self.page_shape.nbytes
+
+    # -- slots ------------------------------------------------------------------------------
+
+    def slots(self, keys: torch.Tensor) -> torch.Tensor:
+        """keys int64 [n] -> int32 [n] slot of each key in `pool`, -1 where absent."""
+        return self._slot_of[self._check_keys(keys, self.max_keys)]
+
+    def alloc_slots(self, keys: torch.Tensor) -> torch.Tensor:
+        """Reserve slots for keys [n] about to be written in place; keys already stored keep
+        their slot. Returns int32 [n]. Raises TierFull (reserving nothing) if the absent keys
+        do not fit. A key repeated in the batch gets one slot."""
+        keys = self._check_keys(keys, self.max_keys)
+        slots = self._slot_of[keys]
+        absent = slots < 0
+        if not bool(absent.any()):
+            return slots
+        new_keys = keys[absent]
+        if new_keys.numel() > self._top:
+            new_keys = torch.unique(new_keys)  # NOTE: only pay for dedup when it matters
+            if new_keys.numel() > self._top:
+                nb = self.page_shape.nbytes
+                raise TierFull(self.name, new_keys, new_keys.numel() * nb, self._top * nb,
+                               hint="delete (evict) pages first or raise the tier's budget")
+        n = new_keys.numel()
+        new_slots = self._free[self._top - n:self._top].clone()
+        self._top -= n
+        self._slot_of[new_keys] = new_slots
+        # NOTE: with a key repeated in new_keys, one of its slots won the scatter above; the
+        # losers go back on the free stack.
+        won = self._slot_of[new_keys] == new_slots
+        if not bool(won.all()):
+            self._push_free(new_slots[~won])
+            new_keys, new_slots = new_keys[won], new_slots[won]
+        self._key_of[new_slots.long()] = new_keys
+        return self._slot_of[keys]
+
+    def _push_free(self, slots: torch.Tensor) -> None:
+        n = slots.numel()
+        self._free[self._top:self._top + n] = slots
+        self._top += n
+
+    # -- Tier interface ---------------------------------------------------------------------
+
+    def contains(self, keys: torch.Tensor) -> torch.Tensor:
+        return self.slots(keys) >= 0
+
+    def put(self, keys: torch.Tensor, pages: torch.Tensor) -> None:
+        """pages [n, 2, ps, kvh, hd], any device: one `index_copy_` into the slots. If a key
+        repeats in the batch, which of its pages is kept is unspecified."""
+        self._check_pages(pages, torch.as_tensor(keys).numel(), "pages")
+        slots = self.alloc_slots(keys)
+        src = pages.to(self.device, non_blocking=True)
+        self._pool.index_copy_(0, slots.to(self.device, torch.int64, non_blocking=True), src)
+
+    def get(self, keys: torch.Tensor, out: torch.Tensor) -> None:
+        """out [n, 2, ps, kvh, hd], any device: one `index_select` from the slots."""
+        keys = self._check_keys(keys, self.max_keys)
+        self._check_pages(out, keys.numel(), "out")
+        slots = self._slot_of[keys]
+        missing = slots < 0
+        if bool(missing.any()):
+            raise PageMissing(self.name, keys[missing])
+        index = slots.to(self.device, torch.int64, non_blocking=True)
+        if out.device == self.device and out.is_contiguous():
+            torch.index_select(self._pool, 0, index, out=out)
+        else:
+            out.copy_(self._pool.index_select(0, index), non_blocking=True)
+
+    def delete(self, keys: torch.Tensor) -> None:
+        keys = self._check_keys(keys, self.max_keys)
+        slots = self._slot_of[keys]
+        present = slots >= 0
+        if not bool(present.any()):
+            return
+        freed = torch.unique(slots[present])  # NOTE: a repeated key must free its slot once
+        self._slot_of[keys[present]] = -1
+        self._key_of[freed.long()] = -1
+        self._push_free(freed)
+
+    def keys(self) -> torch.Tensor:
+        return self._key_of[self._key_of >= 0]

@@ -1,0 +1,235 @@
+"""What only the disk tier promises: request files and budget, coalesced I/O, checksums, real
+and injected I/O failures, async I/O, no leaks. The shared conformance suite is test_tiers.py."""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_fault import DiskFault
+from kvstore.tiers.errors import PageCorrupted, PageMissing, TierFull, TierIOError
+from kvstore.tiers.extent_io import plan_extents
+from kvstore.tiers.host import HostTier
+from tests.test_tiers import (MAX_PAGES, NUM_LAYERS, SHAPES, key, make_disk, random_pages,
+                              same_bits)
+
+
+@pytest.fixture(params=["direct", "buffered"])
+def disk(request, tmp_path):
+    fault = DiskFault(no_direct_io=True) if request.param == "buffered" else None
+    tier = make_disk(SHAPES["bf16"], tmp_path / "kv", capacity_pages=4 * NUM_LAYERS * MAX_PAGES,
+                     fault=fault)
+    yield tier
+    tier.close()
+
+
+def request_keys(layer: int, page_ids) -> torch.Tensor:
+    return torch.tensor([key(layer, p) for p in page_ids], dtype=torch.int64)
+
+
+def register(tier: DiskTier, handle: int, page_ids, capacity: int | None = None) -> None:
+    tier.register_request(handle, capacity or len(page_ids))
+    tier.bind(list(page_ids), handle, 0)
+
+
+def page_offset(tier: DiskTier, handle: int, layer: int, index: int, capacity: int) -> int:
+    pn = tier.layout.page_numbers(np.array([layer]), np.array([index]), np.array([capacity]))
+    return int(tier.layout.offsets(pn)[0])
+
+
+def test_plan_extents_coalesces_adjacent_pages_of_one_file_up_to_the_cap():
+    files = np.array([1, 0, 0, 0, 1, 0, 0], dtype=np.int64)
+    pages = np.array([5, 2, 1, 3, 4, 7, 2], dtype=np.int64)
+    order, starts, ends = plan_extents(files, pages, max_pages=2)
+    runs = [[(int(files[i]), int(pages[i])) for i in order[s:e]] for s, e in zip(starts, ends)]
+    assert runs == [[(0, 1), (0, 2)], [(0, 2), (0, 3)], [(0, 7)], [(1, 4), (1, 5)]]
+
+
+def test_sixty_four_contiguous_pages_of_one_layer_take_one_preadv_and_one_pwritev(disk):
+    ids = range(64)
+    register(disk, 1, ids)
+    keys = request_keys(2, ids)[torch.randperm(64)]  # order of the batch does not matter
+    pages = random_pages(disk.page_shape, 64)
+    r0, w0 = disk.preadv_calls, disk.pwritev_calls
+    disk.put(keys, pages)
+    out = torch.empty_like(pages)
+    disk.get(keys, out)
+    assert (disk.preadv_calls - r0, disk.pwritev_calls - w0) == (1, 1)
+    assert same_bits(out, pages)
+    disk.get(request_keys(2, range(0, 64, 2)), out[:32])  # every other page: no neighbours
+    assert disk.preadv_calls - r0 == 1 + 32
+
+
+def test_extent_cap_splits_long_runs(tmp_path):
+    shape = SHAPES["bf16"]
+    tier = make_disk(shape, tmp_path, capacity_pages=4 * 64,
+                     max_extent_bytes=8 * shape.nbytes_aligned)
+    register(tier, 1, range(64))
+    pages = random_pages(shape, 64)
+    tier.put(request_keys(0, range(64)), pages)
+    assert tier.pwritev_calls == 8
+    tier.close()
+
+
+def test_thousand_request_cycles_leak_no_files_or_fds(disk):
+    root = disk.layout.root
+    files0, fds0 = len(os.listdir(root)), len(os.listdir("/proc/self/fd"))
+    pages = random_pages(disk.page_shape, 8)
+    out = torch.empty_like(pages)
+    for handle in range(1000):
+        ids = [(handle * 3 + i) % MAX_PAGES for i in range(4)]
+        register(disk, handle, ids)
+        keys = torch.cat([request_keys(0, ids), request_keys(3, ids)])
+        disk.put(keys, pages)
+        disk.get(keys, out)
+        disk.release_request(handle)
+    assert same_bits(out, pages)
+    assert len(os.listdir(root)) == files0 == 0
+    assert len(os.listdir("/proc/self/fd")) == fds0
+    assert disk.used_bytes == 0 and disk.num_pages == 0
+
+
+def test_flipped_byte_on_disk_is_detected_as_corruption_of_that_page(disk):
+    register(disk, 7, range(8))
+    keys = request_keys(1, range(8))
+    pages = random_pages(disk.page_shape, 8)
+    disk.put(keys, pages)
+    with open(disk.layout.file_path(7), "r+b") as f:
+        f.seek(page_offset(disk, 7, layer=1, index=5, capacity=8) + 100)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(PageCorrupted) as info:
+        disk.get(keys, torch.empty_like(pages))
+    assert info.value.keys.tolist() == [key(1, 5)]
+    out = torch.empty_like(pages[:5])
+    disk.get(keys[:5], out)  # the other pages still read fine
+    assert same_bits(out, pages[:5])
+
+
+def test_truncated_file_gives_tier_io_error(disk):
+    register(disk, 3, range(4))
+    keys = request_keys(0, range(4))
+    disk.put(keys, random_pages(disk.page_shape, 4))
+    os.truncate(disk.layout.file_path(3), 0)
+    with pytest.raises(TierIOError) as info:
+        disk.get(keys, random_pages(disk.page_shape, 4))
+    assert "short read" in str(info.value)
+    assert sorted(info.value.keys.tolist()) == sorted(keys.tolist())
+
+
+def test_injected_enospc_fails_only_the_faulty_request_and_leaves_its_keys_absent(disk):
+    register(disk, 1, range(0, 4))
+    register(disk, 2, range(4, 8))
+    a, b = request_keys(0, range(0, 4)), request_keys(0, range(4, 8))
+    pages = random_pages(disk.page_shape, 4)
+    disk.fault = DiskFault(write_errno=errno.ENOSPC, handles=frozenset({2}))
+    disk.put(a, pages)
+    with pytest.raises(TierIOError) as info:
+        disk.put(b, pages)
+    assert info.value.errno == errno.ENOSPC and sorted(info.value.keys.tolist()) == b.tolist()
+    assert disk.contains(torch.cat([a, b])).tolist() == [True] * 4 + [False] * 4
+
+
+def test_injected_eio_on_read_raises_tier_io_error(disk):
+    register(disk, 1, range(4))
+    keys = request_keys(2, range(4))
+    disk.put(keys, random_pages(disk.page_shape, 4))
+    disk.fault = DiskFault(read_errno=errno.EIO)
+    with pytest.raises(TierIOError) as info:
+        disk.get(keys, random_pages(disk.page_shape, 4))
+    assert info.value.errno == errno.EIO
+    disk.fault = None
+    disk.get(keys, random_pages(disk.page_shape, 4))
+
+
+def test_o_direct_fallback_is_logged_once(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvstore.tiers"):
+        tier = make_disk(SHAPES["fp32"], tmp_path, fault=DiskFault(no_direct_io=True))
+        register(tier, 1, range(4))
+        keys = request_keys(0, range(4))
+        pages = random_pages(tier.page_shape, 4)
+        for _ in range(3):
+            tier.put(keys, pages)
+            tier.get(keys, torch.empty_like(pages))
+        tier.close()
+    warnings = [r for r in caplog.records if "O_DIRECT" in r.getMessage()]
+    assert not tier.direct_io and len(warnings) == 1
+
+
+def test_async_put_then_async_get_round_trips(disk):
+    register(disk, 1, range(16))
+    keys = torch.cat([request_keys(l, range(16)) for l in range(NUM_LAYERS)])
+    pages = random_pages(disk.page_shape, len(keys))
+    assert disk.put_async(keys, pages).result() is None
+    out = torch.empty_like(pages)
+    disk.get_async(keys, out).result()
+    assert same_bits(out, pages)
+
+
+def test_get_into_host_slots_reads_in_place(disk):
+    host = HostTier(disk.page_shape, 16 * disk.page_shape.nbytes, NUM_LAYERS * MAX_PAGES)
+    register(disk, 1, range(8))
+    keys = torch.cat([request_keys(0, range(8)), request_keys(3, range(4))])
+    pages = random_pages(disk.page_shape, len(keys))
+    disk.put(keys, pages)
+    disk.get_into(keys, host.pool, host.alloc_slots(keys)).result()
+    out = torch.empty_like(pages)
+    host.get(keys, out)
+    assert same_bits(out, pages)
+    slots = host.slots(keys)  # and back: write from the host slots
+    disk.delete(keys)
+    disk.put_from(keys, host.pool, slots).result()
+    disk.get(keys, out)
+    assert same_bits(out, pages)
+
+
+def test_registering_beyond_the_budget_raises_tier_full_until_a_release(tmp_path):
+    tier = make_disk(SHAPES["bf16"], tmp_path, capacity_pages=3 * NUM_LAYERS)
+    tier.register_request(1, 2)
+    assert tier.used_bytes == 2 * NUM_LAYERS * tier.layout.stride
+    with pytest.raises(TierFull, match="retry"):
+        tier.register_request(2, 2)
+    with pytest.raises(TierFull, match="never fit"):
+        tier.register_request(3, 4)
+    tier.release_request(1)
+    tier.register_request(2, 3)
+    assert tier.used_bytes == tier.capacity_bytes
+    tier.close()
+    assert tier.used_bytes == 0
+
+
+def test_put_of_unbound_keys_raises_page_missing(disk):
+    with pytest.raises(PageMissing, match="bind"):
+        disk.put(request_keys(0, [1]), random_pages(disk.page_shape, 1))
+
+
+def test_rebinding_a_page_id_to_another_request_forgets_its_pages(disk):
+    register(disk, 1, range(2))
+    keys = torch.cat([request_keys(0, [1]), request_keys(2, [1])])
+    disk.put(keys, random_pages(disk.page_shape, 2))
+    disk.release_request(1)
+    assert not disk.contains(keys).any()
+    register(disk, 2, [1])
+    assert not disk.contains(keys).any()
+
+
+def test_release_waits_for_writes_in_flight(disk):
+    register(disk, 1, range(64))
+    keys = torch.cat([request_keys(l, range(64)) for l in range(NUM_LAYERS)])
+    future = disk.put_async(keys, random_pages(disk.page_shape, len(keys)))
+    disk.release_request(1)
+    assert future.done() and future.exception() is None
+    assert not disk.layout.file_path(1).exists() and disk.num_pages == 0
+
+
+def test_stale_request_files_are_removed_at_start(tmp_path):
+    (tmp_path / "req-42.kv").write_bytes(b"old")
+    (tmp_path / "notes.txt").write_text("keep")
+    make_disk(SHAPES["fp32"], tmp_path).close()
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]

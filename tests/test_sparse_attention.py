@@ -1,0 +1,197 @@
+"""Sparse decode attention (own page list per sequence and KV head) and its page table."""
+from __future__ import annotations
+
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from kernels.attention import AttentionBatch, TorchPagedAttention
+from kernels.page_select import select_pages
+from kernels.page_table import build_head_page_table
+from kernels.sparse_attention import (TorchSparseDecode, reference_sparse_decode_attention,
+                                      sparse_decode_attention)
+
+AWKWARD_LENS = [27, 61, 113, 577]
+HEAD_DIM = 64
+
+
+def _pool(kv_lens, page_size, kv_heads, dtype, seed=0):
+    """Random slot pool with each sequence's pages on shuffled slots: (pool, slot_table)."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    need = [-(-n // page_size) for n in kv_lens]
+    slots = list(range(sum(need) + 5))
+    rng.shuffle(slots)
+    table = torch.full((len(kv_lens), max(need)), -1, dtype=torch.int64)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = torch.tensor(slots[at:at + n])
+        at += n
+    pool = torch.randn(len(slots), 2, page_size, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    return pool, table
+
+
+def _all_pages(kv_lens, page_size, kv_heads):
+    rows = [list(range(-(-n // page_size))) for n in kv_lens for _ in range(kv_heads)]
+    indptr = torch.tensor([0] + [len(r) for r in rows]).cumsum(0)
+    return indptr, torch.tensor([p for r in rows for p in r])
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("page_size", [16, 8])
+def test_sparse_equals_dense_when_every_row_lists_every_page(page_size, group, dtype, atol):
+    kv_heads = 3
+    pool, slots = _pool(AWKWARD_LENS, page_size, kv_heads, dtype)
+    indptr, pages = _all_pages(AWKWARD_LENS, page_size, kv_heads)
+    table = build_head_page_table(indptr, pages, slots, AWKWARD_LENS, page_size)
+    q = torch.randn(len(AWKWARD_LENS), kv_heads * group, HEAD_DIM).to(dtype)
+    scale = HEAD_DIM ** -0.5
+    got = sparse_decode_attention(q, pool, table, group, scale)
+    batch = AttentionBatch.build([s[s >= 0].tolist() for s in slots], AWKWARD_LENS,
+                                 [1] * len(AWKWARD_LENS), page_size)
+    dense = TorchPagedAttention().forward(q, pool, batch, scale)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    torch.testing.assert_close(got.float(), dense.float(), atol=atol, rtol=0)
+    ref = reference_sparse_decode_attention(q, pool, table, group, scale)
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=0)
+
+
+def _random_selection(kv_lens, page_size, kv_heads, budget, seed):
+    num_pages = [-(-n // page_size) for n in kv_lens]
+    scores = torch.randn(len(kv_lens), kv_heads, max(num_pages),
+                         generator=torch.Generator().manual_seed(seed))
+    return select_pages(scores, num_pages, budget, 1, 1)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("page_size", [16, 8])
+def test_random_per_head_subsets_match_reference(page_size, group, dtype, atol):
+    kv_heads = 3
+    pool, slots = _pool(AWKWARD_LENS, page_size, kv_heads, dtype, seed=1)
+    sel = _random_selection(AWKWARD_LENS, page_size, kv_heads, budget=5, seed=2)
+    assert any(not torch.equal(sel.row(3, 0), sel.row(3, h)) for h in (1, 2))  # heads differ
+    table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, page_size)
+    q = torch.randn(len(AWKWARD_LENS), kv_heads * group, HEAD_DIM).to(dtype)
+    got = sparse_decode_attention(q, pool, table, group, 0.125)
+    ref = reference_sparse_decode_attention(q, pool, table, group, 0.125)
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=0)
+
+
+def test_head_page_table_maps_slots_and_last_page_lengths():
+    page_size = 16
+    slots = torch.tensor([[7, 3, 9, -1], [4, 0, 2, 8]])
+    kv_lens = [40, 61]                     # 3 pages (last holds 8), 4 pages (last holds 13)
+    indptr = torch.tensor([0, 2, 4, 7, 9])   # rows (b0,h0) (b0,h1) (b1,h0) (b1,h1)
+    pages = torch.tensor([0, 1, 0, 2, 0, 1, 3, 1, 2])
+    table = build_head_page_table(indptr, pages, slots, kv_lens, page_size)
+    assert table.batch_size == 4 and table.indptr.dtype == torch.int32
+    assert table.indices.tolist() == [7, 3, 7, 9, 4, 0, 8, 0, 2]
+    assert table.last_page_len.tolist() == [16, 8, 13, 16]
+    assert [table.kv_len(r) for r in range(4)] == [32, 24, 45, 32]
+
+
+def test_head_page_table_rejects_pages_past_the_end():
+    with pytest.raises(ValueError, match="past its sequence's last page"):
+        build_head_page_table(torch.tensor([0, 1]), torch.tensor([3]),
+                              torch.tensor([[1, 2, 3, 4]]), [40], 16)
+
+
+def test_workspace_is_reused_and_plan_replaced_per_table():
+    attn = TorchSparseDecode()
+    pool, slots = _pool(AWKWARD_LENS, 16, 3, torch.float32, seed=3)
+    q = torch.randn(len(AWKWARD_LENS), 9, HEAD_DIM)
+    outs = []
+    for seed, budget in ((4, 6), (5, 3), (6, 40)):
+        sel = _random_selection(AWKWARD_LENS, 16, 3, budget, seed)
+        table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, 16)
+        outs.append((attn(q, pool, table, 3, 0.125),
+                     reference_sparse_decode_attention(q, pool, table, 3, 0.125)))
+    for got, ref in outs:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_rows_must_match_the_query_batch():
+    pool, slots = _pool([27], 16, 3, torch.float32)
+    indptr, pages = _all_pages([27], 16, 3)
+    table = build_head_page_table(indptr, pages, slots, [27], 16)
+    with pytest.raises(ValueError, match="rows"):
+        sparse_decode_attention(torch.randn(2, 9, HEAD_DIM), pool, table, 3, 0.125)
+
+
+# --- FlashInfer (CUDA only) -------------------------------------------------------------------
+
+needs_gpu = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available()
+                       or importlib.util.find_spec("flashinfer") is None,
+                       reason="needs CUDA and flashinfer"),
+]
+
+
+def gpu(fn):
+    for mark in needs_gpu:
+        fn = mark(fn)
+    return fn
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [16, 8])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("budget", [5, 1000])
+def test_flashinfer_sparse_decode_matches_torch(budget, group, page_size):
+    from kernels.flashinfer_sparse_attention import FlashInferSparseDecode
+
+    pool, slots = _pool(AWKWARD_LENS, page_size, 3, torch.bfloat16, seed=7)
+    sel = _random_selection(AWKWARD_LENS, page_size, 3, budget, seed=8)
+    table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, page_size)
+    q = torch.randn(len(AWKWARD_LENS), 3 * group, HEAD_DIM).to(torch.bfloat16)
+    want = reference_sparse_decode_attention(q, pool, table, group, 0.125)
+    got = FlashInferSparseDecode("cuda").forward(q.cuda(), pool.cuda(), table, group, 0.125)
+    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=0)
+
+
+class _FakeWrapper:
+    def __init__(self, workspace, layout):
+        assert layout == "NHD"
+        self.calls = []
+
+    def plan(self, *args, **kwargs):
+        self.calls.append(("plan", args, kwargs))
+
+    def run(self, q, kv):
+        self.calls.append(("run", q.shape, kv.shape, kv.stride()))
+        return q * 0 + len(self.calls)
+
+
+def test_flashinfer_sparse_decode_plans_one_batch_per_kv_head(monkeypatch):
+    """CPU-only wiring check with a stand-in flashinfer module."""
+    import sys
+    import types
+
+    from kernels.flashinfer_sparse_attention import FlashInferSparseDecode
+
+    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_FakeWrapper)
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    attn = FlashInferSparseDecode("cpu")
+    slots = torch.tensor([[5, 1, 6], [3, 2, -1]])
+    indptr = torch.tensor([0, 2, 3, 4, 6])          # (b0,h0)=[0,1] (b0,h1)=[2] (b1,h0)=[0] ...
+    table = build_head_page_table(indptr, torch.tensor([0, 1, 2, 0, 0, 1]), slots, [9, 6], 4)
+    pool = torch.zeros(8, 2, 4, 2, 16)
+    q = torch.zeros(2, 6, 16)
+    out = attn.forward(q, pool, table, 3, 0.25)
+    attn.forward(q, pool, table, 3, 0.25)            # same table: planned once
+    h0, h1 = attn._wrappers
+    (_, args0, kw0), (_, args1, _) = h0.calls[0], h1.calls[0]
+    assert [c[0] for c in h0.calls] == ["plan", "run", "run"]
+    assert args0[0].tolist() == [0, 2, 3] and args0[1].tolist() == [5, 1, 3]
+    assert args0[2].tolist() == [4, 4] and args0[3:7] == (3, 1, 16, 4)
+    assert args1[0].tolist() == [0, 1, 3] and args1[1].tolist() == [6, 3, 2]
+    assert args1[2].tolist() == [1, 2] and kw0["sm_scale"] == 0.25
+    _, q_shape, kv_shape, kv_stride = h1.calls[1]
+    assert q_shape == (2, 3, 16) and kv_shape == (8, 2, 4, 1, 16)
+    assert kv_stride == pool.stride()                # a view of the pool, no copy
+    assert (out.view(2, 2, 3, 16)[:, 0] == 2).all() and (out.view(2, 2, 3, 16)[:, 1] == 2).all()
