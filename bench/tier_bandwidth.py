@@ -112,7 +112,7 @@ def main() -> None:
     cap = int(args.gib * 2**30 // (args.requests * LAYERS * SHAPE.nbytes_aligned))
     print(f"file set: {args.requests} requests x {LAYERS} layers x {cap} pages x "
           f"{SHAPE.nbytes} B = {args.requests * LAYERS * cap * SHAPE.nbytes / 2**30:.2f} GiB; "
-          f"read batch = {args.requests} x {args.select} random pages of one layer "
+          f"read batch = {args.requests} requests x {args.select} pages of one layer "
           f"({args.requests * args.select * SHAPE.nbytes / 2**20:.1f} MiB)")
     patterns = ("random", "runs8", "contiguous")
     batches = {p: selections(p, args.requests, cap, args.select, args.rounds) for p in patterns}

@@ -155,8 +155,8 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     scores [B, KVH, P_max] (entries past num_pages[b] are ignored). Row (b, h) keeps
     min(num_pages[b], max(budget_pages, sink_pages + local_pages)) pages: the first sink_pages,
     the last local_pages (which include the partial last page), then the best-scoring others.
-    So a sequence with num_pages[b] <= budget_pages keeps every page (dense). Ties and NaN
-    scores rank below every finite score; a selector only needs a sensible order.
+    So a sequence with num_pages[b] <= budget_pages keeps every page (dense). NaN and -inf
+    scores of real pages rank below every finite score (kept only if the budget has room).
     budget_pages >= 1; a caller wanting dense decode skips selection instead.
     """
     if budget_pages < 1 or sink_pages < 0 or local_pages < 0:
@@ -174,17 +174,17 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     key = torch.nan_to_num(scores.float(), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
     key = key.masked_fill_(forced[:, None, :], float("inf"))
     key = key.masked_fill_((pos >= n[:, None])[:, None, :], -float("inf"))
-    # NOTE: unsorted top-k was 2-3x faster here; a row's live entries are its finite-or-forced
-    # ones: exactly min(num_pages[b], k) of them, forced pages first by construction.
+    # NOTE: unsorted top-k was 2-3x faster than sorted here. A row's live picks are its
+    # forced-or-finite ones: exactly min(num_pages[b], k) of them, every forced page included.
     val, top = torch.topk(key, k, dim=-1, sorted=False)            # [B, KVH, k]
-    live = val != -float("inf")
-    top = torch.where(live, top, p_max).sort(dim=-1).values         # live ascending, then p_max
+    top = torch.where(val != -float("inf"), top, p_max)             # dead entries -> column P
+    # NOTE: a row mask + nonzero yields ascending page numbers without sorting each row
+    chosen = torch.zeros(b_size * kvh, p_max + 1, dtype=torch.bool, device=dev)
+    chosen = chosen.scatter_(1, top.view(b_size * kvh, k), True)[:, :p_max].contiguous()
+    page_indices = chosen.nonzero()[:, 1]
     indptr = torch.zeros(b_size * kvh + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(live.view(-1, k).sum(dim=1), 0, out=indptr[1:])
-    page_indices = top[top < p_max]
-    hit = torch.zeros(b_size, p_max + 1, dtype=torch.bool, device=dev)
-    hit.scatter_(1, top.view(b_size, kvh * k), True)
-    hit = hit[:, :p_max]
+    torch.cumsum(chosen.sum(dim=1), 0, out=indptr[1:])
+    hit = chosen.view(b_size, kvh, p_max).amax(dim=1)               # [B, P]: any head
     union_indptr = torch.zeros(b_size + 1, dtype=torch.int64, device=dev)
     torch.cumsum(hit.sum(dim=1), 0, out=union_indptr[1:])
     return SelectedPages(indptr, page_indices, union_indptr, hit.nonzero()[:, 1], kvh)

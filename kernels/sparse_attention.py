@@ -33,8 +33,8 @@ class _SparsePlan:
 class TorchSparseDecode:
     """Per-(sequence, KV head) paged decode attention in plain torch.
 
-    One `index_select` per K and V gathers every row's head slice of its pages into a padded
-    [R, L_max, D] workspace (reused across layers and steps: fresh multi-MB buffers page-fault),
+    One `index_select` gathers every row's head slice of its pages (K and V) into a padded
+    [2, R, L_max, D] workspace (reused across layers and steps: fresh multi-MB buffers page-fault),
     padding repeats the row's first page and is masked. Then one 4-D SDPA call with the group's
     query heads as the query length of a single head: q [R, 1, group, D] against k/v
     [R, 1, L_max, D]; SDPA's CPU flash kernel keeps softmax in float32.
@@ -71,10 +71,12 @@ class TorchSparseDecode:
         at = indptr[:-1, None] + torch.where(j[None, :] < counts[:, None], j[None, :], 0)
         slots = head_table.indices.to(torch.int64)[at]              # [R, max_pages]
         head = torch.arange(rows, device=dev) % kvh
-        # element row of K[slot, t, head] in kv_pool.view(S * 2 * ps * KVH, D)
-        t = torch.arange(ps, device=dev)
-        k_rows = ((slots[:, :, None] * 2 * ps + t) * kvh + head[:, None, None]).view(-1)
-        gather_rows = torch.cat([k_rows, k_rows + ps * kvh])        # V: ps * KVH rows later
+        # element row of K[slot, t, head] in kv_pool.view(S * 2 * ps * KVH, D) is
+        # (slot * 2 * ps + t) * KVH + head; V's is ps * KVH rows later
+        base = slots * (2 * ps * kvh) + head[:, None]               # [R, max_pages]
+        t = torch.arange(ps, device=dev) * kvh
+        offsets = torch.stack([t, t + ps * kvh])[:, None, None, :]  # [2, 1, 1, ps]
+        gather_rows = (base[None, :, :, None] + offsets).view(-1)   # [2 * R * max_pages * ps]
         kv_lens = (counts - 1) * ps + head_table.last_page_len.to(torch.int64)
         max_tokens = max_pages * ps
         mask = None

@@ -48,7 +48,7 @@ def plan_extents(file_ids: np.ndarray, page_numbers: np.ndarray, max_pages: int)
     pos = np.arange(n) - run_start[np.cumsum(brk) - 1]
     brk |= pos % max_pages == 0
     starts = np.flatnonzero(brk)
-    return order, starts, np.append(starts[1:], n)
+    return order, starts, np.append(starts[1:], n)[:len(starts)]
 
 
 @dataclass(frozen=True)

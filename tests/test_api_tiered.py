@@ -1,0 +1,100 @@
+"""The real server with all three KV tiers (forced down to disk every step) and sparse decode,
+driven over HTTP: tier metrics, a corrupt page mid-stream, never-fits (400) and full-for-now (429)."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.conftest_server import (MODEL, REQUEST_TIMEOUT_S, read_metric, running_server,
+                                   sse_payloads)
+
+pytestmark = pytest.mark.slow
+
+LONG = ("The lighthouse keeper wrote in his log every night about the ships he saw. " * 30
+        + "The secret code is 4921. " + "Waves hit the rocks below the tower. " * 20)
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kv")
+
+
+@pytest.fixture(scope="module")
+def tiered(disk_dir):
+    with running_server("--kv-device-gb", "0.05", "--kv-host-gb", "0.05", "--kv-disk-gb", "0.1",
+                        "--kv-disk-path", str(disk_dir), "--kv-force-tier", "disk",
+                        "--sparse-budget", "256") as proc:
+        yield proc
+
+
+def chat(url: str, content: str, max_tokens: int, **extra) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=REQUEST_TIMEOUT_S, json={
+        "model": MODEL, "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens, "temperature": 0, **extra})
+
+
+def test_long_prompt_is_served_from_the_disk_tier_with_sparse_decode(tiered, disk_dir):
+    r = chat(tiered.url, LONG + " What is the secret code?", 24)
+    assert r.status_code == 200, r.text
+    text = httpx.get(tiered.url + "/metrics").text
+    assert read_metric(text, "strata_kv_transfer_bytes_total", 'dst="device",src="disk"') > 0
+    assert read_metric(text, "strata_kv_transfer_bytes_total", 'dst="disk",src="device"') > 0
+    assert read_metric(text, "strata_kv_page_hits_total", 'tier="disk"') > 0
+    assert read_metric(text, "strata_sparse_selected_tokens_count") > 0
+    for tier in ("device", "host", "disk"):
+        assert read_metric(text, "strata_kv_tier_capacity_bytes", f'tier="{tier}"') > 0
+        assert read_metric(text, "strata_kv_tier_used_bytes", f'tier="{tier}"') == 0
+    assert not any(disk_dir.iterdir()), "a finished request left files behind"
+
+
+def test_corrupt_page_mid_stream_ends_that_stream_with_an_error(tiered, disk_dir):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 300,
+            "temperature": 0, "stream": True, "ignore_eos": True}
+    events = []
+    with httpx.stream("POST", tiered.url + "/v1/chat/completions", json=body,
+                      timeout=REQUEST_TIMEOUT_S) as r:
+        assert r.status_code == 200
+        corrupted = False
+        for payload in sse_payloads(r.iter_lines()):
+            events.append(payload)
+            if not corrupted and len(events) >= 4:
+                (f,) = [p for p in disk_dir.rglob("*") if p.is_file()]
+                with open(f, "r+b") as fh:
+                    head = fh.read(4096)
+                    fh.seek(0)
+                    fh.write(bytes(b ^ 0xFF for b in head))
+                corrupted = True
+    assert events[-1] == "[DONE]"
+    err = events[-2]
+    assert "error" in err and "corrupt" in err["error"]["message"].lower()
+    # the server keeps serving
+    r = chat(tiered.url, "Say hi.", 8)
+    assert r.status_code == 200, r.text
+
+
+def test_request_that_can_never_fit_the_disk_tier_is_400(tiered):
+    r = chat(tiered.url, "Hello", 6000)
+    assert r.status_code == 400, r.text
+    assert "raise --kv-disk-gb" in r.json()["error"]["message"]
+
+
+def test_disk_budget_full_for_now_is_429_with_retry_after(tiered, disk_dir):
+    # the first request reserves 2500+ tokens of the ~4.6K-token disk budget; so would the second
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count."}],
+            "max_tokens": 2500, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", tiered.url + "/v1/chat/completions", json=body,
+                      timeout=REQUEST_TIMEOUT_S) as first:
+        assert first.status_code == 200
+        next(first.iter_lines())
+        r = chat(tiered.url, "Count.", 2500)
+        assert r.status_code == 429, r.text
+        assert int(r.headers["retry-after"]) >= 1
+        assert "disk" in r.json()["error"]["message"]
+    # closing the first stream aborts it and frees its reservation: the same request now fits
+    deadline = time.monotonic() + 60
+    while any(disk_dir.iterdir()):
+        assert time.monotonic() < deadline, "aborted request left its file"
+        time.sleep(0.05)
+    assert chat(tiered.url, "Count.", 2500, stop=["1"]).status_code == 200
