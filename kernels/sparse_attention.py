@@ -35,13 +35,15 @@ class TorchSparseDecode:
 
     One `index_select` gathers every row's head slice of its pages (K and V) into a padded
     [2, R, L_max, D] workspace (reused across layers and steps: fresh multi-MB buffers page-fault),
-    padding repeats the row's first page and is masked. Then one 4-D SDPA call with the group's
-    query heads as the query length of a single head: q [R, 1, group, D] against k/v
-    [R, 1, L_max, D]; SDPA's CPU flash kernel keeps softmax in float32.
+    padding repeats the row's first page and is masked. Then one 4-D SDPA call, each row a
+    batch entry whose group query heads share one KV head: q [R, group, 1, D] against k/v
+    [R, 1, L_max, D] with enable_gqa; SDPA's CPU flash kernel keeps softmax in float32.
 
-    NOTE (measured, 1 thread, SmolLM2 shapes, bf16, 24 rows x 1024 tokens): 4-D SDPA with
-    q [R, 1, group, D] ~1.0 ms vs enable_gqa with q [R, group, 1, D] ~1.06 ms, explicit bmm with
-    float32 softmax ~1.7 ms, float32-upcast K/V ~6.6 ms.
+    NOTE (measured, 1 thread, SmolLM2 shapes, bf16, 24 rows x 1024 tokens, medians): that
+    layout ~1.1 ms; the group as query length of one head (q [R, 1, group, D]) ~1.5 ms;
+    explicit bmm with a float32 softmax ~1.45 ms; float32-upcast K/V for bmm several times
+    slower. The gather is the other half: 128-byte rows (one head of one token), as a page
+    holds all KV heads interleaved.
     Each layer selects its own pages: call `plan(head_table)` once per layer (forward plans
     lazily when handed a new table). Padding goes to the longest row.
     """
@@ -107,8 +109,9 @@ class TorchSparseDecode:
             self._workspace = ws
         kv = torch.index_select(flat, 0, plan.rows, out=ws[:n * d].view(n, d))
         k, v = kv.view(2, rows, 1, plan.max_tokens, d)              # views of the workspace
-        out = F.scaled_dot_product_attention(                       # [R, 1, group, D]
-            q.to(k.dtype).reshape(rows, 1, group, d), k, v, attn_mask=plan.mask, scale=scale)
+        out = F.scaled_dot_product_attention(                       # [R, group, 1, D]
+            q.to(k.dtype).reshape(rows, group, 1, d), k, v, attn_mask=plan.mask, scale=scale,
+            enable_gqa=True)
         return out.view(b, h, d).to(q.dtype)
 
     __call__ = forward

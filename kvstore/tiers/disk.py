@@ -249,7 +249,7 @@ class DiskTier(Tier):
         if tuple(pages.shape[1:]) != self.page_shape.shape or pages.dtype != self.page_shape.dtype:
             raise ValueError(f"disk tier: pool must be {self.page_shape.dtype} "
                              f"[slots, {self.page_shape.shape}], got {tuple(pages.shape)}")
-        return pages.reshape(pages.shape[0], -1).view(torch.uint8).numpy()
+        return pages.reshape(pages.shape[0], self.page_shape.numel).view(torch.uint8).numpy()
 
     def _slot_rows(self, pool: torch.Tensor, slots: torch.Tensor, keys: np.ndarray) -> np.ndarray:
         rows = np.asarray(torch.as_tensor(slots).to("cpu", torch.int64))
