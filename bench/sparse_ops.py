@@ -68,6 +68,7 @@ def main() -> None:
     pools = [torch.randn(slots_total, 2, ps, kvh, d).to(dtype) for _ in range(args.resident)]
     q = torch.randn(b, args.heads, d).to(dtype)
     kv_lens = [args.context] * b
+    num_pages = torch.full((b,), n_pages)
     cyc = {"i": 0}
 
     def pool() -> torch.Tensor:
@@ -75,15 +76,19 @@ def main() -> None:
         return pools[cyc["i"]]
 
     rows = []
+    step_ms: dict[str, float] = {}
 
-    def report(name: str, ms: float, per: str = "layer") -> None:
+    def report(name: str, ms: float, per: str = "layer", key: str | None = None) -> None:
         step = ms * args.layers if per == "layer" else ms
         rows.append((name, ms if per == "layer" else ms / args.layers, step))
+        if key:
+            step_ms[key] = step
 
     # 1. summaries at append time: the decode token of every sequence, into its last page
     last = args.context - 1
-    for sdt_name in args.summary_dtype:
+    for si, sdt_name in enumerate(args.summary_dtype):
         sdt = getattr(torch, sdt_name)
+        main_dtype = si == 0                                        # counted in the totals
         per_req = [summarize_pages(pools[0][slot_table[i], 0],
                                    [ps] * (n_pages - 1) + [args.context - (n_pages - 1) * ps], sdt)
                    for i in range(b)]
@@ -93,7 +98,8 @@ def main() -> None:
         offs = torch.full((b,), last % ps)
         report(f"summary update, one call for the batch ({sdt_name})",
                _median_ms(lambda: update_summaries(pooled, page_rows, offs, k_new,
-                                                   distinct_pages=True), 50))
+                                                   distinct_pages=True), 50),
+               key="update" if main_dtype else None)
         report(f"  (same, generic grouping path; {sdt_name})",
                _median_ms(lambda: update_summaries(pooled, page_rows, offs, k_new), 50))
 
@@ -111,35 +117,38 @@ def main() -> None:
         # 2. scoring + selection + per-head page table
         for sel_name in ("quest", "mean"):
             selector = make_selector(sel_name)
-            num_pages = torch.full((b,), n_pages)
             report(f"{sel_name} scores ({sdt_name} summaries)",
-                   _median_ms(lambda: selector.score(q, per_req, num_pages, group), args.repeats))
+                   _median_ms(lambda: selector.score(q, per_req, num_pages, group), args.repeats),
+                   key="score" if main_dtype and sel_name == "quest" else None)
         scores = make_selector("quest").score(q, per_req, num_pages, group)
         report("select_pages (top-k, sink, local, union)",
                _median_ms(lambda: select_pages(scores, num_pages, budget_pages,
-                                               args.sink_pages, args.local_pages), args.repeats))
+                                               args.sink_pages, args.local_pages), args.repeats),
+               key="select" if main_dtype else None)
     sel = select_pages(scores, num_pages, budget_pages, args.sink_pages, args.local_pages)
     report("build_head_page_table",
            _median_ms(lambda: build_head_page_table(sel.indptr, sel.page_indices, slot_table,
-                                                    kv_lens, ps), args.repeats))
+                                                    kv_lens, ps), args.repeats), key="table")
     table = build_head_page_table(sel.indptr, sel.page_indices, slot_table, kv_lens, ps)
 
     # 3. sparse attention over the selection (planned per layer: each layer selects its own)
     sparse = TorchSparseDecode()
     report("sparse attention plan (per layer)",
-           _median_ms(lambda: sparse.plan(table, pools[0].shape), args.repeats))
+           _median_ms(lambda: sparse.plan(table, pools[0].shape), args.repeats), key="plan")
     sparse.plan(table, pools[0].shape)
     report(f"sparse attention forward ({budget_pages} pages per head)",
-           _median_ms(lambda: sparse.forward(q, pool(), table, group, scale), args.repeats))
+           _median_ms(lambda: sparse.forward(q, pool(), table, group, scale), args.repeats),
+           key="sparse")
 
     # 4. dense paged attention over every page (planned once per step)
     dense = TorchPagedAttention()
     batch = AttentionBatch.build(slot_table.tolist(), kv_lens, [1] * b, ps)
     report("dense plan (once per step)", _median_ms(lambda: dense.plan(batch), args.repeats),
-           per="step")
+           per="step", key="dense_plan")
     dense.plan(batch)
     report(f"dense attention forward ({n_pages} pages)",
-           _median_ms(lambda: dense.forward(q, pool(), batch, scale), max(3, args.repeats // 3)))
+           _median_ms(lambda: dense.forward(q, pool(), batch, scale), max(3, args.repeats // 3)),
+           key="dense")
 
     print(f"threads={args.threads} batch={b} context={args.context} pages/seq={n_pages} "
           f"page={ps} heads={args.heads}/{kvh} hd={d} kv={args.dtype} budget={budget_pages} "
@@ -148,6 +157,14 @@ def main() -> None:
     print(f"{'op':<{width}}  {'ms/layer':>9}  {'ms/step':>9}")
     for name, per_layer, step in rows:
         print(f"{name:<{width}}  {per_layer:9.3f}  {step:9.2f}")
+    sparse_total = sum(step_ms[k] for k in ("update", "score", "select", "table", "plan", "sparse"))
+    dense_total = step_ms["dense"] + step_ms["dense_plan"]
+    kv_bytes = torch.tensor([], dtype=dtype).element_size() * 2 * d
+    print(f"attention-side total per step: sparse {sparse_total:.1f} ms "
+          f"(update + quest + select + table + plan + forward, {args.summary_dtype[0]} "
+          f"summaries) vs dense {dense_total:.1f} ms: {dense_total / sparse_total:.2f}x")
+    print(f"K/V bytes read per layer: sparse {b * kvh * budget_pages * ps * kv_bytes / 1e6:.1f} MB "
+          f"vs dense {b * kvh * n_pages * ps * kv_bytes / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":

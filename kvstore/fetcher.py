@@ -155,12 +155,5 @@ class Fetcher:
         for rid, rows in by_req.items():
             idx = torch.tensor(rows, dtype=torch.int64)
             k, p = keys[idx], pages[idx]
-            fut = backing.put_async(k, p)
-            clean = store.clean
-
-            def done(f, k=k, p=p, n=k.numel()):  # NOTE: p stays alive until written
-                if f.exception() is None:
-                    clean[k] = True
-                    store.stats.add_transfer("device", "disk", n * nbytes)
-            fut.add_done_callback(done)
-            store.requests[rid].written.append(fut)
+            # NOTE: the store keeps `p` alive with the future until the write is applied
+            store.requests[rid].written.append((backing.put_async(k, p), k, p))

@@ -1,6 +1,7 @@
 """KVStats: counters of the KV store, read by the engine for /metrics (plain ints, no tensors)."""
 from __future__ import annotations
 
+import bisect
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
@@ -25,12 +26,9 @@ class KVStats:
     def observe_selected(self, tokens: list[int]) -> None:
         with self._lock:
             for t in tokens:
-                i = 0
-                while i < len(SELECTED_TOKEN_BUCKETS) and t > SELECTED_TOKEN_BUCKETS[i]:
-                    i += 1
-                self.selected_buckets[i] += 1
-                self.selected_sum += t
-                self.selected_count += 1
+                self.selected_buckets[bisect.bisect_left(SELECTED_TOKEN_BUCKETS, t)] += 1
+            self.selected_sum += sum(tokens)
+            self.selected_count += len(tokens)
 
     def add_transfer(self, src: str, dst: str, nbytes: int) -> None:
         with self._lock:

@@ -58,7 +58,9 @@ class RequestKV:
     handle: int
     capacity_pages: int                      # pages per layer reserved for prompt + max_tokens
     summaries: torch.Tensor                  # [L, capacity_pages, kvh, 3, hd] min | max | mean
-    written: list[Future] = field(default_factory=list)   # in-flight backing writes
+    # in-flight backing writes: (future, keys, pages); pages stay alive until applied
+    written: list[tuple[Future, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    write_errors: list[str] = field(default_factory=list)
     prefilled: bool = False                  # placement applied after the prompt was computed
 
 
@@ -198,24 +200,34 @@ class TieredKVStore:
         return (ls[:, None] * self.max_pages + page_ids[None, :]).reshape(-1)
 
     def wait_writes(self, rkv: RequestKV) -> None:
-        for f in rkv.written:
-            try:
-                f.result()
-            except Exception:  # noqa: BLE001 - reported where the write was checked
-                pass
-        rkv.written.clear()
+        """Block until the request's backing writes finish (errors kept for check_writes)."""
+        self._settle(rkv, block=True)
+
+    def _settle(self, rkv: RequestKV, block: bool) -> None:
+        # NOTE: completions are applied here, on the engine thread, never in I/O callbacks:
+        # a callback could mark a page clean after free() released its id
+        pending = []
+        for entry in rkv.written:
+            fut, keys = entry[0], entry[1]
+            if not block and not fut.done():
+                pending.append(entry)
+                continue
+            exc = fut.exception()
+            if exc is None:
+                self.clean[keys] = True
+                self.stats.add_transfer("device", "disk", keys.numel() * self.page_shape.nbytes)
+            else:
+                rkv.write_errors.append(f"KV write to disk failed: {exc}")
+        rkv.written = pending
 
     def check_writes(self) -> list[tuple[str, str]]:
-        """Collect finished backing writes; returns (request_id, error) for failed ones."""
+        """Apply finished backing writes; returns (request_id, error) for failed ones."""
         failed = []
         for rid, rkv in self.requests.items():
-            pending = []
-            for f in rkv.written:
-                if not f.done():
-                    pending.append(f)
-                elif f.exception() is not None:
-                    failed.append((rid, f"KV write to disk failed: {f.exception()}"))
-            rkv.written = pending
+            self._settle(rkv, block=False)
+            if rkv.write_errors:
+                failed.append((rid, rkv.write_errors[0]))
+                rkv.write_errors.clear()
         return failed
 
     def staging(self, n: int) -> torch.Tensor:
