@@ -35,6 +35,7 @@ class EngineArgs:
     sparse_local_tokens: int = 64         # last tokens always attended in sparse decode
     dense_layers: int = 2                 # the first layers always run dense
     selector: str = "quest"               # page selector: quest | mean
+    sparse_head_pages: str = "per-head"   # per-head | union: which selected pages each KV head attends
     kv_force_tier: str = "none"           # tests/diagnostics: evict down to host or disk every step
     threads: int = 0                      # torch intra-op threads; 0: all cores
     cache_dir: Path | None = None         # converted-model cache; default STRATA_CACHE_DIR or ~/.cache/strata/models
@@ -66,6 +67,7 @@ class EngineArgs:
             disk_path=Path(disk_path) if disk_path else None, sparse_budget=self.sparse_budget,
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,
+            head_pages=self.sparse_head_pages,
             max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier)
 
     @property

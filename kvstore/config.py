@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FORCE_TIERS = ("none", "host", "disk")
+HEAD_PAGES = ("per-head", "union")
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class KVStoreConfig:
     local_tokens: int = 64               # --sparse-local-tokens: last tokens always attended
     dense_layers: int = 2                # --dense-layers: the first layers always run dense
     selector: str = "quest"              # --selector: quest | mean
+    head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
     residency: str = "lru"               # --residency: lru
     max_num_seqs: int = 16               # for per-request placement quotas
     force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this tier (tests, diagnostics)
@@ -39,6 +41,8 @@ class KVStoreConfig:
             raise ValueError("--kv-force-tier host needs --kv-host-gb > 0 (or a disk tier)")
         if self.force_tier == "disk" and self.disk_bytes == 0:
             raise ValueError("--kv-force-tier disk needs --kv-disk-gb > 0")
+        if self.head_pages not in HEAD_PAGES:
+            raise ValueError(f"--sparse-head-pages must be one of {HEAD_PAGES}")
         if self.residency != "lru":
             raise ValueError(f"--residency must be one of ('lru',), got {self.residency!r}")
 

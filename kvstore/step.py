@@ -133,10 +133,18 @@ class StepKV:
             out[rows] = store.dense_attention.forward(q[rows], pool, batch, scale)
         if sparse_idx:
             rows = torch.tensor([self.qo[i] for i in sparse_idx], **_I64)
-            table = self._sparse_table(sparse_idx, sel, slots_all[n_dense:])
-            kvh = store.page_shape.num_kv_heads
-            out[rows] = store.sparse_attention.forward(q[rows], pool, table, q.shape[1] // kvh,
-                                                       scale)
+            if store.cfg.head_pages == "union":
+                # every head attends to the pages any head selected (fetched anyway): whole
+                # pages gather as 12 KB rows, and a page one head missed still counts
+                table = self._union_table(sparse_idx, sel, slots_all[n_dense:])
+                batch = AttentionBatch(torch.arange(len(sparse_idx) + 1, dtype=torch.int32),
+                                       table, torch.empty(0, **_I64))
+                out[rows] = store.dense_attention.forward(q[rows], pool, batch, scale)
+            else:
+                table = self._sparse_table(sparse_idx, sel, slots_all[n_dense:])
+                kvh = store.page_shape.num_kv_heads
+                out[rows] = store.sparse_attention.forward(q[rows], pool, table,
+                                                           q.shape[1] // kvh, scale)
         store.residency.touch(torch.cat([slots_all, t_slots.int()]), self.now)
 
         # 5. pages that became full go to the backing tier (once)
@@ -191,3 +199,9 @@ class StepKV:
         last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
         return PageTable(sel.indptr.to(torch.int32), union_slots[pos].to(torch.int32),
                          last.repeat_interleave(kvh), self.store.cfg.page_size)
+
+    def _union_table(self, idx: list[int], sel, union_slots: torch.Tensor) -> PageTable:
+        """One row per sequence over the union of its heads' pages (the partial page last)."""
+        last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
+        return PageTable(sel.union_indptr.to(torch.int32), union_slots.to(torch.int32), last,
+                         self.store.cfg.page_size)

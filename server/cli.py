@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the first layers always attend densely")
     serve.add_argument("--selector", choices=("quest", "mean"), default="quest",
                        help="page scoring: Quest's min/max bound or the mean key")
+    serve.add_argument("--sparse-head-pages", choices=("per-head", "union"), default="per-head",
+                       help="each KV head attends to its own selected pages, or to the union "
+                            "of all heads' pages (fetched anyway)")
     serve.add_argument("--kv-force-tier", choices=("none", "host", "disk"), default="none",
                        help="diagnostics: evict pages down to this tier after every step")
     serve.add_argument("--api-key", default=None,
@@ -110,6 +113,7 @@ def engine_args(args: argparse.Namespace, served_model_name: str):
               "sparse_local_tokens": args.sparse_local_tokens,
               "dense_layers": args.dense_layers, "selector": args.selector,
               "kv_force_tier": args.kv_force_tier,
+              "sparse_head_pages": args.sparse_head_pages,
               "threads": args.threads, "cache_dir": args.cache_dir}
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     return EngineArgs(**{k: v for k, v in values.items() if k in known and v is not None})

@@ -78,11 +78,12 @@ def test_sparse_equals_dense_when_budget_covers_context(smollm2_dir, prompts, de
     assert all(used == 0 for used, _ in engine.store.tier_usage().values())
 
 
+@pytest.mark.parametrize("head_pages", ["per-head", "union"])
 def test_sparse_decode_attends_within_budget_and_stays_on_topic(smollm2_dir, prompts, dense,
-                                                               tmp_path):
+                                                               tmp_path, head_pages):
     # 256-token budget over a ~400-token context: decode runs sparse past the dense layers
     engine = make(smollm2_dir, tmp_path, kv_device_gb=0.1, kv_disk_gb=0.2, sparse_budget=256,
-                  sparse_local_tokens=64)
+                  sparse_local_tokens=64, sparse_head_pages=head_pages)
     got, errors = run(engine, prompts[:1])
     assert not errors
     stats = engine.store.stats.snapshot()
