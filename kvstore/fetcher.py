@@ -45,13 +45,16 @@ class Fetcher:
         short = n - dev.num_free
         if short <= 0:
             return
+        # NOTE: evict a batch beyond the shortfall: the scan over every slot then runs once
+        # per several layers instead of once per layer
+        want = max(short, dev.capacity_pages // 32)
         for attempt in range(2):
             key_of = dev.slot_keys
             evictable = (key_of >= 0) & store.clean[key_of.clamp(min=0)]
             if protect.numel():
                 ps = dev.slots(protect)
                 evictable[ps[ps >= 0].long()] = False
-            victims = store.residency.victims(short, evictable)
+            victims = store.residency.victims(want, evictable)
             if victims.numel() >= short:
                 break
             # pages still being written to the backing tier cannot go yet: wait for them
@@ -90,7 +93,7 @@ class Fetcher:
         if short <= 0:
             return
         key_of = host.slot_keys
-        victims = store.host_residency.victims(short, key_of >= 0)
+        victims = store.host_residency.victims(max(short, host.capacity_pages // 32), key_of >= 0)
         host.delete(key_of[victims])
         store.stats.evictions["host"] += victims.numel()
 
