@@ -50,6 +50,20 @@ from scheduler.sampling_params import SamplingParams  # noqa: E402
 from server.tokenizer import Tokenizer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+
+
+def code_version() -> dict:
+    """HEAD and a hash of uncommitted changes outside bench/ (the code measured)."""
+    import hashlib
+    import subprocess as sp
+    try:
+        head = sp.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                      text=True).stdout.strip()
+        diff = sp.run(["git", "diff", "HEAD", "--", ".", ":(exclude)bench"], cwd=ROOT,
+                      capture_output=True).stdout
+        return {"head": head, "dirty_sha1": hashlib.sha1(diff).hexdigest()[:12] if diff else None}
+    except OSError:
+        return {}
 MAX_MODEL_LEN = 8192
 
 # needle sentence, question, answer prefix (the assistant turn starts with it; "" for none)
@@ -132,18 +146,24 @@ def make_prompts(tok, essay_ids, fmt, lengths, depths, per_depth, seed) -> list[
 
 # ------------------------------------------------------------------------------ running
 def config_budget(name: str) -> int:
+    """dense -> 0; sparse-1024 or sparse-1024-union -> 1024."""
     return 0 if name == "dense" else int(name.split("-")[1])
 
 
+def config_head_pages(name: str) -> str:
+    """sparse-N-union: every KV head attends to the union of the heads' pages."""
+    return "union" if name.endswith("-union") else "per-head"
+
+
 def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int,
-                dense_layers: int, selector: str) -> EngineArgs:
+                dense_layers: int, selector: str, head_pages: str = "per-head") -> EngineArgs:
     tokens_per_seq = MAX_MODEL_LEN
     kv_gb = max_seqs * tokens_per_seq * 23040 / 2**30 * 1.05   # SmolLM2 bf16: 23040 B/token
     return EngineArgs(max_model_len=MAX_MODEL_LEN, max_num_seqs=max_seqs,
                       max_num_batched_tokens=(max_seqs * MAX_MODEL_LEN if one_step_prefill
                                               else 2048),
                       kv_device_gb=kv_gb, sparse_budget=budget, dense_layers=dense_layers,
-                      selector=selector, threads=threads)
+                      selector=selector, sparse_head_pages=head_pages, threads=threads)
 
 
 def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str]) -> int:
@@ -157,10 +177,11 @@ def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str])
     return steps
 
 
-def decode_child(engine: LLMEngine, budget: int, first: dict[str, list[int]], path: str) -> None:
-    """In a forked child: set the budget, decode to the end, write {rid: tokens} to `path`."""
+def decode_child(engine: LLMEngine, name: str, first: dict[str, list[int]], path: str) -> None:
+    """In a forked child: set the config, decode to the end, write {rid: tokens} to `path`."""
     torch.set_num_threads(1)          # the parent's OpenMP pool does not survive fork
-    engine.store.cfg = dataclasses.replace(engine.store.cfg, sparse_budget=budget)
+    engine.store.cfg = dataclasses.replace(engine.store.cfg, sparse_budget=config_budget(name),
+                                           head_pages=config_head_pages(name))
     outs = {rid: list(t) for rid, t in first.items()}
     errors: dict[str, str] = {}
     t0 = time.perf_counter()
@@ -194,7 +215,7 @@ def run_forked(engine: LLMEngine, batch: list[Prompt], configs: list[str], max_t
             if pid == 0:
                 code = 0
                 try:
-                    decode_child(engine, config_budget(name), first, path)
+                    decode_child(engine, name, first, path)
                 except BaseException as exc:  # noqa: BLE001
                     print(f"child {name}: {exc!r}", file=sys.stderr, flush=True)
                     code = 1
@@ -233,7 +254,10 @@ def evaluate(prompts: list[Prompt], configs: list[str], args) -> tuple[list[dict
                          "error": errors.get(p.rid)})
 
     if not args.no_fork:
-        engine = LLMEngine(engine_args(0, args.threads, True, args.max_num_seqs,
+        # NOTE: the parent prefills with a sparse budget set so that the page summaries are
+        # computed (the store skips them when sparse decode is off); prefill is dense anyway
+        parent_budget = max(config_budget(c) for c in configs)
+        engine = LLMEngine(engine_args(parent_budget, args.threads, True, args.max_num_seqs,
                                        args.dense_layers, args.selector))
         torch.set_num_threads(args.threads)
         tok = Tokenizer.from_folder(engine.model_folder)
@@ -253,7 +277,8 @@ def evaluate(prompts: list[Prompt], configs: list[str], args) -> tuple[list[dict
         return rows, timing
     for name in configs:
         engine = LLMEngine(engine_args(config_budget(name), args.threads, False,
-                                       args.max_num_seqs, args.dense_layers, args.selector))
+                                       args.max_num_seqs, args.dense_layers, args.selector,
+                                       config_head_pages(name)))
         torch.set_num_threads(args.threads)
         tok = Tokenizer.from_folder(engine.model_folder)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -297,20 +322,20 @@ def print_tables(summary: dict, configs: list[str], lengths: list[int], n_per: d
     cols = [str(n) for n in lengths] + ["all"]
     print("\naccuracy % (n prompts per cell: " + ", ".join(f"{k}: {v}" for k, v in n_per.items())
           + ")")
-    print(f"{'config':<12}" + "".join(f"{c + ' tok':>12}" if c != "all" else f"{c:>12}"
+    print(f"{'config':<20}" + "".join(f"{c + ' tok':>12}" if c != "all" else f"{c:>12}"
                                       for c in cols))
     for c in configs:
-        print(f"{c:<12}" + "".join(f"{acc[c][k]:>12.1f}" for k in cols))
+        print(f"{c:<20}" + "".join(f"{acc[c][k]:>12.1f}" for k in cols))
     for c, g in summary["gap_vs_dense_points"].items():
         print(f"gap {c} - dense (points): " + ", ".join(f"{k}: {v:+.1f}" for k, v in g.items()))
     print("\nby depth (accuracy %):")
     depths = sorted({d for c in configs for n in summary["accuracy_by_depth_pct"][c].values()
                      for d in n}, key=float)
-    print(f"{'config':<12}{'len':>6}" + "".join(f"{d:>7}" for d in depths))
+    print(f"{'config':<20}{'len':>6}" + "".join(f"{d:>7}" for d in depths))
     for c in configs:
         for n in lengths:
             row = summary["accuracy_by_depth_pct"][c][str(n)]
-            print(f"{c:<12}{n:>6}" + "".join(f"{row[d]:>7.0f}" for d in depths))
+            print(f"{c:<20}{n:>6}" + "".join(f"{row[d]:>7.0f}" for d in depths))
 
 
 def plot(summary: dict, configs: list[str], lengths: list[int], path: Path, title: str) -> None:
@@ -318,15 +343,20 @@ def plot(summary: dict, configs: list[str], lengths: list[int], path: Path, titl
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sparse = sorted((c for c in configs if c != "dense"), key=config_budget)
-    xs = [config_budget(c) for c in sparse]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for n in lengths:
-        line = ax.plot(xs, [summary["accuracy_pct"][c][str(n)] for c in sparse], marker="o",
-                       label=f"sparse, ~{n} tokens")
+    xs = sorted({config_budget(c) for c in configs if c != "dense"})
+    for k, n in enumerate(lengths):
+        for hp, ls, mk in (("per-head", "-", "o"), ("union", ":", "x")):
+            sparse = sorted((c for c in configs if c != "dense" and config_head_pages(c) == hp),
+                            key=config_budget)
+            if not sparse:
+                continue
+            ax.plot([config_budget(c) for c in sparse],
+                    [summary["accuracy_pct"][c][str(n)] for c in sparse], marker=mk, ms=8,
+                    ls=ls, color=f"C{k}", label=f"sparse{'' if hp == 'per-head' else ' union'}, ~{n} tokens")
         if "dense" in configs:
             ax.axhline(summary["accuracy_pct"]["dense"][str(n)], ls="--",
-                       color=line[0].get_color(), label=f"dense, ~{n} tokens")
+                       color=f"C{k}", label=f"dense, ~{n} tokens")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("sparse budget (tokens per request, layer, KV head)")
@@ -362,7 +392,11 @@ def main() -> None:
                     help="fresh engine per config, chunked prefill (slow; cross-check)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/needle.json)")
+    ap.add_argument("--replot", default=None, help="only redraw the plot of this JSON")
     args = ap.parse_args()
+    if args.replot:
+        replot(Path(args.replot))
+        return
     depths = args.depths or ([0.1, 0.5, 0.9] if args.quick else [0.1, 0.3, 0.5, 0.7, 0.9])
     per_depth = args.per_depth or (2 if args.quick else 3)
     torch.set_num_threads(args.threads)
@@ -370,7 +404,7 @@ def main() -> None:
 
     folder_tok = Tokenizer.from_folder(_model_folder())
     essay_ids = folder_tok.encode(essay_text(), add_special_tokens=False)
-    report: dict = {"threads": args.threads, "fork": not args.no_fork, "parallel": args.parallel,
+    report: dict = {"code": code_version(), "threads": args.threads, "fork": not args.no_fork, "parallel": args.parallel,
                     "depths": depths, "per_depth": per_depth, "lengths": args.lengths,
                     "configs": args.configs, "max_tokens": args.max_tokens,
                     "dense_layers": args.dense_layers, "selector": args.selector,
@@ -412,8 +446,21 @@ def main() -> None:
         fmt = args.formats[0]
         png = out.with_suffix(".png")
         plot(report["formats"][fmt], args.configs, args.lengths, png,
-             f"needle in a haystack, SmolLM2-135M, format {fmt!r}, "
-             f"{len(depths)} depths x {per_depth} needles")
+             plot_title(fmt, depths, per_depth))
+        print(f"wrote {png}")
+
+
+def plot_title(fmt: str, depths: list[float], per_depth: int) -> str:
+    return (f"NIAH, SmolLM2-135M, format {fmt}, {len(depths)} depths x {per_depth} needles "
+            f"per length")
+
+
+def replot(path: Path) -> None:
+    report = json.loads(path.read_text())
+    for fmt, rep in report["formats"].items():
+        png = path.with_suffix(".png")
+        plot(rep, report["configs"], report["lengths"], png,
+             plot_title(fmt, report["depths"], report["per_depth"]))
         print(f"wrote {png}")
 
 

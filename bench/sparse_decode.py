@@ -43,14 +43,30 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
 
 RESULTS = ROOT / "bench" / "results"
+
+
+def code_version() -> dict:
+    """HEAD and a hash of uncommitted changes outside bench/ (the code measured)."""
+    import hashlib
+    import subprocess as sp
+    try:
+        head = sp.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                      text=True).stdout.strip()
+        diff = sp.run(["git", "diff", "HEAD", "--", ".", ":(exclude)bench"], cwd=ROOT,
+                      capture_output=True).stdout
+        return {"head": head, "dirty_sha1": hashlib.sha1(diff).hexdigest()[:12] if diff else None}
+    except OSError:
+        return {}
 KV_TMP = RESULTS / "kv-tmp"
 GiB = 2**30
 
-# name -> (sparse_budget, kv_device_gb, kv_host_gb, kv_disk_gb)
+# name -> (sparse_budget, kv_device_gb, kv_host_gb, kv_disk_gb); a "-union" suffix runs
+# --sparse-head-pages union (every KV head attends to the union of the heads' pages)
 CONFIGS = {
     "dense":                 (0, 2.0, 0.0, 0.0),
     "sparse-inmem":          (1024, 2.0, 0.0, 0.0),
     "sparse-dev0.5":         (1024, 0.5, 1.0, 4.0),
+    "sparse-dev0.5-union":   (1024, 0.5, 1.0, 4.0),
     "sparse-dev0.25":        (1024, 0.25, 0.256, 4.0),
     "sparse-dev0.128":       (1024, 0.128, 0.256, 4.0),
     "sparse-dev0.064":       (1024, 0.064, 0.256, 4.0),   # the memory config
@@ -111,7 +127,8 @@ def worker(args) -> dict:
     eargs = EngineArgs(max_model_len=8192, max_num_seqs=args.requests,
                        max_num_batched_tokens=args.prefill_tokens, kv_device_gb=dev_gb,
                        kv_host_gb=host_gb, kv_disk_gb=disk_gb, kv_disk_path=disk_path,
-                       sparse_budget=budget, threads=args.threads)
+                       sparse_budget=budget, threads=args.threads,
+                       sparse_head_pages="union" if args.config.endswith("-union") else "per-head")
     try:
         engine = LLMEngine(eargs)
         torch.set_num_threads(args.threads)
@@ -145,6 +162,14 @@ def worker(args) -> dict:
         prefill_s = time.perf_counter() - t0
         if errors:
             raise RuntimeError(f"requests failed during prefill: {errors}")
+        rss_prefilled = proc_status()["VmRSS"]
+        rss_trimmed = None
+        if args.malloc_trim:
+            import ctypes
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            rss_trimmed = proc_status()["VmRSS"]
+        torch.set_num_threads(args.decode_threads)
+        load_before = os.getloadavg()
         store = engine.store
         before = store.stats.snapshot()
         rss_decode = 0
@@ -170,6 +195,7 @@ def worker(args) -> dict:
         after = store.stats.snapshot()
         usage = store.tier_usage()
         status = proc_status()
+        load_after = os.getloadavg()
         summaries = sum(r.summaries.numel() * r.summaries.element_size()
                         for r in store.requests.values())
         for rid in rids:
@@ -188,8 +214,10 @@ def worker(args) -> dict:
     evictions = delta(before.evictions, after.evictions)
     budgets = int(dev_gb * GiB) + int(host_gb * GiB)
     res = {
-        "config": args.config, "sparse_budget": budget, "kv_device_gb": dev_gb,
-        "kv_host_gb": host_gb, "kv_disk_gb": disk_gb, "threads": args.threads,
+        "config": args.config, "code": code_version(), "sparse_budget": budget,
+        "head_pages": eargs.sparse_head_pages, "kv_device_gb": dev_gb,
+        "kv_host_gb": host_gb, "kv_disk_gb": disk_gb, "prefill_threads": args.threads,
+        "decode_threads": args.decode_threads,
         "requests": args.requests, "prompt_tokens": [len(p) for p in prompts],
         "prefill_tokens_per_step": args.prefill_tokens, "prefill_s": prefill_s,
         "prefill_steps": prefill_steps, "steps": n, "tokens": tokens,
@@ -208,9 +236,11 @@ def worker(args) -> dict:
                                  / (after.selected_count - before.selected_count)
                                  if after.selected_count > before.selected_count else None),
         "tier_usage": {k: list(v) for k, v in usage.items()},
+        "loadavg_1m_before_after_decode": [load_before[0], load_after[0]],
         "memory": {
             "model_bytes": model_bytes, "budget_bytes": budgets,
             "rss_runtime": rss_runtime, "rss_after_load": rss_loaded,
+            "rss_after_prefill": rss_prefilled, "rss_after_malloc_trim": rss_trimmed,
             "rss_decode_max": rss_decode, "rss_peak_hwm": status["VmHWM"],
             "summaries_bytes": summaries,
         },
@@ -302,9 +332,10 @@ def driver(args) -> None:
         out = RESULTS / f".sparse_decode_{name}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--config", name,
                "--steps", str(args.steps), "--threads", str(args.threads),
+               "--decode-threads", str(args.decode_threads),
                "--requests", str(args.requests), "--context", str(args.context),
                "--prefill-tokens", str(args.prefill_tokens), "--kv-disk-path", args.kv_disk_path,
-               "--out", str(out)]
+               "--out", str(out)] + (["--malloc-trim"] if args.malloc_trim else [])
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.call(cmd)
@@ -324,12 +355,13 @@ def driver(args) -> None:
         print_memory(mem)
     path = Path(args.out) if args.out else RESULTS / ("sparse_decode_quick.json" if args.quick
                                                       else "sparse_decode.json")
-    path.write_text(json.dumps({"threads": args.threads, "steps": args.steps,
+    path.write_text(json.dumps({"prefill_threads": args.threads,
+                                "decode_threads": args.decode_threads, "steps": args.steps,
                                 "requests": args.requests, "context": args.context,
                                 "results": results}, indent=1))
     png = path.with_suffix(".png")
     plot(results, png, f"SmolLM2-135M bf16, {args.requests} x ~{args.context} tokens, "
-         f"{args.steps} decode steps, {args.threads} torch thread(s), CPU")
+         f"{args.steps} decode steps, {args.decode_threads} torch thread(s), CPU")
     print(f"\nwrote {path} and {png}")
     shutil.rmtree(Path(args.kv_disk_path), ignore_errors=True)
 
@@ -340,7 +372,9 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="driver: these configs")
     ap.add_argument("--quick", action="store_true", help=f"configs {QUICK}, 16 steps")
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed (default 64)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of the prefill")
+    ap.add_argument("--decode-threads", type=int, default=1,
+                    help="torch threads of the timed decode steps")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--context", type=int, default=7000, help="prompt tokens per request")
     ap.add_argument("--prefill-tokens", type=int, default=8192,
@@ -348,6 +382,8 @@ def main() -> None:
     ap.add_argument("--kv-disk-path", default=str(KV_TMP))
     ap.add_argument("--profile", type=int, default=0,
                     help="worker: cProfile this many decode steps instead of --steps")
+    ap.add_argument("--malloc-trim", action="store_true",
+                    help="call glibc malloc_trim(0) after prefill (diagnoses allocator retention)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.steps is None:
