@@ -152,7 +152,15 @@ def config_budget(name: str) -> int:
 
 def config_head_pages(name: str) -> str:
     """sparse-N-union: every KV head attends to the union of the heads' pages."""
-    return "union" if name.endswith("-union") else "per-head"
+    return "union" if "-union" in name else "per-head"
+
+
+def config_selector(name: str, default: str) -> str:
+    """sparse-N-mean: the mean-key selector; sparse-N-quest: Quest's bound."""
+    for sel in ("mean", "quest"):
+        if name.endswith(f"-{sel}"):
+            return sel
+    return default
 
 
 def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int,
@@ -179,9 +187,13 @@ def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str])
 
 def decode_child(engine: LLMEngine, name: str, first: dict[str, list[int]], path: str) -> None:
     """In a forked child: set the config, decode to the end, write {rid: tokens} to `path`."""
+    from kernels.page_select import make_selector
     torch.set_num_threads(1)          # the parent's OpenMP pool does not survive fork
-    engine.store.cfg = dataclasses.replace(engine.store.cfg, sparse_budget=config_budget(name),
-                                           head_pages=config_head_pages(name))
+    store = engine.store
+    selector = config_selector(name, store.cfg.selector)
+    store.cfg = dataclasses.replace(store.cfg, sparse_budget=config_budget(name),
+                                    head_pages=config_head_pages(name), selector=selector)
+    store.selector = make_selector(selector)      # built once at start-up in the store
     outs = {rid: list(t) for rid, t in first.items()}
     errors: dict[str, str] = {}
     t0 = time.perf_counter()
@@ -277,7 +289,8 @@ def evaluate(prompts: list[Prompt], configs: list[str], args) -> tuple[list[dict
         return rows, timing
     for name in configs:
         engine = LLMEngine(engine_args(config_budget(name), args.threads, False,
-                                       args.max_num_seqs, args.dense_layers, args.selector,
+                                       args.max_num_seqs, args.dense_layers,
+                                       config_selector(name, args.selector),
                                        config_head_pages(name)))
         torch.set_num_threads(args.threads)
         tok = Tokenizer.from_folder(engine.model_folder)
@@ -343,17 +356,19 @@ def plot(summary: dict, configs: list[str], lengths: list[int], path: Path, titl
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4))
     xs = sorted({config_budget(c) for c in configs if c != "dense"})
     for k, n in enumerate(lengths):
-        for hp, ls, mk in (("per-head", "-", "o"), ("union", ":", "x")):
-            sparse = sorted((c for c in configs if c != "dense" and config_head_pages(c) == hp),
-                            key=config_budget)
-            if not sparse:
-                continue
+        variants: dict[str, list[str]] = {}
+        for c in configs:
+            if c != "dense":
+                variants.setdefault(c.split("-", 2)[2] if c.count("-") >= 2 else "", []).append(c)
+        for v, (ls, mk) in zip(sorted(variants), [("-", "o"), (":", "x"), ("-.", "s"),
+                                                  ("--", "^"), (":", "v")]):
+            sparse = sorted(variants[v], key=config_budget)
             ax.plot([config_budget(c) for c in sparse],
                     [summary["accuracy_pct"][c][str(n)] for c in sparse], marker=mk, ms=8,
-                    ls=ls, color=f"C{k}", label=f"sparse{'' if hp == 'per-head' else ' union'}, ~{n} tokens")
+                    ls=ls, color=f"C{k}", label=f"sparse{' ' + v if v else ''}, ~{n} tokens")
         if "dense" in configs:
             ax.axhline(summary["accuracy_pct"]["dense"][str(n)], ls="--",
                        color=f"C{k}", label=f"dense, ~{n} tokens")
@@ -364,7 +379,7 @@ def plot(summary: dict, configs: list[str], lengths: list[int], path: Path, titl
     ax.set_ylim(-5, 105)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--index", type=int, default=0, help="needle value index (as bench/needle.py)")
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--head-pages", default="per-head")
+    ap.add_argument("--selector", default="quest")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -65,6 +66,7 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(max_model_len=8192, max_num_seqs=1,
                                   max_num_batched_tokens=8192, kv_device_gb=0.3,
                                   sparse_budget=args.budget, sparse_head_pages=args.head_pages,
+                                  selector=args.selector,
                                   threads=args.threads))
     torch.set_num_threads(args.threads)
     tok = Tokenizer.from_folder(engine.model_folder)
@@ -128,7 +130,8 @@ def main() -> None:
                    for x in r["layers"] if not all(x["kept"])]
         print(f"  {tok.token_text(r['token'])!r:>10}  {n:>3}/{tot}  dropped in "
               f"{' '.join(dropped) if dropped else '-'}")
-    path = ROOT / "bench" / "results" / "needle_selection.json"
+    path = (ROOT / "bench" / "results"
+            / f"needle_selection_{args.length}_d{args.depth}_{args.index}_{args.selector}.json")
     path.write_text(json.dumps({"args": vars(args), "value": value, "needle_pages": pages,
                                 "output": tok.decode(out), "steps": records}))
 
