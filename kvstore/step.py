@@ -65,9 +65,9 @@ class StepKV:
         self.t_pid = torch.tensor(t_pid, **_I64)
         self.t_valid = torch.tensor(t_valid, **_I64)
         self.t_full = torch.tensor(t_full, dtype=torch.bool)
-        self.t_full_rids = [seqs[i].request_id for (i, j0, n) in self.t_runs
-                            for j in range(n) if t_full[self._t_offset(i) + j]] \
-            if any(t_full) else []
+        # the owner of each page that became full, in t_full order (for per-request write-back)
+        self.t_full_rids = [seqs[i].request_id for (i, _, n) in self.t_runs for _ in range(n)]
+        self.t_full_rids = [rid for rid, f in zip(self.t_full_rids, t_full) if f]
         self.n_pages = [-(-s.kv_len // ps) for s in seqs]
         self.last_len = [s.kv_len - (n - 1) * ps for s, n in zip(seqs, self.n_pages)]
         self.page_tensors = [torch.tensor(s.page_ids[:n], **_I64) for s, n in zip(seqs, self.n_pages)]
@@ -82,9 +82,6 @@ class StepKV:
             st.dense_fallbacks["fits_budget"] += L * sum(
                 s.q_len == 1 and not sp for s, sp in zip(seqs, sparse))
             st.dense_fallbacks["dense_layer"] += min(cfg.dense_layers, L) * len(self.sparse_idx)
-
-    def _t_offset(self, seq: int) -> int:
-        return sum(n for (_, _, n) in self.t_runs[:seq])
 
     # ------------------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
