@@ -10,6 +10,16 @@ if TYPE_CHECKING:
     from kvstore.config import KVStoreConfig
 
 DTYPES = ("bf16", "fp32")
+BUNDLED_ALIAS = "bundled"
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_served_name(model: str | None) -> str:
+    """The API model id for --model: the bundled name, else the folder or .gguf file stem."""
+    if model is None or model == BUNDLED_ALIAS:
+        return BUNDLED_MODEL_NAME
+    path = Path(str(model).rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
 
 
 def default_cache_dir() -> Path:

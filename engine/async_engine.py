@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator
 
-from engine.args import EngineArgs
+from engine.args import EngineArgs, default_served_name
 from engine.outputs import RequestOutput
 from engine.protocol import (EngineDeadError, EngineNotReadyError, EngineStats, QueueFullError,
                              RequestTooLargeError)
@@ -24,20 +24,10 @@ from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-BUNDLED_NAME = "SmolLM2-135M-Instruct"
-
-
-def default_model_name(model: str | None) -> str:
-    if model is None or model == "bundled":
-        return BUNDLED_NAME
-    p = Path(model)
-    return p.stem if p.suffix == ".gguf" else p.name
-
-
 class AsyncEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
-        self.model_name = args.served_model_name or default_model_name(args.model)
+        self.model_name = args.served_model_name or default_served_name(args.model)
         self.max_model_len = args.max_model_len or 0   # set from the model once loaded
         self.tokenizer_path: Path | None = None
         self.engine = None

@@ -17,7 +17,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-BUNDLED_ALIAS = "bundled"
+from engine.args import BUNDLED_ALIAS
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "STRATA_CACHE_DIR"
 

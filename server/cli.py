@@ -23,8 +23,6 @@ from server.tokenizer import Tokenizer
 
 logger = logging.getLogger("strata.cli")
 
-BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
-BUNDLED_ALIAS = "bundled"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,12 +88,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def served_name(model: str | None, explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    if model is None or model == BUNDLED_ALIAS:
-        return BUNDLED_MODEL_NAME
-    path = Path(model.rstrip("/"))
-    return path.stem if path.suffix == ".gguf" else path.name
+    from engine.args import default_served_name     # plain module: no torch
+    return explicit or default_served_name(model)
 
 
 def engine_args(args: argparse.Namespace, served_model_name: str):
@@ -140,7 +134,7 @@ class EngineLoader:
     def _run(self) -> None:
         try:
             from engine.async_engine import AsyncEngine
-            logger.info("loading %s", self._engine_args.model or BUNDLED_ALIAS)
+            logger.info("loading %s", self._engine_args.model or "the bundled model")
             create = getattr(AsyncEngine, "create", None)
             engine = self._call(create if callable(create) else AsyncEngine, self._engine_args)
             if not engine.is_ready and hasattr(engine, "start"):
