@@ -8,6 +8,18 @@ from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
 TIERS = ("device", "host", "disk")
 # must match kvstore.stats.SELECTED_TOKEN_BUCKETS (EngineStats carries the counts per bucket)
 SELECTED_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# must match kvstore.stats.STAGES / STAGE_BUCKETS
+STAGES = ("select", "resolve", "fetch", "compute")
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5)
+
+
+def _cumulative(bounds, counts):
+    out, acc = [], 0
+    for bound, n in zip(list(bounds) + ["+Inf"], counts):
+        acc += n
+        out.append((str(float(bound)) if bound != "+Inf" else "+Inf", acc))
+    return out
 
 
 def kv_families(stats):
@@ -42,10 +54,27 @@ def kv_families(stats):
     for reason in ("prefill", "fits_budget", "dense_layer"):
         fb.add_metric([reason], kv.dense_fallbacks.get(reason, 0))
     yield fb
-    buckets, acc = [], 0
-    for bound, n in zip(list(SELECTED_TOKEN_BUCKETS) + ["+Inf"], kv.selected_buckets):
-        acc += n
-        buckets.append((str(float(bound)) if bound != "+Inf" else "+Inf", acc))
     yield HistogramMetricFamily("strata_sparse_selected_tokens",
                                 "Tokens attended per request, layer and KV head in sparse decode.",
-                                buckets=buckets, sum_value=kv.selected_sum)
+                                buckets=_cumulative(SELECTED_TOKEN_BUCKETS, kv.selected_buckets),
+                                sum_value=kv.selected_sum)
+    yield from stage_families(kv)
+
+
+def stage_families(kv):
+    """strata_stage_seconds{stage} (one observation per micro-batch), busy and stall totals."""
+    hist = HistogramMetricFamily("strata_stage_seconds", "Time one micro-batch spent in a "
+                                 "decode stage (per layer).", labels=["stage"])
+    busy = CounterMetricFamily("strata_stage_busy_seconds", "Seconds each decode stage worked.",
+                               labels=["stage"])
+    stall = CounterMetricFamily("strata_pipeline_stall_seconds", "Seconds each decode stage "
+                                "waited on the stage before it.", labels=["stage"])
+    empty = [0] * (len(STAGE_BUCKETS) + 1)
+    for st in STAGES:
+        hist.add_metric([st], _cumulative(STAGE_BUCKETS, kv.stage_buckets.get(st, empty)),
+                        sum_value=kv.stage_busy.get(st, 0.0))
+        busy.add_metric([st], kv.stage_busy.get(st, 0.0))
+        stall.add_metric([st], kv.stage_stall.get(st, 0.0))
+    yield hist
+    yield busy
+    yield stall
