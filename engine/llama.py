@@ -58,6 +58,14 @@ class DecoderLayer(nn.Module):
         self.down_proj = _param(h, cfg.intermediate_size, **p)
         self.down_bias = _param(h, **p) if cfg.mlp_bias else None
 
+    def predict_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """This layer's queries [n, H, D] computed from x [n, hidden] (another layer's input:
+        the layer-ahead guess of which KV pages this layer will want)."""
+        w = self.qkv_proj[:self.q_size]
+        b = self.qkv_bias[:self.q_size] if self.qkv_bias is not None else None
+        q = F.linear(self.input_layernorm(x), w, b).view(x.shape[0], self.num_heads, self.head_dim)
+        return RotaryEmbedding.apply(q, cos, sin)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; rope = (cos, sin) [T, 1, head_dim] of the step."""
         t = x.shape[0]
@@ -108,7 +116,14 @@ class LlamaForCausalLM(nn.Module):
         K/V and attends (kvstore.step.StepKV, or kvstore.kv_cache.DenseStep)."""
         x = F.embedding(input_ids, self.embed_tokens)                        # [T, hidden]
         rope = self.rope.cos_sin(positions, self.dtype)                      # [T, 1, head_dim]
-        for layer in self.layers:
+        # layer-ahead prefetch: the KV store wants layer i+1's queries guessed from layer i's
+        # input, for the rows it decodes sparsely (None: no prediction)
+        ahead = getattr(kv, "lookahead_rows", None)
+        if ahead is not None:
+            ahead_rope = (rope[0][ahead], rope[1][ahead])
+        for i, layer in enumerate(self.layers):
+            if ahead is not None and i + 1 < len(self.layers):
+                kv.lookahead(i + 1, self.layers[i + 1].predict_q(x[ahead], *ahead_rope))
             x = layer(x, rope, kv)
         x = self.norm(x[logits_indices])                                     # [S, hidden]
         head = self.embed_tokens if self.lm_head is None else self.lm_head

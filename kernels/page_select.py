@@ -188,3 +188,21 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     union_indptr = torch.zeros(b_size + 1, dtype=torch.int64, device=dev)
     torch.cumsum(hit.sum(dim=1), 0, out=union_indptr[1:])
     return SelectedPages(indptr, page_indices, union_indptr, hit.nonzero()[:, 1], kvh)
+
+
+def cat_selected(parts: Sequence[SelectedPages]) -> SelectedPages:
+    """The selections of consecutive micro-batches as one (rows and sequences in order)."""
+    if len(parts) == 1:
+        return parts[0]
+
+    def cat_ptr(ptrs: list[torch.Tensor]) -> torch.Tensor:
+        out, off = [ptrs[0]], ptrs[0][-1]
+        for p in ptrs[1:]:
+            out.append(p[1:] + off)
+            off = off + p[-1]
+        return torch.cat(out)
+
+    return SelectedPages(cat_ptr([p.indptr for p in parts]),
+                         torch.cat([p.page_indices for p in parts]),
+                         cat_ptr([p.union_indptr for p in parts]),
+                         torch.cat([p.union_indices for p in parts]), parts[0].num_kv_heads)

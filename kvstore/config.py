@@ -6,6 +6,7 @@ from pathlib import Path
 
 FORCE_TIERS = ("none", "host", "disk")
 HEAD_PAGES = ("per-head", "union")
+PIPELINES = ("sequential", "sfc", "layer-ahead")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class KVStoreConfig:
     head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
     residency: str = "lru"               # --residency: lru
     max_num_seqs: int = 16               # for per-request placement quotas
+    pipeline: str = "sequential"         # --pipeline: sequential | sfc | layer-ahead
+    micro_batch: int = 0                 # --micro-batch: sequences per SFC micro-batch; 0: calibrate
     force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this tier (tests, diagnostics)
 
     def __post_init__(self):
@@ -43,6 +46,10 @@ class KVStoreConfig:
             raise ValueError("--kv-force-tier disk needs --kv-disk-gb > 0")
         if self.head_pages not in HEAD_PAGES:
             raise ValueError(f"--sparse-head-pages must be one of {HEAD_PAGES}")
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"--pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
+        if self.micro_batch < 0:
+            raise ValueError(f"--micro-batch must be >= 0 (0: calibrate), got {self.micro_batch}")
         if self.residency != "lru":
             raise ValueError(f"--residency must be one of ('lru',), got {self.residency!r}")
 

@@ -4,10 +4,12 @@ pages to the backing tier (asynchronous for disk, so it overlaps with compute)."
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from kvstore.tiers.errors import PageCorrupted, TierError
+from kvstore.tiers.base import page_rows
+from kvstore.tiers.errors import TierError
 
 logger = logging.getLogger(__name__)
 
@@ -16,7 +18,33 @@ class DeviceTierTooSmall(RuntimeError):
     pass
 
 
+@dataclass
+class Resolution:
+    """Where each page a micro-batch needs is, decided by `Fetcher.resolve`: every key has a
+    device slot (hits keep theirs, misses got a reserved one); misses are filled from the host
+    tier (host_src -> host_dst) or from disk (disk_keys -> disk_dst) by `Fetcher.fill`."""
+    slots: torch.Tensor                  # int32 [n] device slot of each key
+    host_src: torch.Tensor               # int64 host slots to copy from (pinned until filled)
+    host_dst: torch.Tensor               # int64 device slots they go to
+    disk_keys: torch.Tensor              # int64 keys to read from disk
+    disk_dst: torch.Tensor               # int64 device slots they go to
+    counted: bool = True                 # lookups/hits counted (not for speculative prefetch)
+
+    @property
+    def misses(self) -> int:
+        return self.host_src.numel() + self.disk_keys.numel()
+
+
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
 class Fetcher:
+    """Stages of making pages resident on the device tier: `resolve` (hit/miss, slot
+    reservation, eviction: mutates tier bookkeeping) then `fill` (data movement only). The
+    pipeline runs them on different threads, so `fill` touches no bookkeeping but the host
+    pins that `resolve` set; one thread at a time may call `resolve` (and anything else that
+    mutates the tiers)."""
+
     def __init__(self, store):
         self.store = store
 
@@ -24,21 +52,52 @@ class Fetcher:
     def ensure(self, keys: torch.Tensor, protect: torch.Tensor, fill: bool) -> torch.Tensor:
         """Make every key resident on the device tier; returns int32 slots [n].
         fill=False only reserves slots (pages about to be written)."""
+        res = self.resolve(keys, protect, count=fill, locate=fill)
+        if fill:
+            self.fill(res)
+        return res.slots
+
+    def resolve(self, keys: torch.Tensor, protect: torch.Tensor, count: bool = True,
+                locate: bool = True) -> Resolution:
+        """Device slots for keys [n] (unique): hits keep their slot, misses get a reserved one
+        (evicting unprotected clean pages if needed); with `locate`, misses are looked up in
+        the host tier (found slots are pinned until `fill`) and the rest go to disk."""
         store, dev = self.store, self.store.device_tier
         slots = dev.slots(keys)
         miss_mask = slots < 0
         n_miss = int(miss_mask.sum())
-        if fill:
-            store.stats.lookups["device"] += keys.numel()
-            store.stats.hits["device"] += keys.numel() - n_miss
+        if count:
+            store.stats.count("lookups", "device", keys.numel())
+            store.stats.count("hits", "device", keys.numel() - n_miss)
         if n_miss == 0:
-            return slots
-        miss = torch.unique(keys[miss_mask])
+            return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count)
+        miss = keys[miss_mask]
         self._make_room(miss.numel(), protect)
-        new_slots = dev.alloc_slots(miss)
-        if fill:
-            self._fill(miss, new_slots.long())
-        return dev.slots(keys)
+        new_slots = dev.alloc_slots(miss).long()
+        slots = dev.slots(keys)
+        if not locate:
+            return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count)
+        host = store.host_tier
+        rest_keys, rest_slots = miss, new_slots
+        host_src = host_dst = _NONE
+        if host is not None:
+            hslots = host.slots(miss)
+            in_host = hslots >= 0
+            n = int(in_host.sum())
+            if count:
+                store.stats.count("lookups", "host", miss.numel())
+                store.stats.count("hits", "host", n)
+            if n:
+                host_src, host_dst = hslots[in_host].long(), new_slots[in_host]
+                store.host_pinned[host_src] = True
+                store.host_residency.touch(host_src, store.step_counter)
+            rest_keys, rest_slots = miss[~in_host], new_slots[~in_host]
+        if rest_keys.numel():
+            if store.disk_tier is None:
+                raise RuntimeError(f"{rest_keys.numel()} KV pages are in no tier (store bug)")
+            if count:
+                store.stats.count("lookups", "disk", rest_keys.numel())
+        return Resolution(slots, host_src, host_dst, rest_keys, rest_slots, count)
 
     def _make_room(self, n: int, protect: torch.Tensor) -> None:
         store, dev = self.store, self.store.device_tier
@@ -81,11 +140,17 @@ class Fetcher:
                 self._make_host_room(hk.numel())
                 k = min(hk.numel(), host.num_free)
                 if k:
-                    host.put(hk[:k], dev.pool[slots[absent][:k]])
+                    src = slots[absent][:k].long()
+                    buf = store.staging(k, "demote")
+                    if dev.pool.device.type == "cpu":
+                        torch.index_select(page_rows(dev.pool), 0, src, out=page_rows(buf))
+                    else:
+                        buf.copy_(dev.pool[src.to(dev.pool.device)])
+                    host.put(hk[:k], buf)
                     store.host_residency.touch(host.slots(hk[:k]), store.step_counter)
                     store.stats.add_transfer("device", "host", k * store.page_shape.nbytes)
         dev.delete(keys)
-        store.stats.evictions["device"] += keys.numel()
+        store.stats.count("evictions", "device", keys.numel())
 
     def _make_host_room(self, n: int) -> None:
         store, host = self.store, self.store.host_tier
@@ -93,9 +158,11 @@ class Fetcher:
         if short <= 0:
             return
         key_of = host.slot_keys
-        victims = store.host_residency.victims(max(short, host.capacity_pages // 32), key_of >= 0)
+        # NOTE: pinned slots are the sources of fills not done yet (pipelined fetch)
+        victims = store.host_residency.victims(max(short, host.capacity_pages // 32),
+                                               (key_of >= 0) & ~store.host_pinned)
         host.delete(key_of[victims])
-        store.stats.evictions["host"] += victims.numel()
+        store.stats.count("evictions", "host", victims.numel())
 
     def evict_host(self, keys: torch.Tensor) -> None:
         store, host = self.store, self.store.host_tier
@@ -103,40 +170,46 @@ class Fetcher:
             return
         present = host.contains(keys)
         host.delete(keys[present])
-        store.stats.evictions["host"] += int(present.sum())
+        store.stats.count("evictions", "host", int(present.sum()))
 
     # ---------------------------------------------------------------- fills
-    def _fill(self, keys: torch.Tensor, slots: torch.Tensor) -> None:
+    def fill(self, res: Resolution) -> None:
+        """Copy the misses of `res` into their device slots (host pages, then disk reads,
+        straight into the slots when the device pool is in host memory). Unpins the host
+        slots even when a disk read fails (RequestKVError names the owners)."""
         store = self.store
         pool = store.device_tier.pool
         nbytes = store.page_shape.nbytes
-        rest_keys, rest_slots = keys, slots
-        host = store.host_tier
-        if host is not None:
-            hslots = host.slots(keys)
-            in_host = hslots >= 0
-            store.stats.lookups["host"] += keys.numel()
-            n = int(in_host.sum())
-            if n:
-                store.stats.hits["host"] += n
-                pool.index_copy_(0, slots[in_host], host.pool[hslots[in_host].long()])
-                store.host_residency.touch(hslots[in_host], store.step_counter)
-                store.stats.add_transfer("host", "device", n * nbytes)
-            rest_keys, rest_slots = keys[~in_host], slots[~in_host]
-        if rest_keys.numel() == 0:
+        if res.host_src.numel():
+            try:
+                # NOTE: through a reused buffer: a fresh [n, page] temporary page-faults
+                buf = store.staging(res.host_src.numel(), "fill")
+                torch.index_select(page_rows(store.host_tier.pool), 0, res.host_src,
+                                   out=page_rows(buf))
+                if pool.device.type == "cpu":
+                    page_rows(pool).index_copy_(0, res.host_dst, page_rows(buf))
+                else:
+                    pool.index_copy_(0, res.host_dst.to(pool.device),
+                                     buf.to(pool.device, non_blocking=True))
+            finally:
+                store.host_pinned[res.host_src] = False
+            store.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
+        n = res.disk_keys.numel()
+        if n == 0:
             return
         disk = store.disk_tier
-        if disk is None:
-            raise RuntimeError(f"{rest_keys.numel()} KV pages are in no tier (store bug)")
-        store.stats.lookups["disk"] += rest_keys.numel()
-        staging = store.staging(rest_keys.numel())
         try:
-            disk.get(rest_keys, staging)
+            if pool.device.type == "cpu":
+                disk.get_into(res.disk_keys, pool, res.disk_dst).result()
+            else:
+                staging = store.staging(n)
+                disk.get(res.disk_keys, staging)
+                pool.index_copy_(0, res.disk_dst, staging.to(pool.device, non_blocking=True))
         except TierError as exc:
             raise store.request_error(exc.keys, str(exc)) from exc
-        store.stats.hits["disk"] += rest_keys.numel()
-        pool.index_copy_(0, rest_slots, staging)
-        store.stats.add_transfer("disk", "device", rest_keys.numel() * nbytes)
+        if res.counted:
+            store.stats.count("hits", "disk", n)
+        store.stats.add_transfer("disk", "device", n * nbytes)
 
     # ---------------------------------------------------------------- write-back
     def write_back(self, keys: torch.Tensor, slots: torch.Tensor, request_ids: list[str]) -> None:

@@ -32,6 +32,8 @@ class KVStats:
     stage_busy: Counter = field(default_factory=Counter)       # stage -> seconds spent working
     stage_stall: Counter = field(default_factory=Counter)      # stage -> seconds waiting on input
     stage_count: Counter = field(default_factory=Counter)      # stage -> observations
+    lookahead_hits: int = 0      # exact-selected pages the layer-ahead prediction had fetched
+    lookahead_exact: int = 0     # exact-selected pages in layers with a prediction
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe_stage(self, stage: str, seconds: float, stall: float = 0.0) -> None:
@@ -51,6 +53,22 @@ class KVStats:
             self.selected_sum += sum(tokens)
             self.selected_count += len(tokens)
 
+    def add_stall(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.stage_stall[stage] += seconds
+
+    def count(self, counter: str, tier: str, n: int) -> None:
+        """counter in lookups | hits | evictions (thread-safe: pipeline stages run on threads)."""
+        with self._lock:
+            getattr(self, counter)[tier] += n
+
+    def observe_lookahead(self, predicted_hits: int, exact: int) -> None:
+        """Layer-ahead prefetch: of `exact` pages the exact selection kept, `predicted_hits`
+        were among the predicted ones."""
+        with self._lock:
+            self.lookahead_hits += predicted_hits
+            self.lookahead_exact += exact
+
     def add_transfer(self, src: str, dst: str, nbytes: int) -> None:
         with self._lock:
             self.transfer_bytes[(src, dst)] += nbytes
@@ -63,7 +81,8 @@ class KVStats:
                                    self.selected_count,
                                    {st: tuple(b) for st, b in self.stage_buckets.items()},
                                    dict(self.stage_busy), dict(self.stage_stall),
-                                   dict(self.stage_count))
+                                   dict(self.stage_count), self.lookahead_hits,
+                                   self.lookahead_exact)
 
 
 @dataclass(frozen=True)
@@ -80,3 +99,5 @@ class KVStatsSnapshot:
     stage_busy: dict = field(default_factory=dict)      # stage -> seconds
     stage_stall: dict = field(default_factory=dict)     # stage -> seconds
     stage_count: dict = field(default_factory=dict)     # stage -> observations
+    lookahead_hits: int = 0
+    lookahead_exact: int = 0

@@ -8,6 +8,7 @@ Everything per layer is batched over the step's sequences (no per-page Python lo
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from kernels.page_select import select_pages
 from kernels.page_summary import summarize_pages
 from kernels.page_table import PageTable
 from kvstore.fetcher import Fetcher
+from kvstore.pipeline import _LayerStages
 
 _I64 = dict(dtype=torch.int64)
 
@@ -75,6 +77,10 @@ class StepKV:
                   for s, n in zip(seqs, self.n_pages)]
         self.sparse_idx = [i for i, sp in enumerate(sparse) if sp]
         self.dense_idx = [i for i, sp in enumerate(sparse) if not sp]
+        self._sparse_rows = torch.tensor([self.qo[i] for i in self.sparse_idx], **_I64)
+        self.pipe = store.pipeline
+        self.pipe.begin_step(len(self.sparse_idx))
+        self._q_pred: dict[int, torch.Tensor] = {}
         self._plans: dict[bool, AttentionBatch | None] = {}
         if cfg.sparse_budget > 0:
             st, L = store.stats, store.num_layers
@@ -84,12 +90,29 @@ class StepKV:
             st.dense_fallbacks["dense_layer"] += min(cfg.dense_layers, L) * len(self.sparse_idx)
 
     # ------------------------------------------------------------------------------------
+    @property
+    def lookahead_rows(self) -> torch.Tensor | None:
+        """Query rows of the sparse decodes when layer-ahead prefetch is on (the model then
+        calls `lookahead(layer + 1, predicted q)` before each layer), else None."""
+        if self.pipe.mode != "layer-ahead" or not self.sparse_idx:
+            return None
+        return self._sparse_rows
+
+    def lookahead(self, layer: int, q_pred: torch.Tensor) -> None:
+        """The model's guess of layer `layer`'s queries [B_sparse, H, D] (layer `layer`'s
+        q projection applied to the previous layer's input): prefetched while the previous
+        layer computes."""
+        if layer >= self.store.cfg.dense_layers and layer < self.store.num_layers:
+            self._q_pred[layer] = q_pred
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> attention output [T, H, D]."""
-        store = self.store
+        store, pipe = self.store, self.pipe
         P = store.max_pages
         pool = store.device_tier.pool                        # [S, 2, ps, KVH, D]
+        # the previous layer's bookkeeping and this layer's prefetch run on the stage threads
+        predicted = pipe.drain()
         # 1. write: pages being written get device slots (new pages need no fill)
         t_keys = layer * P + self.t_pid
         t_slots = self.fetcher.ensure(t_keys, protect=t_keys, fill=False).long()
@@ -105,31 +128,31 @@ class StepKV:
                 rkv.summaries[layer, j0:j0 + n] = summ[u:u + n]
                 u += n
 
-        # 2. select: dense sequences need every page, sparse decodes their top pages
+        # 2-3. select, resolve, fetch: dense sequences need every page, sparse decodes their
+        # top pages; micro-batched and overlapped unless the pipeline is sequential
         sparse = layer >= store.cfg.dense_layers
         dense_idx = self.dense_idx if sparse else list(range(len(self.seqs)))
         sparse_idx = self.sparse_idx if sparse else []
-        need = [layer * P + self.page_tensors[i] for i in dense_idx]
-        sel = None
-        if sparse_idx:
-            sel = self._select(layer, q, sparse_idx)
-            need += [layer * P + self.page_tensors[i][sel.union(b)]
-                     for b, i in enumerate(sparse_idx)]
-        need_keys = torch.cat(need)
-
-        # 3. fetch what is missing on the device tier
-        slots_all = self.fetcher.ensure(need_keys, protect=torch.cat([need_keys, t_keys]),
-                                        fill=True)
+        dense_keys = torch.cat([layer * P + self.page_tensors[i] for i in dense_idx]) \
+            if dense_idx else torch.empty(0, **_I64)
+        stages = _LayerStages(self, layer, q)
+        slots_all, sel, keys_all = pipe.run(stages, dense_keys, sparse_idx, t_keys)
+        if predicted is not None and sel is not None:
+            self._observe_lookahead(layer, sel, predicted)
+        if layer + 1 in self._q_pred:          # layer-ahead: overlaps with this layer's compute
+            pipe.prefetch(_LayerStages(self, layer + 1, None), self._q_pred.pop(layer + 1),
+                          self.sparse_idx, torch.cat([keys_all, t_keys]))
 
         # 4. compute over device slots
+        t0 = time.perf_counter()
         out = torch.empty_like(q)
-        n_dense = sum(self.n_pages[i] for i in dense_idx)
+        n_dense = dense_keys.numel()
         if dense_idx:
             rows = self._dense_rows(sparse)
             batch = self._dense_batch(dense_idx, slots_all[:n_dense], sparse)
             out[rows] = store.dense_attention.forward(q[rows], pool, batch, scale)
         if sparse_idx:
-            rows = torch.tensor([self.qo[i] for i in sparse_idx], **_I64)
+            rows = self._sparse_rows
             if store.cfg.head_pages == "union":
                 # every head attends to the pages any head selected (fetched anyway): whole
                 # pages gather as 12 KB rows, and a page one head missed still counts
@@ -142,12 +165,24 @@ class StepKV:
                 kvh = store.page_shape.num_kv_heads
                 out[rows] = store.sparse_attention.forward(q[rows], pool, table,
                                                            q.shape[1] // kvh, scale)
-        store.residency.touch(torch.cat([slots_all, t_slots.int()]), self.now)
+        store.stats.observe_stage("compute", time.perf_counter() - t0)
 
-        # 5. pages that became full go to the backing tier (once)
-        if self.t_full_rids:
-            self.fetcher.write_back(t_keys[self.t_full], t_slots[self.t_full], self.t_full_rids)
+        # 5. bookkeeping (overlaps with the rest of the layer when pipelined): recency, and
+        # pages that became full go to the backing tier (once)
+        full = (t_keys[self.t_full], t_slots[self.t_full]) if self.t_full_rids else None
+        pipe.after_compute(self, torch.cat([slots_all, t_slots.int()]), full)
         return out
+
+    def _observe_lookahead(self, layer: int, sel, predicted) -> None:
+        """Recall of the layer-ahead prediction: exact union pages it had fetched."""
+        p_layer, p_keys = predicted
+        if p_layer != layer:
+            return
+        P = self.store.max_pages
+        exact = torch.cat([layer * P + self.page_tensors[i][sel.union(b)]
+                           for b, i in enumerate(self.sparse_idx)])
+        hit = int(torch.isin(exact, p_keys).sum())
+        self.store.stats.observe_lookahead(hit, exact.numel())
 
     # ------------------------------------------------------------------------------------
     def _dense_rows(self, sparse: bool) -> torch.Tensor:
@@ -169,14 +204,16 @@ class StepKV:
         table = PageTable(indptr, slots.to(torch.int32), last, self.store.cfg.page_size)
         return AttentionBatch(qo, table, torch.empty(0, **_I64))
 
-    def _select(self, layer: int, q: torch.Tensor, idx: list[int]):
+    def select(self, layer: int, qd: torch.Tensor, idx: list[int], observe: bool = True):
+        """Top pages of layer `layer` for the step's sequences `idx`, queries qd [B, H, D]."""
         store, cfg = self.store, self.store.cfg
         kvh = store.page_shape.num_kv_heads
         n_pages = [self.n_pages[i] for i in idx]
         summaries = [store.requests[self.seqs[i].request_id].summaries[layer] for i in idx]
-        qd = q[torch.tensor([self.qo[i] for i in idx], **_I64)]            # [B, H, D]
-        scores = store.selector.score(qd, summaries, n_pages, q.shape[1] // kvh)  # [B, KVH, P]
+        scores = store.selector.score(qd, summaries, n_pages, qd.shape[1] // kvh)  # [B, KVH, P]
         sel = select_pages(scores, n_pages, cfg.budget_pages, cfg.sink_pages, cfg.local_pages)
+        if not observe:
+            return sel
         per_row = (sel.indptr[1:] - sel.indptr[:-1]) * cfg.page_size        # [B * KVH]
         partial = cfg.page_size - torch.tensor([self.last_len[i] for i in idx], **_I64)
         store.stats.observe_selected((per_row - partial.repeat_interleave(kvh)).tolist())

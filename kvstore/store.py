@@ -22,6 +22,7 @@ from kernels.page_select import make_selector
 from kernels.sparse_attention import TorchSparseDecode
 from kvstore.config import KVStoreConfig
 from kvstore.page_allocator import PageAllocator
+from kvstore.pipeline import Pipeline
 from kvstore.placement import RecencyPlacement
 from kvstore.residency import make_residency
 from kvstore.step import SeqKV, StepKV
@@ -92,11 +93,15 @@ class TieredKVStore:
         self.residency = make_residency(cfg.residency, self.device_tier.capacity_pages)
         self.host_residency = make_residency(
             cfg.residency, self.host_tier.capacity_pages if self.host_tier else 0)
-        self._staging: torch.Tensor | None = None
+        # host slots a pending fill reads from (never evicted until the fill is done)
+        self.host_pinned = torch.zeros(self.host_tier.capacity_pages if self.host_tier else 0,
+                                       dtype=torch.bool)
+        self._staging: dict[str, torch.Tensor] = {}
         self.selector = make_selector(cfg.selector)
         self.dense_attention = make_attention_backend(self.device)
         self.sparse_attention = TorchSparseDecode()
         self.stats = KVStats()
+        self.pipeline = Pipeline(self, cfg.pipeline, cfg.micro_batch)
         self.placement = RecencyPlacement()
         # True where the key's page is safely in the backing tier (evictable from faster tiers)
         self.clean = torch.zeros(max_keys, dtype=torch.bool)
@@ -182,6 +187,7 @@ class TieredKVStore:
 
     def free(self, request_id: str) -> int:
         """Drop the request's pages from every tier (preemption or end), then free the ids."""
+        self.pipeline.drain(raise_errors=False)     # no stage thread may be using the tiers
         page_ids = self.allocator.pages(request_id)
         rkv = self.requests.get(request_id)
         if rkv is not None:
@@ -232,12 +238,16 @@ class TieredKVStore:
                 rkv.write_errors.clear()
         return failed
 
-    def staging(self, n: int) -> torch.Tensor:
-        """A reused host buffer [n, 2, ps, kvh, hd] for disk reads (grown on demand)."""
-        if self._staging is None or self._staging.shape[0] < n:
-            self._staging = torch.empty(max(n, 64), *self.page_shape.shape,
-                                        dtype=self.page_shape.dtype)
-        return self._staging[:n]
+    def staging(self, n: int, purpose: str = "fill") -> torch.Tensor:
+        """A reused host buffer [n, 2, ps, kvh, hd] (grown on demand, never shrunk): fresh
+        memory costs a page fault per 4 KB, so page copies between tiers go through these.
+        One buffer per purpose ("fill": the fetch stage, "demote": the resolve stage), as
+        the two stages run on different threads."""
+        buf = self._staging.get(purpose)
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty(max(n, 256), *self.page_shape.shape, dtype=self.page_shape.dtype)
+            self._staging[purpose] = buf
+        return buf[:n]
 
     def request_error(self, keys: torch.Tensor, message: str) -> RequestKVError:
         """Map the keys of lost pages to the requests that own them."""
@@ -246,6 +256,7 @@ class TieredKVStore:
         return RequestKVError(rids, message)
 
     def begin_step(self, seqs: list[SeqKV]) -> StepKV:
+        self.pipeline.drain(raise_errors=False)     # a step that failed may have left jobs
         return StepKV(self, seqs)
 
     def end_step(self, step: StepKV, prefilled: list[str]) -> list[tuple[str, str]]:

@@ -65,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--sparse-head-pages", choices=("per-head", "union"), default="per-head",
                        help="each KV head attends to its own selected pages, or to the union "
                             "of all heads' pages (fetched anyway)")
+    serve.add_argument("--pipeline", choices=("sequential", "sfc", "layer-ahead"),
+                       default="sequential",
+                       help="how sparse decode schedules page selection, fetch and compute per "
+                            "layer: one after another; SFC micro-batches (select | resolve | "
+                            "fetch overlapped); or layer-ahead prefetch of the next layer's "
+                            "predicted pages during this layer's compute")
+    serve.add_argument("--micro-batch", type=int, default=0,
+                       help="sequences per SFC micro-batch (0: calibrate on the first decode "
+                            "steps)")
     serve.add_argument("--kv-force-tier", choices=("none", "host", "disk"), default="none",
                        help="diagnostics: evict pages down to this tier after every step")
     serve.add_argument("--api-key", default=None,
@@ -108,6 +117,7 @@ def engine_args(args: argparse.Namespace, served_model_name: str):
               "dense_layers": args.dense_layers, "selector": args.selector,
               "kv_force_tier": args.kv_force_tier,
               "sparse_head_pages": args.sparse_head_pages,
+              "pipeline": args.pipeline, "micro_batch": args.micro_batch,
               "threads": args.threads, "cache_dir": args.cache_dir}
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     return EngineArgs(**{k: v for k, v in values.items() if k in known and v is not None})

@@ -132,3 +132,13 @@ class Tier(abc.ABC):
         if tuple(pages.shape) != want or pages.dtype != self.page_shape.dtype:
             raise ValueError(f"{self.name} tier: {what} must be {self.page_shape.dtype} {want}, "
                              f"got {pages.dtype} {tuple(pages.shape)}")
+
+
+def page_rows(pages: torch.Tensor) -> torch.Tensor:
+    """[n, 2, ps, kvh, hd] (contiguous) -> [n, words]: one row per page, as int64 words when
+    the page's bytes allow. NOTE: row copies (index_select / index_copy_) of that 2-D view ran
+    ~1.5x faster than of the 5-D tensor on our CPU."""
+    flat = pages.view(pages.shape[0], -1)
+    if (flat.shape[1] * flat.element_size()) % 8 == 0:
+        return flat.view(torch.int64)
+    return flat

@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from kvstore.tiers.base import ALIGN, PageShape, Tier
+from kvstore.tiers.base import ALIGN, PageShape, Tier, page_rows
 from kvstore.tiers.errors import PageMissing, TierFull
 
 
@@ -165,7 +165,11 @@ class MemoryPool(Tier):
         self._check_pages(pages, torch.as_tensor(keys).numel(), "pages")
         slots = self.alloc_slots(keys)
         src = pages.to(self.device, non_blocking=True)
-        self._pool.index_copy_(0, slots.to(self.device, torch.int64, non_blocking=True), src)
+        idx = slots.to(self.device, torch.int64, non_blocking=True)
+        if src.is_contiguous():
+            page_rows(self._pool).index_copy_(0, idx, page_rows(src))
+        else:
+            self._pool.index_copy_(0, idx, src)
 
     def get(self, keys: torch.Tensor, out: torch.Tensor) -> None:
         """out [n, 2, ps, kvh, hd], any device: one `index_select` from the slots."""

@@ -1,0 +1,300 @@
+"""Decode step time per pipeline mode (--pipeline sequential | sfc | layer-ahead) with the KV
+mostly off the device: 8 requests of ~7K tokens, --kv-device-gb 0.064 --kv-host-gb 0.256, the
+rest on disk, sparse budget 1024.
+
+    .venv/bin/python bench/pipeline.py                 # 4 rounds x 8 steps per mode
+    .venv/bin/python bench/pipeline.py --quick         # 4 requests x ~4K tokens, 2 rounds x 4 steps
+    .venv/bin/python bench/pipeline.py --replot bench/results/pipeline.json
+
+One process, one prefill: the modes are then timed in alternating rounds on the same requests
+(round r runs --steps decode steps of each mode in turn; the store's pipeline object is
+swapped between rounds), so the noise of this shared 2-core box hits every mode alike. Before
+the rounds, SFC runs without --micro-batch and calibrates it (candidates 1, 2, 4, 8 sequences);
+the rounds use the calibrated size (and --micro-batch values given with --micro-batches).
+Reported per mode: median decode step time, overlap ratio 1 - step(mode) / step(sequential),
+busy and stall seconds per stage per step, bytes per tier per step, device hit ratio; and the
+layer-ahead recall (exact-selected pages the prediction had already fetched). Also the share of
+the sequential step spent resolving and fetching (the issue's target, sfc >= 1.3x sequential,
+applies when that share is a third or more). Decode runs on 1 torch thread; the stage threads
+use the second core. Results: bench/results/pipeline.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
+
+from bench.sparse_decode import code_version, make_prompts  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+STAGES = ("select", "resolve", "fetch", "compute")
+
+
+def run(args) -> dict:
+    import torch
+    torch.set_num_threads(args.threads)
+    from engine.args import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from kvstore.pipeline import Pipeline
+    from scheduler.sampling_params import SamplingParams
+    from server.tokenizer import Tokenizer
+    from tqdm import tqdm
+
+    disk_path = Path(args.kv_disk_path) / "pipeline"
+    shutil.rmtree(disk_path, ignore_errors=True)
+    disk_path.mkdir(parents=True)
+    modes = [("sequential", 0), ("sfc", None), ("layer-ahead", 0)]
+    modes += [("sfc", mb) for mb in args.micro_batches]
+    if args.with_resolve_thread:
+        modes.append(("sfc-3threads", None))
+    calib_steps = 12
+    total_steps = calib_steps + args.rounds * (args.steps + 1) * len(modes) + args.requests + 8
+    eargs = EngineArgs(max_model_len=8192, max_num_seqs=args.requests,
+                       max_num_batched_tokens=args.prefill_tokens, kv_device_gb=args.device_gb,
+                       kv_host_gb=args.host_gb, kv_disk_gb=4.0, kv_disk_path=disk_path,
+                       sparse_budget=args.budget, threads=args.threads, pipeline="sfc",
+                       micro_batch=0)
+    try:
+        engine = LLMEngine(eargs)
+        store = engine.store
+        tok = Tokenizer.from_folder(engine.model_folder)
+        prompts = make_prompts(tok, args.requests, args.context)
+        params = SamplingParams(max_tokens=total_steps, temperature=0.0, ignore_eos=True)
+        rids = [f"r{i}" for i in range(len(prompts))]
+        produced = {rid: 0 for rid in rids}
+        errors: dict[str, str] = {}
+
+        def step() -> list:
+            outs = engine.step()
+            for o in outs:
+                produced[o.request_id] += len(o.new_token_ids)
+                if o.error:
+                    errors[o.request_id] = o.error
+            if errors:
+                raise RuntimeError(f"requests failed: {errors}")
+            return outs
+
+        t0 = time.perf_counter()
+        for rid, p in tqdm(list(zip(rids, prompts)), desc="prefill", leave=False):
+            engine.add_request(rid, p, params)
+            while produced[rid] == 0:
+                step()
+        prefill_s = time.perf_counter() - t0
+        torch.set_num_threads(args.decode_threads)
+        # calibration of the SFC micro-batch (the engine was built with --micro-batch 0)
+        for _ in tqdm(range(calib_steps), desc="sfc calibration", leave=False):
+            step()
+        calibrated = store.pipeline.micro_batch
+        if not calibrated:
+            raise RuntimeError("the SFC calibration did not finish in the calibration steps")
+        modes = [(m, calibrated if mb is None else mb) for m, mb in modes]
+        per_mode = {f"{m}" + (f"-mb{mb}" if m.startswith("sfc") else ""): {
+            "mode": m, "micro_batch": mb, "step_s": [], "stats": []} for m, mb in modes}
+        if args.profile:
+            import cProfile
+            import io
+            import pstats
+            m = args.profile
+            store.pipeline.close()
+            store.pipeline = Pipeline(store, m, calibrated if m == "sfc" else 0)
+            step()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            prof.enable()
+            for _ in range(args.steps):
+                step()
+            prof.disable()
+            ms = 1e3 * (time.perf_counter() - t0) / args.steps
+            out = io.StringIO()
+            ps = pstats.Stats(prof, stream=out)
+            ps.sort_stats("tottime").print_stats(30)
+            ps.sort_stats("cumtime").print_stats(40)
+            (RESULTS / f"pipeline_profile_{m}.txt").write_text(
+                f"cProfile of {args.steps} decode steps, --pipeline {m}, {args.requests} x "
+                f"~{args.context} tokens; {ms:.0f} ms/step under the profiler (engine thread "
+                f"only; stage threads are not profiled)\n" + out.getvalue())
+            print(f"wrote {RESULTS / f'pipeline_profile_{m}.txt'}")
+            return None
+        bar = tqdm(total=args.rounds * len(modes) * args.steps, desc="rounds", leave=False)
+        for _ in range(args.rounds):
+            for (m, mb), (name, rec) in zip(modes, per_mode.items()):
+                store.pipeline.close()
+                store.pipeline = Pipeline(store, m.split("-")[0] if m == "sfc-3threads" else m,
+                                          mb, resolve_thread=m == "sfc-3threads")
+                step()                              # first step of a mode: not timed
+                before = store.stats.snapshot()
+                for _ in range(args.steps):
+                    ts = time.perf_counter()
+                    outs = step()
+                    rec["step_s"].append(time.perf_counter() - ts)
+                    if len(outs) != len(rids) or any(o.finished for o in outs):
+                        raise RuntimeError("a request finished or was preempted mid-benchmark")
+                    bar.update(1)
+                rec["stats"].append((before, store.stats.snapshot()))
+        bar.close()
+        for rid in rids:
+            engine.abort(rid)
+    finally:
+        shutil.rmtree(disk_path, ignore_errors=True)
+
+    def delta(pairs, field):
+        out: dict = {}
+        for a, b in pairs:
+            da, db = getattr(a, field), getattr(b, field)
+            for k in set(da) | set(db):
+                out[k] = out.get(k, 0) + db.get(k, 0) - da.get(k, 0)
+        return out
+
+    results = {}
+    for name, rec in per_mode.items():
+        n = len(rec["step_s"])
+        pairs = rec["stats"]
+        busy, stall = delta(pairs, "stage_busy"), delta(pairs, "stage_stall")
+        xfer = delta(pairs, "transfer_bytes")
+        lookups, hits = delta(pairs, "lookups"), delta(pairs, "hits")
+        la_hits = sum(b.lookahead_hits - a.lookahead_hits for a, b in pairs)
+        la_exact = sum(b.lookahead_exact - a.lookahead_exact for a, b in pairs)
+        results[name] = {
+            "mode": rec["mode"], "micro_batch": rec["micro_batch"], "steps": n,
+            "step_ms": [1e3 * s for s in rec["step_s"]],
+            "step_ms_median": 1e3 * statistics.median(rec["step_s"]),
+            "decode_tok_s": args.requests * n / sum(rec["step_s"]),
+            "busy_ms_per_step": {s: 1e3 * busy.get(s, 0) / n for s in STAGES},
+            "stall_ms_per_step": {s: 1e3 * stall.get(s, 0) / n for s in STAGES},
+            "bytes_per_step": {f"{s}->{d}": v / n for (s, d), v in xfer.items()},
+            "device_hit_ratio": hits.get("device", 0) / lookups["device"]
+            if lookups.get("device") else None,
+            "lookahead_recall": la_hits / la_exact if la_exact else None,
+        }
+    seq = results["sequential"]
+    for r in results.values():
+        r["overlap_ratio"] = 1 - r["step_ms_median"] / seq["step_ms_median"]
+        r["speedup_vs_sequential"] = seq["step_ms_median"] / r["step_ms_median"]
+    fetch_share = (seq["busy_ms_per_step"]["resolve"] + seq["busy_ms_per_step"]["fetch"]) \
+        / seq["step_ms_median"]
+    return {"code": code_version(), "requests": args.requests,
+            "prompt_tokens": [len(p) for p in prompts], "sparse_budget": args.budget,
+            "kv_device_gb": args.device_gb, "kv_host_gb": args.host_gb,
+            "decode_threads": args.decode_threads, "prefill_s": prefill_s,
+            "rounds": args.rounds, "steps_per_round": args.steps,
+            "calibrated_micro_batch": calibrated,
+            "sequential_fetch_share": fetch_share, "modes": results}
+
+
+def print_table(res: dict) -> None:
+    print(f"\n{res['requests']} requests x ~{statistics.mean(res['prompt_tokens']):.0f} tokens, "
+          f"device {res['kv_device_gb']} GB, host {res['kv_host_gb']} GB, rest on disk; "
+          f"budget {res['sparse_budget']}; calibrated micro-batch "
+          f"{res['calibrated_micro_batch']}; sequential step resolving+fetching: "
+          f"{100 * res['sequential_fetch_share']:.0f}%")
+    hdr = (f"{'mode':<16}{'ms/step':>8}{'x seq':>7}{'overlap':>8}{'tok/s':>7}"
+           + "".join(f"{s[:7]:>8}" for s in STAGES) + "".join(f"{'st ' + s[:4]:>8}" for s in STAGES)
+           + f"{'host MB':>8}{'disk MB':>8}{'dev hit':>8}{'recall':>7}")
+    print(hdr)
+    for name, r in res["modes"].items():
+        b = r["bytes_per_step"]
+        rec = r["lookahead_recall"]
+        print(f"{name:<16}{r['step_ms_median']:>8.0f}{r['speedup_vs_sequential']:>7.2f}"
+              f"{r['overlap_ratio']:>8.2f}{r['decode_tok_s']:>7.2f}"
+              + "".join(f"{r['busy_ms_per_step'][s]:>8.0f}" for s in STAGES)
+              + "".join(f"{r['stall_ms_per_step'][s]:>8.0f}" for s in STAGES)
+              + f"{b.get('host->device', 0) / 1e6:>8.1f}{b.get('disk->device', 0) / 1e6:>8.1f}"
+              f"{(r['device_hit_ratio'] or 0):>8.3f}"
+              + (f"{rec:>7.2f}" if rec is not None else f"{'-':>7}"))
+    print("(stage columns: busy ms per step; 'st' columns: stall ms per step)")
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["modes"])
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [res["modes"][n]["step_ms_median"] for n in names]
+    bars = ax.bar(range(len(names)), steps, color=["tab:gray"] + ["tab:blue"] * (len(names) - 1))
+    for b, n in zip(bars, names):
+        r = res["modes"][n]
+        ax.text(b.get_x() + b.get_width() / 2, b.get_height(),
+                f"{r['step_ms_median']:.0f} ms\n{r['speedup_vs_sequential']:.2f}x",
+                ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("decode step, median (ms)")
+    ax.set_ylim(0, 1.25 * max(steps))
+    ax.set_title("step time per pipeline mode", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    bottom = [0.0] * len(names)
+    colors = {"select": "tab:orange", "resolve": "tab:purple", "fetch": "tab:red",
+              "compute": "tab:green"}
+    for s in STAGES:
+        vals = [res["modes"][n]["busy_ms_per_step"][s] for n in names]
+        ax2.bar(range(len(names)), vals, bottom=bottom, color=colors[s], label=f"{s} busy")
+        bottom = [a + b for a, b in zip(bottom, vals)]
+    stall = [sum(res["modes"][n]["stall_ms_per_step"].values()) for n in names]
+    ax2.bar(range(len(names)), stall, bottom=bottom, color="lightgray", hatch="//",
+            label="stall (all stages)")
+    ax2.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+    ax2.set_ylabel("ms per step (stage threads overlap)")
+    ax2.set_title("time per stage (busy, stacked) and stall", fontsize=9)
+    ax2.legend(fontsize=7)
+    ax2.grid(axis="y", alpha=0.3)
+    fig.suptitle(f"{res['requests']} x ~{statistics.mean(res['prompt_tokens']):.0f} tokens, "
+                 f"KV device {res['kv_device_gb']} GB / host {res['kv_host_gb']} GB / disk, "
+                 f"budget {res['sparse_budget']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--context", type=int, default=7000)
+    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--device-gb", type=float, default=0.064)
+    ap.add_argument("--host-gb", type=float, default=0.256)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8, help="timed decode steps per mode and round")
+    ap.add_argument("--micro-batches", type=int, nargs="*", default=[],
+                    help="extra fixed SFC micro-batch sizes to time")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads for prefill")
+    ap.add_argument("--decode-threads", type=int, default=1)
+    ap.add_argument("--prefill-tokens", type=int, default=8192)
+    ap.add_argument("--kv-disk-path", default=str(RESULTS / "kv-tmp"))
+    ap.add_argument("--with-resolve-thread", action="store_true",
+                    help="also time SFC with resolution on its own thread (3 stage threads)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--profile", choices=("sequential", "sfc", "layer-ahead"), default=None,
+                    help="instead of the rounds: cProfile --steps steps of this mode")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--replot", default=None)
+    args = ap.parse_args()
+    if args.replot:
+        res = json.loads(Path(args.replot).read_text())
+        print_table(res)
+        plot(res, Path(args.replot).with_suffix(".png"))
+        return
+    if args.quick:
+        args.requests, args.context, args.rounds, args.steps = 4, 4000, 2, 4
+    out = Path(args.out) if args.out else RESULTS / ("pipeline_quick.json" if args.quick
+                                                     else "pipeline.json")
+    res = run(args)
+    if res is None:
+        return
+    out.write_text(json.dumps(res, indent=1))
+    print_table(res)
+    plot(res, out.with_suffix(".png"))
+    print(f"\nwrote {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

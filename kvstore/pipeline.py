@@ -1,0 +1,367 @@
+"""How a decode layer's KV stages are scheduled: sequential, SFC micro-batches, layer-ahead.
+
+The stages of one layer (KVDrive, section 6): **select** the pages each sparse sequence needs
+(score page summaries, top-k), **resolve** them against the device tier (hits keep their slot;
+misses get a reserved slot, evicting clean pages, and are located on host or disk), **fetch**
+the misses into their slots (host copy, disk read), then **compute** attention for the whole
+batch. Modes (`--pipeline`):
+
+- `sequential`: one stage after the other, the batch as one unit.
+- `sfc`: the sparse sequences split into micro-batches of `--micro-batch` sequences. The engine
+  thread selects micro-batch i while the resolve thread resolves i-1 and the fetch thread fills
+  i-2 (torch ops and disk reads release the GIL); compute starts once every fetch of the layer
+  is in. Bookkeeping (recency, write-back of full pages) runs on the resolve thread while the
+  engine thread goes on with the layer (o_proj, MLP, next layer's projections).
+- `layer-ahead`: the model predicts layer l+1's queries from layer l's input (layer l+1's own
+  q projection applied to it, as InfiniGen and KVSwap do); those pages are selected, resolved
+  and fetched on the stage threads while layer l computes. Layer l+1 then selects exactly;
+  pages the prediction missed are fetched before compute, so outputs stay exact.
+
+For the same selections every mode attends to the same pages, so outputs are identical; only
+which pages stay resident (and so what is fetched) differs.
+
+Threading contract: tier bookkeeping (slot maps, residency, evictions, host pins) is mutated
+by one thread at a time: the resolve thread while a layer's pipeline runs, the engine thread
+otherwise (`drain` waits for the stage threads before the engine thread touches the tiers).
+The fetch thread moves data only, into slots reserved for it and from host slots pinned for it.
+
+Metrics (kvstore.stats): one `strata_stage_seconds{stage}` observation per stage per
+micro-batch, busy seconds per stage, and stall seconds: time a stage waited on the stage before
+it (the resolve thread idle for a selection, a fill waiting for its resolution, compute waiting
+for the fetches).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels.page_select import SelectedPages, cat_selected
+from kvstore.config import PIPELINES
+from kvstore.fetcher import Resolution
+
+if TYPE_CHECKING:
+    from kvstore.step import StepKV
+
+logger = logging.getLogger(__name__)
+
+# micro-batch sizes (sequences) tried by the calibration when --micro-batch is not given
+CALIBRATION_CANDIDATES = (1, 2, 4, 8, 16)
+CALIBRATION_STEPS = 2          # decode steps timed per candidate
+
+_I64 = dict(dtype=torch.int64)
+
+
+_THREAD_MODE = threading.local()
+
+
+def _enter_inference_mode() -> None:
+    """Stage threads run under torch.inference_mode for their whole life (the guard lives
+    in a thread-local, so it is not collected when the initializer returns)."""
+    _THREAD_MODE.guard = torch.inference_mode()
+    _THREAD_MODE.guard.__enter__()
+
+
+class _LayerStages:
+    """The stage functions of one layer of one step (bound to its StepKV)."""
+
+    def __init__(self, step: "StepKV", layer: int, q: torch.Tensor | None):
+        self.step, self.layer, self.q = step, layer, q
+
+    def select(self, idx: list[int], qd: torch.Tensor | None = None,
+               observe: bool = True) -> SelectedPages:
+        st = self.step
+        if qd is None:
+            qd = self.q[torch.tensor([st.qo[i] for i in idx], **_I64)]
+        return st.select(self.layer, qd, idx, observe=observe)
+
+    def union_keys(self, idx: list[int], sel: SelectedPages) -> torch.Tensor:
+        """Keys of the pages any head selected, sequence after sequence, ascending."""
+        st, P = self.step, self.step.store.max_pages
+        return torch.cat([self.layer * P + st.page_tensors[i][sel.union(b)]
+                          for b, i in enumerate(idx)])
+
+    def resolve(self, keys: torch.Tensor, protect: torch.Tensor,
+                count: bool = True) -> Resolution:
+        return self.step.fetcher.resolve(keys, protect, count=count)
+
+    def fill(self, res: Resolution) -> None:
+        self.step.fetcher.fill(res)
+
+
+class Pipeline:
+    """Schedules the stages of each layer (module docstring). One per KV store."""
+
+    def __init__(self, store, mode: str = "sequential", micro_batch: int = 0,
+                 resolve_thread: bool = False):
+        if mode not in PIPELINES:
+            raise ValueError(f"--pipeline must be one of {', '.join(PIPELINES)} (got {mode!r})")
+        if micro_batch < 0:
+            raise ValueError(f"--micro-batch must be >= 0 (0: calibrate), got {micro_batch}")
+        self.store = store
+        self.stats = store.stats
+        self.mode = mode
+        self.micro_batch = micro_batch           # 0 until calibrated (sfc)
+        # sfc: resolve on its own thread (three concurrent stages), or on the engine thread
+        # right after each micro-batch's selection (two: select+resolve | fetch)
+        self.resolve_thread = resolve_thread
+        self._resolver: ThreadPoolExecutor | None = None
+        self._fetcher: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._predicted: Future | None = None    # layer-ahead: -> (layer, keys fetched)
+        self._resolver_free = 0.0                # when the resolve thread finished its last job
+        # calibration (sfc without --micro-batch): candidate -> per-sequence seconds per step
+        self._calib: dict[int, list[float]] = {}
+        self._calib_plan: list[int] = []
+        self._step_mb = micro_batch
+        self._step_time = 0.0
+        self._step_seqs = 0
+
+    # ------------------------------------------------------------------ threads
+    def _threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        if self._resolver is None:
+            # NOTE: inference mode is per thread; the engine thread's buffers (made under it)
+            # can only be updated in place under it
+            self._resolver = ThreadPoolExecutor(1, thread_name_prefix="strata-resolve",
+                                                initializer=_enter_inference_mode)
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="strata-fetch",
+                                               initializer=_enter_inference_mode)
+        return self._resolver, self._fetcher
+
+    def close(self) -> None:
+        self.drain()
+        for ex in (self._resolver, self._fetcher):
+            if ex is not None:
+                ex.shutdown(wait=True)
+        self._resolver = self._fetcher = None
+
+    def drain(self, raise_errors: bool = True):
+        """Wait for the stage threads' jobs (bookkeeping, prefetch); re-raise the first error
+        of a bookkeeping job (else log it). Returns (layer, keys) of a finished layer-ahead prefetch, or
+        None. Time waited counts as compute stall (the layer cannot start)."""
+        t0 = time.perf_counter()
+        errors = []
+        for f in self._pending:
+            try:
+                f.result()
+            except Exception as exc:   # noqa: BLE001 - re-raised below, after every job ended
+                errors.append(exc)
+        self._pending.clear()
+        predicted = None
+        if self._predicted is not None:
+            try:
+                layer, keys, res, exc = self._predicted.result()
+                if exc is None:
+                    predicted = (layer, keys)
+                else:
+                    self._forget_unfilled(res)
+                    logger.debug("layer-ahead prefetch failed (the exact fetch retries): %s", exc)
+            except Exception as exc:   # noqa: BLE001 - a prediction is only a hint
+                logger.debug("layer-ahead prefetch failed (the exact fetch retries): %s", exc)
+            self._predicted = None
+        waited = time.perf_counter() - t0
+        if waited > 1e-4:
+            self.stats.add_stall("compute", waited)
+        if errors:
+            if raise_errors:
+                raise errors[0]
+            logger.warning("KV bookkeeping failed: %s", errors[0])
+        return predicted
+
+    # ------------------------------------------------------------------ step boundaries
+    def begin_step(self, num_sparse: int) -> None:
+        """Called by each StepKV: closes the previous step's calibration sample and picks the
+        micro-batch size of this step."""
+        if self._step_seqs and self._step_mb in self._calib:
+            self._calib[self._step_mb].append(self._step_time / self._step_seqs)
+        self._step_time, self._step_seqs = 0.0, 0
+        if self.mode != "sfc" or num_sparse < 2:
+            return
+        if self.micro_batch:
+            self._step_mb = self.micro_batch
+            return
+        # calibration: each candidate (up to the batch) for CALIBRATION_STEPS decode steps
+        if not self._calib_plan and not self._calib:
+            cands = [c for c in CALIBRATION_CANDIDATES if c < num_sparse] + [num_sparse]
+            self._calib = {c: [] for c in cands}
+            self._calib_plan = [c for c in cands for _ in range(CALIBRATION_STEPS)]
+        if self._calib_plan:
+            self._step_mb = self._calib_plan.pop(0)
+            self._step_seqs = num_sparse
+            return
+        best = {c: statistics.median(v) for c, v in self._calib.items() if v}
+        self.micro_batch = min(best, key=best.get)
+        self._step_mb = self.micro_batch
+        logger.info("pipeline sfc: calibrated --micro-batch %d (select+resolve+fetch per "
+                    "sequence and layer: %s)", self.micro_batch,
+                    ", ".join(f"{c}: {1e3 * t:.2f} ms" for c, t in sorted(best.items())))
+
+    # ------------------------------------------------------------------ one layer
+    def run(self, stages: _LayerStages, dense_keys: torch.Tensor, sparse_idx: list[int],
+            t_keys: torch.Tensor) -> tuple[torch.Tensor, SelectedPages | None, torch.Tensor]:
+        """Select, resolve and fetch one layer's pages: dense_keys (every page of the dense
+        sequences) and the selected pages of sparse_idx. Returns (device slots of dense_keys
+        then of each sparse sequence's selected pages, the selection, those keys)."""
+        t0 = time.perf_counter()
+        mb = self._step_mb if self.mode == "sfc" else 0
+        if mb and len(sparse_idx) > 1:
+            out = self._run_sfc(stages, dense_keys, sparse_idx, t_keys, mb)
+        else:
+            out = self._run_sequential(stages, dense_keys, sparse_idx, t_keys)
+        if sparse_idx:
+            self._step_time += time.perf_counter() - t0
+        return out
+
+    def _run_sequential(self, stages, dense_keys, sparse_idx, t_keys):
+        st = self.stats
+        sel = None
+        keys = dense_keys
+        if sparse_idx:
+            t0 = time.perf_counter()
+            sel = stages.select(sparse_idx)
+            keys = torch.cat([dense_keys, stages.union_keys(sparse_idx, sel)])
+            st.observe_stage("select", time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        res = stages.resolve(keys, torch.cat([keys, t_keys]))
+        t1 = time.perf_counter()
+        st.observe_stage("resolve", t1 - t0)
+        try:
+            stages.fill(res)
+        except Exception:
+            self._forget_unfilled(res)
+            raise
+        st.observe_stage("fetch", time.perf_counter() - t1)
+        return res.slots, sel, keys
+
+    def _run_sfc(self, stages, dense_keys, sparse_idx, t_keys, mb):
+        resolver, fetcher = self._threads()
+        st = self.stats
+        t_start = time.perf_counter()
+        self._resolver_free = t_start
+        protect = [t_keys]
+        jobs: list[tuple[Future, Future]] = []
+
+        def submit(keys: torch.Tensor) -> None:
+            protect.append(keys)            # this and every earlier micro-batch stay resident
+            if self.resolve_thread:
+                rf = resolver.submit(self._resolve_job, stages, keys, torch.cat(protect))
+            else:                           # on the engine thread, right after selection
+                rf = Future()
+                try:
+                    rf.set_result(self._resolve_job(stages, keys, torch.cat(protect)))
+                except Exception as exc:   # noqa: BLE001 - raised after the layer's jobs end
+                    rf.set_exception(exc)
+            jobs.append((rf, fetcher.submit(self._fill_job, stages, rf)))
+
+        if dense_keys.numel():
+            submit(dense_keys)
+        sels, keys_parts = [], [dense_keys]
+        for c in range(0, len(sparse_idx), mb):
+            chunk = sparse_idx[c:c + mb]
+            t0 = time.perf_counter()
+            sel = stages.select(chunk)
+            keys = stages.union_keys(chunk, sel)
+            st.observe_stage("select", time.perf_counter() - t0)
+            sels.append(sel)
+            keys_parts.append(keys)
+            submit(keys)
+        t0 = time.perf_counter()
+        errors = []
+        for _, ff in jobs:
+            res, exc = ff.result()
+            if exc is not None:
+                self._forget_unfilled(res)
+                errors.append(exc)
+        st.add_stall("compute", time.perf_counter() - t0)
+        if errors:
+            raise errors[0]
+        slots = torch.cat([rf.result().slots for rf, _ in jobs])
+        return slots, cat_selected(sels), torch.cat(keys_parts)
+
+    def _resolve_job(self, stages, keys, protect) -> Resolution:
+        t0 = time.perf_counter()
+        stall = max(0.0, t0 - self._resolver_free) if self.resolve_thread else 0.0
+        try:
+            return stages.resolve(keys, protect)
+        finally:
+            t1 = time.perf_counter()
+            self._resolver_free = t1
+            self.stats.observe_stage("resolve", t1 - t0, stall)
+
+    def _fill_job(self, stages, rf: Future):
+        """Fill one micro-batch; returns (resolution or None, error or None): errors are
+        handled on the engine thread once every job of the layer has ended."""
+        t0 = time.perf_counter()
+        try:
+            res = rf.result()
+        except Exception as exc:   # noqa: BLE001 - the resolve failed: nothing to fill
+            return None, exc
+        t1 = time.perf_counter()
+        try:
+            stages.fill(res)
+            return res, None
+        except Exception as exc:   # noqa: BLE001
+            return res, exc
+        finally:
+            self.stats.observe_stage("fetch", time.perf_counter() - t1, t1 - t0)
+
+    def _forget_unfilled(self, res: Resolution | None) -> None:
+        """A fill failed: its misses' slots hold no valid page, so drop them (engine thread,
+        stage threads idle) rather than let a later step take them for hits. The owners of
+        unreadable pages fail through the error; other pages are fetched again."""
+        if res is None or res.misses == 0:
+            return
+        dev = self.store.device_tier
+        dev.delete(dev.slot_keys[torch.cat([res.host_dst, res.disk_dst])])
+
+    # ------------------------------------------------------------------ overlapped work
+    def prefetch(self, stages: _LayerStages, q_pred: torch.Tensor, sparse_idx: list[int],
+                 protect: torch.Tensor) -> None:
+        """Layer-ahead: select layer `stages.layer`'s pages with predicted queries, resolve and
+        fetch them on the stage threads (the caller's layer computes meanwhile; `protect`
+        holds its pages)."""
+        resolver, fetcher = self._threads()
+
+        def resolve_job():
+            t0 = time.perf_counter()
+            sel = stages.select(sparse_idx, q_pred, observe=False)
+            keys = stages.union_keys(sparse_idx, sel)
+            t1 = time.perf_counter()
+            self.stats.observe_stage("select", t1 - t0)
+            res = stages.resolve(keys, torch.cat([protect, keys]), count=False)
+            self.stats.observe_stage("resolve", time.perf_counter() - t1)
+            return keys, res
+
+        rf = resolver.submit(resolve_job)
+
+        def fill_job():
+            keys, res = rf.result()
+            t0 = time.perf_counter()
+            try:
+                stages.fill(res)
+                return stages.layer, keys, res, None
+            except Exception as exc:   # noqa: BLE001 - handled by drain (engine thread)
+                return stages.layer, keys, res, exc
+            finally:
+                self.stats.observe_stage("fetch", time.perf_counter() - t0)
+
+        self._predicted = fetcher.submit(fill_job)
+
+    def after_compute(self, step: "StepKV", touched_slots: torch.Tensor, full) -> None:
+        """Recency of the slots the layer used and write-back of pages that became full:
+        inline when sequential, else on the resolve thread (overlapping the layer's rest)."""
+        def bookkeeping():
+            store = self.store
+            store.residency.touch(touched_slots, step.now)
+            if full is not None:
+                step.fetcher.write_back(full[0], full[1], step.t_full_rids)
+
+        if self.mode == "sequential":
+            bookkeeping()
+        else:
+            self._pending.append(self._threads()[0].submit(bookkeeping))

@@ -1,0 +1,134 @@
+"""The decode stage pipeline (--pipeline sequential | sfc | layer-ahead) on the real model:
+identical outputs and selections in every mode while pages move between all three tiers,
+stage metrics, layer-ahead recall, micro-batch calibration, and a corrupt page failing only its
+request when the fetch runs on the stage threads."""
+from __future__ import annotations
+
+import pytest
+
+from engine.args import EngineArgs
+from engine.llm_engine import LLMEngine
+from kvstore.pipeline import CALIBRATION_CANDIDATES
+from kvstore.stats import STAGES
+from scheduler.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir):
+    from server.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(smollm2_dir)
+    topics = ["a lighthouse keeper", "a cat who learns to sail", "the history of bread",
+              "a robot in a library"]
+    out = []
+    for i, topic in enumerate(topics):
+        text = (f"Notes about {topic}. " * 30 + f"The code for {topic} is {4921 + i}. "
+                + "More notes follow. " * 20)
+        out.append(tok.encode_chat([{"role": "user", "content": text + " What is the code?"}]))
+    return out
+
+
+def make(folder, tmp_path, **kw) -> LLMEngine:
+    # ~450-token prompts, a 128-token budget: decode is sparse past the dense layers; the device
+    # tier holds a few layers' working set, so every step evicts and fetches from host and disk
+    return LLMEngine(EngineArgs(model=str(folder), dtype="bf16", page_size=16,
+                                kv_device_gb=0.008, kv_host_gb=0.01, kv_disk_gb=0.2,
+                                kv_disk_path=tmp_path / "kv", sparse_budget=128,
+                                sparse_sink_tokens=16, sparse_local_tokens=32, **kw))
+
+
+def run(engine: LLMEngine, prompts, steps=STEPS):
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, params)
+    got = {rid: [] for rid in ids}
+    errors = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason == "error":
+                errors[out.request_id] = out.error
+    return got, errors
+
+
+@pytest.fixture(scope="module")
+def sequential(smollm2_dir, prompts, tmp_path_factory):
+    engine = make(smollm2_dir, tmp_path_factory.mktemp("seq"), pipeline="sequential")
+    got, errors = run(engine, prompts)
+    assert not errors
+    return got, engine.store.stats.snapshot()
+
+
+@pytest.mark.parametrize("mode,micro_batch", [("sfc", 1), ("sfc", 3), ("layer-ahead", 0)])
+def test_every_mode_gives_the_same_output_and_selections(smollm2_dir, prompts, sequential,
+                                                         tmp_path, mode, micro_batch):
+    seq_out, seq_stats = sequential
+    engine = make(smollm2_dir, tmp_path, pipeline=mode, micro_batch=micro_batch)
+    got, errors = run(engine, prompts)
+    assert not errors
+    assert got == seq_out
+    st = engine.store.stats.snapshot()
+    # the same pages were selected, step after step (same histogram of attended tokens)
+    assert (st.selected_count, st.selected_sum, st.selected_buckets) == \
+        (seq_stats.selected_count, seq_stats.selected_sum, seq_stats.selected_buckets)
+    # ... and pages really moved between tiers while the stage threads ran
+    assert st.transfer_bytes.get(("host", "device"), 0) > 0
+    assert st.transfer_bytes.get(("disk", "device"), 0) > 0
+    for stage in STAGES:
+        assert st.stage_count.get(stage, 0) > 0 and st.stage_busy[stage] > 0
+    if mode == "sfc":
+        # 4 sparse sequences per step in micro-batches: several observations per layer
+        per_layer = -(-len(prompts) // micro_batch)
+        assert st.stage_count["select"] >= STEPS * 20 * per_layer
+        assert st.stage_stall.get("compute", 0) > 0
+    if mode == "layer-ahead":
+        assert st.lookahead_exact > 0
+        recall = st.lookahead_hits / st.lookahead_exact
+        assert 0.3 < recall <= 1.0            # the sink and local pages alone are ~40%
+    store = engine.store
+    assert store.num_used_pages == 0
+    assert not bool(store.host_pinned.any())
+    assert all(used == 0 for used, _ in store.tier_usage().values())
+
+
+def test_sfc_calibrates_the_micro_batch_when_not_given(smollm2_dir, prompts, sequential,
+                                                       tmp_path):
+    engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=0)
+    got, errors = run(engine, prompts)
+    assert not errors and got == sequential[0]
+    chosen = engine.store.pipeline.micro_batch
+    assert chosen in set(CALIBRATION_CANDIDATES) | {len(prompts)}
+    assert 1 <= chosen <= len(prompts)
+
+
+@pytest.mark.parametrize("mode", ["sfc", "layer-ahead"])
+def test_corrupt_page_fails_only_its_request_with_stage_threads(smollm2_dir, prompts,
+                                                                sequential, tmp_path, mode):
+    engine = make(smollm2_dir, tmp_path, pipeline=mode, micro_batch=1, kv_force_tier="disk")
+    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    got = {f"r{i}": [] for i in range(len(prompts))}
+    errors = {}
+    corrupted = False
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason == "error":
+                errors[out.request_id] = out.error
+        if not corrupted and len(got["r0"]) >= 4:
+            files = sorted(f for f in (tmp_path / "kv").rglob("*") if f.is_file())
+            with open(files[0], "r+b") as f:        # r0's file: handles are issued in order
+                data = bytearray(f.read(1 << 20))
+                f.seek(0)
+                f.write(bytes(b ^ 0xFF for b in data))
+            corrupted = True
+    assert set(errors) == {"r0"} and "corrupt" in errors["r0"].lower()
+    for rid in ("r1", "r2", "r3"):
+        assert got[rid] == sequential[0][rid]
+    assert engine.store.num_used_pages == 0
+    assert not bool(engine.store.host_pinned.any())
