@@ -272,6 +272,8 @@ def main() -> None:
     ap.add_argument("--kv-disk-path", default=str(RESULTS / "kv-tmp"))
     ap.add_argument("--with-resolve-thread", action="store_true",
                     help="also time SFC with resolution on its own thread (3 stage threads)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run (GIL hand-off, default 0.005 s)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", choices=("sequential", "sfc", "layer-ahead"), default=None,
                     help="instead of the rounds: cProfile --steps steps of this mode")
@@ -283,6 +285,8 @@ def main() -> None:
         print_table(res)
         plot(res, Path(args.replot).with_suffix(".png"))
         return
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     if args.quick:
         args.requests, args.context, args.rounds, args.steps = 4, 4000, 2, 4
     out = Path(args.out) if args.out else RESULTS / ("pipeline_quick.json" if args.quick

@@ -24,6 +24,28 @@ from scheduler.request import Request
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# a step of this many tokens (a prefill chunk) frees hundreds of MB of activations
+_TRIM_AFTER_TOKENS = 1024
+
+
+def _libc_malloc_trim():
+    try:
+        import ctypes
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):      # not glibc
+        return None
+
+
+_MALLOC_TRIM = _libc_malloc_trim()
+
+
+def release_free_heap() -> None:
+    """Give the heap glibc keeps after a large step back to the OS (malloc_trim): prefill
+    activations are freed but otherwise stay in the process's RSS (measured: ~0.8 GB after
+    8 prefills of 7K tokens), which a memory budget cannot afford. Costs ~1-10 ms, once per
+    prefill chunk."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 @dataclass(frozen=True)
@@ -78,7 +100,10 @@ class ModelRunner:
                             torch.tensor(positions, dtype=torch.int64, device=dev), step,
                             torch.tensor(logits_rows, dtype=torch.int64, device=dev))
         write_failures = self.store.end_step(step, prefilled)
-        return self._sample(batch, requests, logits), write_failures
+        sampled = self._sample(batch, requests, logits)
+        if len(input_ids) >= _TRIM_AFTER_TOKENS:
+            release_free_heap()
+        return sampled, write_failures
 
     def _sample(self, batch: ScheduledBatch, requests: dict[str, Request],
                 logits: torch.Tensor) -> dict[str, SampledToken]:

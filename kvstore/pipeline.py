@@ -83,8 +83,8 @@ class _LayerStages:
     def union_keys(self, idx: list[int], sel: SelectedPages) -> torch.Tensor:
         """Keys of the pages any head selected, sequence after sequence, ascending."""
         st, P = self.step, self.step.store.max_pages
-        return torch.cat([self.layer * P + st.page_tensors[i][sel.union(b)]
-                          for b, i in enumerate(idx)])
+        seq = torch.tensor(idx, **_I64).repeat_interleave(sel.union_indptr.diff())
+        return self.layer * P + st.page_mat[seq, sel.union_indices]
 
     def resolve(self, keys: torch.Tensor, protect: torch.Tensor,
                 count: bool = True) -> Resolution:

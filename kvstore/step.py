@@ -73,6 +73,9 @@ class StepKV:
         self.n_pages = [-(-s.kv_len // ps) for s in seqs]
         self.last_len = [s.kv_len - (n - 1) * ps for s, n in zip(seqs, self.n_pages)]
         self.page_tensors = [torch.tensor(s.page_ids[:n], **_I64) for s, n in zip(seqs, self.n_pages)]
+        # [seqs, max pages] page ids, padded with 0 (for vectorized lookups of selected pages)
+        self.page_mat = torch.nn.utils.rnn.pad_sequence(self.page_tensors, batch_first=True) \
+            if seqs else torch.empty(0, 0, **_I64)
         sparse = [cfg.sparse_budget > 0 and s.q_len == 1 and n > cfg.budget_pages
                   for s, n in zip(seqs, self.n_pages)]
         self.sparse_idx = [i for i, sp in enumerate(sparse) if sp]
@@ -178,9 +181,7 @@ class StepKV:
         p_layer, p_keys = predicted
         if p_layer != layer:
             return
-        P = self.store.max_pages
-        exact = torch.cat([layer * P + self.page_tensors[i][sel.union(b)]
-                           for b, i in enumerate(self.sparse_idx)])
+        exact = _LayerStages(self, layer, None).union_keys(self.sparse_idx, sel)
         hit = int(torch.isin(exact, p_keys).sum())
         self.store.stats.observe_lookahead(hit, exact.numel())
 

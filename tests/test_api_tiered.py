@@ -1,5 +1,5 @@
-"""The real server with all three KV tiers (forced down to disk every step) and sparse decode,
-driven over HTTP: tier metrics, a corrupt page mid-stream, never-fits (400) and full-for-now (429)."""
+"""The real server with all three KV tiers (forced down to disk every step), sparse decode and
+layer-ahead prefetch, driven over HTTP: tier and stage metrics, a corrupt page mid-stream, never-fits (400) and full-for-now (429)."""
 from __future__ import annotations
 
 import time
@@ -25,7 +25,7 @@ def disk_dir(tmp_path_factory):
 def tiered(disk_dir):
     with running_server("--kv-device-gb", "0.05", "--kv-host-gb", "0.05", "--kv-disk-gb", "0.1",
                         "--kv-disk-path", str(disk_dir), "--kv-force-tier", "disk",
-                        "--sparse-budget", "256") as proc:
+                        "--sparse-budget", "256", "--pipeline", "layer-ahead") as proc:
         yield proc
 
 
@@ -43,6 +43,11 @@ def test_long_prompt_is_served_from_the_disk_tier_with_sparse_decode(tiered, dis
     assert read_metric(text, "strata_kv_transfer_bytes_total", 'dst="disk",src="device"') > 0
     assert read_metric(text, "strata_kv_page_hits_total", 'tier="disk"') > 0
     assert read_metric(text, "strata_sparse_selected_tokens_count") > 0
+    # the decode stages, timed per micro-batch (layer-ahead: prefetch on the stage threads)
+    for stage in ("select", "resolve", "fetch", "compute"):
+        assert read_metric(text, "strata_stage_seconds_count", f'stage="{stage}"') > 0
+        assert read_metric(text, "strata_stage_busy_seconds_total", f'stage="{stage}"') > 0
+    assert read_metric(text, "strata_pipeline_stall_seconds_total", 'stage="compute"') >= 0
     for tier in ("device", "host", "disk"):
         assert read_metric(text, "strata_kv_tier_capacity_bytes", f'tier="{tier}"') > 0
         assert read_metric(text, "strata_kv_tier_used_bytes", f'tier="{tier}"') == 0
