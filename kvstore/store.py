@@ -233,7 +233,7 @@ class TieredKVStore:
         return failed
 
     def staging(self, n: int) -> torch.Tensor:
-        """A reused host buffer [n, 2, ps, kvh, hd] for disk reads (grown on demand)."""
+        """A reused host buffer [n, 2, kvh, ps, hd] for disk reads (grown on demand)."""
         if self._staging is None or self._staging.shape[0] < n:
             self._staging = torch.empty(max(n, 64), *self.page_shape.shape,
                                         dtype=self.page_shape.dtype)
