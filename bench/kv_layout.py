@@ -76,7 +76,8 @@ def main() -> None:
     de_med, de_min = _median_ms(lambda: dense.forward(q, pool, batch, scale), args.repeats)
 
     print(f"pool {tuple(pool.shape)} bf16, threads={args.threads}, B={b}, heads {args.heads}/{kvh}")
-    print(f"sparse forward ({rows} rows x {n} pages):   median {sp_med:7.3f} ms  min {sp_min:7.3f} ms")
+    print(f"sparse forward ({rows} rows x {n} pages):   median {sp_med:7.3f} ms  "
+          f"min {sp_min:7.3f} ms")
     print(f"dense decode ({b} seqs x {args.dense_pages} pages): median {de_med:7.3f} ms  "
           f"min {de_min:7.3f} ms")
 

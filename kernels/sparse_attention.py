@@ -45,8 +45,10 @@ class TorchSparseDecode:
     NOTE (measured, 1 thread, SmolLM2 shapes, bf16, 24 rows x 1024 tokens, medians): that
     layout ~1.1 ms; the group as query length of one head (q [R, 1, group, D]) ~1.5 ms;
     explicit bmm with a float32 softmax ~1.45 ms; float32-upcast K/V for bmm several times
-    slower. The gather was the other half while pages were NHD (KV heads interleaved per
-    token: 128-byte rows, one head of one token); HND made it whole 2 KB runs.
+    slower. The gather is the other half. It is bound by memory traffic more than by row
+    count: HND's 2 KB runs against NHD's 128-byte rows (one head of one token) cut it by ~20%
+    (bench/kv_layout_ab.py, 24 rows x 64 pages of a 4000-slot pool, caches churned by the
+    other cases: ~1.35 vs ~1.65 ms; forward ~2.9 vs ~3.2 ms), not several-fold.
     Each layer selects its own pages: call `plan(head_table)` once per layer (forward plans
     lazily when handed a new table). Padding goes to the longest row.
     """
