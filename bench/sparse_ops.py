@@ -61,11 +61,12 @@ def main() -> None:
     budget_pages = args.budget // ps
     scale = d ** -0.5
 
-    # KV pools of `resident` layers, each sequence's pages on shuffled slots
+    # KV pools of `resident` layers (HND pages [2, KVH, ps, D]), each sequence's pages on
+    # shuffled slots
     slots_total = b * n_pages
     perm = torch.randperm(slots_total)
     slot_table = perm.view(b, n_pages)
-    pools = [torch.randn(slots_total, 2, ps, kvh, d).to(dtype) for _ in range(args.resident)]
+    pools = [torch.randn(slots_total, 2, kvh, ps, d).to(dtype) for _ in range(args.resident)]
     q = torch.randn(b, args.heads, d).to(dtype)
     kv_lens = [args.context] * b
     num_pages = torch.full((b,), n_pages)

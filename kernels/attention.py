@@ -2,7 +2,8 @@
 
 Conventions for one step over B sequences and T = sum(q_len_i) query tokens:
   q         [T, H, D]                         query tokens, sequence after sequence
-  kv_layer  [P, 2, page_size, KVH, D]         one layer of the cache, K at [:, 0], V at [:, 1]
+  kv_layer  [P, 2, KVH, page_size, D]         one layer of the cache, K at [:, 0], V at [:, 1]
+                                              (FlashInfer's "HND" paged layout)
   sequence i owns q rows qo_indptr[i]:qo_indptr[i + 1] (q_len_i) and kv_len_i cached tokens
   (page_table.kv_len(i), which INCLUDES this step's new tokens, already written). Its queries are
   the last q_len_i of its kv_len_i positions: query j sees kv positions <= kv_len_i - q_len_i + j.
@@ -58,28 +59,40 @@ class AttentionBatch:
                    torch.tensor(slots, dtype=torch.int64, device=device))
 
 
+def _head_run_rows(pages: torch.Tensor, kvh: int) -> torch.Tensor:
+    """Rows of kv_layer.view(P * 2 * KVH, page_size * D) (one row: one KV head's K or V of one
+    page, contiguous in the HND layout) for pages [..., n] int64: [2, ..., KVH, n], K then V,
+    so that the gathered rows view as [2, ..., KVH, n * page_size, D]."""
+    kv = torch.arange(2, device=pages.device).view(2, *([1] * pages.dim()), 1)
+    head = torch.arange(kvh, device=pages.device)[:, None]
+    return (pages.unsqueeze(-2).unsqueeze(0) * 2 + kv) * kvh + head
+
+
 @dataclass(frozen=True)
 class _SeqPlan:
     q_start: int
     q_len: int
     kv_len: int
-    k_rows: torch.Tensor          # [n_pages] int64: rows of kv_layer.view(P * 2, -1) holding K
+    pages: torch.Tensor           # [n_pages] int64 page ids
     mask: torch.Tensor | None     # [q_len, kv_len] bool, True = attend; None when plain causal
     causal: bool                  # q_len == kv_len > 1: SDPA's own causal mask is exact
 
 
 @dataclass(frozen=True)
 class _DecodePlan:
-    k_rows: torch.Tensor          # [B * max_pages] int64 (padded with each sequence's first page)
+    pages: torch.Tensor           # [B, max_pages] int64 (padded with each sequence's first page)
     mask: torch.Tensor | None     # [B, 1, 1, max_pages * page_size] bool, None without padding
+    rows: dict                    # KVH -> _head_run_rows(pages, KVH), built by the first layer
 
 
 class TorchPagedAttention:
     """Paged causal attention in plain torch.
 
-    K/V pages are gathered with one `index_select` per K and V ([n_pages * page_size, KVH, D],
-    contiguous), then viewed (not copied) as [KVH, L, D] and fed to 4-D SDPA with `enable_gqa`,
-    whose CPU flash kernel accumulates in float32 and never materialises [H, q, L] scores.
+    K and V are gathered with one `index_select` of whole per-head page runs (page_size * D
+    values, contiguous in the HND page) ordered (K/V, sequence, KV head, page), which lands them
+    directly as contiguous [.., KVH, L, D]: no transpose or copy before 4-D SDPA with
+    `enable_gqa`, whose CPU flash kernel accumulates in float32 and never materialises
+    [H, q, L] scores.
     Decode steps (every q_len == 1) run as one padded batch; other steps loop over sequences.
     Call `plan(batch)` once per step (forward plans lazily when given a new batch).
 
@@ -90,6 +103,10 @@ class TorchPagedAttention:
     than bf16 scores. 3-D SDPA inputs take a much slower path: keep the leading batch dim.
     Decode pads every sequence to the longest one: one long and many short sequences in a
     decode batch pay for the long one each.
+    NOTE (measured, bench/kv_layout_ab.py, bf16 decode 8 x 440 pages): with NHD pages the gather
+    copied whole 6 KB pages (~9.5 ms) and SDPA read K/V through transposed views (~21 ms); with
+    HND the gather of 2 KB head runs is slower (~13 ms) but SDPA over contiguous [B, KVH, L, D]
+    takes ~11 ms: ~24 ms per call against ~30 ms.
     """
 
     def __init__(self) -> None:
@@ -125,7 +142,7 @@ class TorchPagedAttention:
                 pos = torch.arange(max_pages * ps, device=dev)
                 lens = torch.tensor(kv_lens, device=dev)
                 mask = (pos[None, :] < lens[:, None])[:, None, None, :]
-            self._decode = _DecodePlan(rows.view(-1) * 2, mask)
+            self._decode = _DecodePlan(rows, mask, {})
             return
         for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
             if q_len == 0:
@@ -136,13 +153,12 @@ class TorchPagedAttention:
                 j = torch.arange(q_len, device=dev)[:, None]
                 p = torch.arange(kv_len, device=dev)[None, :]
                 mask = p <= kv_len - q_len + j
-            self._seqs.append(_SeqPlan(qo[i], q_len, kv_len,
-                                       indices[indptr[i]:indptr[i + 1]] * 2, mask,
-                                       causal=1 < q_len == kv_len))
+            self._seqs.append(_SeqPlan(qo[i], q_len, kv_len, indices[indptr[i]:indptr[i + 1]],
+                                       mask, causal=1 < q_len == kv_len))
 
     def forward(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch,
                 scale: float) -> torch.Tensor:
-        """q [T, H, D], kv_layer [P, 2, page_size, KVH, D] -> out [T, H, D] (q's dtype)."""
+        """q [T, H, D], kv_layer [P, 2, KVH, page_size, D] -> out [T, H, D] (q's dtype)."""
         if batch is not self._planned:
             self.plan(batch)
         if self._decode is not None:
@@ -155,32 +171,32 @@ class TorchPagedAttention:
 
     __call__ = forward
 
-    def _gather(self, kv_layer: torch.Tensor, k_rows: torch.Tensor):
-        """K, V of the given pages as [n_pages * page_size, KVH, D] each (contiguous).
+    def _gather(self, kv_layer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The per-head page runs `rows` (from _head_run_rows) as one [n_rows, page_size * D]
+        tensor, in one index_select.
 
-        NOTE: they land in a workspace reused by every layer and step: fresh multi-MB outputs
+        NOTE: it lands in a workspace reused by every layer and step: fresh multi-MB outputs
         would be new mmap'd memory each call, and page faults made the gather 3-4x slower.
         """
-        p, _, ps, kvh, d = kv_layer.shape
-        flat = kv_layer.view(p * 2, ps * kvh * d)
-        n, row = k_rows.shape[0], ps * kvh * d
+        p, _, kvh, ps, d = kv_layer.shape
+        flat = kv_layer.view(p * 2 * kvh, ps * d)
+        n, row = rows.numel(), ps * d
         ws = self._workspace
-        if ws is None or ws.numel() < 2 * n * row or ws.dtype != kv_layer.dtype \
+        if ws is None or ws.numel() < n * row or ws.dtype != kv_layer.dtype \
                 or ws.device != kv_layer.device:
-            ws = torch.empty(2 * n * row, dtype=kv_layer.dtype, device=kv_layer.device)
+            ws = torch.empty(n * row, dtype=kv_layer.dtype, device=kv_layer.device)
             self._workspace = ws
-        k = torch.index_select(flat, 0, k_rows, out=ws[:n * row].view(n, row))
-        v = torch.index_select(flat, 0, k_rows + 1, out=ws[n * row:2 * n * row].view(n, row))
-        return k.view(-1, kvh, d), v.view(-1, kvh, d)
+        return torch.index_select(flat, 0, rows.view(-1), out=ws[:n * row].view(n, row))
 
     def _forward_decode(self, q: torch.Tensor, kv_layer: torch.Tensor,
                         scale: float) -> torch.Tensor:
         plan = self._decode
         b, h, d = q.shape
-        kvh = kv_layer.shape[3]
-        k, v = self._gather(kv_layer, plan.k_rows)
-        k = k.view(b, -1, kvh, d).transpose(1, 2)               # [B, KVH, L_max, D] (view)
-        v = v.view(b, -1, kvh, d).transpose(1, 2)
+        kvh = kv_layer.shape[2]
+        rows = plan.rows.get(kvh)
+        if rows is None:
+            rows = plan.rows[kvh] = _head_run_rows(plan.pages, kvh)     # [2, B, KVH, n]
+        k, v = self._gather(kv_layer, rows).view(2, b, kvh, -1, d)    # [B, KVH, L_max, D] each
         out = F.scaled_dot_product_attention(                   # [B, H, 1, D]
             q.to(k.dtype).view(b, h, 1, d), k, v, attn_mask=plan.mask, scale=scale,
             enable_gqa=True)
@@ -188,9 +204,9 @@ class TorchPagedAttention:
 
     def _forward_seq(self, q: torch.Tensor, kv_layer: torch.Tensor, s: _SeqPlan,
                      scale: float) -> torch.Tensor:
-        k, v = self._gather(kv_layer, s.k_rows)
-        k = k[:s.kv_len].transpose(0, 1)[None]                  # [1, KVH, L, D] (view)
-        v = v[:s.kv_len].transpose(0, 1)[None]
+        kvh, d = kv_layer.shape[2], kv_layer.shape[4]
+        kv = self._gather(kv_layer, _head_run_rows(s.pages, kvh)).view(2, 1, kvh, -1, d)
+        k, v = kv[:, :, :, :s.kv_len]                           # [1, KVH, L, D] (views)
         qh = q.to(k.dtype).transpose(0, 1)[None]                # [1, H, q_len, D]
         out = F.scaled_dot_product_attention(
             qh, k, v, attn_mask=s.mask, is_causal=s.causal, scale=scale, enable_gqa=True)
@@ -205,7 +221,7 @@ def reference_paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: At
     """
     pt = batch.page_table
     h, d = q.shape[1], q.shape[2]
-    kvh = kv_layer.shape[3]
+    kvh = kv_layer.shape[2]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     qo = batch.qo_indptr.tolist()
     for i in range(pt.batch_size):
@@ -214,8 +230,9 @@ def reference_paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: At
         if q_len == 0:
             continue
         pages = pt.pages(i).long()
-        k = kv_layer[pages, 0].reshape(-1, kvh, d)[:kv_len].float()   # [L, KVH, D]
-        v = kv_layer[pages, 1].reshape(-1, kvh, d)[:kv_len].float()
+        # pages [n, KVH, page_size, D] -> tokens in order [L, KVH, D]
+        k = kv_layer[pages, 0].transpose(1, 2).reshape(-1, kvh, d)[:kv_len].float()
+        v = kv_layer[pages, 1].transpose(1, 2).reshape(-1, kvh, d)[:kv_len].float()
         k = k.repeat_interleave(h // kvh, dim=1).transpose(0, 1)      # [H, L, D]
         v = v.repeat_interleave(h // kvh, dim=1).transpose(0, 1)
         qi = q[q0:q1].float().transpose(0, 1)                          # [H, q_len, D]

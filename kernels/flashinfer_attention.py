@@ -1,6 +1,6 @@
 """Paged causal attention on CUDA through FlashInfer (same contract as TorchPagedAttention).
 
-The per-layer cache tensor [P, 2, page_size, KVH, D] is FlashInfer's single-tensor "NHD" paged
+The per-layer cache tensor [P, 2, KVH, page_size, D] is FlashInfer's single-tensor "HND" paged
 layout (K at [:, 0], V at [:, 1]) and PageTable is its CSR page table, so nothing is converted:
 `plan` hands qo_indptr / indptr / indices / last_page_len to the wrapper once per step, and
 `forward` runs it for each layer. Pure decode steps (every q_len == 1) use the decode wrapper;
@@ -21,15 +21,15 @@ _WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 class FlashInferPagedAttention:
-    """FlashInfer BatchPrefill/BatchDecode wrappers over the paged cache (kv_layout "NHD")."""
+    """FlashInfer BatchPrefill/BatchDecode wrappers over the paged cache (kv_layout "HND")."""
 
     def __init__(self, device: torch.device | str = "cuda"):
         import flashinfer  # lazy: only CUDA machines have it
 
         self.device = torch.device(device)
         self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
-        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND")
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "HND")
         self._planned: AttentionBatch | None = None
         self._planned_key: tuple | None = None
         self._wrapper = None
@@ -60,8 +60,8 @@ class FlashInferPagedAttention:
 
     def forward(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch,
                 scale: float) -> torch.Tensor:
-        """q [T, H, D], kv_layer [P, 2, page_size, KVH, D] -> out [T, H, D] (q's dtype)."""
-        key = (q.shape[1], kv_layer.shape[3], q.shape[2], q.dtype, kv_layer.dtype, scale)
+        """q [T, H, D], kv_layer [P, 2, KVH, page_size, D] -> out [T, H, D] (q's dtype)."""
+        key = (q.shape[1], kv_layer.shape[2], q.shape[2], q.dtype, kv_layer.dtype, scale)
         if batch is not self._planned or key != self._planned_key:
             self.plan(batch, *key)
         return self._wrapper.run(q, kv_layer)

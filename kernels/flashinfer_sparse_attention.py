@@ -4,11 +4,12 @@ FlashInfer's decode wrapper gives every request one page list shared by all its 
 each (sequence, KV head) row here has its own. So the rows are run as KVH decode batches, one
 per KV head h, each with num_kv_heads = 1:
   queries  q.view(B, KVH, group, D)[:, h]          [B, group, D]
-  cache    kv_pool[:, :, :, h:h + 1, :]            [S, 2, page_size, 1, D], a strided view
+  cache    kv_pool[:, :, h:h + 1]                  [S, 2, 1, page_size, D], a strided view
   table    rows h, KVH + h, 2 * KVH + h, ...       slots into the same pool
-Layout requirement: the pool stays the single-tensor NHD layout [S, 2, page_size, KVH, D]
-(KVCache's). The per-head view is not contiguous (token stride KVH * D, page stride
-2 * page_size * KVH * D); FlashInfer's paged kernels read the cache through its strides
+Layout requirement: the pool is the single-tensor HND layout [S, 2, KVH, page_size, D]
+(KVCache's), run with kv_layout "HND". The per-head view is not contiguous (page stride
+2 * KVH * page_size * D; within a page the head's page_size * D values are contiguous);
+FlashInfer's paged kernels read the cache through its strides
 (BatchDecodeWithPagedKVCacheRun hands paged_k_cache.strides() to paged_kv_t), so nothing is
 copied. One wrapper (plan) per KV head, all sharing one float workspace: their runs are ordered
 on the same stream. Plan once per layer (each layer selects its own pages).
@@ -25,7 +26,7 @@ _WORKSPACE_BYTES = 128 * 1024 * 1024
 
 
 class FlashInferSparseDecode:
-    """KVH BatchDecodeWithPagedKVCacheWrapper plans, one per KV head (kv_layout "NHD")."""
+    """KVH BatchDecodeWithPagedKVCacheWrapper plans, one per KV head (kv_layout "HND")."""
 
     def __init__(self, device: torch.device | str = "cuda"):
         import flashinfer  # lazy: only CUDA machines have it
@@ -51,7 +52,7 @@ class FlashInferSparseDecode:
         head_of_entry = torch.repeat_interleave(torch.arange(rows) % num_kv_heads, counts)
         while len(self._wrappers) < num_kv_heads:
             self._wrappers.append(self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD"))
+                self._workspace, "HND"))
         dev = self.device
         for h in range(num_kv_heads):
             counts_h = counts.view(-1, num_kv_heads)[:, h]
@@ -67,9 +68,9 @@ class FlashInferSparseDecode:
 
     def forward(self, q: torch.Tensor, kv_pool: torch.Tensor, head_table: PageTable,
                 group: int, scale: float) -> torch.Tensor:
-        """q [B, H, D], kv_pool [S, 2, page_size, KVH, D] -> [B, H, D] (q's dtype)."""
+        """q [B, H, D], kv_pool [S, 2, KVH, page_size, D] -> [B, H, D] (q's dtype)."""
         b, h, d = q.shape
-        kvh = kv_pool.shape[3]
+        kvh = kv_pool.shape[2]
         key = (h, kvh, d, q.dtype, kv_pool.dtype, scale)
         if head_table is not self._planned or key != self._planned_key:
             self.plan(head_table, *key)
@@ -77,7 +78,7 @@ class FlashInferSparseDecode:
         out = torch.empty_like(qv)
         for kh in range(kvh):
             out[:, kh] = self._wrappers[kh].run(qv[:, kh].contiguous(),
-                                                kv_pool[:, :, :, kh:kh + 1, :])
+                                                kv_pool[:, :, kh:kh + 1])
         return out.view(b, h, d)
 
     __call__ = forward

@@ -57,21 +57,22 @@ def summarize_pages(k_pages: torch.Tensor, valid: torch.Tensor | Sequence[int],
                     dtype: torch.dtype | None = None) -> torch.Tensor:
     """Summaries of whole pages.
 
-    k_pages [n, page_size, KVH, D] keys; valid [n] tokens held by each page (the first `valid`
-    slots; later slots are padding and ignored) -> [n, KVH, 3, D] in `dtype` (default: the keys').
+    k_pages [n, KVH, page_size, D] keys, the K half of cache pages as stored (the KV cache's HND
+    page layout: pool[slots, 0]); valid [n] tokens held by each page (the first `valid` slots;
+    later slots are padding and ignored) -> [n, KVH, 3, D] in `dtype` (default: the keys').
     A page with valid == 0 gets min +inf, max -inf, mean 0 (an empty box).
     """
-    n, page_size = k_pages.shape[:2]
+    n, _, page_size = k_pages.shape[:3]
     dtype = dtype or k_pages.dtype
     valid = torch.as_tensor(valid, dtype=torch.int64, device=k_pages.device)
     if valid.shape != (n,):
         raise ValueError(f"valid has shape {tuple(valid.shape)}, expected ({n},)")
     live = torch.arange(page_size, device=k_pages.device)[None, :] < valid[:, None]
-    live = live[:, :, None, None]                                   # [n, page_size, 1, 1]
+    live = live[:, None, :, None]                                   # [n, 1, page_size, 1]
     k = k_pages.float()
-    mn = k.masked_fill(~live, float("inf")).amin(dim=1)             # [n, KVH, D]
-    mx = k.masked_fill(~live, -float("inf")).amax(dim=1)
-    mean = k.masked_fill(~live, 0.0).sum(dim=1) / valid.clamp(min=1)[:, None, None]
+    mn = k.masked_fill(~live, float("inf")).amin(dim=2)             # [n, KVH, D]
+    mx = k.masked_fill(~live, -float("inf")).amax(dim=2)
+    mean = k.masked_fill(~live, 0.0).sum(dim=2) / valid.clamp(min=1)[:, None, None]
     return _pack(mn, mx, mean, dtype, _exact(k_pages.dtype, dtype))
 
 

@@ -2,7 +2,8 @@
 
   q          [B, H, D]                      one query token per sequence; H = KVH * group,
                                             query head h reads KV head h // group
-  kv_pool    [S, 2, page_size, KVH, D]      slot pool, K at [:, 0], V at [:, 1] (one layer)
+  kv_pool    [S, 2, KVH, page_size, D]      slot pool, K at [:, 0], V at [:, 1] (one layer;
+                                            FlashInfer's "HND" paged layout)
   head_table PageTable with R = B * KVH rows: row b * KVH + h lists the slots that head h of
              sequence b attends to, in token order (build_head_page_table). Its last_page_len
              is the sequence's own when the row ends with the sequence's (partial) last page,
@@ -24,8 +25,8 @@ from kernels.page_table import PageTable
 
 @dataclass(frozen=True)
 class _SparsePlan:
-    rows: torch.Tensor            # [2 * R * max_pages * page_size] int64: K then V rows of
-    #                               kv_pool.view(-1, D)
+    rows: torch.Tensor            # [2 * R * max_pages] int64: K then V rows of
+    #                               kv_pool.view(S * 2 * KVH, page_size * D)
     mask: torch.Tensor | None     # [R, 1, 1, max_pages * page_size] bool, None without padding
     max_tokens: int
 
@@ -35,15 +36,19 @@ class TorchSparseDecode:
 
     One `index_select` gathers every row's head slice of its pages (K and V) into a padded
     [2, R, L_max, D] workspace (reused across layers and steps: fresh multi-MB buffers page-fault),
-    padding repeats the row's first page and is masked. Then one 4-D SDPA call, each row a
+    padding repeats the row's first page and is masked. In the HND page layout a head's slice
+    of a page is one contiguous run (page_size * D values: 2 KB at page 16, D 64, bf16), so the
+    gather copies one row per (row, page) for K and for V. Then one 4-D SDPA call, each row a
     batch entry whose group query heads share one KV head: q [R, group, 1, D] against k/v
     [R, 1, L_max, D] with enable_gqa; SDPA's CPU flash kernel keeps softmax in float32.
 
     NOTE (measured, 1 thread, SmolLM2 shapes, bf16, 24 rows x 1024 tokens, medians): that
     layout ~1.1 ms; the group as query length of one head (q [R, 1, group, D]) ~1.5 ms;
     explicit bmm with a float32 softmax ~1.45 ms; float32-upcast K/V for bmm several times
-    slower. The gather is the other half: 128-byte rows (one head of one token), as a page
-    holds all KV heads interleaved.
+    slower. The gather is the other half. It is bound by memory traffic more than by row
+    count: HND's 2 KB runs against NHD's 128-byte rows (one head of one token) cut it by ~20%
+    (bench/kv_layout_ab.py, 24 rows x 64 pages of a 4000-slot pool, caches churned by the
+    other cases: ~1.35 vs ~1.65 ms; forward ~2.9 vs ~3.2 ms), not several-fold.
     Each layer selects its own pages: call `plan(head_table)` once per layer (forward plans
     lazily when handed a new table). Padding goes to the longest row.
     """
@@ -56,7 +61,7 @@ class TorchSparseDecode:
 
     def plan(self, head_table: PageTable, kv_pool_shape: tuple[int, ...]) -> None:
         """Gather indices and mask for `head_table` over a pool of `kv_pool_shape`."""
-        _, _, ps, kvh, _ = kv_pool_shape
+        _, _, kvh, ps, _ = kv_pool_shape
         if ps != head_table.page_size:
             raise ValueError(f"pool page_size {ps} != table page_size {head_table.page_size}")
         dev = head_table.indptr.device
@@ -73,12 +78,10 @@ class TorchSparseDecode:
         at = indptr[:-1, None] + torch.where(j[None, :] < counts[:, None], j[None, :], 0)
         slots = head_table.indices.to(torch.int64)[at]              # [R, max_pages]
         head = torch.arange(rows, device=dev) % kvh
-        # element row of K[slot, t, head] in kv_pool.view(S * 2 * ps * KVH, D) is
-        # (slot * 2 * ps + t) * KVH + head; V's is ps * KVH rows later
-        base = slots * (2 * ps * kvh) + head[:, None]               # [R, max_pages]
-        t = torch.arange(ps, device=dev) * kvh
-        offsets = torch.stack([t, t + ps * kvh])[:, None, None, :]  # [2, 1, 1, ps]
-        gather_rows = (base[None, :, :, None] + offsets).view(-1)   # [2 * R * max_pages * ps]
+        # row of K[slot, head] (page_size * D values) in kv_pool.view(S * 2 * KVH, ps * D) is
+        # slot * 2 * KVH + head; V's is KVH rows later
+        base = slots * (2 * kvh) + head[:, None]                    # [R, max_pages]
+        gather_rows = torch.stack([base, base + kvh]).view(-1)      # [2 * R * max_pages]
         kv_lens = (counts - 1) * ps + head_table.last_page_len.to(torch.int64)
         max_tokens = max_pages * ps
         mask = None
@@ -90,24 +93,24 @@ class TorchSparseDecode:
 
     def forward(self, q: torch.Tensor, kv_pool: torch.Tensor, head_table: PageTable,
                 group: int, scale: float) -> torch.Tensor:
-        """q [B, H, D], kv_pool [S, 2, page_size, KVH, D] -> [B, H, D] (q's dtype)."""
+        """q [B, H, D], kv_pool [S, 2, KVH, page_size, D] -> [B, H, D] (q's dtype)."""
         if head_table is not self._planned or tuple(kv_pool.shape) != self._planned_shape:
             self.plan(head_table, tuple(kv_pool.shape))
         plan = self._plan
         b, h, d = q.shape
-        kvh = kv_pool.shape[3]
+        kvh, ps = kv_pool.shape[2], kv_pool.shape[3]
         rows = b * kvh
         if h != kvh * group or head_table.batch_size != rows:
             raise ValueError(f"q has {h} heads and the table {head_table.batch_size} rows; "
                              f"expected {kvh} x {group} heads and {b} x {kvh} rows")
-        flat = kv_pool.view(-1, d)                                  # needs a contiguous pool
-        n = plan.rows.shape[0]
+        flat = kv_pool.view(-1, ps * d)                             # needs a contiguous pool
+        n, run = plan.rows.shape[0], ps * d
         ws = self._workspace
-        if ws is None or ws.numel() < n * d or ws.dtype != kv_pool.dtype \
+        if ws is None or ws.numel() < n * run or ws.dtype != kv_pool.dtype \
                 or ws.device != kv_pool.device:
-            ws = torch.empty(n * d, dtype=kv_pool.dtype, device=kv_pool.device)
+            ws = torch.empty(n * run, dtype=kv_pool.dtype, device=kv_pool.device)
             self._workspace = ws
-        kv = torch.index_select(flat, 0, plan.rows, out=ws[:n * d].view(n, d))
+        kv = torch.index_select(flat, 0, plan.rows, out=ws[:n * run].view(n, run))
         k, v = kv.view(2, rows, 1, plan.max_tokens, d)              # views of the workspace
         out = F.scaled_dot_product_attention(                       # [R, group, 1, D]
             q.to(k.dtype).reshape(rows, group, 1, d), k, v, attn_mask=plan.mask, scale=scale,
@@ -128,15 +131,15 @@ def reference_sparse_decode_attention(q: torch.Tensor, kv_pool: torch.Tensor,
                                       scale: float) -> torch.Tensor:
     """Explicit float32 attention, one (sequence, KV head) row at a time: [B, H, D] float32."""
     b_size, h, d = q.shape
-    kvh = kv_pool.shape[3]
+    kvh = kv_pool.shape[2]
     out = torch.zeros(b_size, h, d, dtype=torch.float32, device=q.device)
     for b in range(b_size):
         for kh in range(kvh):
             r = b * kvh + kh
             pages = head_table.pages(r).long()
             kv_len = head_table.kv_len(r)
-            k = kv_pool[pages, 0, :, kh].reshape(-1, d)[:kv_len].float()     # [L, D]
-            v = kv_pool[pages, 1, :, kh].reshape(-1, d)[:kv_len].float()
+            k = kv_pool[pages, 0, kh].reshape(-1, d)[:kv_len].float()        # [L, D]
+            v = kv_pool[pages, 1, kh].reshape(-1, d)[:kv_len].float()
             qh = q[b, kh * group:(kh + 1) * group].float()                   # [group, D]
             p = torch.softmax(qh @ k.T * scale, dim=-1)
             out[b, kh * group:(kh + 1) * group] = p @ v

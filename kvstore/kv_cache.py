@@ -1,9 +1,11 @@
 """The paged KV cache tensors of the device tier: one preallocated tensor per layer.
 
-Layout per layer: [num_pages, 2, page_size, num_kv_heads, head_dim], K at index 0 and V at 1.
+Layout per layer: [num_pages, 2, num_kv_heads, page_size, head_dim], K at index 0 and V at 1.
 A page (all its tokens, all KV heads, K and V) is one contiguous block, which is FlashInfer's
-"NHD" paged layout and the unit the tiers move. Page ids are handed out by the page allocator;
-this class only owns the memory.
+"HND" paged layout and the unit the tiers move; within it, one KV head's K (or V) is one
+contiguous run of page_size * head_dim values (2 KB at page 16, head_dim 64, bf16), so
+attention that reads one head of a page (sparse decode) copies whole runs, not 128-byte rows.
+Page ids are handed out by the page allocator; this class only owns the memory.
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ class KVCache:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
+        shape = (num_pages, 2, num_kv_heads, page_size, head_dim)
         # NOTE: zeros (not empty) so every page is touched now: no page faults mid-decode, and
         # the memory budget is really taken at start-up.
         self._layers = [torch.zeros(shape, dtype=dtype, device=self.device)
@@ -54,7 +56,7 @@ class KVCache:
         self._last_split: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def layer(self, layer: int) -> torch.Tensor:
-        """The cache of one layer: [num_pages, 2, page_size, num_kv_heads, head_dim]."""
+        """The cache of one layer: [num_pages, 2, num_kv_heads, page_size, head_dim]."""
         return self._layers[layer]
 
     def write(self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor,
@@ -72,8 +74,9 @@ class KVCache:
                 pages, slot_mapping - pages * self.page_size)
         pages, offsets = self._last_split
         cache = self._layers[layer]
-        cache[pages, 0, offsets] = k.to(self.dtype)
-        cache[pages, 1, offsets] = v.to(self.dtype)
+        # NOTE: indices split by a slice put the token dim first: [T, KVH, D], as k and v are
+        cache[pages, 0, :, offsets] = k.to(self.dtype)
+        cache[pages, 1, :, offsets] = v.to(self.dtype)
 
     @property
     def page_bytes(self) -> int:

@@ -113,18 +113,19 @@ class StepKV:
         """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> attention output [T, H, D]."""
         store, pipe = self.store, self.pipe
         P = store.max_pages
-        pool = store.device_tier.pool                        # [S, 2, ps, KVH, D]
+        pool = store.device_tier.pool                        # [S, 2, KVH, ps, D]
         # the previous layer's bookkeeping and this layer's prefetch run on the stage threads
         predicted = pipe.drain()
         # 1. write: pages being written get device slots (new pages need no fill)
         t_keys = layer * P + self.t_pid
         t_slots = self.fetcher.ensure(t_keys, protect=t_keys, fill=False).long()
         tok_slots = store.device_tier.slots(layer * P + self.tok_pid).long()
-        pool[tok_slots, 0, self.tok_off] = k.to(pool.dtype)
-        pool[tok_slots, 1, self.tok_off] = v.to(pool.dtype)
+        pool[tok_slots, 0, :, self.tok_off] = k.to(pool.dtype)   # indexed view: [T, KVH, D]
+        pool[tok_slots, 1, :, self.tok_off] = v.to(pool.dtype)
         if store.cfg.sparse_budget > 0:      # summaries only serve selection
             # NOTE: recomputed from the page contents, so a retried step cannot double count
-            summ = summarize_pages(pool[t_slots, 0], self.t_valid)   # [U, KVH, 3, D]
+            # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]
+            summ = summarize_pages(pool[t_slots, 0], self.t_valid)
             u = 0
             for i, j0, n in self.t_runs:
                 rkv = store.requests[self.seqs[i].request_id]
@@ -157,8 +158,9 @@ class StepKV:
         if sparse_idx:
             rows = self._sparse_rows
             if store.cfg.head_pages == "union":
-                # every head attends to the pages any head selected (fetched anyway): whole
-                # pages gather as 12 KB rows, and a page one head missed still counts
+                # every head attends to the pages any head selected (fetched anyway): the
+                # dense kernel gathers 2 KB head runs of them, and a page one head missed
+                # still counts
                 table = self._union_table(sparse_idx, sel, slots_all[n_dense:])
                 batch = AttentionBatch(torch.arange(len(sparse_idx) + 1, dtype=torch.int32),
                                        table, torch.empty(0, **_I64))

@@ -239,7 +239,7 @@ class TieredKVStore:
         return failed
 
     def staging(self, n: int, purpose: str = "fill") -> torch.Tensor:
-        """A reused host buffer [n, 2, ps, kvh, hd] (grown on demand, never shrunk): fresh
+        """A reused host buffer [n, 2, kvh, ps, hd] (grown on demand, never shrunk): fresh
         memory costs a page fault per 4 KB, so page copies between tiers go through these.
         One buffer per purpose ("fill": the fetch stage, "demote": the resolve stage), as
         the two stages run on different threads."""

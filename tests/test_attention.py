@@ -98,8 +98,8 @@ def test_kv_cache_write_places_tokens_at_their_slots():
     cache.write(1, slots, k, v)
     layer = cache.layer(1)
     for t, s in enumerate(slots.tolist()):
-        torch.testing.assert_close(layer[s // 4, 0, s % 4], k[t])
-        torch.testing.assert_close(layer[s // 4, 1, s % 4], v[t])
+        torch.testing.assert_close(layer[s // 4, 0, :, s % 4], k[t])   # HND: [2, KVH, ps, D]
+        torch.testing.assert_close(layer[s // 4, 1, :, s % 4], v[t])
     assert cache.layer(0).abs().sum() == 0
     assert int((layer != 0).sum()) == 2 * 3 * 2 * 8   # nothing else was touched
 
@@ -110,7 +110,7 @@ def test_kv_cache_budget_sizing():
     assert KVCache.num_pages_for_budget(10 * per_page + 5, 30, 16, 3, 64, torch.bfloat16) == 10
     cache = KVCache(30, 4, 16, 3, 64, torch.bfloat16)
     assert cache.page_bytes == per_page
-    assert cache.layer(0).shape == (4, 2, 16, 3, 64)
+    assert cache.layer(0).shape == (4, 2, 3, 16, 64)     # [pages, K/V, KVH, page_size, D]
 
 
 def test_cpu_backend_is_torch():

@@ -59,7 +59,7 @@ def test_flashinfer_gqa_smollm2_shape_matches_torch():
 
 class _FakeWrapper:
     def __init__(self, workspace, layout):
-        assert layout == "NHD"
+        assert layout == "HND"
         self.calls = []
 
     def plan(self, *args, **kwargs):
@@ -82,7 +82,7 @@ def test_page_table_and_step_kind_reach_the_right_flashinfer_wrapper(monkeypatch
                                  BatchDecodeWithPagedKVCacheWrapper=_FakeWrapper)
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
     attn = FlashInferPagedAttention("cpu")
-    kv = torch.zeros(8, 2, 4, 2, 16)
+    kv = torch.zeros(8, 2, 2, 4, 16)                            # HND: KVH 2, page 4
     decode = AttentionBatch.build([[5, 1], [3]], [6, 2], [1, 1], 4)
     attn.forward(torch.zeros(2, 4, 16), kv, decode, 0.25)
     attn.forward(torch.zeros(2, 4, 16), kv, decode, 0.25)      # same batch: planned once

@@ -19,7 +19,8 @@ def _sequences(lens, page_size, kv_heads, head_dim, dtype=torch.float32, seed=0)
         pages = -(-n // page_size)
         k = torch.randn(pages * page_size, kv_heads, head_dim, generator=gen).to(dtype)
         valid = [page_size] * (pages - 1) + [n - (pages - 1) * page_size]
-        s = summarize_pages(k.view(pages, page_size, kv_heads, head_dim), valid)
+        s = summarize_pages(k.view(pages, page_size, kv_heads, head_dim).transpose(1, 2),
+                            valid)                                 # pages [n, KVH, ps, D]
         spare = torch.full((2, kv_heads, 3, head_dim), float("nan"), dtype=dtype)  # past the end
         keys.append(k[:n])
         summaries.append(torch.cat([s, spare]))

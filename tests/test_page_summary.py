@@ -13,7 +13,7 @@ AWKWARD_LENS = [27, 61, 113, 577]
 
 
 def _manual(k_pages, valid):
-    """Per-page loop: [n, KVH, 3, D] float32."""
+    """Per-page loop over token-major pages [n, page_size, KVH, D]: [n, KVH, 3, D] float32."""
     out = []
     for page, n in zip(k_pages.float(), valid):
         live = page[:n]                                             # [n, KVH, D]
@@ -30,13 +30,13 @@ def test_summarize_pages_ignores_padding_tokens(length, kv_heads, page_size):
     k = torch.randn(n, page_size, kv_heads, 32, generator=gen)
     valid = [page_size] * (n - 1) + [length - (n - 1) * page_size]
     k[-1, valid[-1]:] = 1e6                                         # padding must not leak in
-    got = summarize_pages(k, valid)
+    got = summarize_pages(k.transpose(1, 2).contiguous(), valid)    # as cached: [n, KVH, ps, D]
     assert got.shape == (n, kv_heads, 3, 32) and got.dtype == torch.float32
     torch.testing.assert_close(got, _manual(k, valid), atol=1e-6, rtol=0)
 
 
 def test_empty_page_is_an_empty_box():
-    got = summarize_pages(torch.randn(2, 4, 1, 8), [0, 4])
+    got = summarize_pages(torch.randn(2, 1, 4, 8), [0, 4])
     assert torch.isinf(got[0, :, SUMMARY_MIN]).all() and (got[0, :, SUMMARY_MIN] > 0).all()
     assert (got[0, :, SUMMARY_MAX] == -float("inf")).all()
     assert (got[0, :, SUMMARY_MEAN] == 0).all()
@@ -77,7 +77,8 @@ def _whole(keys, page_size, dtype):
     padded = torch.zeros(pages * page_size, *keys.shape[1:], dtype=keys.dtype)
     padded[:n] = keys
     valid = [page_size] * (pages - 1) + [n - (pages - 1) * page_size]
-    return summarize_pages(padded.view(pages, page_size, *keys.shape[1:]), valid, dtype)
+    k_pages = padded.view(pages, page_size, *keys.shape[1:]).transpose(1, 2).contiguous()
+    return summarize_pages(k_pages, valid, dtype)
 
 
 def _check_stream(lens, page_size, kv_heads, dtype, chunks, mean_tol, distinct=False):
@@ -119,7 +120,7 @@ def test_whole_prompt_in_one_call_of_2048_tokens():
 def test_fp32_keys_into_bf16_summaries_keep_the_bound_outward():
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(3, 16, 2, 64, generator=gen)
-    got = summarize_pages(k, [16, 16, 5], torch.bfloat16)
+    got = summarize_pages(k.transpose(1, 2).contiguous(), [16, 16, 5], torch.bfloat16)
     summ = torch.zeros(3, 2, 3, 64, dtype=torch.bfloat16)
     pages = torch.tensor([0] * 16 + [1] * 16 + [2] * 5)
     offs = torch.tensor(list(range(16)) * 2 + list(range(5)))

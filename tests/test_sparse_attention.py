@@ -29,7 +29,7 @@ def _pool(kv_lens, page_size, kv_heads, dtype, seed=0):
     for b, n in enumerate(need):
         table[b, :n] = torch.tensor(slots[at:at + n])
         at += n
-    pool = torch.randn(len(slots), 2, page_size, kv_heads, HEAD_DIM, generator=gen).to(dtype)
+    pool = torch.randn(len(slots), 2, kv_heads, page_size, HEAD_DIM, generator=gen).to(dtype)
     return pool, table
 
 
@@ -156,7 +156,7 @@ def test_flashinfer_sparse_decode_matches_torch(budget, group, page_size):
 
 class _FakeWrapper:
     def __init__(self, workspace, layout):
-        assert layout == "NHD"
+        assert layout == "HND"
         self.calls = []
 
     def plan(self, *args, **kwargs):
@@ -180,7 +180,7 @@ def test_flashinfer_sparse_decode_plans_one_batch_per_kv_head(monkeypatch):
     slots = torch.tensor([[5, 1, 6], [3, 2, -1]])
     indptr = torch.tensor([0, 2, 3, 4, 6])          # (b0,h0)=[0,1] (b0,h1)=[2] (b1,h0)=[0] ...
     table = build_head_page_table(indptr, torch.tensor([0, 1, 2, 0, 0, 1]), slots, [9, 6], 4)
-    pool = torch.zeros(8, 2, 4, 2, 16)
+    pool = torch.zeros(8, 2, 2, 4, 16)               # HND: KVH 2, page 4
     q = torch.zeros(2, 6, 16)
     out = attn.forward(q, pool, table, 3, 0.25)
     attn.forward(q, pool, table, 3, 0.25)            # same table: planned once
@@ -192,6 +192,6 @@ def test_flashinfer_sparse_decode_plans_one_batch_per_kv_head(monkeypatch):
     assert args1[0].tolist() == [0, 1, 3] and args1[1].tolist() == [6, 3, 2]
     assert args1[2].tolist() == [1, 2] and kw0["sm_scale"] == 0.25
     _, q_shape, kv_shape, kv_stride = h1.calls[1]
-    assert q_shape == (2, 3, 16) and kv_shape == (8, 2, 4, 1, 16)
+    assert q_shape == (2, 3, 16) and kv_shape == (8, 2, 1, 4, 16)
     assert kv_stride == pool.stride()                # a view of the pool, no copy
     assert (out.view(2, 2, 3, 16)[:, 0] == 2).all() and (out.view(2, 2, 3, 16)[:, 1] == 2).all()

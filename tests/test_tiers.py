@@ -256,8 +256,8 @@ def test_get_to_non_contiguous_out(pool_tier):
     pages = random_pages(pool_tier.page_shape, 2)
     pool_tier.put(keys, pages)
     ps = pool_tier.page_shape
-    out = torch.empty(2, 2, ps.num_kv_heads, ps.page_size, ps.head_dim, dtype=ps.dtype)
-    out = out.transpose(2, 3)  # [2, 2, ps, kvh, hd] with non-contiguous strides
+    out = torch.empty(2, 2, ps.page_size, ps.num_kv_heads, ps.head_dim, dtype=ps.dtype)
+    out = out.transpose(2, 3)  # [2, 2, kvh, ps, hd] with non-contiguous strides
     assert not out.is_contiguous()
     pool_tier.get(keys, out)
     assert torch.equal(out.contiguous().view(torch.uint8), pages.view(torch.uint8))

@@ -1,12 +1,14 @@
 """The one batched interface behind the device, host and disk KV tiers.
 
 A KV *page* is `page_size` tokens x all KV heads x K and V of ONE layer of one request:
-a tensor [2, page_size, num_kv_heads, head_dim] in the KV dtype (K at index 0, V at 1).
+a tensor [2, num_kv_heads, page_size, head_dim] in the KV dtype (K at index 0, V at 1), i.e.
+FlashInfer's "HND" layout: one KV head's K (or V) of a page is one contiguous run of
+page_size * head_dim values, which is what per-head sparse attention gathers.
 
 A page *key* is a flat int64: `key = layer * max_pages + page_id`, where `page_id` is the
 logical page id from `PageAllocator` and `max_pages` its capacity, so keys live in
 [0, num_layers * max_pages) =: [0, max_keys). Every method takes keys as an int64 tensor [n]
-(batched everywhere); pages move as one tensor [n, 2, page_size, num_kv_heads, head_dim].
+(batched everywhere); pages move as one tensor [n, 2, num_kv_heads, page_size, head_dim].
 
 Invariants shared by every tier (pinned by tests/test_tiers.py):
 - `put` overwrites existing keys and never evicts: it raises `TierFull` (storing nothing)
@@ -31,7 +33,7 @@ def round_up(n: int, multiple: int = ALIGN) -> int:
 
 @dataclass(frozen=True)
 class PageShape:
-    """Geometry of one KV page: [2, page_size, num_kv_heads, head_dim] of `dtype`."""
+    """Geometry of one KV page: [2, num_kv_heads, page_size, head_dim] of `dtype` (HND)."""
 
     page_size: int
     num_kv_heads: int
@@ -44,7 +46,7 @@ class PageShape:
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
-        return (2, self.page_size, self.num_kv_heads, self.head_dim)
+        return (2, self.num_kv_heads, self.page_size, self.head_dim)
 
     @property
     def numel(self) -> int:
@@ -96,12 +98,12 @@ class Tier(abc.ABC):
 
     @abc.abstractmethod
     def put(self, keys: torch.Tensor, pages: torch.Tensor) -> None:
-        """Store pages [n, 2, ps, kvh, hd] under keys [n]; overwrite existing keys.
+        """Store pages [n, 2, kvh, ps, hd] under keys [n]; overwrite existing keys.
         Raises `TierFull` (storing nothing) when the new keys do not fit."""
 
     @abc.abstractmethod
     def get(self, keys: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy the pages of keys [n] into out [n, 2, ps, kvh, hd].
+        """Copy the pages of keys [n] into out [n, 2, kvh, ps, hd].
         Raises `PageMissing` for absent keys (then nothing is copied)."""
 
     @abc.abstractmethod
@@ -135,7 +137,7 @@ class Tier(abc.ABC):
 
 
 def page_rows(pages: torch.Tensor) -> torch.Tensor:
-    """[n, 2, ps, kvh, hd] (contiguous) -> [n, words]: one row per page, as int64 words when
+    """[n, 2, kvh, ps, hd] (contiguous) -> [n, words]: one row per page, as int64 words when
     the page's bytes allow. NOTE: row copies (index_select / index_copy_) of that 2-D view ran
     ~1.5x faster than of the 5-D tensor on our CPU."""
     flat = pages.view(pages.shape[0], -1)

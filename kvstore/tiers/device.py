@@ -13,7 +13,7 @@ from kvstore.tiers.memory_pool import MemoryPool
 
 
 class DeviceTier(MemoryPool):
-    """pool: [capacity_bytes // page_shape.nbytes, 2, page_size, num_kv_heads, head_dim] on
+    """pool: [capacity_bytes // page_shape.nbytes, 2, num_kv_heads, page_size, head_dim] on
     `device`. Copies to and from other devices are stream-ordered (`non_blocking`): a caller
     passing pinned host pages must not change them before the current stream syncs."""
 

@@ -185,12 +185,12 @@ class DiskTier(Tier):
         self._stored[self._keys(keys)] = False
 
     def put(self, keys: torch.Tensor, pages: torch.Tensor) -> None:
-        """Write pages [n, 2, ps, kvh, hd]. Keys must be bound (`bind`), else PageMissing.
+        """Write pages [n, 2, kvh, ps, hd]. Keys must be bound (`bind`), else PageMissing.
         Raises TierIOError on an OSError (e.g. ENOSPC); failed keys are then absent."""
         self.put_async(keys, pages).result()
 
     def get(self, keys: torch.Tensor, out: torch.Tensor) -> None:
-        """Read into out [n, 2, ps, kvh, hd]. Raises PageMissing (before any I/O),
+        """Read into out [n, 2, kvh, ps, hd]. Raises PageMissing (before any I/O),
         PageCorrupted (checksum mismatch) or TierIOError (OSError, short read)."""
         self.get_async(keys, out).result()
 
@@ -243,7 +243,7 @@ class DiskTier(Tier):
         return self._check_keys(keys, self.max_keys).numpy()
 
     def _rows_of(self, pages: torch.Tensor) -> np.ndarray:
-        """uint8 [rows, nbytes] numpy view sharing memory with pages [rows, 2, ps, kvh, hd]."""
+        """uint8 [rows, nbytes] numpy view sharing memory with pages [rows, 2, kvh, ps, hd]."""
         if pages.device.type != "cpu" or not pages.is_contiguous():
             raise ValueError("disk tier: page buffers must be contiguous CPU tensors")
         if tuple(pages.shape[1:]) != self.page_shape.shape or pages.dtype != self.page_shape.dtype:

@@ -8,7 +8,9 @@ Layout v1, "request files, layer-major":
   `page_number * stride`, where `stride` is the page size in bytes rounded up to 4096 (so every
   page is an O_DIRECT-aligned extent and padding, if any, follows each page);
 - consequence: a request's pages of one layer are contiguous, so neighbours coalesce into one
-  read or write.
+  read or write;
+- a page's bytes are the page tensor's, in the cache's page layout (HND, base.py), opaque here.
+  Pages do not outlive the process in v1, so a layout change needs no file format version.
 
 The layout only does arithmetic over numpy arrays; the disk tier owns files and bookkeeping.
 Another layout (e.g. content-addressed pages for prefix reuse) can replace this class.

@@ -12,7 +12,7 @@ from kvstore.tiers.memory_pool import MemoryPool
 
 
 class HostTier(MemoryPool):
-    """pool: [capacity_bytes // page_shape.nbytes, 2, page_size, num_kv_heads, head_dim] on CPU,
+    """pool: [capacity_bytes // page_shape.nbytes, 2, num_kv_heads, page_size, head_dim] on CPU,
     4096-aligned slots when the page size allows (the disk tier reads straight into them)."""
 
     def __init__(self, page_shape: PageShape, capacity_bytes: int, max_keys: int,

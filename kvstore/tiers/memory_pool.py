@@ -1,7 +1,7 @@
 """MemoryPool: a preallocated slot pool of KV pages; the implementation of the device and host
 tiers (device.py and host.py only choose where the memory lives).
 
-Memory: `pool` [num_slots, 2, page_size, num_kv_heads, head_dim], allocated ONCE at start-up and
+Memory: `pool` [num_slots, 2, num_kv_heads, page_size, head_dim], allocated ONCE at start-up and
 pre-touched (zero-filled), 4096-byte aligned at its base; every slot is 4096-aligned too when
 the page size in bytes is a multiple of 4096 (so the disk tier can O_DIRECT-read into slots).
 
@@ -75,7 +75,7 @@ class MemoryPool(Tier):
         nbytes = page_shape.nbytes
         self.num_slots = self._capacity_bytes // nbytes
         buf = aligned_zeros(self.num_slots * nbytes, self.device, pin=pin_memory)
-        # [num_slots, 2, page_size, num_kv_heads, head_dim]
+        # [num_slots, 2, num_kv_heads, page_size, head_dim]
         self._pool = buf.view(page_shape.dtype).view(self.num_slots, *page_shape.shape)
         self._slot_of = torch.full((self.max_keys,), -1, dtype=torch.int32)
         self._key_of = torch.full((self.num_slots,), -1, dtype=torch.int64)
@@ -86,7 +86,7 @@ class MemoryPool(Tier):
 
     @property
     def pool(self) -> torch.Tensor:
-        """The slot pool [num_slots, 2, page_size, num_kv_heads, head_dim] (read in place)."""
+        """The slot pool [num_slots, 2, num_kv_heads, page_size, head_dim] (read in place)."""
         return self._pool
 
     @property
@@ -160,7 +160,7 @@ class MemoryPool(Tier):
         return self.slots(keys) >= 0
 
     def put(self, keys: torch.Tensor, pages: torch.Tensor) -> None:
-        """pages [n, 2, ps, kvh, hd], any device: one `index_copy_` into the slots. If a key
+        """pages [n, 2, kvh, ps, hd], any device: one `index_copy_` into the slots. If a key
         repeats in the batch, which of its pages is kept is unspecified."""
         self._check_pages(pages, torch.as_tensor(keys).numel(), "pages")
         slots = self.alloc_slots(keys)
@@ -172,7 +172,7 @@ class MemoryPool(Tier):
             self._pool.index_copy_(0, idx, src)
 
     def get(self, keys: torch.Tensor, out: torch.Tensor) -> None:
-        """out [n, 2, ps, kvh, hd], any device: one `index_select` from the slots."""
+        """out [n, 2, kvh, ps, hd], any device: one `index_select` from the slots."""
         keys = self._check_keys(keys, self.max_keys)
         self._check_pages(out, keys.numel(), "out")
         slots = self._slot_of[keys]
