@@ -50,6 +50,33 @@ def test_plan_extents_coalesces_adjacent_pages_of_one_file_up_to_the_cap():
     assert runs == [[(0, 1), (0, 2)], [(0, 2), (0, 3)], [(0, 7)], [(1, 4), (1, 5)]]
 
 
+def test_plan_extents_spans_small_gaps_when_allowed_and_caps_the_span():
+    files = np.zeros(6, dtype=np.int64)
+    pages = np.array([0, 2, 3, 7, 8, 20], dtype=np.int64)
+    order, starts, ends = plan_extents(files, pages, max_pages=8, max_gap=3)
+    runs = [[int(pages[i]) for i in order[s:e]] for s, e in zip(starts, ends)]
+    # 0..3 and 7..8 are 3 apart (gap 3 pages) but the span cap (8 positions) cuts at 8
+    assert runs == [[0, 2, 3, 7], [8], [20]]
+    order, starts, ends = plan_extents(files, pages, max_pages=8, max_gap=0)
+    runs = [[int(pages[i]) for i in order[s:e]] for s, e in zip(starts, ends)]
+    assert runs == [[0], [2, 3], [7, 8], [20]]
+
+
+def test_reads_with_gaps_return_exactly_the_wanted_pages(disk):
+    ids = range(40)
+    register(disk, 1, ids)
+    keys = request_keys(2, ids)
+    pages = random_pages(disk.page_shape, 40)
+    disk.put(keys, pages)
+    want = torch.tensor([0, 2, 3, 7, 8, 12, 13, 14, 30, 39])       # gaps of 1, 3, 3, 15, 8
+    r0 = disk.preadv_calls
+    out = torch.empty(len(want), *pages.shape[1:], dtype=pages.dtype)
+    disk.get(keys[want], out)
+    assert torch.equal(out.view(torch.int16), pages[want].view(torch.int16))   # bit-exact
+    # gaps of <= 3 pages are read through: [0..14], [30], [39]
+    assert disk.preadv_calls - r0 == 3
+
+
 def test_sixty_four_contiguous_pages_of_one_layer_take_one_preadv_and_one_pwritev(disk):
     ids = range(64)
     register(disk, 1, ids)
@@ -61,8 +88,17 @@ def test_sixty_four_contiguous_pages_of_one_layer_take_one_preadv_and_one_pwrite
     disk.get(keys, out)
     assert (disk.preadv_calls - r0, disk.pwritev_calls - w0) == (1, 1)
     assert same_bits(out, pages)
-    disk.get(request_keys(2, range(0, 64, 2)), out[:32])  # every other page: no neighbours
-    assert disk.preadv_calls - r0 == 1 + 32
+    # every other page: gaps of one page are read through (one extent) ...
+    keys_by_id = request_keys(2, range(0, 64, 2))
+    disk.get(keys_by_id, out[:32])
+    assert disk.preadv_calls - r0 == 1 + 1
+    ordered = torch.empty_like(pages)
+    disk.get(request_keys(2, ids), ordered)
+    assert same_bits(out[:32], ordered[0:64:2])
+    # ... and without gap reads every page is its own call
+    disk.read_gap_pages = 0
+    disk.get(keys_by_id, out[:32])
+    assert disk.preadv_calls - r0 == 1 + 1 + 1 + 32
 
 
 def test_extent_cap_splits_long_runs(tmp_path):

@@ -30,23 +30,28 @@ from kvstore.tiers.errors import PageCorrupted, TierIOError
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 
-def plan_extents(file_ids: np.ndarray, page_numbers: np.ndarray, max_pages: int):
-    """Group pages into extents of adjacent pages.
+def plan_extents(file_ids: np.ndarray, page_numbers: np.ndarray, max_pages: int,
+                 max_gap: int = 0):
+    """Group pages into extents of nearby pages.
 
     file_ids, page_numbers: int64 [n] (page_numbers < 2**40).
     Returns (order int64 [n], starts int64 [e], ends int64 [e]): extent i covers the pages
-    `order[starts[i]:ends[i]]`, which are consecutive page numbers of one file, at most
-    `max_pages` of them. A repeated page starts a new extent.
+    `order[starts[i]:ends[i]]`, ascending page numbers of one file spanning at most
+    `max_pages` page positions, with at most `max_gap` absent pages between two neighbours
+    (reads only: the gap pages are read and dropped, trading bytes for fewer syscalls; a write
+    must never span a gap). A repeated page starts a new extent.
     """
     n = file_ids.shape[0]
     sort_key = (file_ids << 40) | page_numbers
     order = np.argsort(sort_key, kind="stable")
     sk = sort_key[order]
     brk = np.ones(n, dtype=bool)
-    brk[1:] = sk[1:] != sk[:-1] + 1
+    step = sk[1:] - sk[:-1]
+    brk[1:] = (step < 1) | (step > 1 + max_gap)
     run_start = np.flatnonzero(brk)
-    pos = np.arange(n) - run_start[np.cumsum(brk) - 1]
-    brk |= pos % max_pages == 0
+    span = sk - sk[run_start[np.cumsum(brk) - 1]]           # position within the run
+    chunk = span // max_pages
+    brk[1:] |= chunk[1:] != chunk[:-1]
     starts = np.flatnonzero(brk)
     return order, starts, np.append(starts[1:], n)[:len(starts)]
 
@@ -71,6 +76,7 @@ class ExtentJob:
     ends: np.ndarray
     fault: DiskFault | None
     keep_alive: object = None  # NOTE: the tensor behind `buf`, held until the job completes
+    pns: np.ndarray | None = None  # page numbers in order (reads with gaps: where pages land)
 
 
 class _Batch:
@@ -160,9 +166,15 @@ class ExtentIO:
                 try:
                     if job.fault is not None:
                         job.fault.check(job.op, int(job.handles[i]))
-                    bad = run(job, int(job.fds[i]), int(job.offsets[i]), job.rows[s:t], keys,
-                              direct)
-                    nbytes += (t - s) * self.stride
+                    span = t - s if job.pns is None else int(job.pns[t - 1] - job.pns[s]) + 1
+                    if span == t - s:
+                        bad = run(job, int(job.fds[i]), int(job.offsets[i]), job.rows[s:t],
+                                  keys, direct)
+                    else:
+                        bad = self._read_gaps(job, int(job.fds[i]), int(job.offsets[i]),
+                                              job.rows[s:t], keys, direct,
+                                              job.pns[s:t] - job.pns[s], span)
+                    nbytes += span * self.stride
                     if bad is not None:
                         corrupt.append(bad)
                 except OSError as err:
@@ -212,6 +224,38 @@ class ExtentIO:
         crcs = np.fromiter((zlib.crc32(buf[r]) for r in rows), dtype=np.uint32, count=len(rows))
         bad = crcs != self._crc[keys]
         return keys[bad] if bad.any() else None
+
+    def _read_gaps(self, job: ExtentJob, fd: int, offset: int, rows: np.ndarray,
+                   keys: np.ndarray, direct: bool, at: np.ndarray, span: int):
+        """One preadv over `span` page positions of which `at` (ascending) are wanted: the
+        pages between them land in a scratch page and are dropped."""
+        buf, length = job.buf, span * self.stride
+        if direct:
+            junk = self._junk()
+            iov, nxt = [], 0
+            for r, p in zip(rows, at):
+                iov += [junk] * int(p - nxt)
+                iov += (buf[r], self._pad_junk) if len(self._pad_junk) else (buf[r],)
+                nxt = int(p) + 1
+            got = os.preadv(fd, iov, offset)
+        else:
+            stage = self._staging(length)
+            got = os.preadv(fd, [stage], offset)
+        if got != length:
+            raise OSError(None, f"short read: {got} of {length} bytes (file truncated?)")
+        if not direct:
+            buf[rows] = stage.reshape(span, self.stride)[at, :self.nbytes]
+        crcs = np.fromiter((zlib.crc32(buf[r]) for r in rows), dtype=np.uint32, count=len(rows))
+        bad = crcs != self._crc[keys]
+        return keys[bad] if bad.any() else None
+
+    def _junk(self) -> np.ndarray:
+        """A per-thread page-sized, 4096-aligned scratch buffer (gap pages of reads)."""
+        junk = getattr(self._local, "junk", None)
+        if junk is None:
+            junk = np.frombuffer(mmap.mmap(-1, self.stride), dtype=np.uint8)
+            self._local.junk = junk
+        return junk
 
     def _write(self, job: ExtentJob, fd: int, offset: int, rows: np.ndarray, keys: np.ndarray,
                direct: bool) -> None:
