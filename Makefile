@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # converted models live beside the checkout, so serve, test and bench share one conversion
 export STRATA_CACHE_DIR ?= $(CURDIR)/.cache/models
 
-.PHONY: setup model serve test bench clean
+.PHONY: setup model prometheus serve test bench clean
 
 setup: $(STAMP)
 
@@ -25,14 +25,18 @@ $(STAMP): pyproject.toml Makefile
 model: setup
 	$(VENV)/bin/strata prepare-model
 
+# the monitoring tests run the real Prometheus: Debian's package, from PATH or unpacked into .tools/
+prometheus:
+	sh deploy/prometheus/install-prometheus.sh
+
 serve: model
 	$(VENV)/bin/strata serve $(ARGS)
 
-test: model
+test: model prometheus
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: model
 	$(PY) bench/serving.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .cache .tools
