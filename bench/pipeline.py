@@ -57,7 +57,7 @@ def run(args) -> dict:
     modes += [("sfc", mb) for mb in args.micro_batches]
     if args.with_resolve_thread:
         modes.append(("sfc-3threads", None))
-    calib_steps = 12
+    calib_steps = 16
     total_steps = calib_steps + args.rounds * (args.steps + 1) * len(modes) + args.requests + 8
     eargs = EngineArgs(max_model_len=8192, max_num_seqs=args.requests,
                        max_num_batched_tokens=args.prefill_tokens, kv_device_gb=args.device_gb,

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 # micro-batch sizes (sequences) tried by the calibration when --micro-batch is not given
 CALIBRATION_CANDIDATES = (1, 2, 4, 8, 16)
-CALIBRATION_STEPS = 2          # decode steps timed per candidate
+CALIBRATION_STEPS = 3          # decode steps timed per candidate (median taken)
 
 _I64 = dict(dtype=torch.int64)
 

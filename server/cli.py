@@ -178,7 +178,7 @@ def serve(args: argparse.Namespace) -> int:
     slot = EngineSlot(name)
     aliases = tuple(a for a in {args.model} if a and a != name)
     app = build_app(slot, slot.tokenizer, served_model_name=name,
-                    api_key=args.api_key or os.environ.get("STRATA_API_KEY"),
+                    api_key=args.api_key or os.environ.get("STRATA_API_KEY") or None,
                     model_aliases=aliases)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)

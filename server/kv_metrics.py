@@ -38,7 +38,10 @@ def kv_families(stats):
         return
     transfer = CounterMetricFamily("strata_kv_transfer_bytes", "KV bytes moved between tiers.",
                                    labels=["src", "dst"])
-    for (src, dst), n in sorted(kv.transfer_bytes.items()):
+    # the pairs data moves along, at zero until it first moves (so rate() panels have series)
+    pairs = {("host", "device"): 0, ("disk", "device"): 0, ("device", "host"): 0,
+             ("device", "disk"): 0, **kv.transfer_bytes}
+    for (src, dst), n in sorted(pairs.items()):
         transfer.add_metric([src, dst], n)
     yield transfer
     for name, doc, values in (
