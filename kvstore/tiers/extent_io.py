@@ -166,15 +166,11 @@ class ExtentIO:
                 try:
                     if job.fault is not None:
                         job.fault.check(job.op, int(job.handles[i]))
-                    span = t - s if job.pns is None else int(job.pns[t - 1] - job.pns[s]) + 1
-                    if span == t - s:
-                        bad = run(job, int(job.fds[i]), int(job.offsets[i]), job.rows[s:t],
-                                  keys, direct)
-                    else:
-                        bad = self._read_gaps(job, int(job.fds[i]), int(job.offsets[i]),
-                                              job.rows[s:t], keys, direct,
-                                              job.pns[s:t] - job.pns[s], span)
-                    nbytes += span * self.stride
+                    # page positions within the extent when it spans gaps (reads only)
+                    at = None if job.pns is None else job.pns[s:t] - job.pns[s]
+                    bad = run(job, int(job.fds[i]), int(job.offsets[i]), job.rows[s:t], keys,
+                              direct, at)
+                    nbytes += (t - s if at is None else int(at[-1]) + 1) * self.stride
                     if bad is not None:
                         corrupt.append(bad)
                 except OSError as err:
@@ -209,34 +205,22 @@ class ExtentIO:
         return iov
 
     def _read(self, job: ExtentJob, fd: int, offset: int, rows: np.ndarray, keys: np.ndarray,
-              direct: bool) -> np.ndarray | None:
-        buf, length = job.buf, len(rows) * self.stride
+              direct: bool, at: np.ndarray | None = None) -> np.ndarray | None:
+        """One preadv over the extent. Page i lands in buf[rows[i]]; `at` (ascending) gives its
+        position in the extent when the extent spans gaps (default: positions 0..n-1): the
+        pages between wanted ones land in a scratch page and are dropped."""
+        buf = job.buf
+        span = len(rows) if at is None else int(at[-1]) + 1
+        length = span * self.stride
         if direct:
-            got = os.preadv(fd, self._iovecs(buf, rows, self._pad_junk), offset)
-        else:
-            stage = self._staging(length)
-            got = os.preadv(fd, [stage], offset)
-        if got != length:
-            raise OSError(None, f"short read: {got} of {length} bytes (file truncated?)")
-        if not direct:
-            pages = stage.reshape(len(rows), self.stride)[:, :self.nbytes]
-            buf[rows] = pages
-        crcs = np.fromiter((zlib.crc32(buf[r]) for r in rows), dtype=np.uint32, count=len(rows))
-        bad = crcs != self._crc[keys]
-        return keys[bad] if bad.any() else None
-
-    def _read_gaps(self, job: ExtentJob, fd: int, offset: int, rows: np.ndarray,
-                   keys: np.ndarray, direct: bool, at: np.ndarray, span: int):
-        """One preadv over `span` page positions of which `at` (ascending) are wanted: the
-        pages between them land in a scratch page and are dropped."""
-        buf, length = job.buf, span * self.stride
-        if direct:
-            junk = self._junk()
-            iov, nxt = [], 0
-            for r, p in zip(rows, at):
-                iov += [junk] * int(p - nxt)
-                iov += (buf[r], self._pad_junk) if len(self._pad_junk) else (buf[r],)
-                nxt = int(p) + 1
+            if at is None:
+                iov = self._iovecs(buf, rows, self._pad_junk)
+            else:
+                junk, iov, nxt = self._junk(), [], 0
+                for r, p in zip(rows, at):
+                    iov += [junk] * int(p - nxt)
+                    iov += (buf[r], self._pad_junk) if len(self._pad_junk) else (buf[r],)
+                    nxt = int(p) + 1
             got = os.preadv(fd, iov, offset)
         else:
             stage = self._staging(length)
@@ -244,7 +228,8 @@ class ExtentIO:
         if got != length:
             raise OSError(None, f"short read: {got} of {length} bytes (file truncated?)")
         if not direct:
-            buf[rows] = stage.reshape(span, self.stride)[at, :self.nbytes]
+            pages = stage.reshape(span, self.stride)
+            buf[rows] = pages[:, :self.nbytes] if at is None else pages[at, :self.nbytes]
         crcs = np.fromiter((zlib.crc32(buf[r]) for r in rows), dtype=np.uint32, count=len(rows))
         bad = crcs != self._crc[keys]
         return keys[bad] if bad.any() else None
@@ -258,7 +243,8 @@ class ExtentIO:
         return junk
 
     def _write(self, job: ExtentJob, fd: int, offset: int, rows: np.ndarray, keys: np.ndarray,
-               direct: bool) -> None:
+               direct: bool, at: None = None) -> None:
+        # NOTE: `at` is always None: a write never spans a gap (it would overwrite other pages)
         buf, length = job.buf, len(rows) * self.stride
         crcs = np.fromiter((zlib.crc32(buf[r]) for r in rows), dtype=np.uint32, count=len(rows))
         if direct:
