@@ -8,10 +8,12 @@ batch. Modes (`--pipeline`):
 
 - `sequential`: one stage after the other, the batch as one unit.
 - `sfc`: the sparse sequences split into micro-batches of `--micro-batch` sequences. The engine
-  thread selects micro-batch i while the resolve thread resolves i-1 and the fetch thread fills
-  i-2 (torch ops and disk reads release the GIL); compute starts once every fetch of the layer
-  is in. Bookkeeping (recency, write-back of full pages) runs on the resolve thread while the
-  engine thread goes on with the layer (o_proj, MLP, next layer's projections).
+  thread selects and resolves micro-batch i while the fetch thread fills i-1 (torch copies and
+  disk reads release the GIL); compute starts once every fetch of the layer is in. With
+  `resolve_thread=True` resolution gets its own thread too (select i | resolve i-1 | fetch
+  i-2, KVDrive's three-stage schedule; measured slower on a 2-core CPU). Bookkeeping (recency,
+  write-back of full pages) runs on a stage thread while the engine thread goes on with the
+  layer (o_proj, MLP, next layer's projections).
 - `layer-ahead`: the model predicts layer l+1's queries from layer l's input (layer l+1's own
   q projection applied to it, as InfiniGen and KVSwap do); those pages are selected, resolved
   and fetched on the stage threads while layer l computes. Layer l+1 then selects exactly;
@@ -21,8 +23,8 @@ For the same selections every mode attends to the same pages, so outputs are ide
 which pages stay resident (and so what is fetched) differs.
 
 Threading contract: tier bookkeeping (slot maps, residency, evictions, host pins) is mutated
-by one thread at a time: the resolve thread while a layer's pipeline runs, the engine thread
-otherwise (`drain` waits for the stage threads before the engine thread touches the tiers).
+by one thread at a time: whichever thread resolves while a layer's pipeline runs, the engine
+thread otherwise (`drain` waits for the stage threads before the engine thread touches the tiers).
 The fetch thread moves data only, into slots reserved for it and from host slots pinned for it.
 
 Metrics (kvstore.stats): one `strata_stage_seconds{stage}` observation per stage per
@@ -79,6 +81,15 @@ class _LayerStages:
         if qd is None:
             qd = self.q[torch.tensor([st.qo[i] for i in idx], **_I64)]
         return st.select(self.layer, qd, idx, observe=observe)
+
+    def select_keys(self, idx: list[int], qd: torch.Tensor | None = None,
+                    observe: bool = True) -> tuple[SelectedPages, torch.Tensor]:
+        """The select stage, timed: the selection for `idx` and the keys of its union pages."""
+        t0 = time.perf_counter()
+        sel = self.select(idx, qd, observe)
+        keys = self.union_keys(idx, sel)
+        self.step.store.stats.observe_stage("select", time.perf_counter() - t0)
+        return sel, keys
 
     def union_keys(self, idx: list[int], sel: SelectedPages) -> torch.Tensor:
         """Keys of the pages any head selected, sequence after sequence, ascending."""
@@ -222,10 +233,8 @@ class Pipeline:
         sel = None
         keys = dense_keys
         if sparse_idx:
-            t0 = time.perf_counter()
-            sel = stages.select(sparse_idx)
-            keys = torch.cat([dense_keys, stages.union_keys(sparse_idx, sel)])
-            st.observe_stage("select", time.perf_counter() - t0)
+            sel, sparse_keys = stages.select_keys(sparse_idx)
+            keys = torch.cat([dense_keys, sparse_keys])
         t0 = time.perf_counter()
         res = stages.resolve(keys, torch.cat([keys, t_keys]))
         t1 = time.perf_counter()
@@ -262,11 +271,7 @@ class Pipeline:
             submit(dense_keys)
         sels, keys_parts = [], [dense_keys]
         for c in range(0, len(sparse_idx), mb):
-            chunk = sparse_idx[c:c + mb]
-            t0 = time.perf_counter()
-            sel = stages.select(chunk)
-            keys = stages.union_keys(chunk, sel)
-            st.observe_stage("select", time.perf_counter() - t0)
+            sel, keys = stages.select_keys(sparse_idx[c:c + mb])
             sels.append(sel)
             keys_parts.append(keys)
             submit(keys)
@@ -328,11 +333,8 @@ class Pipeline:
         resolver, fetcher = self._threads()
 
         def resolve_job():
-            t0 = time.perf_counter()
-            sel = stages.select(sparse_idx, q_pred, observe=False)
-            keys = stages.union_keys(sparse_idx, sel)
+            _, keys = stages.select_keys(sparse_idx, q_pred, observe=False)
             t1 = time.perf_counter()
-            self.stats.observe_stage("select", t1 - t0)
             res = stages.resolve(keys, torch.cat([protect, keys]), count=False)
             self.stats.observe_stage("resolve", time.perf_counter() - t1)
             return keys, res
