@@ -10,7 +10,8 @@ from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from kvstore.pipeline import CALIBRATION_CANDIDATES
 from kvstore.stats import STAGES
-from scheduler.sampling_params import SamplingParams
+from tests import engine_helpers
+from tests.engine_helpers import drive, flip_bytes, greedy
 
 pytestmark = pytest.mark.slow
 
@@ -41,18 +42,7 @@ def make(folder, tmp_path, **kw) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts, steps=STEPS):
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params)
-    got = {rid: [] for rid in ids}
-    errors = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-            if out.finish_reason == "error":
-                errors[out.request_id] = out.error
-    return got, errors
+    return engine_helpers.run(engine, prompts, steps)
 
 
 @pytest.fixture(scope="module")
@@ -109,24 +99,18 @@ def test_sfc_calibrates_the_micro_batch_when_not_given(smollm2_dir, prompts, seq
 def test_corrupt_page_fails_only_its_request_with_stage_threads(smollm2_dir, prompts,
                                                                 sequential, tmp_path, mode):
     engine = make(smollm2_dir, tmp_path, pipeline=mode, micro_batch=1, kv_force_tier="disk")
-    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    got = {f"r{i}": [] for i in range(len(prompts))}
-    errors = {}
-    corrupted = False
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-            if out.finish_reason == "error":
-                errors[out.request_id] = out.error
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, greedy(STEPS))
+    corrupted = []
+
+    def corrupt(got):
         if not corrupted and len(got["r0"]) >= 4:
             files = sorted(f for f in (tmp_path / "kv").rglob("*") if f.is_file())
-            with open(files[0], "r+b") as f:        # r0's file: handles are issued in order
-                data = bytearray(f.read(1 << 20))
-                f.seek(0)
-                f.write(bytes(b ^ 0xFF for b in data))
-            corrupted = True
+            flip_bytes(files[0], 1 << 20)          # r0's file: handles are issued in order
+            corrupted.append(True)
+
+    got, errors = drive(engine, ids, corrupt)
     assert set(errors) == {"r0"} and "corrupt" in errors["r0"].lower()
     for rid in ("r1", "r2", "r3"):
         assert got[rid] == sequential[0][rid]

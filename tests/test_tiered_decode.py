@@ -10,7 +10,8 @@ import torch
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from kvstore.tiers.disk_fault import DiskFault
-from scheduler.sampling_params import SamplingParams
+from tests import engine_helpers
+from tests.engine_helpers import drive, flip_bytes, greedy
 
 pytestmark = pytest.mark.slow
 
@@ -29,18 +30,7 @@ def prompts(smollm2_dir):
 
 
 def run(engine: LLMEngine, prompts, steps=STEPS, ids=None) -> dict[str, list[int]]:
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    ids = ids or [f"r{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, params)
-    got = {rid: [] for rid in ids}
-    errors = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-            if out.finish_reason == "error":
-                errors[out.request_id] = out.error
-    return got, errors
+    return engine_helpers.run(engine, prompts, steps, ids)
 
 
 def make(folder, tmp_path=None, **kw) -> LLMEngine:
@@ -97,25 +87,17 @@ def test_sparse_decode_attends_within_budget_and_stays_on_topic(smollm2_dir, pro
 def test_corrupt_page_fails_only_its_request(smollm2_dir, prompts, dense, tmp_path):
     engine = make(smollm2_dir, tmp_path, kv_device_gb=0.1, kv_disk_gb=0.2,
                   kv_force_tier="disk")
-    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    engine.add_request("victim", prompts[0], params)
-    engine.add_request("other", prompts[1], params)
-    got = {"victim": [], "other": []}
-    errors = {}
-    corrupted = False
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-            if out.finish_reason == "error":
-                errors[out.request_id] = out.error
+    engine.add_request("victim", prompts[0], greedy(STEPS))
+    engine.add_request("other", prompts[1], greedy(STEPS))
+    corrupted = []
+
+    def corrupt(got):
         if not corrupted and len(got["victim"]) >= 4:
             files = sorted((tmp_path / "kv").rglob("*"))
-            victim = [f for f in files if f.is_file()][0]   # handles are issued in order
-            with open(victim, "r+b") as f:
-                data = bytearray(f.read(64))
-                f.seek(0)
-                f.write(bytes(b ^ 0xFF for b in data))
-            corrupted = True
+            flip_bytes([f for f in files if f.is_file()][0], 64)   # handles are issued in order
+            corrupted.append(True)
+
+    got, errors = drive(engine, ["victim", "other"], corrupt)
     assert "victim" in errors and "corrupt" in errors["victim"].lower()
     assert "other" not in errors
     assert got["other"] == dense["r1"]
@@ -125,17 +107,10 @@ def test_corrupt_page_fails_only_its_request(smollm2_dir, prompts, dense, tmp_pa
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EIO])
 def test_disk_write_error_fails_only_its_request(smollm2_dir, prompts, dense, tmp_path, code):
     engine = make(smollm2_dir, tmp_path, kv_device_gb=0.1, kv_disk_gb=0.2)
-    params = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
-    engine.add_request("victim", prompts[0], params)
+    engine.add_request("victim", prompts[0], greedy(STEPS))
     victim_handle = engine.store.requests["victim"].handle
     engine.store.disk_tier.fault = DiskFault(write_errno=code, handles=frozenset({victim_handle}))
-    engine.add_request("other", prompts[1], params)
-    got = {"victim": [], "other": []}
-    errors = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            got[out.request_id].extend(out.new_token_ids)
-            if out.finish_reason == "error":
-                errors[out.request_id] = out.error
+    engine.add_request("other", prompts[1], greedy(STEPS))
+    got, errors = drive(engine, ["victim", "other"])
     assert "victim" in errors and "disk" in errors["victim"].lower()
     assert "other" not in errors and got["other"] == dense["r1"]
