@@ -52,6 +52,7 @@ os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from bench.sparse_decode import code_version  # noqa: E402
 from engine.args import EngineArgs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
@@ -59,19 +60,6 @@ from server.tokenizer import Tokenizer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
-
-def code_version() -> dict:
-    """HEAD and a hash of uncommitted changes outside bench/ (the code measured)."""
-    import hashlib
-    import subprocess as sp
-    try:
-        head = sp.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                      text=True).stdout.strip()
-        diff = sp.run(["git", "diff", "HEAD", "--", ".", ":(exclude)bench"], cwd=ROOT,
-                      capture_output=True).stdout
-        return {"head": head, "dirty_sha1": hashlib.sha1(diff).hexdigest()[:12] if diff else None}
-    except OSError:
-        return {}
 MAX_MODEL_LEN = 8192
 
 # needle sentence, question, answer prefix (the assistant turn starts with it; "" for none)
