@@ -1,12 +1,17 @@
 """Prometheus families of the KV store (strata_kv_*, strata_sparse_*, strata_dense_fallback_*),
-built at scrape time from the plain counters in EngineStats. Label values and bucket bounds
-come from kvstore.stats (plain Python, no torch), the module that counts them."""
+built at scrape time from the plain counters in EngineStats (no kvstore import here)."""
 from __future__ import annotations
 
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
                                     HistogramMetricFamily)
 
-from kvstore.stats import SELECTED_TOKEN_BUCKETS, STAGE_BUCKETS, STAGES, TIERS
+TIERS = ("device", "host", "disk")
+# must match kvstore.stats.SELECTED_TOKEN_BUCKETS (EngineStats carries the counts per bucket)
+SELECTED_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# must match kvstore.stats.STAGES / STAGE_BUCKETS
+STAGES = ("select", "resolve", "fetch", "compute")
+STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                 0.5, 1.0, 2.5)
 
 
 def _cumulative(bounds, counts):
