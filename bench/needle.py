@@ -145,26 +145,37 @@ def config_budget(name: str) -> int:
 
 def config_head_pages(name: str) -> str:
     """sparse-N-union: every KV head attends to the union of the heads' pages."""
-    return "union" if "-union" in name else "per-head"
+    return "union" if "union" in name.split("-")[2:] else "per-head"
 
 
 def config_selector(name: str, default: str) -> str:
     """sparse-N-mean: the mean-key selector; sparse-N-quest: Quest's bound."""
     for sel in ("mean", "quest"):
-        if name.endswith(f"-{sel}"):
+        if sel in name.split("-")[2:]:
             return sel
     return default
 
 
+def config_prior_share(name: str, default: float) -> float:
+    """sparse-N-p0.25: a quarter of the free budget goes to the pages the prompt's observation
+    window attended most (--sparse-prior-share); sparse-N-p0: the selector alone."""
+    for part in name.split("-")[2:]:
+        if part.startswith("p"):
+            return float(part[1:])
+    return default
+
+
 def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int,
-                dense_layers: int, selector: str, head_pages: str = "per-head") -> EngineArgs:
+                dense_layers: int, selector: str, head_pages: str = "per-head",
+                prior_share: float | None = None) -> EngineArgs:
     tokens_per_seq = MAX_MODEL_LEN
     kv_gb = max_seqs * tokens_per_seq * 23040 / 2**30 * 1.05   # SmolLM2 bf16: 23040 B/token
     return EngineArgs(max_model_len=MAX_MODEL_LEN, max_num_seqs=max_seqs,
                       max_num_batched_tokens=(max_seqs * MAX_MODEL_LEN if one_step_prefill
                                               else 2048),
                       kv_device_gb=kv_gb, sparse_budget=budget, dense_layers=dense_layers,
-                      selector=selector, sparse_head_pages=head_pages, threads=threads)
+                      selector=selector, sparse_head_pages=head_pages, threads=threads,
+                      **({} if prior_share is None else {"sparse_prior_share": prior_share}))
 
 
 def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str]) -> int:
@@ -185,7 +196,8 @@ def decode_child(engine: LLMEngine, name: str, first: dict[str, list[int]], path
     store = engine.store
     selector = config_selector(name, store.cfg.selector)
     store.cfg = dataclasses.replace(store.cfg, sparse_budget=config_budget(name),
-                                    head_pages=config_head_pages(name), selector=selector)
+                                    head_pages=config_head_pages(name), selector=selector,
+                                    prior_share=config_prior_share(name, store.cfg.prior_share))
     store.selector = make_selector(selector)      # built once at start-up in the store
     outs = {rid: list(t) for rid, t in first.items()}
     errors: dict[str, str] = {}
@@ -284,7 +296,8 @@ def evaluate(prompts: list[Prompt], configs: list[str], args) -> tuple[list[dict
         engine = LLMEngine(engine_args(config_budget(name), args.threads, False,
                                        args.max_num_seqs, args.dense_layers,
                                        config_selector(name, args.selector),
-                                       config_head_pages(name)))
+                                       config_head_pages(name),
+                                       config_prior_share(name, EngineArgs.sparse_prior_share)))
         torch.set_num_threads(args.threads)
         tok = Tokenizer.from_folder(engine.model_folder)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)

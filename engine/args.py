@@ -46,6 +46,8 @@ class EngineArgs:
     dense_layers: int = 2                 # the first layers always run dense
     selector: str = "quest"               # page selector: quest | mean
     sparse_head_pages: str = "per-head"   # per-head | union: which selected pages each KV head attends
+    sparse_obs_window: int = 32           # last prompt tokens whose attention ranks pages at prefill; 0: off
+    sparse_prior_share: float = 0.25      # share of the selected pages kept for the prompt's top pages
     pipeline: str = "sequential"          # sparse decode stages: sequential | sfc | layer-ahead
     micro_batch: int = 0                  # sequences per SFC micro-batch; 0: calibrate
     kv_force_tier: str = "none"           # tests/diagnostics: evict down to host or disk every step
@@ -79,7 +81,8 @@ class EngineArgs:
             disk_path=Path(disk_path) if disk_path else None, sparse_budget=self.sparse_budget,
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,
-            head_pages=self.sparse_head_pages, pipeline=self.pipeline,
+            head_pages=self.sparse_head_pages, obs_window=self.sparse_obs_window,
+            prior_share=self.sparse_prior_share, pipeline=self.pipeline,
             micro_batch=self.micro_batch,
             max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier)
 

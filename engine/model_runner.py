@@ -88,7 +88,7 @@ class ModelRunner:
             n = len(r.token_ids)
             input_ids.extend(r.token_ids)
             positions.extend(range(r.start_pos, r.start_pos + n))
-            seqs.append(SeqKV(r.request_id, r.page_ids, r.start_pos, n))
+            seqs.append(SeqKV(r.request_id, r.page_ids, r.start_pos, n, observe=r.sample and n > 1))
             if r.sample:
                 logits_rows.append(len(input_ids) - 1)
             prompt_len = requests[r.request_id].num_prompt_tokens

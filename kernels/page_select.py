@@ -148,8 +148,34 @@ class SelectedPages:
         return self.union_indices[int(self.union_indptr[b]):int(self.union_indptr[b + 1])]
 
 
+def window_page_mass(q_obs: torch.Tensor, k_pages: torch.Tensor, kv_len: int, scale: float,
+                     group: int) -> torch.Tensor:
+    """Attention mass each page gets from an observation window of queries (SnapKV's window:
+    the last prompt tokens, which hold the question), per KV head: [n, KVH] float32.
+
+    q_obs [w, H, D] are the queries of positions kv_len - w .. kv_len - 1 (each attends
+    causally); k_pages [n, KVH, ps, D] the keys of the sequence's pages, n * ps >= kv_len. Each
+    query head's softmax rows sum to one, so every head of a GQA group weighs the same (a
+    retrieval head's one sharp page counts as much as a diffuse head's spread); the mass of a
+    page is summed over its tokens, the window's queries and the group's heads.
+    """
+    w, h, d = q_obs.shape
+    n, kvh, ps, _ = k_pages.shape
+    k = k_pages.float().permute(1, 0, 2, 3).reshape(kvh, n * ps, d)[:, :kv_len]
+    qg = q_obs.float().view(w, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * w, d)
+    logits = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)           # [KVH, group * w, kv_len]
+    # query j of the window sits at position kv_len - w + j: it sees keys <= that position
+    future = torch.arange(kv_len) > (kv_len - w + torch.arange(w))[:, None]      # [w, kv_len]
+    logits.view(kvh, group, w, kv_len).masked_fill_(future, -float("inf"))
+    mass = torch.softmax(logits, dim=-1).sum(dim=1)                 # [KVH, kv_len]
+    out = torch.zeros(kvh, n * ps, dtype=torch.float32)
+    out[:, :kv_len] = mass
+    return out.view(kvh, n, ps).sum(dim=-1).t().contiguous()
+
+
 def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
-                 budget_pages: int, sink_pages: int, local_pages: int) -> SelectedPages:
+                 budget_pages: int, sink_pages: int, local_pages: int,
+                 prior: torch.Tensor | None = None, prior_pages: int = 0) -> SelectedPages:
     """Top pages per (sequence, KV head), with the sink pages and the local window always kept.
 
     scores [B, KVH, P_max] (entries past num_pages[b] are ignored). Row (b, h) keeps
@@ -158,6 +184,10 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     So a sequence with num_pages[b] <= budget_pages keeps every page (dense). NaN and -inf
     scores of real pages rank below every finite score (kept only if the budget has room).
     budget_pages >= 1; a caller wanting dense decode skips selection instead.
+
+    prior [B, KVH, P_max] (optional, e.g. window_page_mass of the prompt): the prior_pages
+    pages of each row with the highest finite prior (sink and local pages aside) are kept too,
+    within the same budget; -inf marks pages, or whole rows, without a prior.
     """
     if budget_pages < 1 or sink_pages < 0 or local_pages < 0:
         raise ValueError(f"need budget_pages >= 1 and sink/local pages >= 0, got budget "
@@ -174,6 +204,15 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     key = torch.nan_to_num(scores.float(), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
     key = key.masked_fill_(forced[:, None, :], float("inf"))
     key = key.masked_fill_((pos >= n[:, None])[:, None, :], -float("inf"))
+    if prior is not None and prior_pages > 0:
+        pk = min(prior_pages, k - min(k, sink_pages + local_pages), p_max)
+        if pk > 0:
+            pri = prior.float().masked_fill(forced[:, None, :] | (pos >= n[:, None])[:, None, :],
+                                            -float("inf"))
+            pval, ptop = torch.topk(pri, pk, dim=-1, sorted=False)
+            # a finite prior puts the page among the forced ones (score +inf)
+            key.scatter_(-1, ptop, torch.where(pval > -float("inf"), float("inf"),
+                                                key.gather(-1, ptop)))
     # NOTE: unsorted top-k was 2-3x faster than sorted here. A row's live picks are its
     # forced-or-finite ones: exactly min(num_pages[b], k) of them, every forced page included.
     val, top = torch.topk(key, k, dim=-1, sorted=False)            # [B, KVH, k]

@@ -22,6 +22,8 @@ class KVStoreConfig:
     local_tokens: int = 64               # --sparse-local-tokens: last tokens always attended
     dense_layers: int = 2                # --dense-layers: the first layers always run dense
     selector: str = "quest"              # --selector: quest | mean
+    obs_window: int = 32                 # --sparse-obs-window: last prompt tokens whose attention ranks pages at prefill; 0: off
+    prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
     head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
     residency: str = "lru"               # --residency: lru
     max_num_seqs: int = 16               # for per-request placement quotas
@@ -50,6 +52,10 @@ class KVStoreConfig:
             raise ValueError(f"--pipeline must be one of {PIPELINES}, got {self.pipeline!r}")
         if self.micro_batch < 0:
             raise ValueError(f"--micro-batch must be >= 0 (0: calibrate), got {self.micro_batch}")
+        if self.obs_window < 0:
+            raise ValueError(f"--sparse-obs-window must be >= 0 (0: off), got {self.obs_window}")
+        if not 0.0 <= self.prior_share <= 1.0:
+            raise ValueError(f"--sparse-prior-share must be in [0, 1], got {self.prior_share}")
         if self.residency != "lru":
             raise ValueError(f"--residency must be one of ('lru',), got {self.residency!r}")
 
@@ -68,6 +74,15 @@ class KVStoreConfig:
     @property
     def sink_pages(self) -> int:
         return self.pages(self.sink_tokens)
+
+    @property
+    def prior_pages(self) -> int:
+        """Pages per (request, layer, KV head) picked by the prompt's observation window: a
+        share of what the budget leaves after the sink and local pages."""
+        if self.obs_window == 0:
+            return 0
+        free = max(0, self.budget_pages - self.sink_pages - self.local_pages)
+        return int(round(self.prior_share * free))
 
     @property
     def local_pages(self) -> int:

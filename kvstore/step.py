@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionBatch
-from kernels.page_select import select_pages
+from kernels.page_select import select_pages, window_page_mass
 from kernels.page_summary import summarize_pages
 from kernels.page_table import PageTable
 from kvstore.fetcher import Fetcher
@@ -30,6 +30,7 @@ class SeqKV:
     page_ids: tuple[int, ...]    # covers [0, start_pos + q_len)
     start_pos: int
     q_len: int
+    observe: bool = False        # the chunk ends the prefill: rank pages by its last queries
 
     @property
     def kv_len(self) -> int:
@@ -81,6 +82,9 @@ class StepKV:
         self.sparse_idx = [i for i, sp in enumerate(sparse) if sp]
         self.dense_idx = [i for i, sp in enumerate(sparse) if not sp]
         self._sparse_rows = torch.tensor([self.qo[i] for i in self.sparse_idx], **_I64)
+        # prefills ending this step whose observation window ranks their pages (SnapKV)
+        self.observe_idx = [i for i, s in enumerate(seqs) if s.observe and s.q_len > 1] \
+            if cfg.sparse_budget > 0 and cfg.obs_window > 0 else []
         self.pipe = store.pipeline
         self.pipe.begin_step(len(self.sparse_idx))
         self._q_pred: dict[int, torch.Tensor] = {}
@@ -155,6 +159,8 @@ class StepKV:
             rows = self._dense_rows(sparse)
             batch = self._dense_batch(dense_idx, slots_all[:n_dense], sparse)
             out[rows] = store.dense_attention.forward(q[rows], pool, batch, scale)
+            if sparse and self.observe_idx:
+                self._observe_window(layer, q, dense_idx, slots_all[:n_dense], scale)
         if sparse_idx:
             rows = self._sparse_rows
             if store.cfg.head_pages == "union":
@@ -177,6 +183,24 @@ class StepKV:
         full = (t_keys[self.t_full], t_slots[self.t_full]) if self.t_full_rids else None
         pipe.after_compute(self, torch.cat([slots_all, t_slots.int()]), full)
         return out
+
+    def _observe_window(self, layer: int, q: torch.Tensor, dense_idx: list[int],
+                        slots: torch.Tensor, scale: float) -> None:
+        """Prefills ending this step: the attention mass of their last obs_window queries over
+        each page (all on device now) becomes the pages' prior for sparse decode."""
+        store = self.store
+        pool = store.device_tier.pool
+        group = q.shape[1] // store.page_shape.num_kv_heads
+        at = 0
+        for i in dense_idx:
+            n = self.n_pages[i]
+            if i in self.observe_idx:
+                s = self.seqs[i]
+                w = min(store.cfg.obs_window, s.q_len)
+                mass = window_page_mass(q[self.qo[i + 1] - w:self.qo[i + 1]],
+                                        pool[slots[at:at + n].long(), 0], s.kv_len, scale, group)
+                store.requests[s.request_id].prior[layer, :n] = mass
+            at += n
 
     def _observe_lookahead(self, layer: int, sel, predicted) -> None:
         """Recall of the layer-ahead prediction: exact union pages it had fetched."""
@@ -214,7 +238,15 @@ class StepKV:
         n_pages = [self.n_pages[i] for i in idx]
         summaries = [store.requests[self.seqs[i].request_id].summaries[layer] for i in idx]
         scores = store.selector.score(qd, summaries, n_pages, qd.shape[1] // kvh)  # [B, KVH, P]
-        sel = select_pages(scores, n_pages, cfg.budget_pages, cfg.sink_pages, cfg.local_pages)
+        prior = None
+        if cfg.prior_pages > 0:
+            prior = torch.full_like(scores, -float("inf"))
+            for b, i in enumerate(idx):
+                p = store.requests[self.seqs[i].request_id].prior
+                if p is not None:
+                    prior[b, :, :n_pages[b]] = p[layer, :n_pages[b]].t()
+        sel = select_pages(scores, n_pages, cfg.budget_pages, cfg.sink_pages, cfg.local_pages,
+                           prior, cfg.prior_pages)
         if not observe:
             return sel
         per_row = (sel.indptr[1:] - sel.indptr[:-1]) * cfg.page_size        # [B * KVH]

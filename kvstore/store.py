@@ -59,6 +59,9 @@ class RequestKV:
     handle: int
     capacity_pages: int                      # pages per layer reserved for prompt + max_tokens
     summaries: torch.Tensor                  # [L, capacity_pages, kvh, 3, hd] min | max | mean
+    # [L, capacity_pages, kvh] float32: attention mass from the prompt's observation window,
+    # set at the end of prefill (-inf: none, e.g. pages generated later)
+    prior: torch.Tensor | None = None
     # in-flight backing writes: (future, keys, pages); pages stay alive until applied
     written: list[tuple[Future, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     write_errors: list[str] = field(default_factory=list)
@@ -137,7 +140,10 @@ class TieredKVStore:
         rows = cap if self.cfg.sparse_budget > 0 else 0
         summaries = torch.empty(self.num_layers, rows, shape.num_kv_heads, 3, shape.head_dim,
                                 dtype=shape.dtype)
-        self.requests[request_id] = RequestKV(request_id, handle, cap, summaries)
+        prior = None
+        if self.cfg.sparse_budget > 0 and self.cfg.obs_window > 0:
+            prior = torch.full((self.num_layers, cap, shape.num_kv_heads), -float("inf"))
+        self.requests[request_id] = RequestKV(request_id, handle, cap, summaries, prior=prior)
 
     def release(self, request_id: str) -> None:
         """The request ended: free its pages in every tier and its disk file."""

@@ -65,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--sparse-head-pages", choices=("per-head", "union"), default="per-head",
                        help="each KV head attends to its own selected pages, or to the union "
                             "of all heads' pages (fetched anyway)")
+    serve.add_argument("--sparse-obs-window", type=int, default=32,
+                       help="the last N prompt tokens' attention, computed once at the end of "
+                            "prefill, ranks each page (SnapKV's observation window; 0: off)")
+    serve.add_argument("--sparse-prior-share", type=float, default=0.25,
+                       help="share of the selected pages (after sink and local pages) kept for "
+                            "the pages the observation window attended most; the rest are "
+                            "picked per step by --selector")
     serve.add_argument("--pipeline", choices=("sequential", "sfc", "layer-ahead"),
                        default="sequential",
                        help="how sparse decode schedules page selection, fetch and compute per "
@@ -117,6 +124,8 @@ def engine_args(args: argparse.Namespace, served_model_name: str):
               "dense_layers": args.dense_layers, "selector": args.selector,
               "kv_force_tier": args.kv_force_tier,
               "sparse_head_pages": args.sparse_head_pages,
+              "sparse_obs_window": args.sparse_obs_window,
+              "sparse_prior_share": args.sparse_prior_share,
               "pipeline": args.pipeline, "micro_batch": args.micro_batch,
               "threads": args.threads, "cache_dir": args.cache_dir}
     known = {f.name for f in dataclasses.fields(EngineArgs)}

@@ -94,7 +94,7 @@ def test_disk_budget_full_for_now_is_429_with_retry_after(tiered, disk_dir):
         assert first.status_code == 200
         next(first.iter_lines())
         r = chat(tiered.url, "Count.", 2500)
-        assert r.status_code == 429, r.text
+        assert r.status_code == 429, f"{r.text}\nserver log:\n{tiered.log_tail()}"
         assert int(r.headers["retry-after"]) >= 1
         assert "disk" in r.json()["error"]["message"]
     # closing the first stream aborts it and frees its reservation: the same request now fits

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kernels.page_select import (MeanKeySelector, QuestSelector, SelectedPages, Selector,
-                                 make_selector, mean_scores, quest_scores, select_pages)
+                                 make_selector, mean_scores, quest_scores, select_pages,
+                                 window_page_mass)
 from kernels.page_summary import summarize_pages
 
 AWKWARD_LENS = [27, 61, 113, 577]
@@ -161,3 +162,67 @@ def test_unknown_selector_is_a_clear_error():
 def test_bad_budget_is_rejected():
     with pytest.raises(ValueError, match="budget_pages"):
         select_pages(torch.zeros(1, 1, 4), [4], 0, 1, 1)
+
+
+@pytest.mark.parametrize("kv_len,w,group", [(100, 8, 3), (64, 1, 1), (37, 37, 2), (16, 5, 3)])
+def test_window_page_mass_is_each_heads_causal_softmax_summed_per_page(kv_len, w, group):
+    gen = torch.Generator().manual_seed(kv_len)
+    kvh, d, ps = 3, 16, 16
+    n = -(-kv_len // ps)
+    k = torch.randn(n, kvh, ps, d, generator=gen)
+    k.view(n, kvh, ps * d)[-1:, :, (kv_len - (n - 1) * ps) * d:] = float("nan")  # past the end
+    q = torch.randn(w, kvh * group, d, generator=gen)
+    got = window_page_mass(q.bfloat16(), k.bfloat16(), kv_len, 0.25, group)
+    want = torch.zeros(n, kvh)
+    for j in range(w):                       # query j at position kv_len - w + j
+        seen = kv_len - w + j + 1
+        for qh in range(kvh * group):
+            h = qh // group
+            keys = k[:, h].reshape(n * ps, d)[:seen].bfloat16().float()
+            p = torch.softmax(keys @ q[j, qh].bfloat16().float() * 0.25, dim=0)
+            for t in range(seen):
+                want[t // ps, h] += p[t]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # every head's rows sum to one: each KV head receives group * w in all
+    torch.testing.assert_close(got.sum(0), torch.full((kvh,), float(group * w)))
+
+
+def test_prior_pages_are_kept_whatever_their_score_within_the_budget():
+    num_pages = [40, 30, 10]
+    gen = torch.Generator().manual_seed(7)
+    scores = torch.randn(3, 2, 40, generator=gen)
+    prior = torch.full((3, 2, 40), -float("inf"))
+    # the pages the selector ranks lowest get the highest prior
+    for b, n in enumerate(num_pages):
+        for h in range(2):
+            worst = sorted(range(1, n - 2), key=lambda p: float(scores[b, h, p]))[:3]
+            prior[b, h, worst] = torch.tensor([3.0, 2.0, 1.0])
+    prior[1] = -float("inf")                   # no prior for this sequence: the selector alone
+    sel = select_pages(scores, num_pages, 12, 1, 2, prior, prior_pages=2)
+    plain = select_pages(scores, num_pages, 12, 1, 2)
+    for b, n in enumerate(num_pages):
+        for h in range(2):
+            row = sel.row(b, h).tolist()
+            assert len(row) == min(n, 12)
+            assert 0 in row and n - 1 in row and n - 2 in row
+            if b == 1 or n <= 12:
+                assert row == plain.row(b, h).tolist()
+                continue
+            top2 = [int(p) for p in torch.topk(prior[b, h, :n], 2).indices]
+            assert set(top2) <= set(row)
+            third = int(torch.topk(prior[b, h, :n], 3).indices[2])
+            assert third not in row               # only prior_pages are forced
+            # the rest are the selector's best among the others
+            rest = [p for p in row if p not in top2 and p not in (0, n - 1, n - 2)]
+            others = sorted((p for p in range(1, n - 2) if p not in top2),
+                            key=lambda p: -float(scores[b, h, p]))
+            assert sorted(rest) == sorted(others[:len(rest)]) and len(rest) == 12 - 5
+
+
+def test_prior_pages_never_exceed_the_budget_left_by_sink_and_local():
+    scores = torch.zeros(1, 1, 50)
+    prior = torch.arange(50, dtype=torch.float32).view(1, 1, 50)
+    sel = select_pages(scores, [50], 6, 2, 2, prior, prior_pages=10)
+    assert sel.row(0, 0).tolist() == [0, 1, 46, 47, 48, 49]
+    sel = select_pages(scores, [50], 8, 2, 2, prior, prior_pages=10)
+    assert sel.row(0, 0).tolist() == [0, 1, 44, 45, 46, 47, 48, 49]

@@ -114,3 +114,26 @@ def test_disk_write_error_fails_only_its_request(smollm2_dir, prompts, dense, tm
     got, errors = drive(engine, ["victim", "other"])
     assert "victim" in errors and "disk" in errors["victim"].lower()
     assert "other" not in errors and got["other"] == dense["r1"]
+
+
+def test_prefill_ranks_pages_by_the_prompts_observation_window(smollm2_dir, prompts, tmp_path):
+    # SnapKV's window: the last prompt tokens' attention, computed once at the end of prefill
+    engine = make(smollm2_dir, tmp_path, kv_device_gb=0.1, sparse_budget=256,
+                  sparse_obs_window=32, max_num_batched_tokens=256)     # chunked prefill
+    ids = prompts[0]
+    engine.add_request("r0", ids, greedy(4))
+    rkv = engine.store.requests["r0"]
+    group = engine.runner.config.group_size
+    n = -(-len(ids) // 16)
+    while not engine.scheduler.get_request("r0").output_token_ids:
+        assert torch.isinf(rkv.prior).all(), "a prior before the prompt's last chunk"
+        engine.step()
+    dl = engine.store.cfg.dense_layers
+    assert torch.isinf(rkv.prior[:dl]).all()               # dense layers never select
+    mass = rkv.prior[dl:, :n]
+    assert torch.isfinite(mass).all() and (mass >= 0).all()
+    assert torch.isinf(rkv.prior[:, n:]).all()             # no page past the prompt
+    # each query head's rows sum to one: every KV head got group * window in all
+    torch.testing.assert_close(mass.sum(1), torch.full_like(mass.sum(1), group * 32.0))
+    drive(engine, ["r0"])
+    assert "r0" not in engine.store.requests
