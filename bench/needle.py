@@ -150,8 +150,11 @@ def config_head_pages(name: str) -> str:
 
 def config_selector(name: str, default: str) -> str:
     """sparse-N-mean: the mean-key selector; sparse-N-quest: Quest's bound."""
+    parts = name.split("-")[2:]
+    if "quest" in parts and "mass" in parts:
+        return "quest-mass"
     for sel in ("mean", "quest"):
-        if sel in name.split("-")[2:]:
+        if sel in parts:
             return sel
     return default
 

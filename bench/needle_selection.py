@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--head-pages", default="per-head")
     ap.add_argument("--selector", default="quest")
+    ap.add_argument("--prior-share", type=float, default=EngineArgs.sparse_prior_share)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -67,6 +68,7 @@ def main() -> None:
                                   max_num_batched_tokens=8192, kv_device_gb=0.3,
                                   sparse_budget=args.budget, sparse_head_pages=args.head_pages,
                                   selector=args.selector,
+                                  sparse_prior_share=args.prior_share,
                                   threads=args.threads))
     torch.set_num_threads(args.threads)
     tok = Tokenizer.from_folder(engine.model_folder)
@@ -92,22 +94,29 @@ def main() -> None:
         return s
 
     store.selector.score = score
-    orig_select = step_mod.StepKV._select
+    orig_select = step_mod.StepKV.select
 
-    def _select(self, layer, q, idx):
-        sel = orig_select(self, layer, q, idx)
+    def select(self, layer, qd, idx, observe=True):
+        sel = orig_select(self, layer, qd, idx, observe)
+        if not observe:                    # a layer-ahead prediction, not the exact selection
+            return sel
         s = captured["scores"][0]                                    # [KVH, P]
         kvh = s.shape[0]
-        row = {"layer": layer, "kept": [], "rank": []}
+        n = s.shape[1]
+        prior = store.requests["r"].prior
+        row = {"layer": layer, "kept": [], "rank": [], "prior_rank": []}
         for h in range(kvh):
             chosen = set(sel.row(0, h).tolist())
             row["kept"].append(any(p in chosen for p in pages))
             order = torch.argsort(s[h], descending=True).tolist()
             row["rank"].append(min(order.index(p) for p in pages))
+            if prior is not None:
+                porder = torch.argsort(prior[layer, :n, h], descending=True).tolist()
+                row["prior_rank"].append(min(porder.index(p) for p in pages))
         records[-1]["layers"].append(row)
         return sel
 
-    step_mod.StepKV._select = _select
+    step_mod.StepKV.select = select
     engine.add_request("r", ids, SamplingParams(max_tokens=args.max_tokens, temperature=0.0))
     out: list[int] = []
     while engine.has_unfinished():
@@ -128,7 +137,12 @@ def main() -> None:
         tot = sum(len(x["kept"]) for x in r["layers"])
         dropped = [f"{x['layer']}:{min(rk for k, rk in zip(x['kept'], x['rank']) if not k)}"
                    for x in r["layers"] if not all(x["kept"])]
-        print(f"  {tok.token_text(r['token'])!r:>10}  {n:>3}/{tot}  dropped in "
+        prior = [x["prior_rank"][h] for x in r["layers"] for h in range(len(x["kept"]))
+                 if x["prior_rank"]]
+        pr = (f"; prior rank of the needle page median {sorted(prior)[len(prior) // 2]}, "
+              f"<{store.cfg.prior_pages} in {sum(p < store.cfg.prior_pages for p in prior)}"
+              if prior else "")
+        print(f"  {tok.token_text(r['token'])!r:>10}  {n:>3}/{tot}{pr}  dropped in "
               f"{' '.join(dropped) if dropped else '-'}")
     path = (ROOT / "bench" / "results"
             / f"needle_selection_{args.length}_d{args.depth}_{args.index}_{args.selector}.json")

@@ -44,7 +44,7 @@ class EngineArgs:
     sparse_sink_tokens: int = 16          # first tokens always attended in sparse decode
     sparse_local_tokens: int = 64         # last tokens always attended in sparse decode
     dense_layers: int = 2                 # the first layers always run dense
-    selector: str = "quest"               # page selector: quest | mean
+    selector: str = "quest"               # page selector: quest | quest-mass | mean
     sparse_head_pages: str = "per-head"   # per-head | union: which selected pages each KV head attends
     sparse_obs_window: int = 32           # last prompt tokens whose attention ranks pages at prefill; 0: off
     sparse_prior_share: float = 0.25      # share of the selected pages kept for the prompt's top pages

@@ -21,7 +21,7 @@ class KVStoreConfig:
     sink_tokens: int = 16                # --sparse-sink-tokens: first tokens always attended
     local_tokens: int = 64               # --sparse-local-tokens: last tokens always attended
     dense_layers: int = 2                # --dense-layers: the first layers always run dense
-    selector: str = "quest"              # --selector: quest | mean
+    selector: str = "quest"              # --selector: quest | quest-mass | mean
     obs_window: int = 32                 # --sparse-obs-window: last prompt tokens whose attention ranks pages at prefill; 0: off
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
     head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union

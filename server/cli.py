@@ -60,8 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most recent tokens always attended in sparse decode")
     serve.add_argument("--dense-layers", type=int, default=2,
                        help="the first layers always attend densely")
-    serve.add_argument("--selector", choices=("quest", "mean"), default="quest",
-                       help="page scoring: Quest's min/max bound or the mean key")
+    serve.add_argument("--selector", choices=("quest", "quest-mass", "mean"), default="quest",
+                       help="page scoring: Quest's min/max bound (max over a GQA group's "
+                            "heads), the bound as each head's attention estimate summed over "
+                            "the group (quest-mass), or the mean key")
     serve.add_argument("--sparse-head-pages", choices=("per-head", "union"), default="per-head",
                        help="each KV head attends to its own selected pages, or to the union "
                             "of all heads' pages (fetched anyway)")

@@ -5,10 +5,12 @@ offset, capped at `max_extent_bytes` and IOV_MAX). Each extent is ONE `os.preadv
 - straight into/out of the page buffers (scatter/gather iovecs) when the buffers allow it
   (buffered I/O, or O_DIRECT with 4096-aligned page buffers whose size is a multiple of 4096);
 - otherwise through a per-thread 4096-aligned staging buffer plus a copy.
-Extents are split into one task per thread; preadv/pwritev and zlib.crc32 release the GIL.
+Extents are split into one task per thread; preadv/pwritev release the GIL.
 
-Checksums: crc32 of each page's bytes, recorded at write in `crc[key]` (uint32 [max_keys]) and
-verified at read. `stored[key]` (bool [max_keys]) is set once a page's write has completed.
+Checksums: XXH3-64 of each page's bytes, recorded at write in `crc[key]` (uint64 [max_keys])
+and verified at read. (zlib.crc32 ran at ~1.5 GB/s here, XXH3 at ~6 GB/s: at 165 MB of disk
+reads per decode step that is ~80 ms of CPU saved per step, on a 2-core machine where the
+checksum competes with compute.) `stored[key]` (bool [max_keys]) is set once a page's write has completed.
 Errors are collected per extent and raised once per batch through the batch's Future:
 `TierIOError` (OSError or short transfer) takes precedence over `PageCorrupted`.
 """
@@ -17,17 +19,20 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import xxhash
 
 from kvstore.tiers.base import ALIGN, PageShape
 from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.errors import PageCorrupted, TierIOError
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
+
+_page_hash = xxhash.xxh3_64_intdigest
 
 
 def plan_extents(file_ids: np.ndarray, page_numbers: np.ndarray, max_pages: int,
@@ -230,7 +235,7 @@ class ExtentIO:
         if not direct:
             pages = stage.reshape(span, self.stride)
             buf[rows] = pages[:, :self.nbytes] if at is None else pages[at, :self.nbytes]
-        crcs = np.fromiter((zlib.crc32(buf[r]) for r in rows), dtype=np.uint32, count=len(rows))
+        crcs = np.fromiter((_page_hash(buf[r]) for r in rows), dtype=np.uint64, count=len(rows))
         bad = crcs != self._crc[keys]
         return keys[bad] if bad.any() else None
 
@@ -246,7 +251,7 @@ class ExtentIO:
                direct: bool, at: None = None) -> None:
         # NOTE: `at` is always None: a write never spans a gap (it would overwrite other pages)
         buf, length = job.buf, len(rows) * self.stride
-        crcs = np.fromiter((zlib.crc32(buf[r]) for r in rows), dtype=np.uint32, count=len(rows))
+        crcs = np.fromiter((_page_hash(buf[r]) for r in rows), dtype=np.uint64, count=len(rows))
         if direct:
             got = os.pwritev(fd, self._iovecs(buf, rows, self._pad_zero), offset)
         else:
