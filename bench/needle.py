@@ -151,8 +151,6 @@ def config_head_pages(name: str) -> str:
 def config_selector(name: str, default: str) -> str:
     """sparse-N-mean: the mean-key selector; sparse-N-quest: Quest's bound."""
     parts = name.split("-")[2:]
-    if "quest" in parts and "mass" in parts:
-        return "quest-mass"
     for sel in ("mean", "quest"):
         if sel in parts:
             return sel
@@ -170,7 +168,7 @@ def config_prior_share(name: str, default: float) -> float:
 
 def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int,
                 dense_layers: int, selector: str, head_pages: str = "per-head",
-                prior_share: float | None = None) -> EngineArgs:
+                prior_share: float | None = None, obs_reduce: str = "sum") -> EngineArgs:
     tokens_per_seq = MAX_MODEL_LEN
     kv_gb = max_seqs * tokens_per_seq * 23040 / 2**30 * 1.05   # SmolLM2 bf16: 23040 B/token
     return EngineArgs(max_model_len=MAX_MODEL_LEN, max_num_seqs=max_seqs,
@@ -178,6 +176,7 @@ def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int
                                               else 2048),
                       kv_device_gb=kv_gb, sparse_budget=budget, dense_layers=dense_layers,
                       selector=selector, sparse_head_pages=head_pages, threads=threads,
+                      sparse_obs_reduce=obs_reduce,
                       **({} if prior_share is None else {"sparse_prior_share": prior_share}))
 
 
@@ -278,7 +277,8 @@ def evaluate(prompts: list[Prompt], configs: list[str], args) -> tuple[list[dict
         # computed (the store skips them when sparse decode is off); prefill is dense anyway
         parent_budget = max(config_budget(c) for c in configs)
         engine = LLMEngine(engine_args(parent_budget, args.threads, True, args.max_num_seqs,
-                                       args.dense_layers, args.selector))
+                                       args.dense_layers, args.selector,
+                                       obs_reduce=args.obs_reduce))
         torch.set_num_threads(args.threads)
         tok = Tokenizer.from_folder(engine.model_folder)
         for batch in tqdm(batches, desc="batches (prefill once, fork per config)"):
@@ -300,7 +300,8 @@ def evaluate(prompts: list[Prompt], configs: list[str], args) -> tuple[list[dict
                                        args.max_num_seqs, args.dense_layers,
                                        config_selector(name, args.selector),
                                        config_head_pages(name),
-                                       config_prior_share(name, EngineArgs.sparse_prior_share)))
+                                       config_prior_share(name, EngineArgs.sparse_prior_share),
+                                       args.obs_reduce))
         torch.set_num_threads(args.threads)
         tok = Tokenizer.from_folder(engine.model_folder)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -409,6 +410,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--selector", default="quest")
+    ap.add_argument("--obs-reduce", default=EngineArgs.sparse_obs_reduce, choices=("sum", "max"),
+                    help="--sparse-obs-reduce of every sparse config")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of the prefill")
     ap.add_argument("--parallel", type=int, default=2,
                     help="forked config children at once (1 torch thread each)")
@@ -433,6 +436,7 @@ def main() -> None:
                     "depths": depths, "per_depth": per_depth, "lengths": args.lengths,
                     "configs": args.configs, "max_tokens": args.max_tokens,
                     "dense_layers": args.dense_layers, "selector": args.selector,
+                    "obs_reduce": args.obs_reduce,
                     "essay_tokens": len(essay_ids), "formats": {}}
     t_all = time.perf_counter()
     for fmt in args.formats:

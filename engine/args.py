@@ -44,9 +44,10 @@ class EngineArgs:
     sparse_sink_tokens: int = 16          # first tokens always attended in sparse decode
     sparse_local_tokens: int = 64         # last tokens always attended in sparse decode
     dense_layers: int = 2                 # the first layers always run dense
-    selector: str = "quest"               # page selector: quest | quest-mass | mean
+    selector: str = "quest"               # page selector: quest | mean
     sparse_head_pages: str = "per-head"   # per-head | union: which selected pages each KV head attends
     sparse_obs_window: int = 32           # last prompt tokens whose attention ranks pages at prefill; 0: off
+    sparse_obs_reduce: str = "sum"        # sum | max: how the window's queries and a group's heads combine
     sparse_prior_share: float = 0.25      # share of the selected pages kept for the prompt's top pages
     pipeline: str = "sequential"          # sparse decode stages: sequential | sfc | layer-ahead
     micro_batch: int = 0                  # sequences per SFC micro-batch; 0: calibrate
@@ -82,7 +83,7 @@ class EngineArgs:
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,
             head_pages=self.sparse_head_pages, obs_window=self.sparse_obs_window,
-            prior_share=self.sparse_prior_share, pipeline=self.pipeline,
+            prior_share=self.sparse_prior_share, obs_reduce=self.sparse_obs_reduce, pipeline=self.pipeline,
             micro_batch=self.micro_batch,
             max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier)
 

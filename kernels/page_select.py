@@ -22,7 +22,7 @@ import torch
 
 from kernels.page_summary import SUMMARY_MAX, SUMMARY_MEAN, SUMMARY_MIN
 
-_SELECTOR_NAMES = ("quest", "quest-mass", "mean")
+_SELECTOR_NAMES = ("quest", "mean")
 
 
 def _as_counts(num_pages: torch.Tensor | Sequence[int]) -> list[int]:
@@ -30,13 +30,11 @@ def _as_counts(num_pages: torch.Tensor | Sequence[int]) -> list[int]:
 
 
 def _grouped_scores(qf: torch.Tensor, summaries: Sequence[torch.Tensor], counts: list[int],
-                    rows: slice, mass_scale: float | None = None) -> torch.Tensor:
+                    rows: slice) -> torch.Tensor:
     """max over each GQA group of qf . summary rows, per page.
 
     qf [B, KVH, group, F] float32, where F = D * (rows' length): qf[..., i * D:(i + 1) * D]
     multiplies summary row rows.start + i. Returns [B, KVH, P_max], -inf past each count.
-    With mass_scale, each query head's scores become a softmax over the pages (of
-    score * mass_scale) and the group's heads are summed instead of maxed.
     """
     b_size, kvh = qf.shape[:2]
     out = torch.full((b_size, kvh, max(counts, default=0)), -float("inf"),
@@ -49,11 +47,7 @@ def _grouped_scores(qf: torch.Tensor, summaries: Sequence[torch.Tensor], counts:
             s = s.float()
         # NOTE: B as a transposed view is what BLAS wants here (no copy): measured faster than
         # the padded-batch bmm (which copies every summary) and than per-head mm.
-        x = torch.bmm(qf[b], s.permute(1, 2, 0))                     # [KVH, group, n]
-        if mass_scale is None:
-            torch.amax(x, dim=1, out=out[b, :, :n])
-        else:
-            torch.sum(torch.softmax(x.mul_(mass_scale), dim=-1), dim=1, out=out[b, :, :n])
+        torch.amax(torch.bmm(qf[b], s.permute(1, 2, 0)), dim=1, out=out[b, :, :n])
     return out
 
 
@@ -73,20 +67,6 @@ def quest_scores(q: torch.Tensor, summaries: Sequence[torch.Tensor],
     qq = torch.cat([qf.clamp(max=0), qf.clamp(min=0)], dim=-1)     # pairs with [min, max]
     return _grouped_scores(qq, summaries, _as_counts(num_pages),
                            slice(SUMMARY_MIN, SUMMARY_MAX + 1))
-
-
-def quest_mass_scores(q: torch.Tensor, summaries: Sequence[torch.Tensor],
-                      num_pages: torch.Tensor | Sequence[int], group: int) -> torch.Tensor:
-    """Quest's bound per query head turned into an estimate of the head's attention over the
-    pages (softmax of bound / sqrt(D) over the sequence's pages), summed over each GQA group:
-    [B, KVH, P_max]. Each head then weighs the same, whatever its query norm, and a head whose
-    bounds single out one page (a retrieval head) gives that page most of its unit weight.
-    """
-    b_size, h, d = q.shape
-    qf = q.float().view(b_size, h // group, group, d)
-    qq = torch.cat([qf.clamp(max=0), qf.clamp(min=0)], dim=-1)
-    return _grouped_scores(qq, summaries, _as_counts(num_pages),
-                           slice(SUMMARY_MIN, SUMMARY_MAX + 1), mass_scale=d ** -0.5)
 
 
 def mean_scores(q: torch.Tensor, summaries: Sequence[torch.Tensor],
@@ -125,15 +105,6 @@ class QuestSelector:
         return quest_scores(q, summaries, num_pages, group)
 
 
-class QuestMassSelector:
-    """Quest's bound as per-head attention estimates, summed over the GQA group."""
-
-    name = "quest-mass"
-
-    def score(self, q, summaries, num_pages, group):
-        return quest_mass_scores(q, summaries, num_pages, group)
-
-
 class MeanKeySelector:
     """Dot product with each page's mean key (chunk mean keys)."""
 
@@ -147,8 +118,6 @@ def make_selector(name: str) -> Selector:
     """The selector called `name`, chosen once at start-up."""
     if name == "quest":
         return QuestSelector()
-    if name == "quest-mass":
-        return QuestMassSelector()
     if name == "mean":
         return MeanKeySelector()
     raise ValueError(f"--selector must be one of {', '.join(_SELECTOR_NAMES)} (got {name!r})")
@@ -180,7 +149,7 @@ class SelectedPages:
 
 
 def window_page_mass(q_obs: torch.Tensor, k_pages: torch.Tensor, kv_len: int, scale: float,
-                     group: int) -> torch.Tensor:
+                     group: int, reduce: str = "sum") -> torch.Tensor:
     """Attention mass each page gets from an observation window of queries (SnapKV's window:
     the last prompt tokens, which hold the question), per KV head: [n, KVH] float32.
 
@@ -188,7 +157,9 @@ def window_page_mass(q_obs: torch.Tensor, k_pages: torch.Tensor, kv_len: int, sc
     causally); k_pages [n, KVH, ps, D] the keys of the sequence's pages, n * ps >= kv_len. Each
     query head's softmax rows sum to one, so every head of a GQA group weighs the same (a
     retrieval head's one sharp page counts as much as a diffuse head's spread); the mass of a
-    page is summed over its tokens, the window's queries and the group's heads.
+    page is summed over its tokens, then over the window's queries and the group's heads
+    (reduce="sum", SnapKV's vote) or the largest of them is kept (reduce="max": one question
+    token that looks hard at a page, e.g. "passcode" at the needle's "passcode", is enough).
     """
     w, h, d = q_obs.shape
     n, kvh, ps, _ = k_pages.shape
@@ -198,10 +169,16 @@ def window_page_mass(q_obs: torch.Tensor, k_pages: torch.Tensor, kv_len: int, sc
     # query j of the window sits at position kv_len - w + j: it sees keys <= that position
     future = torch.arange(kv_len) > (kv_len - w + torch.arange(w))[:, None]      # [w, kv_len]
     logits.view(kvh, group, w, kv_len).masked_fill_(future, -float("inf"))
-    mass = torch.softmax(logits, dim=-1).sum(dim=1)                 # [KVH, kv_len]
-    out = torch.zeros(kvh, n * ps, dtype=torch.float32)
-    out[:, :kv_len] = mass
-    return out.view(kvh, n, ps).sum(dim=-1).t().contiguous()
+    probs = torch.softmax(logits, dim=-1)                           # [KVH, group * w, kv_len]
+    if reduce == "sum":
+        out = torch.zeros(kvh, n * ps, dtype=torch.float32)
+        out[:, :kv_len] = probs.sum(dim=1)
+        return out.view(kvh, n, ps).sum(dim=-1).t().contiguous()
+    if reduce != "max":
+        raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
+    out = torch.zeros(kvh, group * w, n * ps, dtype=torch.float32)
+    out[:, :, :kv_len] = probs
+    return out.view(kvh, group * w, n, ps).sum(dim=-1).amax(dim=1).t().contiguous()
 
 
 def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],

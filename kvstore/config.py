@@ -21,8 +21,9 @@ class KVStoreConfig:
     sink_tokens: int = 16                # --sparse-sink-tokens: first tokens always attended
     local_tokens: int = 64               # --sparse-local-tokens: last tokens always attended
     dense_layers: int = 2                # --dense-layers: the first layers always run dense
-    selector: str = "quest"              # --selector: quest | quest-mass | mean
+    selector: str = "quest"              # --selector: quest | mean
     obs_window: int = 32                 # --sparse-obs-window: last prompt tokens whose attention ranks pages at prefill; 0: off
+    obs_reduce: str = "sum"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
     head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
     residency: str = "lru"               # --residency: lru
@@ -54,6 +55,8 @@ class KVStoreConfig:
             raise ValueError(f"--micro-batch must be >= 0 (0: calibrate), got {self.micro_batch}")
         if self.obs_window < 0:
             raise ValueError(f"--sparse-obs-window must be >= 0 (0: off), got {self.obs_window}")
+        if self.obs_reduce not in ("sum", "max"):
+            raise ValueError(f"--sparse-obs-reduce must be sum or max, got {self.obs_reduce!r}")
         if not 0.0 <= self.prior_share <= 1.0:
             raise ValueError(f"--sparse-prior-share must be in [0, 1], got {self.prior_share}")
         if self.residency != "lru":

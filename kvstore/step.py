@@ -198,7 +198,8 @@ class StepKV:
                 s = self.seqs[i]
                 w = min(store.cfg.obs_window, s.q_len)
                 mass = window_page_mass(q[self.qo[i + 1] - w:self.qo[i + 1]],
-                                        pool[slots[at:at + n].long(), 0], s.kv_len, scale, group)
+                                        pool[slots[at:at + n].long(), 0], s.kv_len, scale, group,
+                                        store.cfg.obs_reduce)
                 store.requests[s.request_id].prior[layer, :n] = mass
             at += n
 

@@ -60,16 +60,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="most recent tokens always attended in sparse decode")
     serve.add_argument("--dense-layers", type=int, default=2,
                        help="the first layers always attend densely")
-    serve.add_argument("--selector", choices=("quest", "quest-mass", "mean"), default="quest",
-                       help="page scoring: Quest's min/max bound (max over a GQA group's "
-                            "heads), the bound as each head's attention estimate summed over "
-                            "the group (quest-mass), or the mean key")
+    serve.add_argument("--selector", choices=("quest", "mean"), default="quest",
+                       help="page scoring: Quest's min/max bound or the mean key")
     serve.add_argument("--sparse-head-pages", choices=("per-head", "union"), default="per-head",
                        help="each KV head attends to its own selected pages, or to the union "
                             "of all heads' pages (fetched anyway)")
     serve.add_argument("--sparse-obs-window", type=int, default=32,
                        help="the last N prompt tokens' attention, computed once at the end of "
                             "prefill, ranks each page (SnapKV's observation window; 0: off)")
+    serve.add_argument("--sparse-obs-reduce", choices=("sum", "max"), default="sum",
+                       help="how a page's attention from the observation window's queries and "
+                            "a GQA group's heads combine: summed (SnapKV) or the largest")
     serve.add_argument("--sparse-prior-share", type=float, default=0.25,
                        help="share of the selected pages (after sink and local pages) kept for "
                             "the pages the observation window attended most; the rest are "
@@ -128,6 +129,7 @@ def engine_args(args: argparse.Namespace, served_model_name: str):
               "sparse_head_pages": args.sparse_head_pages,
               "sparse_obs_window": args.sparse_obs_window,
               "sparse_prior_share": args.sparse_prior_share,
+              "sparse_obs_reduce": args.sparse_obs_reduce,
               "pipeline": args.pipeline, "micro_batch": args.micro_batch,
               "threads": args.threads, "cache_dir": args.cache_dir}
     known = {f.name for f in dataclasses.fields(EngineArgs)}
