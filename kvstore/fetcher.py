@@ -174,39 +174,51 @@ class Fetcher:
 
     # ---------------------------------------------------------------- fills
     def fill(self, res: Resolution) -> None:
-        """Copy the misses of `res` into their device slots (host pages, then disk reads,
-        straight into the slots when the device pool is in host memory). Unpins the host
-        slots even when a disk read fails (RequestKVError names the owners)."""
+        """Copy the misses of `res` into their device slots: disk reads are issued first
+        (straight into the slots when the device pool is in host memory) and run on the disk
+        threads while this thread copies the host pages. Unpins the host slots even when a
+        disk read fails (RequestKVError names the owners)."""
         store = self.store
         pool = store.device_tier.pool
         nbytes = store.page_shape.nbytes
-        if res.host_src.numel():
-            try:
-                # NOTE: through a reused buffer: a fresh [n, page] temporary page-faults
-                buf = store.staging(res.host_src.numel(), "fill")
-                torch.index_select(page_rows(store.host_tier.pool), 0, res.host_src,
-                                   out=page_rows(buf))
-                if pool.device.type == "cpu":
-                    page_rows(pool).index_copy_(0, res.host_dst, page_rows(buf))
-                else:
-                    pool.index_copy_(0, res.host_dst.to(pool.device),
-                                     buf.to(pool.device, non_blocking=True))
-            finally:
-                store.host_pinned[res.host_src] = False
-            store.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
         n = res.disk_keys.numel()
+        reads = None
+        if n and pool.device.type == "cpu":
+            try:
+                reads = store.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
+            except TierError as exc:
+                store.host_pinned[res.host_src] = False
+                raise store.request_error(exc.keys, str(exc)) from exc
+        try:
+            if res.host_src.numel():
+                try:
+                    # NOTE: through a reused buffer: a fresh [n, page] temporary page-faults
+                    buf = store.staging(res.host_src.numel(), "fill")
+                    torch.index_select(page_rows(store.host_tier.pool), 0, res.host_src,
+                                       out=page_rows(buf))
+                    if pool.device.type == "cpu":
+                        page_rows(pool).index_copy_(0, res.host_dst, page_rows(buf))
+                    else:
+                        pool.index_copy_(0, res.host_dst.to(pool.device),
+                                         buf.to(pool.device, non_blocking=True))
+                finally:
+                    store.host_pinned[res.host_src] = False
+                store.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
+        finally:
+            if reads is not None:        # never return with reads still landing in the pool
+                try:
+                    reads.result()
+                except TierError as exc:
+                    raise store.request_error(exc.keys, str(exc)) from exc
         if n == 0:
             return
-        disk = store.disk_tier
-        try:
-            if pool.device.type == "cpu":
-                disk.get_into(res.disk_keys, pool, res.disk_dst).result()
-            else:
+        if reads is None:
+            try:
                 staging = store.staging(n)
-                disk.get(res.disk_keys, staging)
+                store.disk_tier.get(res.disk_keys, staging)
                 pool.index_copy_(0, res.disk_dst, staging.to(pool.device, non_blocking=True))
-        except TierError as exc:
-            raise store.request_error(exc.keys, str(exc)) from exc
+            except TierError as exc:
+                raise store.request_error(exc.keys, str(exc)) from exc
         if res.counted:
             store.stats.count("hits", "disk", n)
         store.stats.add_transfer("disk", "device", n * nbytes)
