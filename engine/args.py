@@ -47,7 +47,7 @@ class EngineArgs:
     selector: str = "quest"               # page selector: quest | mean
     sparse_head_pages: str = "per-head"   # per-head | union: which selected pages each KV head attends
     sparse_obs_window: int = 32           # last prompt tokens whose attention ranks pages at prefill; 0: off
-    sparse_obs_reduce: str = "sum"        # sum | max: how the window's queries and a group's heads combine
+    sparse_obs_reduce: str = "max"        # sum | max: how the window's queries and a group's heads combine
     sparse_prior_share: float = 0.25      # share of the selected pages kept for the prompt's top pages
     pipeline: str = "sequential"          # sparse decode stages: sequential | sfc | layer-ahead
     micro_batch: int = 0                  # sequences per SFC micro-batch; 0: calibrate

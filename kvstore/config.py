@@ -23,7 +23,7 @@ class KVStoreConfig:
     dense_layers: int = 2                # --dense-layers: the first layers always run dense
     selector: str = "quest"              # --selector: quest | mean
     obs_window: int = 32                 # --sparse-obs-window: last prompt tokens whose attention ranks pages at prefill; 0: off
-    obs_reduce: str = "sum"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
+    obs_reduce: str = "max"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
     head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
     residency: str = "lru"               # --residency: lru

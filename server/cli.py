@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--sparse-obs-window", type=int, default=32,
                        help="the last N prompt tokens' attention, computed once at the end of "
                             "prefill, ranks each page (SnapKV's observation window; 0: off)")
-    serve.add_argument("--sparse-obs-reduce", choices=("sum", "max"), default="sum",
+    serve.add_argument("--sparse-obs-reduce", choices=("sum", "max"), default="max",
                        help="how a page's attention from the observation window's queries and "
                             "a GQA group's heads combine: summed (SnapKV) or the largest")
     serve.add_argument("--sparse-prior-share", type=float, default=0.25,
