@@ -268,6 +268,9 @@ class TieredKVStore:
     def end_step(self, step: StepKV, prefilled: list[str]) -> list[tuple[str, str]]:
         """After the forward: placement for requests whose prompt is now computed, forced
         demotion (--kv-force-tier), and failed backing writes as (request_id, error)."""
+        # NOTE: the last layer's bookkeeping (recency, write-back of pages that filled) may
+        # still run on a stage thread; placement and demotion below mutate the same tiers
+        self.pipeline.drain()
         for rid in prefilled:
             rkv = self.requests.get(rid)
             if rkv is not None and not rkv.prefilled:

@@ -4,6 +4,8 @@ stage metrics, layer-ahead recall, micro-batch calibration, and a corrupt page f
 request when the fetch runs on the stage threads."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine.args import EngineArgs
@@ -116,3 +118,32 @@ def test_corrupt_page_fails_only_its_request_with_stage_threads(smollm2_dir, pro
         assert got[rid] == sequential[0][rid]
     assert engine.store.num_used_pages == 0
     assert not bool(engine.store.host_pinned.any())
+
+
+@pytest.mark.parametrize("mode", ["sfc", "layer-ahead"])
+def test_end_of_step_placement_waits_for_the_stage_threads(smollm2_dir, prompts, sequential,
+                                                           tmp_path, mode):
+    # the last layer's bookkeeping (write-back, recency) runs on a stage thread; placement
+    # after prefill and forced demotion mutate the same tiers, so they must wait for it
+    engine = make(smollm2_dir, tmp_path, pipeline=mode, micro_batch=2, kv_force_tier="disk")
+    store = engine.store
+    busy = []
+
+    def watch(fn):
+        def wrapped(*a, **kw):
+            busy.append(sum(not f.done() for f in store.pipeline._pending))
+            return fn(*a, **kw)
+        return wrapped
+
+    def slow(fn):                       # a busy machine: bookkeeping outlasts the lm head
+        def wrapped(*a, **kw):
+            time.sleep(0.01)
+            return fn(*a, **kw)
+        return wrapped
+
+    store.placement.place = watch(store.placement.place)
+    store._force_down = watch(store._force_down)
+    store.residency.touch = slow(store.residency.touch)
+    got, errors = run(engine, prompts)
+    assert not errors and got == sequential[0]
+    assert len(busy) > STEPS and not any(busy)
