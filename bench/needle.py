@@ -15,8 +15,11 @@ an answer prefix), so it is the default; the model then writes the digits itself
 steps, which is what sparse decode changes.
 
 Configs: `dense` (sparse budget 0) and `sparse-N` (budget N tokens per request, layer and KV
-head; Quest selector, per-head pages, --dense-layers 2; every page on the device tier);
-variants `sparse-N-union` (--sparse-head-pages union) and `sparse-N-mean` (mean-key selector).
+head; the server's defaults otherwise: Quest selector, the observation-window prior with
+--sparse-prior-share 0.25, per-head pages, --dense-layers 2; every page on the device tier);
+suffixes combine: `-union` (--sparse-head-pages union), `-mean` (mean-key selector), `-pS`
+(--sparse-prior-share S; `-p0` is Quest's bound alone). --obs-reduce sets
+--sparse-obs-reduce for every config (the prior is computed once, in the shared prefill).
 
 Prefill is dense under every config (only q_len == 1 steps are sparse), so by default each
 batch of up to 8 prompts is prefilled ONCE, in a single engine step (the parent engine has a
@@ -403,7 +406,8 @@ def main() -> None:
     ap.add_argument("--depths", type=float, nargs="+", default=None)
     ap.add_argument("--per-depth", type=int, default=None, help="needle values per depth")
     ap.add_argument("--configs", nargs="+", default=["dense", "sparse-256", "sparse-512",
-                                                     "sparse-1024"])
+                                                     "sparse-1024", "sparse-2048",
+                                                     "sparse-1024-p0"])
     ap.add_argument("--formats", nargs="+", default=[DEFAULT_FORMAT], choices=list(FORMATS),
                     help="needle formats (several: compare them, e.g. on dense)")
     ap.add_argument("--max-tokens", type=int, default=24)
