@@ -66,12 +66,14 @@ KV_TMP = RESULTS / "kv-tmp"
 GiB = 2**30
 
 # name -> (sparse_budget, kv_device_gb, kv_host_gb, kv_disk_gb); a "-union" suffix runs
-# --sparse-head-pages union (every KV head attends to the union of the heads' pages)
+# --sparse-head-pages union (every KV head attends to the union of the heads' pages), "-p0"
+# --sparse-prior-share 0 (Quest's bound alone, no observation-window prior)
 CONFIGS = {
     "dense":                 (0, 2.0, 0.0, 0.0),
     "sparse-inmem":          (1024, 2.0, 0.0, 0.0),
     "sparse-dev0.5":         (1024, 0.5, 1.0, 4.0),
     "sparse-dev0.5-union":   (1024, 0.5, 1.0, 4.0),
+    "sparse-dev0.5-p0":      (1024, 0.5, 1.0, 4.0),
     "sparse-dev0.25":        (1024, 0.25, 0.256, 4.0),
     "sparse-dev0.128":       (1024, 0.128, 0.256, 4.0),
     "sparse-dev0.064":       (1024, 0.064, 0.256, 4.0),   # the memory config
@@ -133,7 +135,8 @@ def worker(args) -> dict:
                        max_num_batched_tokens=args.prefill_tokens, kv_device_gb=dev_gb,
                        kv_host_gb=host_gb, kv_disk_gb=disk_gb, kv_disk_path=disk_path,
                        sparse_budget=budget, threads=args.threads,
-                       sparse_head_pages="union" if args.config.endswith("-union") else "per-head")
+                       sparse_head_pages="union" if args.config.endswith("-union") else "per-head",
+                       **({"sparse_prior_share": 0.0} if args.config.endswith("-p0") else {}))
     try:
         engine = LLMEngine(eargs)
         torch.set_num_threads(args.threads)
