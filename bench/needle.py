@@ -171,7 +171,8 @@ def config_prior_share(name: str, default: float) -> float:
 
 def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int,
                 dense_layers: int, selector: str, head_pages: str = "per-head",
-                prior_share: float | None = None, obs_reduce: str = "sum") -> EngineArgs:
+                prior_share: float = EngineArgs.sparse_prior_share,
+                obs_reduce: str = EngineArgs.sparse_obs_reduce) -> EngineArgs:
     tokens_per_seq = MAX_MODEL_LEN
     kv_gb = max_seqs * tokens_per_seq * 23040 / 2**30 * 1.05   # SmolLM2 bf16: 23040 B/token
     return EngineArgs(max_model_len=MAX_MODEL_LEN, max_num_seqs=max_seqs,
@@ -179,8 +180,7 @@ def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int
                                               else 2048),
                       kv_device_gb=kv_gb, sparse_budget=budget, dense_layers=dense_layers,
                       selector=selector, sparse_head_pages=head_pages, threads=threads,
-                      sparse_obs_reduce=obs_reduce,
-                      **({} if prior_share is None else {"sparse_prior_share": prior_share}))
+                      sparse_obs_reduce=obs_reduce, sparse_prior_share=prior_share)
 
 
 def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str]) -> int:

@@ -83,7 +83,8 @@ class EngineArgs:
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,
             head_pages=self.sparse_head_pages, obs_window=self.sparse_obs_window,
-            prior_share=self.sparse_prior_share, obs_reduce=self.sparse_obs_reduce, pipeline=self.pipeline,
+            prior_share=self.sparse_prior_share, obs_reduce=self.sparse_obs_reduce,
+            pipeline=self.pipeline,
             micro_batch=self.micro_batch,
             max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier)
 

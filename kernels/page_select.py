@@ -169,16 +169,13 @@ def window_page_mass(q_obs: torch.Tensor, k_pages: torch.Tensor, kv_len: int, sc
     # query j of the window sits at position kv_len - w + j: it sees keys <= that position
     future = torch.arange(kv_len) > (kv_len - w + torch.arange(w))[:, None]      # [w, kv_len]
     logits.view(kvh, group, w, kv_len).masked_fill_(future, -float("inf"))
-    probs = torch.softmax(logits, dim=-1)                           # [KVH, group * w, kv_len]
-    if reduce == "sum":
-        out = torch.zeros(kvh, n * ps, dtype=torch.float32)
-        out[:, :kv_len] = probs.sum(dim=1)
-        return out.view(kvh, n, ps).sum(dim=-1).t().contiguous()
-    if reduce != "max":
+    if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
-    out = torch.zeros(kvh, group * w, n * ps, dtype=torch.float32)
-    out[:, :, :kv_len] = probs
-    return out.view(kvh, group * w, n, ps).sum(dim=-1).amax(dim=1).t().contiguous()
+    rows = torch.zeros(kvh, group * w, n * ps, dtype=torch.float32)
+    rows[:, :, :kv_len] = torch.softmax(logits, dim=-1)
+    per_page = rows.view(kvh, group * w, n, ps).sum(dim=-1)         # [KVH, group * w, n]
+    mass = per_page.sum(dim=1) if reduce == "sum" else per_page.amax(dim=1)
+    return mass.t().contiguous()
 
 
 def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
@@ -208,15 +205,15 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     k = min(p_max, max(budget_pages, sink_pages + local_pages))
     pos = torch.arange(p_max, device=dev)
     forced = (pos < sink_pages) | (pos >= n[:, None] - local_pages)   # [B, P]
+    past = (pos >= n[:, None])[:, None, :]                             # [B, 1, P]
     finfo = torch.finfo(torch.float32)
     key = torch.nan_to_num(scores.float(), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
     key = key.masked_fill_(forced[:, None, :], float("inf"))
-    key = key.masked_fill_((pos >= n[:, None])[:, None, :], -float("inf"))
+    key = key.masked_fill_(past, -float("inf"))
     if prior is not None and prior_pages > 0:
         pk = min(prior_pages, k - min(k, sink_pages + local_pages), p_max)
         if pk > 0:
-            pri = prior.float().masked_fill(forced[:, None, :] | (pos >= n[:, None])[:, None, :],
-                                            -float("inf"))
+            pri = prior.float().masked_fill(forced[:, None, :] | past, -float("inf"))
             pval, ptop = torch.topk(pri, pk, dim=-1, sorted=False)
             # a finite prior puts the page among the forced ones (score +inf)
             key.scatter_(-1, ptop, torch.where(pval > -float("inf"), float("inf"),

@@ -182,43 +182,35 @@ class Fetcher:
         pool = store.device_tier.pool
         nbytes = store.page_shape.nbytes
         n = res.disk_keys.numel()
-        reads = None
-        if n and pool.device.type == "cpu":
-            try:
-                reads = store.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
-            except TierError as exc:
-                store.host_pinned[res.host_src] = False
-                raise store.request_error(exc.keys, str(exc)) from exc
+        on_cpu = pool.device.type == "cpu"
         try:
-            if res.host_src.numel():
-                try:
+            reads = store.disk_tier.get_into(res.disk_keys, pool, res.disk_dst) \
+                if n and on_cpu else None
+            try:
+                if res.host_src.numel():
                     # NOTE: through a reused buffer: a fresh [n, page] temporary page-faults
                     buf = store.staging(res.host_src.numel(), "fill")
                     torch.index_select(page_rows(store.host_tier.pool), 0, res.host_src,
                                        out=page_rows(buf))
-                    if pool.device.type == "cpu":
+                    if on_cpu:
                         page_rows(pool).index_copy_(0, res.host_dst, page_rows(buf))
                     else:
                         pool.index_copy_(0, res.host_dst.to(pool.device),
                                          buf.to(pool.device, non_blocking=True))
-                finally:
-                    store.host_pinned[res.host_src] = False
-                store.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
-        finally:
-            if reads is not None:        # never return with reads still landing in the pool
-                try:
+                    store.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
+            finally:
+                if reads is not None:    # never return with reads still landing in the pool
                     reads.result()
-                except TierError as exc:
-                    raise store.request_error(exc.keys, str(exc)) from exc
-        if n == 0:
-            return
-        if reads is None:
-            try:
+            if n and not on_cpu:
                 staging = store.staging(n)
                 store.disk_tier.get(res.disk_keys, staging)
                 pool.index_copy_(0, res.disk_dst, staging.to(pool.device, non_blocking=True))
-            except TierError as exc:
-                raise store.request_error(exc.keys, str(exc)) from exc
+        except TierError as exc:
+            raise store.request_error(exc.keys, str(exc)) from exc
+        finally:
+            store.host_pinned[res.host_src] = False
+        if n == 0:
+            return
         if res.counted:
             store.stats.count("hits", "disk", n)
         store.stats.add_transfer("disk", "device", n * nbytes)

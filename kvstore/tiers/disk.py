@@ -8,7 +8,8 @@ if it does not fit) before its pages are bound; `release_request` deletes its fi
 
 I/O (extent_io.py): a batch is sorted by (file, offset), coalesced into extents of adjacent
 pages (one preadv/pwritev each), run on a thread pool, O_DIRECT when the filesystem allows it
-(probed once; the fallback to buffered I/O is logged once). an XXH3-64 checksum per page, verified on read.
+(probed once; the fallback to buffered I/O is logged once). An XXH3-64 checksum per page,
+verified on read.
 
 Threading: every public method is called from one thread (the engine's step loop); only the
 I/O runs elsewhere. A key is present (`contains`) once its write completed; `put` of a key

@@ -8,9 +8,9 @@ offset, capped at `max_extent_bytes` and IOV_MAX). Each extent is ONE `os.preadv
 Extents are split into one task per thread; preadv/pwritev release the GIL.
 
 Checksums: XXH3-64 of each page's bytes, recorded at write in `crc[key]` (uint64 [max_keys])
-and verified at read. (zlib.crc32 ran at ~1.5 GB/s here, XXH3 at ~6 GB/s: at 165 MB of disk
-reads per decode step that is ~80 ms of CPU saved per step, on a 2-core machine where the
-checksum competes with compute.) `stored[key]` (bool [max_keys]) is set once a page's write has completed.
+and verified at read (zlib.crc32 ran at ~1.5 GB/s here, XXH3 at ~6 GB/s: at ~150 MB of disk
+reads per decode step that is ~75 ms of CPU per step, on 2 cores shared with compute).
+`stored[key]` (bool [max_keys]) is set once a page's write has completed.
 Errors are collected per extent and raised once per batch through the batch's Future:
 `TierIOError` (OSError or short transfer) takes precedence over `PageCorrupted`.
 """
@@ -30,9 +30,7 @@ from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.errors import PageCorrupted, TierIOError
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-
-
-_page_hash = xxhash.xxh3_64_intdigest
+_page_hash = xxhash.xxh3_64_intdigest          # bytes-like -> int (uint64)
 
 
 def plan_extents(file_ids: np.ndarray, page_numbers: np.ndarray, max_pages: int,
