@@ -208,9 +208,38 @@ class TorchPagedAttention:
         kv = self._gather(kv_layer, _head_run_rows(s.pages, kvh)).view(2, 1, kvh, -1, d)
         k, v = kv[:, :, :, :s.kv_len]                           # [1, KVH, L, D] (views)
         qh = q.to(k.dtype).transpose(0, 1)[None]                # [1, H, q_len, D]
-        out = F.scaled_dot_product_attention(
-            qh, k, v, attn_mask=s.mask, is_causal=s.causal, scale=scale, enable_gqa=True)
+        if s.mask is not None and s.q_len > 1 and _FLASH_CPU is not None and qh.is_cpu:
+            out = _chunk_attention_split(qh, k, v, s.kv_len - s.q_len, scale)
+        else:
+            out = F.scaled_dot_product_attention(
+                qh, k, v, attn_mask=s.mask, is_causal=s.causal, scale=scale, enable_gqa=True)
         return out[0].transpose(0, 1).to(q.dtype)               # [q_len, H, D]
+
+
+# CPU flash attention that also returns the log-sum-exp of each query's scores (private aten
+# op, present in torch >= 2.3; the mask path is the fallback when it is missing).
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _chunk_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
+                           scale: float) -> torch.Tensor:
+    """Attention of a later prefill chunk: q [1, H, n, D] are the last n of k/v's positions.
+
+    The first `prefix` keys are visible to every query and the last n causally, so instead of
+    one SDPA call with an explicit [n, prefix + n] mask (which leaves CPU SDPA's fast path),
+    run two unmasked flash calls, plain over the prefix and causal over the chunk, and merge
+    them by their log-sum-exps. Measured here (bf16, 2 threads, 9 heads, 2048 queries over
+    6144 keys): 81 ms against 130 ms for the masked call.
+    """
+    group = q.shape[1] // k.shape[1]
+    if group > 1:                                   # the op has no GQA: expand K/V per head
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    o1, l1 = _FLASH_CPU(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)[:2]
+    o2, l2 = _FLASH_CPU(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)[:2]
+    lse = torch.logaddexp(l1, l2)
+    w1 = torch.exp(l1 - lse).unsqueeze(-1)
+    w2 = torch.exp(l2 - lse).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2).to(q.dtype)
 
 
 def reference_paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch,

@@ -72,6 +72,18 @@ def test_gqa_groups_match_reference(kv_heads, group):
     _check([17, 61, 113], [1, 1, 1], kv_heads=kv_heads, group=group)
 
 
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("kv_heads,group", [(3, 3), (2, 1)])
+def test_later_prefill_chunk_matches_reference_with_any_scale(dtype, atol, kv_heads, group):
+    # a chunk that sees a long prefix plus itself causally (the split flash path on CPU)
+    kv_lens, q_lens = [700, 130], [300, 129]
+    q, cache, batch = _random_step(kv_lens, q_lens, 16, kv_heads, 64, group, dtype)
+    for scale in (0.3, 64 ** -0.5):
+        out = TorchPagedAttention().forward(q, cache.layer(0), batch, scale)
+        ref = reference_paged_attention(q, cache.layer(0), batch, scale)
+        torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
+
+
 def test_bf16_cache_is_close_to_float32_reference():
     _check([27, 577], [1, 1], dtype=torch.bfloat16, atol=2e-2)
     _check([27, 577], [27, 64], dtype=torch.bfloat16, atol=2e-2)
