@@ -41,8 +41,10 @@ Configs: `dense` (no sparse flags) and `sparse-N` (--sparse-budget N; otherwise 
 defaults, every page on the device tier); suffixes as in bench/needle.py: `-union`
 (--sparse-head-pages union), `-mean` (--selector mean), `-pS` (--sparse-prior-share S). Each config
 starts one server (bench/serving.py's start_server), gets every sample (the same ones), and is
-stopped. Cost on a 2-core CPU: prefill runs ~500-700 tokens/s, so each config takes about (total
-prompt tokens / 600) s: ~2.5 min for the default 16 samples, under a minute for --quick.
+stopped. Cost on a 2-core CPU: prefill runs ~200-500 tokens/s (4 requests in flight, shared box),
+so each config takes about total prompt tokens / 400 s: ~3-4 min for the default 16 samples
+(88K tokens; ~15-20 min for the 5 configs), 40-90 s for --quick (16K tokens; 133 s in all).
+Generating a ~7K-token sample takes ~0.5 s (the binary search tokenizes ~13 candidate prompts).
 Writes the JSON (--out; bench/results/ruler.json, ruler_quick.json with --quick) and a PNG beside
 it: accuracy against sparse budget, one line per length, dense as a dashed line.
 """
@@ -453,7 +455,7 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylim(-5, 105)
     s = report["settings"]
     ax.set_title(f"RULER ({', '.join(s['tasks'])}), SmolLM2-135M, greedy, "
-                 f"{s['per_task']} samples per task and length", fontsize=9)
+                 f"samples per task and length: {s['per_task']}", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
@@ -503,7 +505,10 @@ def main() -> None:
     configs = args.configs or (["dense", "sparse-1024"] if args.quick else
                                ["dense", "sparse-256", "sparse-512", "sparse-1024", "sparse-2048"])
     for c in configs:
-        config_flags(c)                                   # fail early on a bad name
+        try:
+            config_flags(c)                               # fail early on a bad name
+        except ValueError as exc:
+            ap.error(str(exc))
     if args.url and len(configs) != 1:
         ap.error("--url runs one config: name it with a single --configs value")
     out = Path(args.out) if args.out else RESULTS / ("ruler_quick.json" if args.quick
