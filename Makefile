@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # converted models live beside the checkout, so serve, test and bench share one conversion
 export STRATA_CACHE_DIR ?= $(CURDIR)/.cache/models
 
-.PHONY: setup model prometheus serve test bench clean
+.PHONY: setup model prometheus serve test bench bench-suite clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,10 @@ test: model prometheus
 
 bench: model
 	$(PY) bench/serving.py $(ARGS)
+
+# throughput, RULER accuracy, roofline, then the README's Results section (ARGS=--quick|--full)
+bench-suite: model
+	$(PY) bench/suite.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache .tools

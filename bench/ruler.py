@@ -473,7 +473,7 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=None,
                     help="target prompt lengths in tokens (default 4000 7000; --quick 4000)")
@@ -494,7 +494,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/ruler.json, "
                                                 "ruler_quick.json with --quick)")
     ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw this JSON's plot")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.replot:
         path = Path(args.replot)
         plot(json.loads(path.read_text()), path.with_suffix(".png"))

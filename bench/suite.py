@@ -1,0 +1,100 @@
+"""The benchmark suite: throughput, accuracy and roofline, then the README's Results section.
+
+    .venv/bin/python bench/suite.py            # default: within ~30 minutes on 2 cores
+    .venv/bin/python bench/suite.py --quick    # within ~5 minutes (writes *_quick.json)
+    .venv/bin/python bench/suite.py --full     # the whole grid: ~1 hour on 2 cores
+    make bench-suite ARGS=--quick
+
+Each part is its own command (and process, so one part's memory never carries into the next),
+with its own progress bar and JSON under bench/results/:
+
+| part | default | --quick | --full |
+|---|---|---|---|
+| bench/throughput.py | contexts 1K 4K 7K x 1 4 8 requests, 4 Strata configs; transformers at 1 and 4 | 1K x 1 4, dense and sparse-tiered, transformers | x 1 4 8 16 requests; transformers at every level |
+| bench/ruler.py | ~4K and ~7K, 1 sample per task, dense and budgets 256-2048 | ~4K, 1 per task, dense and 1024 | 3 per task |
+| bench/roofline.py | 1 GiB DRAM, 2 GiB disk file | 256 MiB, 512 MiB | as default |
+
+Prefill dominates on a CPU (~600 tokens/s at 7K here), and every request of every configuration
+prefills its own prompt, so the grid's 16-request column and more RULER samples are --full's.
+Then bench/report.py rewrites the README's Results section (not for --quick, whose report goes
+to bench/results/report_quick.md). The wall time of each part is printed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+PRESETS = {
+    "quick": {
+        "throughput": ["--quick"],
+        "ruler": ["--quick"],
+        "roofline": ["--quick"],
+    },
+    "default": {
+        "throughput": ["--concurrency", "1", "4", "8", "--peer-concurrency", "1", "4"],
+        "ruler": ["--lengths", "4000", "7000", "--per-task", "1"],
+        "roofline": [],
+    },
+    "full": {
+        "throughput": ["--concurrency", "1", "4", "8", "16"],
+        "ruler": ["--lengths", "4000", "7000", "--per-task", "3"],
+        "roofline": [],
+    },
+}
+
+
+def commands(preset: str) -> list[tuple[str, list[str]]]:
+    suffix = "_quick" if preset == "quick" else ""
+    p = PRESETS[preset]
+    tp = str(RESULTS / f"throughput{suffix}.json")
+    return [
+        ("throughput", ["bench/throughput.py", *p["throughput"], "--out", tp]),
+        ("ruler", ["bench/ruler.py", *p["ruler"], "--out", str(RESULTS / f"ruler{suffix}.json")]),
+        ("roofline", ["bench/roofline.py", *p["roofline"], "--throughput", tp,
+                      "--out", str(RESULTS / f"roofline{suffix}.json")]),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true")
+    g.add_argument("--full", action="store_true")
+    ap.add_argument("--only", nargs="+", choices=("throughput", "ruler", "roofline"),
+                    help="run these parts only (the report still reads every JSON)")
+    args = ap.parse_args(argv)
+    preset = "quick" if args.quick else "full" if args.full else "default"
+    walls = {}
+    t0 = time.perf_counter()
+    for name, cmd in commands(preset):
+        if args.only and name not in args.only:
+            continue
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        t = time.perf_counter()
+        rc = subprocess.call([sys.executable, *cmd], cwd=ROOT)
+        walls[name] = time.perf_counter() - t
+        if rc != 0:
+            print(f"{name} failed with exit status {rc}", file=sys.stderr)
+            return rc
+    report = [sys.executable, "bench/report.py"]
+    if preset == "quick":
+        out = RESULTS / "report_quick.md"
+        with out.open("w") as f:
+            subprocess.check_call(report + ["--suffix", "_quick", "--stdout"], cwd=ROOT, stdout=f)
+        print(f"wrote {out}")
+    else:
+        subprocess.check_call(report, cwd=ROOT)
+    total = time.perf_counter() - t0
+    print(" ".join(f"{k} {v / 60:.1f} min," for k, v in walls.items())
+          + f" total {total / 60:.1f} min ({preset})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
