@@ -16,8 +16,8 @@ with its own progress bar and JSON under bench/results/:
 
 Prefill dominates on a CPU (~600 tokens/s at 7K here), and every request of every configuration
 prefills its own prompt, so the grid's 16-request column and more RULER samples are --full's.
-Then bench/report.py rewrites the README's Results section (not for --quick, whose report goes
-to bench/results/report_quick.md). The wall time of each part is printed at the end.
+Then bench/report.py rewrites the README's Results section (not for --quick or --suffix, whose
+report goes to bench/results/report<suffix>.md). The wall time of each part is printed at the end.
 """
 from __future__ import annotations
 
@@ -49,8 +49,9 @@ PRESETS = {
 }
 
 
-def commands(preset: str) -> list[tuple[str, list[str]]]:
-    suffix = "_quick" if preset == "quick" else ""
+def commands(preset: str, suffix: str | None = None) -> list[tuple[str, list[str]]]:
+    if suffix is None:
+        suffix = "_quick" if preset == "quick" else ""
     p = PRESETS[preset]
     tp = str(RESULTS / f"throughput{suffix}.json")
     return [
@@ -68,11 +69,16 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--full", action="store_true")
     ap.add_argument("--only", nargs="+", choices=("throughput", "ruler", "roofline"),
                     help="run these parts only (the report still reads every JSON)")
+    ap.add_argument("--suffix", default=None,
+                    help="results as bench/results/<part><suffix>.json and the report in "
+                         "report<suffix>.md, README untouched (default: '' and the README; "
+                         "_quick with --quick)")
     args = ap.parse_args(argv)
     preset = "quick" if args.quick else "full" if args.full else "default"
+    suffix = args.suffix if args.suffix is not None else ("_quick" if args.quick else "")
     walls = {}
     t0 = time.perf_counter()
-    for name, cmd in commands(preset):
+    for name, cmd in commands(preset, suffix):
         if args.only and name not in args.only:
             continue
         print(f"== {name}: {' '.join(cmd)}", flush=True)
@@ -83,10 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} failed with exit status {rc}", file=sys.stderr)
             return rc
     report = [sys.executable, "bench/report.py"]
-    if preset == "quick":
-        out = RESULTS / "report_quick.md"
+    if suffix:
+        out = RESULTS / f"report{suffix}.md"
         with out.open("w") as f:
-            subprocess.check_call(report + ["--suffix", "_quick", "--stdout"], cwd=ROOT, stdout=f)
+            subprocess.check_call(report + ["--suffix", suffix, "--stdout"], cwd=ROOT, stdout=f)
         print(f"wrote {out}")
     else:
         subprocess.check_call(report, cwd=ROOT)

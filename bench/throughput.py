@@ -27,8 +27,9 @@ greedy with ignore_eos and is cancelled (client disconnect) after the last level
 
 Peers: `transformers` `generate` in bf16 on the same prompts (one batch per cell: batch size =
 concurrency, TTFT = the first step, decode tokens/s from the later steps), and llama.cpp's
-OpenAI-compatible server (`llama-cpp-python`, on the bundled GGUF) through the same ramp when
-`llama_cpp` is importable (it builds from source; skipped with a message otherwise).
+OpenAI-compatible server (`llama-cpp-python`, on the bundled GGUF, Q4_1) with one request in
+flight (its server runs one request at a time), when `llama_cpp` is importable (it builds from
+source; skipped with a message otherwise).
 
 Results: bench/results/throughput.json and .png (decode tokens/s against context, one panel per
 concurrency, one line per configuration). Per timed level the Strata rows also carry the KV bytes
@@ -381,7 +382,7 @@ def run(args) -> dict:
             peers.remove("llama.cpp")
     n_cells = len(args.contexts) * len(args.concurrency)
     n_peer_cells = len(args.contexts) * len(args.peer_concurrency)
-    total = n_cells * (len(args.configs) + ("llama.cpp" in peers)) \
+    total = n_cells * len(args.configs) + len(args.contexts) * ("llama.cpp" in peers) \
         + n_peer_cells * ("transformers" in peers)
     bar = tqdm(total=total, desc="throughput", unit="cell")
     cells: list[dict] = []
@@ -403,8 +404,10 @@ def run(args) -> dict:
     if "llama.cpp" in peers:
         proc, base = start_llamacpp(logs / "throughput-llama.cpp.log")
         try:
-            cells += run_server_cells("llama.cpp", base, "smollm2", texts, lens,
-                                      args.concurrency, args.steps, bar, metrics=False)
+            # llama-cpp-python's server runs one request at a time (no continuous batching):
+            # a ramp beyond 1 would wait for whole generations, so it is timed alone
+            cells += run_server_cells("llama.cpp", base, "smollm2", texts, lens, [1],
+                                      args.steps, bar, metrics=False)
         finally:
             stop(proc)
     if "transformers" in peers:
