@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from kernels.decode_upcast import Upcast, upcast_wins
 from kernels.page_table import PageTable, build_page_table
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class TorchPagedAttention:
         self._decode: _DecodePlan | None = None
         self._seqs: list[_SeqPlan] = []
         self._workspace: torch.Tensor | None = None   # gathered K/V, grown on demand
+        self._upcast = Upcast()                       # float32 K/V where that is faster
 
     def plan(self, batch: AttentionBatch, *_, **__) -> None:
         """Host-side metadata for `batch`, reused by every layer of the step."""
@@ -196,7 +198,10 @@ class TorchPagedAttention:
         rows = plan.rows.get(kvh)
         if rows is None:
             rows = plan.rows[kvh] = _head_run_rows(plan.pages, kvh)     # [2, B, KVH, n]
-        k, v = self._gather(kv_layer, rows).view(2, b, kvh, -1, d)    # [B, KVH, L_max, D] each
+        kv = self._gather(kv_layer, rows)
+        if kv.is_cpu and upcast_wins(kv.dtype):     # the CPU's bf16 SDPA is the slow path
+            kv = self._upcast(kv)
+        k, v = kv.view(2, b, kvh, -1, d)                        # [B, KVH, L_max, D] each
         out = F.scaled_dot_product_attention(                   # [B, H, 1, D]
             q.to(k.dtype).view(b, h, 1, d), k, v, attn_mask=plan.mask, scale=scale,
             enable_gqa=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.decode_upcast import Upcast, upcast_wins
 from kernels.page_table import PageTable
 
 
@@ -58,6 +59,7 @@ class TorchSparseDecode:
         self._planned_shape: tuple | None = None
         self._plan: _SparsePlan | None = None
         self._workspace: torch.Tensor | None = None
+        self._upcast = Upcast()
 
     def plan(self, head_table: PageTable, kv_pool_shape: tuple[int, ...]) -> None:
         """Gather indices and mask for `head_table` over a pool of `kv_pool_shape`."""
@@ -111,6 +113,8 @@ class TorchSparseDecode:
             ws = torch.empty(n * run, dtype=kv_pool.dtype, device=kv_pool.device)
             self._workspace = ws
         kv = torch.index_select(flat, 0, plan.rows, out=ws[:n * run].view(n, run))
+        if kv.is_cpu and upcast_wins(kv.dtype):     # the CPU's bf16 SDPA is the slow path
+            kv = self._upcast(kv)
         k, v = kv.view(2, rows, 1, plan.max_tokens, d)              # views of the workspace
         out = F.scaled_dot_product_attention(                       # [R, group, 1, D]
             q.to(k.dtype).reshape(rows, group, 1, d), k, v, attn_mask=plan.mask, scale=scale,
