@@ -11,6 +11,8 @@ One process, one prefill: the modes are then timed in alternating rounds on the 
 swapped between rounds), so the noise of this shared 2-core box hits every mode alike. Before
 the rounds, SFC runs without --micro-batch and calibrates it (candidates 1, 2, 4, 8 sequences);
 the rounds use the calibrated size (and --micro-batch values given with --micro-batches).
+`sfc-whole` is sfc with KVDrive's whole-batch compute (attention once every fetch of the layer
+is in) instead of each micro-batch's attention as soon as its own fetch is in.
 Reported per mode: median decode step time, overlap ratio 1 - step(mode) / step(sequential),
 busy and stall seconds per stage per step, bytes per tier per step, device hit ratio; and the
 layer-ahead recall (exact-selected pages the prediction had already fetched). Also the share of
@@ -53,7 +55,9 @@ def run(args) -> dict:
     disk_path = Path(args.kv_disk_path) / "pipeline"
     shutil.rmtree(disk_path, ignore_errors=True)
     disk_path.mkdir(parents=True)
-    modes = [("sequential", 0), ("sfc", None), ("layer-ahead", 0)]
+    # sfc-whole: KVDrive's rule, attention once every fetch of the layer is in (the default
+    # sfc computes each micro-batch's attention as soon as its own fetch is in)
+    modes = [("sequential", 0), ("sfc", None), ("sfc-whole", None), ("layer-ahead", 0)]
     modes += [("sfc", mb) for mb in args.micro_batches]
     if args.with_resolve_thread:
         modes.append(("sfc-3threads", None))
@@ -129,8 +133,9 @@ def run(args) -> dict:
         for _ in range(args.rounds):
             for (m, mb), (name, rec) in zip(modes, per_mode.items()):
                 store.pipeline.close()
-                store.pipeline = Pipeline(store, m.split("-")[0] if m == "sfc-3threads" else m,
-                                          mb, resolve_thread=m == "sfc-3threads")
+                store.pipeline = Pipeline(store, m.split("-")[0], mb,
+                                          resolve_thread=m == "sfc-3threads",
+                                          whole_batch_compute=m == "sfc-whole")
                 step()                              # first step of a mode: not timed
                 before = store.stats.snapshot()
                 for _ in range(args.steps):

@@ -9,11 +9,17 @@ batch. Modes (`--pipeline`):
 - `sequential`: one stage after the other, the batch as one unit.
 - `sfc`: the sparse sequences split into micro-batches of `--micro-batch` sequences. The engine
   thread selects and resolves micro-batch i while the fetch thread fills i-1 (torch copies and
-  disk reads release the GIL); compute starts once every fetch of the layer is in. With
-  `resolve_thread=True` resolution gets its own thread too (select i | resolve i-1 | fetch
-  i-2, KVDrive's three-stage schedule; measured slower on a 2-core CPU). Bookkeeping (recency,
-  write-back of full pages) runs on a stage thread while the engine thread goes on with the
-  layer (o_proj, MLP, next layer's projections).
+  disk reads release the GIL). Then the engine thread computes each micro-batch's attention as
+  soon as its fetch is in, while the fetch thread goes on with the later ones; the rest of the
+  layer (o_proj, MLP, the next layer's projections) runs for the whole batch, as KVDrive's
+  computation does. On a CPU, attention is a per-(sequence, head) gather and SDPA with no
+  batch-level efficiency to lose, and a disk-bound fetch is longer than selection and
+  resolution together, so overlapping it with attention too is what makes the pipeline pay
+  (bench/pipeline.py measures `sfc-whole`, KVDrive's rule of computing once every fetch of the
+  layer is in, beside it). With `resolve_thread=True` resolution gets its own thread too
+  (select i | resolve i-1 | fetch i-2, KVDrive's three-stage schedule; measured slower on a
+  2-core CPU). Bookkeeping (recency, write-back of full pages) runs on a stage thread while
+  the engine thread goes on with the layer.
 - `layer-ahead`: the model predicts layer l+1's queries from layer l's input (layer l+1's own
   q projection applied to it, as InfiniGen and KVSwap do); those pages are selected, resolved
   and fetched on the stage threads while layer l computes. Layer l+1 then selects exactly;
@@ -30,7 +36,7 @@ The fetch thread moves data only, into slots reserved for it and from host slots
 Metrics (kvstore.stats): one `strata_stage_seconds{stage}` observation per stage per
 micro-batch, busy seconds per stage, and stall seconds: time a stage waited on the stage before
 it (the resolve thread idle for a selection, a fill waiting for its resolution, compute waiting
-for the fetches).
+for a fetch).
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -105,11 +112,39 @@ class _LayerStages:
         self.step.fetcher.fill(res)
 
 
+@dataclass
+class LayerPart:
+    """One unit of a layer's fetch and compute: the dense sequences `idx` (`sel` None: every
+    page), or a micro-batch of sparse decodes. `slots` (device slots of `keys`) are set once
+    the part is filled: inline, or when `filled`, the fetch thread's (resolution or None,
+    error or None), has resolved and `Pipeline.finish` settled it."""
+    idx: list[int]
+    sel: SelectedPages | None
+    keys: torch.Tensor
+    slots: torch.Tensor | None = None
+    filled: Future | None = None
+
+
+# computes the attention of one part: (sequences, selection or None, device slots of its keys)
+ComputeFn = Callable[[list[int], SelectedPages | None, torch.Tensor], None]
+
+
+def _merge_sparse(parts: list[LayerPart]) -> list[LayerPart]:
+    """The filled parts with the sparse micro-batches merged into one (KVDrive's whole-batch
+    compute)."""
+    sparse = [p for p in parts if p.sel is not None]
+    if len(sparse) < 2:
+        return parts
+    return [p for p in parts if p.sel is None] + [LayerPart(
+        [i for p in sparse for i in p.idx], cat_selected([p.sel for p in sparse]),
+        torch.cat([p.keys for p in sparse]), torch.cat([p.slots for p in sparse]))]
+
+
 class Pipeline:
     """Schedules the stages of each layer (module docstring). One per KV store."""
 
     def __init__(self, store, mode: str = "sequential", micro_batch: int = 0,
-                 resolve_thread: bool = False):
+                 resolve_thread: bool = False, whole_batch_compute: bool = False):
         if mode not in PIPELINES:
             raise ValueError(f"--pipeline must be one of {', '.join(PIPELINES)} (got {mode!r})")
         if micro_batch < 0:
@@ -121,6 +156,9 @@ class Pipeline:
         # sfc: resolve on its own thread (three concurrent stages), or on the engine thread
         # right after each micro-batch's selection (two: select+resolve | fetch)
         self.resolve_thread = resolve_thread
+        # sfc: compute attention once every fetch of the layer is in (KVDrive's rule) instead
+        # of each micro-batch's as soon as its own fetch is in
+        self.whole_batch_compute = whole_batch_compute
         self._resolver: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
@@ -213,22 +251,71 @@ class Pipeline:
                     ", ".join(f"{c}: {1e3 * t:.2f} ms" for c, t in sorted(best.items())))
 
     # ------------------------------------------------------------------ one layer
-    def run(self, stages: _LayerStages, dense_keys: torch.Tensor, sparse_idx: list[int],
-            t_keys: torch.Tensor) -> tuple[torch.Tensor, SelectedPages | None, torch.Tensor]:
-        """Select, resolve and fetch one layer's pages: dense_keys (every page of the dense
-        sequences) and the selected pages of sparse_idx. Returns (device slots of dense_keys
-        then of each sparse sequence's selected pages, the selection, those keys)."""
+    def run(self, stages: _LayerStages, dense_idx: list[int], dense_keys: torch.Tensor,
+            sparse_idx: list[int], t_keys: torch.Tensor) -> list[LayerPart]:
+        """Select and resolve one layer's pages, and fetch them (inline, or started on the fetch
+        thread): dense_keys are every page of the dense sequences dense_idx, sparse decodes
+        get their selected pages. Returns the layer's parts, for `finish`."""
         t0 = time.perf_counter()
         mb = self._step_mb if self.mode == "sfc" else 0
         if mb and len(sparse_idx) > 1:
-            out = self._run_sfc(stages, dense_keys, sparse_idx, t_keys, mb)
+            parts = self._run_sfc(stages, dense_idx, dense_keys, sparse_idx, t_keys, mb)
         else:
-            out = self._run_sequential(stages, dense_keys, sparse_idx, t_keys)
+            parts = self._run_sequential(stages, dense_idx, dense_keys, sparse_idx, t_keys)
         if sparse_idx:
             self._step_time += time.perf_counter() - t0
-        return out
+        return parts
 
-    def _run_sequential(self, stages, dense_keys, sparse_idx, t_keys):
+    def finish(self, parts: list[LayerPart], compute: ComputeFn
+               ) -> tuple[torch.Tensor, SelectedPages | None]:
+        """Compute each part once its pages are in, in order (or, with whole_batch_compute, all
+        of them once every fetch is in); waiting counts as compute stall. After a failed fetch
+        the remaining fetches are still waited for, then the first error is raised. Returns
+        (device slots of every part's keys, in order; the sparse decodes' selection)."""
+        t0 = time.perf_counter()
+        waited, error = 0.0, None
+        if self.whole_batch_compute:
+            waited, error = self._wait(parts)
+            parts = _merge_sparse(parts)
+        for k, p in enumerate(parts):
+            if error is not None:
+                break
+            if p.filled is not None:
+                w = time.perf_counter()
+                error = self._settle(p)
+                waited += time.perf_counter() - w
+                if error is not None:
+                    waited += self._wait(parts[k + 1:])[0]
+                    break
+            compute(p.idx, p.sel, p.slots)
+        if waited > 1e-4:
+            self.stats.add_stall("compute", waited)
+        if error is not None:
+            raise error
+        sels = [p.sel for p in parts if p.sel is not None]
+        if sels:
+            self._step_time += time.perf_counter() - t0
+        slots = torch.cat([p.slots for p in parts]) if parts else torch.empty(0, **_I64)
+        return slots, (cat_selected(sels) if sels else None)
+
+    def _settle(self, part: LayerPart) -> BaseException | None:
+        """Wait for a part's fill; set its slots, or drop its unfilled slots and return the
+        error."""
+        res, exc = part.filled.result()
+        part.filled = None
+        if exc is not None:
+            self._forget_unfilled(res)
+        else:
+            part.slots = res.slots
+        return exc
+
+    def _wait(self, parts: list[LayerPart]) -> tuple[float, BaseException | None]:
+        """Wait for every fill of `parts`: (seconds waited, the first error or None)."""
+        t0 = time.perf_counter()
+        errors = [e for p in parts if p.filled is not None and (e := self._settle(p))]
+        return time.perf_counter() - t0, (errors[0] if errors else None)
+
+    def _run_sequential(self, stages, dense_idx, dense_keys, sparse_idx, t_keys):
         st = self.stats
         sel = None
         keys = dense_keys
@@ -245,17 +332,21 @@ class Pipeline:
             self._forget_unfilled(res)
             raise
         st.observe_stage("fetch", time.perf_counter() - t1)
-        return res.slots, sel, keys
+        n = dense_keys.numel()
+        parts = []
+        if dense_idx:
+            parts.append(LayerPart(dense_idx, None, dense_keys, res.slots[:n]))
+        if sparse_idx:
+            parts.append(LayerPart(sparse_idx, sel, keys[n:], res.slots[n:]))
+        return parts
 
-    def _run_sfc(self, stages, dense_keys, sparse_idx, t_keys, mb):
+    def _run_sfc(self, stages, dense_idx, dense_keys, sparse_idx, t_keys, mb):
         resolver, fetcher = self._threads()
-        st = self.stats
-        t_start = time.perf_counter()
-        self._resolver_free = t_start
+        self._resolver_free = time.perf_counter()
         protect = [t_keys]
-        jobs: list[tuple[Future, Future]] = []
+        parts: list[LayerPart] = []
 
-        def submit(keys: torch.Tensor) -> None:
+        def submit(idx, sel, keys: torch.Tensor) -> None:
             protect.append(keys)            # this and every earlier micro-batch stay resident
             if self.resolve_thread:
                 rf = resolver.submit(self._resolve_job, stages, keys, torch.cat(protect))
@@ -263,30 +354,18 @@ class Pipeline:
                 rf = Future()
                 try:
                     rf.set_result(self._resolve_job(stages, keys, torch.cat(protect)))
-                except Exception as exc:   # noqa: BLE001 - raised after the layer's jobs end
+                except Exception as exc:   # noqa: BLE001 - raised by finish, after the layer's jobs end
                     rf.set_exception(exc)
-            jobs.append((rf, fetcher.submit(self._fill_job, stages, rf)))
+            parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self._fill_job, stages,
+                                                                         rf)))
 
-        if dense_keys.numel():
-            submit(dense_keys)
-        sels, keys_parts = [], [dense_keys]
+        if dense_idx:
+            submit(dense_idx, None, dense_keys)
         for c in range(0, len(sparse_idx), mb):
-            sel, keys = stages.select_keys(sparse_idx[c:c + mb])
-            sels.append(sel)
-            keys_parts.append(keys)
-            submit(keys)
-        t0 = time.perf_counter()
-        errors = []
-        for _, ff in jobs:
-            res, exc = ff.result()
-            if exc is not None:
-                self._forget_unfilled(res)
-                errors.append(exc)
-        st.add_stall("compute", time.perf_counter() - t0)
-        if errors:
-            raise errors[0]
-        slots = torch.cat([rf.result().slots for rf, _ in jobs])
-        return slots, cat_selected(sels), torch.cat(keys_parts)
+            idx = sparse_idx[c:c + mb]
+            sel, keys = stages.select_keys(idx)
+            submit(idx, sel, keys)
+        return parts
 
     def _resolve_job(self, stages, keys, protect) -> Resolution:
         t0 = time.perf_counter()

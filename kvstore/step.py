@@ -144,45 +144,63 @@ class StepKV:
         dense_keys = torch.cat([layer * P + self.page_tensors[i] for i in dense_idx]) \
             if dense_idx else torch.empty(0, **_I64)
         stages = _LayerStages(self, layer, q)
-        slots_all, sel, keys_all = pipe.run(stages, dense_keys, sparse_idx, t_keys)
-        if predicted is not None and sel is not None:
-            self._observe_lookahead(layer, sel, predicted)
+        parts = pipe.run(stages, dense_idx, dense_keys, sparse_idx, t_keys)
         if layer + 1 in self._q_pred:          # layer-ahead: overlaps with this layer's compute
             pipe.prefetch(_LayerStages(self, layer + 1, None), self._q_pred.pop(layer + 1),
-                          self.sparse_idx, torch.cat([keys_all, t_keys]))
+                          self.sparse_idx, torch.cat([p.keys for p in parts] + [t_keys]))
 
-        # 4. compute over device slots
-        t0 = time.perf_counter()
+        # 4. compute over device slots, part by part as the pipeline hands them over
         out = torch.empty_like(q)
-        n_dense = dense_keys.numel()
-        if dense_idx:
-            rows = self._dense_rows(sparse)
-            batch = self._dense_batch(dense_idx, slots_all[:n_dense], sparse)
-            out[rows] = store.dense_attention.forward(q[rows], pool, batch, scale)
-            if sparse and self.observe_idx:
-                self._observe_window(layer, q, dense_idx, slots_all[:n_dense], scale)
-        if sparse_idx:
-            rows = self._sparse_rows
-            if store.cfg.head_pages == "union":
-                # every head attends to the pages any head selected (fetched anyway): the
-                # dense kernel gathers 2 KB head runs of them, and a page one head missed
-                # still counts
-                table = self._union_table(sparse_idx, sel, slots_all[n_dense:])
-                batch = AttentionBatch(torch.arange(len(sparse_idx) + 1, dtype=torch.int32),
-                                       table, torch.empty(0, **_I64))
-                out[rows] = store.dense_attention.forward(q[rows], pool, batch, scale)
+
+        def compute(idx: list[int], sel, slots: torch.Tensor) -> None:
+            t0 = time.perf_counter()
+            if sel is None:
+                self._attend_dense(layer, q, out, idx, slots, sparse, scale)
             else:
-                table = self._sparse_table(sparse_idx, sel, slots_all[n_dense:])
-                kvh = store.page_shape.num_kv_heads
-                out[rows] = store.sparse_attention.forward(q[rows], pool, table,
-                                                           q.shape[1] // kvh, scale)
-        store.stats.observe_stage("compute", time.perf_counter() - t0)
+                self._attend_sparse(q, out, idx, sel, slots, scale)
+            store.stats.observe_stage("compute", time.perf_counter() - t0)
+
+        slots_all, sel = pipe.finish(parts, compute)
+        if predicted is not None and sel is not None:
+            self._observe_lookahead(layer, sel, predicted)
 
         # 5. bookkeeping (overlaps with the rest of the layer when pipelined): recency, and
         # pages that became full go to the backing tier (once)
         full = (t_keys[self.t_full], t_slots[self.t_full]) if self.t_full_rids else None
         pipe.after_compute(self, torch.cat([slots_all, t_slots.int()]), full)
         return out
+
+    def _attend_dense(self, layer: int, q: torch.Tensor, out: torch.Tensor, idx: list[int],
+                      slots: torch.Tensor, sparse: bool, scale: float) -> None:
+        """Every page of the sequences idx (prefills, contexts within the budget, dense
+        layers); in a sparse layer, prefills ending this step also rank their pages."""
+        store = self.store
+        rows = self._dense_rows(sparse)
+        batch = self._dense_batch(idx, slots, sparse)
+        out[rows] = store.dense_attention.forward(q[rows], store.device_tier.pool, batch, scale)
+        if sparse and self.observe_idx:
+            self._observe_window(layer, q, idx, slots, scale)
+
+    def _attend_sparse(self, q: torch.Tensor, out: torch.Tensor, idx: list[int], sel,
+                       slots: torch.Tensor, scale: float) -> None:
+        """The selected pages of the sparse decodes idx (a micro-batch, or all of them)."""
+        store = self.store
+        pool = store.device_tier.pool
+        rows = self._sparse_rows if idx == self.sparse_idx else \
+            torch.tensor([self.qo[i] for i in idx], **_I64)
+        if store.cfg.head_pages == "union":
+            # every head attends to the pages any head selected (fetched anyway): the
+            # dense kernel gathers 2 KB head runs of them, and a page one head missed
+            # still counts
+            table = self._union_table(idx, sel, slots)
+            batch = AttentionBatch(torch.arange(len(idx) + 1, dtype=torch.int32),
+                                   table, torch.empty(0, **_I64))
+            out[rows] = store.dense_attention.forward(q[rows], pool, batch, scale)
+        else:
+            table = self._sparse_table(idx, sel, slots)
+            kvh = store.page_shape.num_kv_heads
+            out[rows] = store.sparse_attention.forward(q[rows], pool, table,
+                                                       q.shape[1] // kvh, scale)
 
     def _observe_window(self, layer: int, q: torch.Tensor, dense_idx: list[int],
                         slots: torch.Tensor, scale: float) -> None:
