@@ -21,11 +21,17 @@ ENV PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/strata/venv PATH=/opt/strata/venv/bin:$PATH \
     STRATA_CACHE_DIR=/data/models
 
-# CUDA base images carry no Python: take the distribution's (>= 3.10)
+# CUDA base images carry no Python: take the distribution's (>= 3.10). A C compiler builds
+# the disk tier's extension (kvstore/tiers/_pageio.c); the slim Python image has none.
 RUN if ! command -v python3 >/dev/null 2>&1; then \
         apt-get update \
         && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
            python3 python3-venv python3-dev \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && if ! command -v gcc >/dev/null 2>&1; then \
+        apt-get update \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc libc6-dev \
         && rm -rf /var/lib/apt/lists/*; \
     fi \
     && python3 -m venv "$VIRTUAL_ENV" \
@@ -36,7 +42,7 @@ RUN if ! command -v python3 >/dev/null 2>&1; then \
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
 
 WORKDIR /opt/strata/src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY server ./server
 COPY engine ./engine
 COPY kvstore ./kvstore

@@ -12,7 +12,8 @@ export STRATA_CACHE_DIR ?= $(CURDIR)/.cache/models
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# setup.py builds kvstore/tiers/_pageio.c (the disk tier's I/O without the GIL) in place
+$(STAMP): pyproject.toml setup.py kvstore/tiers/_pageio.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build

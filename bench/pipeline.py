@@ -133,7 +133,7 @@ def run(args) -> dict:
         for _ in range(args.rounds):
             for (m, mb), (name, rec) in zip(modes, per_mode.items()):
                 store.pipeline.close()
-                store.pipeline = Pipeline(store, m.split("-")[0], mb,
+                store.pipeline = Pipeline(store, "sfc" if m.startswith("sfc") else m, mb,
                                           resolve_thread=m == "sfc-3threads",
                                           whole_batch_compute=m == "sfc-whole")
                 step()                              # first step of a mode: not timed

@@ -8,7 +8,7 @@ for every request, `--select` pages of that layer (what a sparse selector asks f
 random, in random runs of 8 adjacent pages, or one contiguous run.
 Reported for coalesced extents (<= 1 MiB) and one preadv per page, 1 and 8 I/O threads, into
 a plain tensor (O_DIRECT goes through an aligned staging buffer) and in place into host slots.
-Every read verifies the XXH3-64 checksum of each page, as the tier always does.
+Every read verifies the XXH64 checksum of each page, as the tier always does.
 """
 from __future__ import annotations
 

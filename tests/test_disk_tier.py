@@ -269,3 +269,16 @@ def test_stale_request_files_are_removed_at_start(tmp_path):
     (tmp_path / "notes.txt").write_text("keep")
     make_disk(SHAPES["fp32"], tmp_path).close()
     assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_page_checksums_are_xxh64_as_the_reference_library_computes_it():
+    """kvstore/tiers/_pageio.c's XXH64 against the xxhash package, at every tail length and
+    offset the algorithm branches on, and on a real page size."""
+    import xxhash
+
+    from kvstore.tiers.extent_io import page_hashes
+    rng = np.random.default_rng(0)
+    for n in (1, 3, 4, 7, 8, 31, 32, 33, 63, 64, 100, 4096, 12288):
+        buf = rng.integers(0, 256, size=(5, n), dtype=np.uint8)
+        got = page_hashes(buf, np.array([4, 0, 2]))
+        assert got.tolist() == [xxhash.xxh64_intdigest(buf[r].tobytes()) for r in (4, 0, 2)]

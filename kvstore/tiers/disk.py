@@ -8,7 +8,7 @@ if it does not fit) before its pages are bound; `release_request` deletes its fi
 
 I/O (extent_io.py): a batch is sorted by (file, offset), coalesced into extents of adjacent
 pages (one preadv/pwritev each), run on a thread pool, O_DIRECT when the filesystem allows it
-(probed once; the fallback to buffered I/O is logged once). An XXH3-64 checksum per page,
+(probed once; the fallback to buffered I/O is logged once). An XXH64 checksum per page,
 verified on read.
 
 Threading: every public method is called from one thread (the engine's step loop); only the
@@ -66,7 +66,7 @@ class DiskTier(Tier):
         self.layout.clear_stale_files()
         self.direct_io = probe_direct_io(self.layout.root, fault)
         self._stored = np.zeros(self.max_keys, dtype=bool)      # [max_keys] write completed
-        self._crc = np.zeros(self.max_keys, dtype=np.uint64)    # [max_keys] XXH3-64 of page
+        self._crc = np.zeros(self.max_keys, dtype=np.uint64)    # [max_keys] XXH64 of page
         self._page_req = np.full(self.max_pages, -1, np.int64)  # [max_pages] request slot
         self._page_index = np.zeros(self.max_pages, np.int64)   # [max_pages] index in request
         self._io = ExtentIO(page_shape, self.direct_io, threads, self._crc, self._stored,

@@ -5,11 +5,15 @@ offset, capped at `max_extent_bytes` and IOV_MAX). Each extent is ONE `os.preadv
 - straight into/out of the page buffers (scatter/gather iovecs) when the buffers allow it
   (buffered I/O, or O_DIRECT with 4096-aligned page buffers whose size is a multiple of 4096);
 - otherwise through a per-thread 4096-aligned staging buffer plus a copy.
-Extents are split into one task per thread; preadv/pwritev release the GIL.
+Extents are split into one task per thread. A task's extents go to the C extension
+`kvstore.tiers._pageio` as arrays (addresses and lengths of every iovec, built with numpy): one
+call reads or writes them all and one call hashes every page, both without the GIL. Per-extent
+Python (iovec lists, os.preadv, a hash call per page) held the GIL ~20-30 us per extent, ~200
+ms per decode step at the thousands of extents a sparse step reads, which the engine thread
+selecting and computing beside the I/O waited for.
 
-Checksums: XXH3-64 of each page's bytes, recorded at write in `crc[key]` (uint64 [max_keys])
-and verified at read (zlib.crc32 ran at ~1.5 GB/s here, XXH3 at ~6 GB/s: at ~150 MB of disk
-reads per decode step that is ~75 ms of CPU per step, on 2 cores shared with compute).
+Checksums: XXH64 of each page's bytes (in C, ~10 GB/s here), recorded at write in `crc[key]`
+(uint64 [max_keys]) and verified at read.
 `stored[key]` (bool [max_keys]) is set once a page's write has completed.
 Errors are collected per extent and raised once per batch through the batch's Future:
 `TierIOError` (OSError or short transfer) takes precedence over `PageCorrupted`.
@@ -23,14 +27,27 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
 
+from kvstore.tiers import _pageio
 from kvstore.tiers.base import ALIGN, PageShape
 from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.errors import PageCorrupted, TierIOError
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-_page_hash = xxhash.xxh3_64_intdigest          # bytes-like -> int (uint64)
+
+
+def page_hashes(buf: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """XXH64 of each row `rows` of buf (uint8 [rows, nbytes], rows contiguous): uint64 [n]."""
+    out = np.empty(len(rows), dtype=np.uint64)
+    _pageio.hash_pages(_row_addrs(buf, rows), buf.shape[1], out)
+    return out
+
+
+def _row_addrs(buf: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    if buf.strides[1] != 1:
+        raise ValueError("page buffers must have contiguous rows")
+    return (np.uint64(buf.ctypes.data)
+            + np.asarray(rows, dtype=np.uint64) * np.uint64(buf.strides[0]))
 
 
 def plan_extents(file_ids: np.ndarray, page_numbers: np.ndarray, max_pages: int,
@@ -125,8 +142,11 @@ class ExtentIO:
         self._crc, self._stored = crc, stored
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kv-disk")
         self._local = threading.local()
-        self._pad_zero = bytes(self.stride - self.nbytes)
-        self._pad_junk = bytearray(self.stride - self.nbytes)
+        # zeros written after each page whose size is not a multiple of 4096 (buffered I/O)
+        self._pad_zero_buf = np.zeros(max(1, self.stride - self.nbytes), dtype=np.uint8)
+        # gap pages of reads land here (and are dropped), as do the pads of reads whose page
+        # size is not a multiple of 4096 (anonymous mmap: 4096-aligned, as O_DIRECT needs)
+        self._junk = np.frombuffer(mmap.mmap(-1, self.stride), dtype=np.uint8)
         self._lock = threading.Lock()
         self.preadv_calls = self.pwritev_calls = 0
         self.bytes_read = self.bytes_written = 0
@@ -162,23 +182,10 @@ class ExtentIO:
     def _task(self, run, job: ExtentJob, lo: int, hi: int, batch: _Batch) -> None:
         io_errors, corrupt, nbytes, bug = [], [], 0, None
         try:
-            direct = self.direct_ok(job.buf)
-            for i in range(lo, hi):
-                s, t = int(job.starts[i]), int(job.ends[i])
-                keys = job.keys[s:t]
-                try:
-                    if job.fault is not None:
-                        job.fault.check(job.op, int(job.handles[i]))
-                    # page positions within the extent when it spans gaps (reads only)
-                    at = None if job.pns is None else job.pns[s:t] - job.pns[s]
-                    bad = run(job, int(job.fds[i]), int(job.offsets[i]), job.rows[s:t], keys,
-                              direct, at)
-                    nbytes += (t - s if at is None else int(at[-1]) + 1) * self.stride
-                    if bad is not None:
-                        corrupt.append(bad)
-                except OSError as err:
-                    io_errors.append((keys, err.errno, f"{job.op} of {t - s} pages at offset "
-                                      f"{int(job.offsets[i])} failed: {err.strerror or err}"))
+            if self.direct_ok(job.buf):
+                io_errors, corrupt, nbytes = self._vector_io(job, lo, hi)
+            else:
+                io_errors, corrupt, nbytes = self._staged_io(run, job, lo, hi)
         except Exception as err:  # NOTE: a bug must fail the batch, not hang its waiters
             bug = err
         with self._lock:
@@ -190,6 +197,99 @@ class ExtentIO:
                 self.bytes_written += nbytes
         batch.task_done(io_errors, corrupt, bug)
 
+    def _vector_io(self, job: ExtentJob, lo: int, hi: int):
+        """Extents lo..hi-1 straight into/out of the page rows: one _pageio call for the I/O
+        and one for the checksums. Returns (io errors, corrupt keys, bytes moved)."""
+        s0, s1 = int(job.starts[lo]), int(job.ends[hi - 1])
+        starts, ends = job.starts[lo:hi] - s0, job.ends[lo:hi] - s0
+        per_ext = ends - starts
+        addrs = _row_addrs(job.buf, job.rows[s0:s1])
+        # positions of each page within its extent: gaps (reads only) are junk pages
+        gap = np.zeros(s1 - s0, dtype=np.int64)
+        if job.pns is not None:
+            pn = job.pns[s0:s1]
+            gap[1:] = pn[1:] - pn[:-1] - 1
+            gap[starts] = 0
+        pad = self.stride - self.nbytes
+        count = gap + 1 + (pad > 0)                       # iovecs of each page (and its gap)
+        first = np.zeros(s1 - s0 + 1, dtype=np.int64)
+        np.cumsum(count, out=first[1:])
+        junk = self._junk
+        base = np.full(int(first[-1]), junk.ctypes.data, dtype=np.uint64)
+        length = np.full(int(first[-1]), self.stride, dtype=np.int64)
+        at = first[:-1] + gap
+        base[at], length[at] = addrs, self.nbytes
+        if pad:
+            base[at + 1] = (self._pad_zero_buf if job.op == "write" else junk).ctypes.data
+            length[at + 1] = pad
+        iov_ptr = first[np.append(starts, s1 - s0)]
+        span = per_ext + np.add.reduceat(gap, starts) if len(starts) else per_ext
+        want = span * self.stride
+        fds = job.fds[lo:hi].astype(np.int64)
+        injected: dict[int, OSError] = {}
+        if job.fault is not None:
+            for i in range(hi - lo):
+                try:
+                    job.fault.check(job.op, int(job.handles[lo + i]))
+                except OSError as err:
+                    injected[i] = err
+                    fds[i] = -1                           # EBADF in C: this extent is not run
+        got = np.empty(hi - lo, dtype=np.int64)
+        if job.op == "write":
+            crcs = page_hashes(job.buf, job.rows[s0:s1])
+            _pageio.pwritev_extents(fds, job.offsets[lo:hi].astype(np.int64), iov_ptr, base,
+                                    length, got)
+        else:
+            _pageio.preadv_extents(fds, job.offsets[lo:hi].astype(np.int64), iov_ptr, base,
+                                   length, got)
+        ok = got == want
+        io_errors = []
+        for i in np.flatnonzero(~ok):
+            keys = job.keys[s0 + starts[i]:s0 + ends[i]]
+            where = f"{job.op} of {per_ext[i]} pages at offset {int(job.offsets[lo + i])} failed"
+            if i in injected:
+                err = injected[i]
+                io_errors.append((keys, err.errno, f"{where}: {err.strerror or err}"))
+            elif got[i] < 0:
+                io_errors.append((keys, int(-got[i]), f"{where}: {os.strerror(int(-got[i]))}"))
+            else:
+                what = "read" if job.op == "read" else "write"
+                hint = "file truncated?" if job.op == "read" else "disk full?"
+                io_errors.append((keys, None, f"{where}: short {what}: {int(got[i])} of "
+                                  f"{int(want[i])} bytes ({hint})"))
+        page_ok = np.repeat(ok, per_ext)
+        keys = job.keys[s0:s1][page_ok]
+        corrupt = []
+        if job.op == "write":
+            self._crc[keys] = crcs[page_ok]
+            self._stored[keys] = True
+        elif keys.size:
+            bad = page_hashes(job.buf, job.rows[s0:s1][page_ok]) != self._crc[keys]
+            if bad.any():
+                corrupt.append(keys[bad])
+        return io_errors, corrupt, int(want[ok].sum())
+
+    def _staged_io(self, run, job: ExtentJob, lo: int, hi: int):
+        """Extents lo..hi-1 one at a time through an aligned staging buffer (O_DIRECT with
+        page buffers it cannot use in place)."""
+        io_errors, corrupt, nbytes = [], [], 0
+        for i in range(lo, hi):
+            s, t = int(job.starts[i]), int(job.ends[i])
+            keys = job.keys[s:t]
+            try:
+                if job.fault is not None:
+                    job.fault.check(job.op, int(job.handles[i]))
+                # page positions within the extent when it spans gaps (reads only)
+                at = None if job.pns is None else job.pns[s:t] - job.pns[s]
+                bad = run(job, int(job.fds[i]), int(job.offsets[i]), job.rows[s:t], keys, at)
+                nbytes += (t - s if at is None else int(at[-1]) + 1) * self.stride
+                if bad is not None:
+                    corrupt.append(bad)
+            except OSError as err:
+                io_errors.append((keys, err.errno, f"{job.op} of {t - s} pages at offset "
+                                  f"{int(job.offsets[i])} failed: {err.strerror or err}"))
+        return io_errors, corrupt, nbytes
+
     def _staging(self, length: int) -> np.ndarray:
         stage = getattr(self._local, "stage", None)
         if stage is None or stage.shape[0] < length:
@@ -199,63 +299,30 @@ class ExtentIO:
             self._local.stage = stage
         return stage[:length]
 
-    def _iovecs(self, buf: np.ndarray, rows: np.ndarray, pad) -> list:
-        if not len(pad):
-            return [buf[r] for r in rows]
-        iov = []
-        for r in rows:
-            iov += (buf[r], pad)
-        return iov
-
     def _read(self, job: ExtentJob, fd: int, offset: int, rows: np.ndarray, keys: np.ndarray,
-              direct: bool, at: np.ndarray | None = None) -> np.ndarray | None:
-        """One preadv over the extent. Page i lands in buf[rows[i]]; `at` (ascending) gives its
-        position in the extent when the extent spans gaps (default: positions 0..n-1): the
-        pages between wanted ones land in a scratch page and are dropped."""
+              at: np.ndarray | None = None) -> np.ndarray | None:
+        """One preadv of the extent into the staging buffer, then page i to buf[rows[i]];
+        `at` (ascending) gives its position in the extent when the extent spans gaps."""
         buf = job.buf
         span = len(rows) if at is None else int(at[-1]) + 1
         length = span * self.stride
-        if direct:
-            if at is None:
-                iov = self._iovecs(buf, rows, self._pad_junk)
-            else:
-                junk, iov, nxt = self._junk(), [], 0
-                for r, p in zip(rows, at):
-                    iov += [junk] * int(p - nxt)
-                    iov += (buf[r], self._pad_junk) if len(self._pad_junk) else (buf[r],)
-                    nxt = int(p) + 1
-            got = os.preadv(fd, iov, offset)
-        else:
-            stage = self._staging(length)
-            got = os.preadv(fd, [stage], offset)
+        stage = self._staging(length)
+        got = os.preadv(fd, [stage], offset)
         if got != length:
             raise OSError(None, f"short read: {got} of {length} bytes (file truncated?)")
-        if not direct:
-            pages = stage.reshape(span, self.stride)
-            buf[rows] = pages[:, :self.nbytes] if at is None else pages[at, :self.nbytes]
-        crcs = np.fromiter((_page_hash(buf[r]) for r in rows), dtype=np.uint64, count=len(rows))
-        bad = crcs != self._crc[keys]
+        pages = stage.reshape(span, self.stride)
+        buf[rows] = pages[:, :self.nbytes] if at is None else pages[at, :self.nbytes]
+        bad = page_hashes(buf, rows) != self._crc[keys]
         return keys[bad] if bad.any() else None
 
-    def _junk(self) -> np.ndarray:
-        """A per-thread page-sized, 4096-aligned scratch buffer (gap pages of reads)."""
-        junk = getattr(self._local, "junk", None)
-        if junk is None:
-            junk = np.frombuffer(mmap.mmap(-1, self.stride), dtype=np.uint8)
-            self._local.junk = junk
-        return junk
-
     def _write(self, job: ExtentJob, fd: int, offset: int, rows: np.ndarray, keys: np.ndarray,
-               direct: bool, at: None = None) -> None:
+               at: None = None) -> None:
         # NOTE: `at` is always None: a write never spans a gap (it would overwrite other pages)
         buf, length = job.buf, len(rows) * self.stride
-        crcs = np.fromiter((_page_hash(buf[r]) for r in rows), dtype=np.uint64, count=len(rows))
-        if direct:
-            got = os.pwritev(fd, self._iovecs(buf, rows, self._pad_zero), offset)
-        else:
-            stage = self._staging(length)
-            stage.reshape(len(rows), self.stride)[:, :self.nbytes] = buf[rows]
-            got = os.pwritev(fd, [stage], offset)
+        crcs = page_hashes(buf, rows)
+        stage = self._staging(length)
+        stage.reshape(len(rows), self.stride)[:, :self.nbytes] = buf[rows]
+        got = os.pwritev(fd, [stage], offset)
         if got != length:
             raise OSError(None, f"short write: {got} of {length} bytes (disk full?)")
         self._crc[keys] = crcs

@@ -1,0 +1,6 @@
+"""Build of the one C extension (kvstore/tiers/_pageio.c: the disk tier's page I/O and
+checksums without the GIL); everything else is in pyproject.toml."""
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"],
+                             extra_compile_args=["-O3", "-Wall"])])
