@@ -99,6 +99,23 @@ class ExtentJob:
     pns: np.ndarray | None = None  # page numbers in order (reads with gaps: where pages land)
 
 
+@dataclass(frozen=True)
+class _Vectors:
+    """A job's iovecs for _pageio, built once per batch (numpy ops hold the GIL: once per
+    batch, not once per thread). Per extent i: iovecs iov_ptr[i]:iov_ptr[i+1] of base/length,
+    want[i] bytes; per page (job order): its row's address, and its hash once read/written.
+    Each task writes only its own extents' fds/got and its own pages' hashes."""
+    addrs: np.ndarray      # uint64 [n]
+    iov_ptr: np.ndarray    # int64 [e + 1]
+    base: np.ndarray       # uint64 [iovecs]
+    length: np.ndarray     # int64 [iovecs]
+    want: np.ndarray       # int64 [e]
+    fds: np.ndarray        # int64 [e] (-1 where a fault is injected)
+    offsets: np.ndarray    # int64 [e]
+    got: np.ndarray        # int64 [e] bytes moved, or -errno
+    hashes: np.ndarray     # uint64 [n]
+
+
 class _Batch:
     """Collects per-task results; resolves `future` when the last task finishes."""
 
@@ -169,23 +186,51 @@ class ExtentIO:
         cuts = np.searchsorted(pages, pages[-1] * np.arange(1, tasks) / tasks, side="right")
         bounds = np.unique(np.concatenate([[0], cuts, [e]]))
         batch = _Batch(len(bounds) - 1)
-        run = self._read if job.op == "read" else self._write
+        vec = self._vectors(job) if self.direct_ok(job.buf) else None
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            self._pool.submit(self._task, run, job, int(lo), int(hi), batch)
+            self._pool.submit(self._task, job, vec, int(lo), int(hi), batch)
         return batch.future
+
+    def _vectors(self, job: ExtentJob) -> _Vectors:
+        """Every extent's iovecs straight into/out of the page rows: a wanted page is one iovec
+        (plus its pad when the page size is not a multiple of 4096), a gap page (reads) one
+        iovec into the junk page."""
+        n = job.keys.shape[0]
+        gap = np.zeros(n, dtype=np.int64)
+        if job.pns is not None:
+            gap[1:] = job.pns[1:] - job.pns[:-1] - 1
+            gap[job.starts] = 0
+        pad = self.stride - self.nbytes
+        first = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(gap + 1 + (pad > 0), out=first[1:])
+        base = np.full(int(first[-1]), self._junk.ctypes.data, dtype=np.uint64)
+        length = np.full(int(first[-1]), self.stride, dtype=np.int64)
+        at = first[:-1] + gap
+        addrs = _row_addrs(job.buf, job.rows)
+        base[at], length[at] = addrs, self.nbytes
+        if pad:
+            base[at + 1] = (self._pad_zero_buf if job.op == "write" else self._junk).ctypes.data
+            length[at + 1] = pad
+        span = job.ends - job.starts + np.add.reduceat(gap, job.starts)
+        e = job.starts.shape[0]
+        return _Vectors(addrs, first[np.append(job.starts, n)], base, length,
+                        span * self.stride, job.fds.astype(np.int64),
+                        job.offsets.astype(np.int64), np.empty(e, dtype=np.int64),
+                        np.empty(n, dtype=np.uint64))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
     # -- worker side ------------------------------------------------------------------------
 
-    def _task(self, run, job: ExtentJob, lo: int, hi: int, batch: _Batch) -> None:
+    def _task(self, job: ExtentJob, vec: _Vectors | None, lo: int, hi: int,
+              batch: _Batch) -> None:
         io_errors, corrupt, nbytes, bug = [], [], 0, None
         try:
-            if self.direct_ok(job.buf):
-                io_errors, corrupt, nbytes = self._vector_io(job, lo, hi)
+            if vec is not None:
+                io_errors, corrupt, nbytes = self._vector_io(job, vec, lo, hi)
             else:
-                io_errors, corrupt, nbytes = self._staged_io(run, job, lo, hi)
+                io_errors, corrupt, nbytes = self._staged_io(job, lo, hi)
         except Exception as err:  # NOTE: a bug must fail the batch, not hang its waiters
             bug = err
         with self._lock:
@@ -197,81 +242,62 @@ class ExtentIO:
                 self.bytes_written += nbytes
         batch.task_done(io_errors, corrupt, bug)
 
-    def _vector_io(self, job: ExtentJob, lo: int, hi: int):
-        """Extents lo..hi-1 straight into/out of the page rows: one _pageio call for the I/O
-        and one for the checksums. Returns (io errors, corrupt keys, bytes moved)."""
+    def _vector_io(self, job: ExtentJob, vec: _Vectors, lo: int, hi: int):
+        """Extents lo..hi-1: one _pageio call for the I/O and one for the checksums, without
+        the GIL. Returns (io errors, corrupt keys, bytes moved)."""
         s0, s1 = int(job.starts[lo]), int(job.ends[hi - 1])
-        starts, ends = job.starts[lo:hi] - s0, job.ends[lo:hi] - s0
-        per_ext = ends - starts
-        addrs = _row_addrs(job.buf, job.rows[s0:s1])
-        # positions of each page within its extent: gaps (reads only) are junk pages
-        gap = np.zeros(s1 - s0, dtype=np.int64)
-        if job.pns is not None:
-            pn = job.pns[s0:s1]
-            gap[1:] = pn[1:] - pn[:-1] - 1
-            gap[starts] = 0
-        pad = self.stride - self.nbytes
-        count = gap + 1 + (pad > 0)                       # iovecs of each page (and its gap)
-        first = np.zeros(s1 - s0 + 1, dtype=np.int64)
-        np.cumsum(count, out=first[1:])
-        junk = self._junk
-        base = np.full(int(first[-1]), junk.ctypes.data, dtype=np.uint64)
-        length = np.full(int(first[-1]), self.stride, dtype=np.int64)
-        at = first[:-1] + gap
-        base[at], length[at] = addrs, self.nbytes
-        if pad:
-            base[at + 1] = (self._pad_zero_buf if job.op == "write" else junk).ctypes.data
-            length[at + 1] = pad
-        iov_ptr = first[np.append(starts, s1 - s0)]
-        span = per_ext + np.add.reduceat(gap, starts) if len(starts) else per_ext
-        want = span * self.stride
-        fds = job.fds[lo:hi].astype(np.int64)
         injected: dict[int, OSError] = {}
         if job.fault is not None:
-            for i in range(hi - lo):
+            for i in range(lo, hi):
                 try:
-                    job.fault.check(job.op, int(job.handles[lo + i]))
+                    job.fault.check(job.op, int(job.handles[i]))
                 except OSError as err:
                     injected[i] = err
-                    fds[i] = -1                           # EBADF in C: this extent is not run
-        got = np.empty(hi - lo, dtype=np.int64)
+                    vec.fds[i] = -1                       # EBADF in C: this extent is not run
+        io = (vec.fds[lo:hi], vec.offsets[lo:hi], vec.iov_ptr[lo:hi + 1], vec.base, vec.length,
+              vec.got[lo:hi])
+        hashes = vec.hashes[s0:s1]
         if job.op == "write":
-            crcs = page_hashes(job.buf, job.rows[s0:s1])
-            _pageio.pwritev_extents(fds, job.offsets[lo:hi].astype(np.int64), iov_ptr, base,
-                                    length, got)
+            _pageio.hash_pages(vec.addrs[s0:s1], self.nbytes, hashes)
+            _pageio.pwritev_extents(*io)
         else:
-            _pageio.preadv_extents(fds, job.offsets[lo:hi].astype(np.int64), iov_ptr, base,
-                                   length, got)
-        ok = got == want
+            _pageio.preadv_extents(*io)
+            _pageio.hash_pages(vec.addrs[s0:s1], self.nbytes, hashes)
+        ok = vec.got[lo:hi] == vec.want[lo:hi]
+        keys = job.keys[s0:s1]
         io_errors = []
-        for i in np.flatnonzero(~ok):
-            keys = job.keys[s0 + starts[i]:s0 + ends[i]]
-            where = f"{job.op} of {per_ext[i]} pages at offset {int(job.offsets[lo + i])} failed"
-            if i in injected:
-                err = injected[i]
-                io_errors.append((keys, err.errno, f"{where}: {err.strerror or err}"))
-            elif got[i] < 0:
-                io_errors.append((keys, int(-got[i]), f"{where}: {os.strerror(int(-got[i]))}"))
-            else:
-                what = "read" if job.op == "read" else "write"
-                hint = "file truncated?" if job.op == "read" else "disk full?"
-                io_errors.append((keys, None, f"{where}: short {what}: {int(got[i])} of "
-                                  f"{int(want[i])} bytes ({hint})"))
-        page_ok = np.repeat(ok, per_ext)
-        keys = job.keys[s0:s1][page_ok]
+        if not ok.all():
+            for i in np.flatnonzero(~ok) + lo:
+                io_errors.append(self._extent_error(job, vec, i, injected.get(i)))
+            page_ok = np.repeat(ok, job.ends[lo:hi] - job.starts[lo:hi])
+            keys, hashes = keys[page_ok], hashes[page_ok]
         corrupt = []
         if job.op == "write":
-            self._crc[keys] = crcs[page_ok]
+            self._crc[keys] = hashes
             self._stored[keys] = True
-        elif keys.size:
-            bad = page_hashes(job.buf, job.rows[s0:s1][page_ok]) != self._crc[keys]
+        else:
+            bad = hashes != self._crc[keys]
             if bad.any():
                 corrupt.append(keys[bad])
-        return io_errors, corrupt, int(want[ok].sum())
+        return io_errors, corrupt, int(vec.want[lo:hi][ok].sum())
 
-    def _staged_io(self, run, job: ExtentJob, lo: int, hi: int):
+    @staticmethod
+    def _extent_error(job: ExtentJob, vec: _Vectors, i: int, injected: OSError | None):
+        """(keys, errno or None, message) of extent i, which moved got[i] of want[i] bytes."""
+        keys = job.keys[int(job.starts[i]):int(job.ends[i])]
+        where = f"{job.op} of {keys.shape[0]} pages at offset {int(job.offsets[i])} failed"
+        got = int(vec.got[i])
+        if injected is not None:
+            return keys, injected.errno, f"{where}: {injected.strerror or injected}"
+        if got < 0:
+            return keys, -got, f"{where}: {os.strerror(-got)}"
+        what, hint = ("read", "file truncated?") if job.op == "read" else ("write", "disk full?")
+        return keys, None, f"{where}: short {what}: {got} of {int(vec.want[i])} bytes ({hint})"
+
+    def _staged_io(self, job: ExtentJob, lo: int, hi: int):
         """Extents lo..hi-1 one at a time through an aligned staging buffer (O_DIRECT with
         page buffers it cannot use in place)."""
+        run = self._read if job.op == "read" else self._write
         io_errors, corrupt, nbytes = [], [], 0
         for i in range(lo, hi):
             s, t = int(job.starts[i]), int(job.ends[i])
