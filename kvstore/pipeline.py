@@ -164,11 +164,12 @@ class Pipeline:
         self._pending: list[Future] = []
         self._predicted: Future | None = None    # layer-ahead: -> (layer, keys fetched)
         self._resolver_free = 0.0                # when the resolve thread finished its last job
-        # calibration (sfc without --micro-batch): candidate -> per-sequence seconds per step
+        # calibration (sfc without --micro-batch): candidate -> seconds per sequence of the
+        # steps that ran with it (the whole forward: what the micro-batch size should minimise)
         self._calib: dict[int, list[float]] = {}
         self._calib_plan: list[int] = []
         self._step_mb = micro_batch
-        self._step_time = 0.0
+        self._step_start = 0.0
         self._step_seqs = 0
 
     # ------------------------------------------------------------------ threads
@@ -224,11 +225,8 @@ class Pipeline:
 
     # ------------------------------------------------------------------ step boundaries
     def begin_step(self, num_sparse: int) -> None:
-        """Called by each StepKV: closes the previous step's calibration sample and picks the
-        micro-batch size of this step."""
-        if self._step_seqs and self._step_mb in self._calib:
-            self._calib[self._step_mb].append(self._step_time / self._step_seqs)
-        self._step_time, self._step_seqs = 0.0, 0
+        """Called by each StepKV: picks the micro-batch size of this step."""
+        self._step_seqs = 0
         if self.mode != "sfc" or num_sparse < 2:
             return
         if self.micro_batch:
@@ -242,13 +240,22 @@ class Pipeline:
         if self._calib_plan:
             self._step_mb = self._calib_plan.pop(0)
             self._step_seqs = num_sparse
+            self._step_start = time.perf_counter()
             return
         best = {c: statistics.median(v) for c, v in self._calib.items() if v}
         self.micro_batch = min(best, key=best.get)
         self._step_mb = self.micro_batch
-        logger.info("pipeline sfc: calibrated --micro-batch %d (select+resolve+fetch per "
-                    "sequence and layer: %s)", self.micro_batch,
+        logger.info("pipeline sfc: calibrated --micro-batch %d (forward time per sequence: "
+                    "%s)", self.micro_batch,
                     ", ".join(f"{c}: {1e3 * t:.2f} ms" for c, t in sorted(best.items())))
+
+    def end_step(self) -> None:
+        """Called once the step's forward is done (stage threads drained): closes a
+        calibration sample."""
+        if self._step_seqs and self._step_mb in self._calib:
+            self._calib[self._step_mb].append(
+                (time.perf_counter() - self._step_start) / self._step_seqs)
+        self._step_seqs = 0
 
     # ------------------------------------------------------------------ one layer
     def run(self, stages: _LayerStages, dense_idx: list[int], dense_keys: torch.Tensor,
@@ -256,15 +263,10 @@ class Pipeline:
         """Select and resolve one layer's pages, and fetch them (inline, or started on the fetch
         thread): dense_keys are every page of the dense sequences dense_idx, sparse decodes
         get their selected pages. Returns the layer's parts, for `finish`."""
-        t0 = time.perf_counter()
         mb = self._step_mb if self.mode == "sfc" else 0
         if mb and len(sparse_idx) > 1:
-            parts = self._run_sfc(stages, dense_idx, dense_keys, sparse_idx, t_keys, mb)
-        else:
-            parts = self._run_sequential(stages, dense_idx, dense_keys, sparse_idx, t_keys)
-        if sparse_idx:
-            self._step_time += time.perf_counter() - t0
-        return parts
+            return self._run_sfc(stages, dense_idx, dense_keys, sparse_idx, t_keys, mb)
+        return self._run_sequential(stages, dense_idx, dense_keys, sparse_idx, t_keys)
 
     def finish(self, parts: list[LayerPart], compute: ComputeFn
                ) -> tuple[torch.Tensor, SelectedPages | None]:
@@ -272,7 +274,6 @@ class Pipeline:
         of them once every fetch is in); waiting counts as compute stall. After a failed fetch
         the remaining fetches are still waited for, then the first error is raised. Returns
         (device slots of every part's keys, in order; the sparse decodes' selection)."""
-        t0 = time.perf_counter()
         waited, error = 0.0, None
         if self.whole_batch_compute:
             waited, error = self._wait(parts)
@@ -293,8 +294,6 @@ class Pipeline:
         if error is not None:
             raise error
         sels = [p.sel for p in parts if p.sel is not None]
-        if sels:
-            self._step_time += time.perf_counter() - t0
         slots = torch.cat([p.slots for p in parts]) if parts else torch.empty(0, **_I64)
         return slots, (cat_selected(sels) if sels else None)
 

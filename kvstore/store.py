@@ -271,6 +271,7 @@ class TieredKVStore:
         # NOTE: the last layer's bookkeeping (recency, write-back of pages that filled) may
         # still run on a stage thread; placement and demotion below mutate the same tiers
         self.pipeline.drain()
+        self.pipeline.end_step()
         for rid in prefilled:
             rkv = self.requests.get(rid)
             if rkv is not None and not rkv.prefilled:
