@@ -236,7 +236,9 @@ class Pipeline:
         if not self._calib_plan and not self._calib:
             cands = [c for c in CALIBRATION_CANDIDATES if c < num_sparse] + [num_sparse]
             self._calib = {c: [] for c in cands}
-            self._calib_plan = [c for c in cands for _ in range(CALIBRATION_STEPS)]
+            # NOTE: interleaved (1, 2, 4, ..., 1, 2, 4, ...): the first decode steps after a
+            # prefill differ (residency settles), and that drift must not favour one candidate
+            self._calib_plan = [c for _ in range(CALIBRATION_STEPS) for c in cands]
         if self._calib_plan:
             self._step_mb = self._calib_plan.pop(0)
             self._step_seqs = num_sparse
@@ -277,7 +279,8 @@ class Pipeline:
         waited, error = 0.0, None
         if self.whole_batch_compute:
             waited, error = self._wait(parts)
-            parts = _merge_sparse(parts)
+            if error is None:
+                parts = _merge_sparse(parts)
         for k, p in enumerate(parts):
             if error is not None:
                 break

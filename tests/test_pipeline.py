@@ -10,7 +10,7 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
-from kvstore.pipeline import CALIBRATION_CANDIDATES
+from kvstore.pipeline import CALIBRATION_CANDIDATES, Pipeline
 from kvstore.stats import STAGES
 from tests import engine_helpers
 from tests.engine_helpers import drive, flip_bytes, greedy
@@ -55,11 +55,23 @@ def sequential(smollm2_dir, prompts, tmp_path_factory):
     return got, engine.store.stats.snapshot()
 
 
-@pytest.mark.parametrize("mode,micro_batch", [("sfc", 1), ("sfc", 3), ("layer-ahead", 0)])
+def make_mode(folder, tmp_path, mode: str, micro_batch: int, **kw) -> LLMEngine:
+    """`sfc-whole`: sfc with KVDrive's whole-batch compute (bench/pipeline.py's variant)."""
+    engine = make(folder, tmp_path, pipeline=mode.removesuffix("-whole"),
+                  micro_batch=micro_batch, **kw)
+    if mode == "sfc-whole":
+        engine.store.pipeline.close()
+        engine.store.pipeline = Pipeline(engine.store, "sfc", micro_batch,
+                                         whole_batch_compute=True)
+    return engine
+
+
+@pytest.mark.parametrize("mode,micro_batch", [("sfc", 1), ("sfc", 3), ("sfc-whole", 2),
+                                              ("layer-ahead", 0)])
 def test_every_mode_gives_the_same_output_and_selections(smollm2_dir, prompts, sequential,
                                                          tmp_path, mode, micro_batch):
     seq_out, seq_stats = sequential
-    engine = make(smollm2_dir, tmp_path, pipeline=mode, micro_batch=micro_batch)
+    engine = make_mode(smollm2_dir, tmp_path, mode, micro_batch)
     got, errors = run(engine, prompts)
     assert not errors
     assert got == seq_out
@@ -72,7 +84,7 @@ def test_every_mode_gives_the_same_output_and_selections(smollm2_dir, prompts, s
     assert st.transfer_bytes.get(("disk", "device"), 0) > 0
     for stage in STAGES:
         assert st.stage_count.get(stage, 0) > 0 and st.stage_busy[stage] > 0
-    if mode == "sfc":
+    if mode.startswith("sfc"):
         # 4 sparse sequences per step in micro-batches: several observations per layer
         per_layer = -(-len(prompts) // micro_batch)
         assert st.stage_count["select"] >= STEPS * 20 * per_layer
@@ -97,10 +109,10 @@ def test_sfc_calibrates_the_micro_batch_when_not_given(smollm2_dir, prompts, seq
     assert 1 <= chosen <= len(prompts)
 
 
-@pytest.mark.parametrize("mode", ["sfc", "layer-ahead"])
+@pytest.mark.parametrize("mode", ["sfc", "sfc-whole", "layer-ahead"])
 def test_corrupt_page_fails_only_its_request_with_stage_threads(smollm2_dir, prompts,
                                                                 sequential, tmp_path, mode):
-    engine = make(smollm2_dir, tmp_path, pipeline=mode, micro_batch=1, kv_force_tier="disk")
+    engine = make_mode(smollm2_dir, tmp_path, mode, 1, kv_force_tier="disk")
     ids = [f"r{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, greedy(STEPS))
