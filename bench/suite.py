@@ -1,8 +1,8 @@
 """The benchmark suite: throughput, accuracy and roofline, then the README's Results section.
 
-    .venv/bin/python bench/suite.py            # default: within ~30 minutes on 2 cores
+    .venv/bin/python bench/suite.py            # default: ~26 minutes on 2 cores (see below)
     .venv/bin/python bench/suite.py --quick    # within ~5 minutes (writes *_quick.json)
-    .venv/bin/python bench/suite.py --full     # the whole grid: ~1 hour on 2 cores
+    .venv/bin/python bench/suite.py --full     # the whole grid: ~70 minutes on 2 cores
     make bench-suite ARGS=--quick
 
 Each part is its own command (and process, so one part's memory never carries into the next),
@@ -10,12 +10,17 @@ with its own progress bar and JSON under bench/results/:
 
 | part | default | --quick | --full |
 |---|---|---|---|
-| bench/throughput.py | contexts 1K 4K 7K x 1 4 8 requests, 4 Strata configs; transformers at 1 and 4 | 1K x 1 4, dense and sparse-tiered, transformers | x 1 4 8 16 requests; transformers at every level |
-| bench/ruler.py | ~4K and ~7K, 1 sample per task, dense and budgets 256-2048 | ~4K, 1 per task, dense and 1024 | 3 per task |
+| bench/throughput.py | contexts 4K 7K x 1 4 8 requests, 4 Strata configs; transformers at 1 | 1K x 1 4, dense and sparse-tiered, transformers | 1K 4K 7K x 1 4 8 16 requests; transformers at every level |
+| bench/ruler.py | ~4K and ~7K, 1 sample per task, dense and budgets 256, 1024 | ~4K, 1 per task, dense and 1024 | budgets 256-2048, 3 per task |
 | bench/roofline.py | 1 GiB DRAM, 2 GiB disk file | 256 MiB, 512 MiB | as default |
 
-Prefill dominates on a CPU (~600 tokens/s at 7K here), and every request of every configuration
-prefills its own prompt, so the grid's 16-request column and more RULER samples are --full's.
+Prefill dominates on a CPU (~350-600 tokens/s at 7K, depending on the box), and every request
+of every configuration prefills its own prompt, so the grid's 1K row and 16-request column, the
+512 and 2048 budgets and more RULER samples are --full's. Measured on 2026-11-23 (AMD EPYC, 2
+cores) with the previous default (1K row, transformers at 4 too, all four budgets): throughput
+21.5 min (per Strata config ~20 s at 1K, ~1.3 min at 4K, ~3 min at 7K; transformers ~2.5 min),
+RULER 10.8 min (~2.2 min per config), roofline 0.4 min: 32.6 min. This default drops ~6.5 min
+of it (~26 min).
 Then bench/report.py rewrites the README's Results section (not for --quick or --suffix, whose
 report goes to bench/results/report<suffix>.md). The wall time of each part is printed at the end.
 """
@@ -37,13 +42,16 @@ PRESETS = {
         "roofline": ["--quick"],
     },
     "default": {
-        "throughput": ["--concurrency", "1", "4", "8", "--peer-concurrency", "1", "4"],
-        "ruler": ["--lengths", "4000", "7000", "--per-task", "1"],
+        "throughput": ["--contexts", "4000", "7000", "--concurrency", "1", "4", "8",
+                       "--peer-concurrency", "1"],
+        "ruler": ["--lengths", "4000", "7000", "--per-task", "1",
+                  "--configs", "dense", "sparse-256", "sparse-1024"],
         "roofline": [],
     },
     "full": {
         "throughput": ["--concurrency", "1", "4", "8", "16"],
-        "ruler": ["--lengths", "4000", "7000", "--per-task", "3"],
+        "ruler": ["--lengths", "4000", "7000", "--per-task", "3", "--configs", "dense",
+                  "sparse-256", "sparse-512", "sparse-1024", "sparse-2048"],
         "roofline": [],
     },
 }

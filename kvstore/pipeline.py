@@ -37,31 +37,30 @@ Metrics (kvstore.stats): one `strata_stage_seconds{stage}` observation per stage
 micro-batch, busy seconds per stage, and stall seconds: time a stage waited on the stage before
 it (the resolve thread idle for a selection, a fill waiting for its resolution, compute waiting
 for a fetch).
+
+The stage functions of a layer and the parts it is split into are in kvstore/stages.py; the
+micro-batch calibration in kvstore/calibration.py.
 """
 from __future__ import annotations
 
 import logging
-import statistics
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.page_select import SelectedPages, cat_selected
+from kvstore.calibration import MicroBatchCalibration
 from kvstore.config import PIPELINES
 from kvstore.fetcher import Resolution
+from kvstore.stages import ComputeFn, LayerPart, LayerStages, merge_sparse
 
 if TYPE_CHECKING:
     from kvstore.step import StepKV
 
 logger = logging.getLogger(__name__)
-
-# micro-batch sizes (sequences) tried by the calibration when --micro-batch is not given
-CALIBRATION_CANDIDATES = (1, 2, 4, 8, 16)
-CALIBRATION_STEPS = 3          # decode steps timed per candidate (median taken)
 
 _I64 = dict(dtype=torch.int64)
 
@@ -76,70 +75,6 @@ def _enter_inference_mode() -> None:
     _THREAD_MODE.guard.__enter__()
 
 
-class _LayerStages:
-    """The stage functions of one layer of one step (bound to its StepKV)."""
-
-    def __init__(self, step: "StepKV", layer: int, q: torch.Tensor | None):
-        self.step, self.layer, self.q = step, layer, q
-
-    def select(self, idx: list[int], qd: torch.Tensor | None = None,
-               observe: bool = True) -> SelectedPages:
-        st = self.step
-        if qd is None:
-            qd = self.q[torch.tensor([st.qo[i] for i in idx], **_I64)]
-        return st.select(self.layer, qd, idx, observe=observe)
-
-    def select_keys(self, idx: list[int], qd: torch.Tensor | None = None,
-                    observe: bool = True) -> tuple[SelectedPages, torch.Tensor]:
-        """The select stage, timed: the selection for `idx` and the keys of its union pages."""
-        t0 = time.perf_counter()
-        sel = self.select(idx, qd, observe)
-        keys = self.union_keys(idx, sel)
-        self.step.store.stats.observe_stage("select", time.perf_counter() - t0)
-        return sel, keys
-
-    def union_keys(self, idx: list[int], sel: SelectedPages) -> torch.Tensor:
-        """Keys of the pages any head selected, sequence after sequence, ascending."""
-        st, P = self.step, self.step.store.max_pages
-        seq = torch.tensor(idx, **_I64).repeat_interleave(sel.union_indptr.diff())
-        return self.layer * P + st.page_mat[seq, sel.union_indices]
-
-    def resolve(self, keys: torch.Tensor, protect: torch.Tensor,
-                count: bool = True) -> Resolution:
-        return self.step.fetcher.resolve(keys, protect, count=count)
-
-    def fill(self, res: Resolution) -> None:
-        self.step.fetcher.fill(res)
-
-
-@dataclass
-class LayerPart:
-    """One unit of a layer's fetch and compute: the dense sequences `idx` (`sel` None: every
-    page), or a micro-batch of sparse decodes. `slots` (device slots of `keys`) are set once
-    the part is filled: inline, or when `filled`, the fetch thread's (resolution or None,
-    error or None), has resolved and `Pipeline.finish` settled it."""
-    idx: list[int]
-    sel: SelectedPages | None
-    keys: torch.Tensor
-    slots: torch.Tensor | None = None
-    filled: Future | None = None
-
-
-# computes the attention of one part: (sequences, selection or None, device slots of its keys)
-ComputeFn = Callable[[list[int], SelectedPages | None, torch.Tensor], None]
-
-
-def _merge_sparse(parts: list[LayerPart]) -> list[LayerPart]:
-    """The filled parts with the sparse micro-batches merged into one (KVDrive's whole-batch
-    compute)."""
-    sparse = [p for p in parts if p.sel is not None]
-    if len(sparse) < 2:
-        return parts
-    return [p for p in parts if p.sel is None] + [LayerPart(
-        [i for p in sparse for i in p.idx], cat_selected([p.sel for p in sparse]),
-        torch.cat([p.keys for p in sparse]), torch.cat([p.slots for p in sparse]))]
-
-
 class Pipeline:
     """Schedules the stages of each layer (module docstring). One per KV store."""
 
@@ -152,7 +87,7 @@ class Pipeline:
         self.store = store
         self.stats = store.stats
         self.mode = mode
-        self.micro_batch = micro_batch           # 0 until calibrated (sfc)
+        self.calibration = MicroBatchCalibration(micro_batch)
         # sfc: resolve on its own thread (three concurrent stages), or on the engine thread
         # right after each micro-batch's selection (two: select+resolve | fetch)
         self.resolve_thread = resolve_thread
@@ -164,13 +99,7 @@ class Pipeline:
         self._pending: list[Future] = []
         self._predicted: Future | None = None    # layer-ahead: -> (layer, keys fetched)
         self._resolver_free = 0.0                # when the resolve thread finished its last job
-        # calibration (sfc without --micro-batch): candidate -> seconds per sequence of the
-        # steps that ran with it (the whole forward: what the micro-batch size should minimise)
-        self._calib: dict[int, list[float]] = {}
-        self._calib_plan: list[int] = []
         self._step_mb = micro_batch
-        self._step_start = 0.0
-        self._step_seqs = 0
 
     # ------------------------------------------------------------------ threads
     def _threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
@@ -224,43 +153,22 @@ class Pipeline:
         return predicted
 
     # ------------------------------------------------------------------ step boundaries
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per sfc micro-batch: --micro-batch, or the calibrated size (0 until then)."""
+        return self.calibration.chosen
+
     def begin_step(self, num_sparse: int) -> None:
         """Called by each StepKV: picks the micro-batch size of this step."""
-        self._step_seqs = 0
-        if self.mode != "sfc" or num_sparse < 2:
-            return
-        if self.micro_batch:
-            self._step_mb = self.micro_batch
-            return
-        # calibration: each candidate (up to the batch) for CALIBRATION_STEPS decode steps
-        if not self._calib_plan and not self._calib:
-            cands = [c for c in CALIBRATION_CANDIDATES if c < num_sparse] + [num_sparse]
-            self._calib = {c: [] for c in cands}
-            # NOTE: interleaved (1, 2, 4, ..., 1, 2, 4, ...): the first decode steps after a
-            # prefill differ (residency settles), and that drift must not favour one candidate
-            self._calib_plan = [c for _ in range(CALIBRATION_STEPS) for c in cands]
-        if self._calib_plan:
-            self._step_mb = self._calib_plan.pop(0)
-            self._step_seqs = num_sparse
-            self._step_start = time.perf_counter()
-            return
-        best = {c: statistics.median(v) for c, v in self._calib.items() if v}
-        self.micro_batch = min(best, key=best.get)
-        self._step_mb = self.micro_batch
-        logger.info("pipeline sfc: calibrated --micro-batch %d (forward time per sequence: "
-                    "%s)", self.micro_batch,
-                    ", ".join(f"{c}: {1e3 * t:.2f} ms" for c, t in sorted(best.items())))
+        if self.mode == "sfc":
+            self._step_mb = self.calibration.begin(num_sparse)
 
     def end_step(self) -> None:
-        """Called once the step's forward is done (stage threads drained): closes a
-        calibration sample."""
-        if self._step_seqs and self._step_mb in self._calib:
-            self._calib[self._step_mb].append(
-                (time.perf_counter() - self._step_start) / self._step_seqs)
-        self._step_seqs = 0
+        """Called once the step's forward is done (stage threads drained)."""
+        self.calibration.end()
 
     # ------------------------------------------------------------------ one layer
-    def run(self, stages: _LayerStages, dense_idx: list[int], dense_keys: torch.Tensor,
+    def run(self, stages: LayerStages, dense_idx: list[int], dense_keys: torch.Tensor,
             sparse_idx: list[int], t_keys: torch.Tensor) -> list[LayerPart]:
         """Select and resolve one layer's pages, and fetch them (inline, or started on the fetch
         thread): dense_keys are every page of the dense sequences dense_idx, sparse decodes
@@ -280,7 +188,7 @@ class Pipeline:
         if self.whole_batch_compute:
             waited, error = self._wait(parts)
             if error is None:
-                parts = _merge_sparse(parts)
+                parts = merge_sparse(parts)
         for k, p in enumerate(parts):
             if error is not None:
                 break
@@ -406,7 +314,7 @@ class Pipeline:
         dev.delete(dev.slot_keys[torch.cat([res.host_dst, res.disk_dst])])
 
     # ------------------------------------------------------------------ overlapped work
-    def prefetch(self, stages: _LayerStages, q_pred: torch.Tensor, sparse_idx: list[int],
+    def prefetch(self, stages: LayerStages, q_pred: torch.Tensor, sparse_idx: list[int],
                  protect: torch.Tensor) -> None:
         """Layer-ahead: select layer `stages.layer`'s pages with predicted queries, resolve and
         fetch them on the stage threads (the caller's layer computes meanwhile; `protect`

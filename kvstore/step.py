@@ -18,7 +18,7 @@ from kernels.page_select import select_pages, window_page_mass
 from kernels.page_summary import summarize_pages
 from kernels.page_table import PageTable
 from kvstore.fetcher import Fetcher
-from kvstore.pipeline import _LayerStages
+from kvstore.stages import LayerStages
 
 _I64 = dict(dtype=torch.int64)
 
@@ -143,10 +143,10 @@ class StepKV:
         sparse_idx = self.sparse_idx if sparse else []
         dense_keys = torch.cat([layer * P + self.page_tensors[i] for i in dense_idx]) \
             if dense_idx else torch.empty(0, **_I64)
-        stages = _LayerStages(self, layer, q)
+        stages = LayerStages(self, layer, q)
         parts = pipe.run(stages, dense_idx, dense_keys, sparse_idx, t_keys)
         if layer + 1 in self._q_pred:          # layer-ahead: overlaps with this layer's compute
-            pipe.prefetch(_LayerStages(self, layer + 1, None), self._q_pred.pop(layer + 1),
+            pipe.prefetch(LayerStages(self, layer + 1, None), self._q_pred.pop(layer + 1),
                           self.sparse_idx, torch.cat([p.keys for p in parts] + [t_keys]))
 
         # 4. compute over device slots, part by part as the pipeline hands them over
@@ -226,7 +226,7 @@ class StepKV:
         p_layer, p_keys = predicted
         if p_layer != layer:
             return
-        exact = _LayerStages(self, layer, None).union_keys(self.sparse_idx, sel)
+        exact = LayerStages(self, layer, None).union_keys(self.sparse_idx, sel)
         hit = int(torch.isin(exact, p_keys).sum())
         self.store.stats.observe_lookahead(hit, exact.numel())
 

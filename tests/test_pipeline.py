@@ -10,7 +10,8 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
-from kvstore.pipeline import CALIBRATION_CANDIDATES, Pipeline
+from kvstore.calibration import CALIBRATION_CANDIDATES
+from kvstore.pipeline import Pipeline
 from kvstore.stats import STAGES
 from tests import engine_helpers
 from tests.engine_helpers import drive, flip_bytes, greedy

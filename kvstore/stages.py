@@ -1,0 +1,84 @@
+"""One layer's stages as the pipeline schedules them (kvstore/pipeline.py): the stage
+functions of a layer of a step (`LayerStages`: select, resolve, fill, bound to its StepKV), and
+the parts a layer's fetch and compute are split into (`LayerPart`: the dense sequences, or a
+micro-batch of sparse decodes)."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from kernels.page_select import SelectedPages, cat_selected
+from kvstore.fetcher import Resolution
+
+if TYPE_CHECKING:
+    from kvstore.step import StepKV
+
+_I64 = dict(dtype=torch.int64)
+
+
+class LayerStages:
+    """The stage functions of one layer of one step (bound to its StepKV)."""
+
+    def __init__(self, step: "StepKV", layer: int, q: torch.Tensor | None):
+        self.step, self.layer, self.q = step, layer, q
+
+    def select(self, idx: list[int], qd: torch.Tensor | None = None,
+               observe: bool = True) -> SelectedPages:
+        st = self.step
+        if qd is None:
+            qd = self.q[torch.tensor([st.qo[i] for i in idx], **_I64)]
+        return st.select(self.layer, qd, idx, observe=observe)
+
+    def select_keys(self, idx: list[int], qd: torch.Tensor | None = None,
+                    observe: bool = True) -> tuple[SelectedPages, torch.Tensor]:
+        """The select stage, timed: the selection for `idx` and the keys of its union pages."""
+        t0 = time.perf_counter()
+        sel = self.select(idx, qd, observe)
+        keys = self.union_keys(idx, sel)
+        self.step.store.stats.observe_stage("select", time.perf_counter() - t0)
+        return sel, keys
+
+    def union_keys(self, idx: list[int], sel: SelectedPages) -> torch.Tensor:
+        """Keys of the pages any head selected, sequence after sequence, ascending."""
+        st, P = self.step, self.step.store.max_pages
+        seq = torch.tensor(idx, **_I64).repeat_interleave(sel.union_indptr.diff())
+        return self.layer * P + st.page_mat[seq, sel.union_indices]
+
+    def resolve(self, keys: torch.Tensor, protect: torch.Tensor,
+                count: bool = True) -> Resolution:
+        return self.step.fetcher.resolve(keys, protect, count=count)
+
+    def fill(self, res: Resolution) -> None:
+        self.step.fetcher.fill(res)
+
+
+@dataclass
+class LayerPart:
+    """One unit of a layer's fetch and compute: the dense sequences `idx` (`sel` None: every
+    page), or a micro-batch of sparse decodes. `slots` (device slots of `keys`) are set once
+    the part is filled: inline, or when `filled`, the fetch thread's (resolution or None,
+    error or None), has resolved and `Pipeline.finish` settled it."""
+    idx: list[int]
+    sel: SelectedPages | None
+    keys: torch.Tensor
+    slots: torch.Tensor | None = None
+    filled: Future | None = None
+
+
+# computes the attention of one part: (sequences, selection or None, device slots of its keys)
+ComputeFn = Callable[[list[int], SelectedPages | None, torch.Tensor], None]
+
+
+def merge_sparse(parts: list[LayerPart]) -> list[LayerPart]:
+    """The filled parts with the sparse micro-batches merged into one (KVDrive's whole-batch
+    compute)."""
+    sparse = [p for p in parts if p.sel is not None]
+    if len(sparse) < 2:
+        return parts
+    return [p for p in parts if p.sel is None] + [LayerPart(
+        [i for p in sparse for i in p.idx], cat_selected([p.sel for p in sparse]),
+        torch.cat([p.keys for p in sparse]), torch.cat([p.slots for p in sparse]))]
