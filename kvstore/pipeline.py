@@ -54,7 +54,7 @@ import torch
 from kernels.page_select import SelectedPages, cat_selected
 from kvstore.calibration import MicroBatchCalibration
 from kvstore.config import PIPELINES
-from kvstore.fetcher import Resolution
+from kvstore.fetcher import Fetcher, Resolution
 from kvstore.stages import ComputeFn, LayerPart, LayerStages, merge_sparse
 
 if TYPE_CHECKING:
@@ -131,6 +131,9 @@ class Pipeline:
             except Exception as exc:   # noqa: BLE001 - re-raised below, after every job ended
                 errors.append(exc)
         self._pending.clear()
+        # NOTE: demotions a failed resolve recorded but no fill made (the engine thread may
+        # write into the freed slots next)
+        Fetcher(self.store).demote()
         predicted = None
         if self._predicted is not None:
             try:
@@ -281,7 +284,9 @@ class Pipeline:
         t0 = time.perf_counter()
         stall = max(0.0, t0 - self._resolver_free) if self.resolve_thread else 0.0
         try:
-            return stages.resolve(keys, protect)
+            res = stages.resolve(keys, protect)
+            stages.start_reads(res)         # the disk works while the next one is selected
+            return res
         finally:
             t1 = time.perf_counter()
             self._resolver_free = t1
@@ -325,6 +330,7 @@ class Pipeline:
             _, keys = stages.select_keys(sparse_idx, q_pred, observe=False)
             t1 = time.perf_counter()
             res = stages.resolve(keys, torch.cat([protect, keys]), count=False)
+            stages.start_reads(res)
             self.stats.observe_stage("resolve", time.perf_counter() - t1)
             return keys, res
 
