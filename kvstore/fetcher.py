@@ -75,25 +75,34 @@ class Fetcher:
         if n_miss == 0:
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count)
         miss = keys[miss_mask]
-        self._make_room(miss.numel(), protect)
-        new_slots = dev.alloc_slots(miss).long()
+        host = store.host_tier if locate else None
+        in_host = hslots = None
+        if host is not None:
+            # NOTE: located (and pinned) before making room: the demotions that making room
+            # causes evict host pages, and must not evict the ones this call is about to copy
+            hslots = host.slots(miss)
+            in_host = hslots >= 0
+            store.host_pinned[hslots[in_host].long()] = True
+        try:
+            self._make_room(miss.numel(), protect)
+            new_slots = dev.alloc_slots(miss).long()
+        except BaseException:
+            if host is not None:
+                store.host_pinned[hslots[in_host].long()] = False
+            raise
         slots = dev.slots(keys)
         if not locate:
             self.demote()            # the caller writes into the new slots right away
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count)
-        host = store.host_tier
         rest_keys, rest_slots = miss, new_slots
         host_src = host_dst = _NONE
         if host is not None:
-            hslots = host.slots(miss)
-            in_host = hslots >= 0
             n = int(in_host.sum())
             if count:
                 store.stats.count("lookups", "host", miss.numel())
                 store.stats.count("hits", "host", n)
             if n:
                 host_src, host_dst = hslots[in_host].long(), new_slots[in_host]
-                store.host_pinned[host_src] = True
                 store.host_residency.touch(host_src, store.step_counter)
             rest_keys, rest_slots = miss[~in_host], new_slots[~in_host]
         if rest_keys.numel():

@@ -161,10 +161,11 @@ class Pipeline:
         """Sequences per sfc micro-batch: --micro-batch, or the calibrated size (0 until then)."""
         return self.calibration.chosen
 
-    def begin_step(self, num_sparse: int) -> None:
-        """Called by each StepKV: picks the micro-batch size of this step."""
+    def begin_step(self, num_sparse: int, decode_only: bool = True) -> None:
+        """Called by each StepKV: picks the micro-batch size of this step (`decode_only`: no
+        prefill chunk in it)."""
         if self.mode == "sfc":
-            self._step_mb = self.calibration.begin(num_sparse)
+            self._step_mb = self.calibration.begin(num_sparse, decode_only)
 
     def end_step(self) -> None:
         """Called once the step's forward is done (stage threads drained)."""
@@ -266,9 +267,14 @@ class Pipeline:
             else:                           # on the engine thread, right after selection
                 rf = Future()
                 try:
-                    rf.set_result(self._resolve_job(stages, keys, torch.cat(protect)))
+                    res = self._resolve_job(stages, keys, torch.cat(protect))
                 except Exception as exc:   # noqa: BLE001 - raised by finish, after the layer's jobs end
                     rf.set_exception(exc)
+                else:
+                    if res.misses == 0:     # every page resident: nothing to hand over
+                        parts.append(LayerPart(idx, sel, keys, res.slots))
+                        return
+                    rf.set_result(res)
             parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self._fill_job, stages,
                                                                          rf)))
 
