@@ -8,8 +8,10 @@ batch. Modes (`--pipeline`):
 
 - `sequential`: one stage after the other, the batch as one unit.
 - `sfc`: the sparse sequences split into micro-batches of `--micro-batch` sequences. The engine
-  thread selects and resolves micro-batch i while the fetch thread fills i-1 (torch copies and
-  disk reads release the GIL). Then the engine thread computes each micro-batch's attention as
+  thread selects and resolves micro-batch i, and issues its disk reads at once (so the disk
+  works while the next one is selected), while the fetch thread fills i-1: the demotion copies
+  its resolve recorded, host copies, waiting for its reads (page copies and disk reads run in C
+  without the GIL). A micro-batch with nothing to fetch skips the fetch thread. Then the engine thread computes each micro-batch's attention as
   soon as its fetch is in, while the fetch thread goes on with the later ones; the rest of the
   layer (o_proj, MLP, the next layer's projections) runs for the whole batch, as KVDrive's
   computation does. On a CPU, attention is a per-(sequence, head) gather and SDPA with no
