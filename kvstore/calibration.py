@@ -2,11 +2,13 @@
 
 KVDrive (section 6.2) picks it with "a short pre-run calibration" over a limited set of
 candidates: too large and the stages barely overlap, too small and per-call costs dominate.
-Here the first decode steps with at least two sparse sequences try each candidate (1, 2, 4, 8,
-16 sequences, up to the batch) for CALIBRATION_STEPS steps, interleaved (the first steps after
-a prefill drift as residency settles, and that must not favour one candidate). A sample is the
-whole forward of the step per sparse sequence, since the size changes more than the KV stages;
-the candidate with the lowest median wins and is logged.
+Here the first decode-only steps (no prefill chunk beside the decodes: a chunk's time would
+swamp the sample) with at least two sparse sequences try each candidate (1, 2, 4, 8, 16
+sequences, and the whole batch: one micro-batch, what wins when there is little to fetch) for
+CALIBRATION_STEPS steps, interleaved (the first steps after a prefill drift as residency
+settles, and that must not favour one candidate). A sample is the whole forward of the step per
+sparse sequence, since the size changes more than the KV stages; the candidate with the lowest
+median wins and is logged. Steps with a prefill chunk before that run without micro-batches.
 """
 from __future__ import annotations
 
@@ -27,15 +29,16 @@ class MicroBatchCalibration:
         self.chosen = fixed                       # 0 until calibrated
         self._samples: dict[int, list[float]] = {}
         self._plan: list[int] = []
-        self._current = fixed
+        self._current = 0
         self._start = 0.0
         self._seqs = 0                            # > 0 while a sample is open
 
-    def begin(self, num_sparse: int) -> int:
-        """The micro-batch size for a step with `num_sparse` sparse decodes."""
+    def begin(self, num_sparse: int, decode_only: bool = True) -> int:
+        """The micro-batch size for a step with `num_sparse` sparse decodes (0: none);
+        `decode_only`: the step has no prefill chunk (only those are sampled)."""
         self._seqs = 0
-        if self.chosen or num_sparse < 2:
-            return self.chosen or self._current
+        if self.chosen or num_sparse < 2 or not decode_only:
+            return self.chosen
         if not self._plan and not self._samples:
             cands = [c for c in CALIBRATION_CANDIDATES if c < num_sparse] + [num_sparse]
             self._samples = {c: [] for c in cands}

@@ -4,12 +4,14 @@ pages to the backing tier (asynchronous for disk, so it overlaps with compute)."
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 
 from kvstore.tiers.base import page_rows
 from kvstore.tiers.errors import TierError
+from kvstore.tiers.memory_pool import copy_pages
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +31,7 @@ class Resolution:
     disk_keys: torch.Tensor              # int64 keys to read from disk
     disk_dst: torch.Tensor               # int64 device slots they go to
     counted: bool = True                 # lookups/hits counted (not for speculative prefetch)
+    reads: Future | None = None          # the disk reads, once issued (`Fetcher.start_reads`)
 
     @property
     def misses(self) -> int:
@@ -72,24 +75,34 @@ class Fetcher:
         if n_miss == 0:
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count)
         miss = keys[miss_mask]
-        self._make_room(miss.numel(), protect)
-        new_slots = dev.alloc_slots(miss).long()
+        host = store.host_tier if locate else None
+        in_host = hslots = None
+        if host is not None:
+            # NOTE: located (and pinned) before making room: the demotions that making room
+            # causes evict host pages, and must not evict the ones this call is about to copy
+            hslots = host.slots(miss)
+            in_host = hslots >= 0
+            store.host_pinned[hslots[in_host].long()] = True
+        try:
+            self._make_room(miss.numel(), protect)
+            new_slots = dev.alloc_slots(miss).long()
+        except BaseException:
+            if host is not None:
+                store.host_pinned[hslots[in_host].long()] = False
+            raise
         slots = dev.slots(keys)
         if not locate:
+            self.demote()            # the caller writes into the new slots right away
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count)
-        host = store.host_tier
         rest_keys, rest_slots = miss, new_slots
         host_src = host_dst = _NONE
         if host is not None:
-            hslots = host.slots(miss)
-            in_host = hslots >= 0
             n = int(in_host.sum())
             if count:
                 store.stats.count("lookups", "host", miss.numel())
                 store.stats.count("hits", "host", n)
             if n:
                 host_src, host_dst = hslots[in_host].long(), new_slots[in_host]
-                store.host_pinned[host_src] = True
                 store.host_residency.touch(host_src, store.step_counter)
             rest_keys, rest_slots = miss[~in_host], new_slots[~in_host]
         if rest_keys.numel():
@@ -124,10 +137,13 @@ class Fetcher:
                 f"the device tier ({dev.capacity_pages} pages) cannot hold this step's working "
                 f"set: raise --kv-device-gb, or lower --max-num-seqs, --max-num-batched-tokens "
                 f"or --sparse-budget")
-        self.evict_device(victims)
+        self.evict_device(victims, defer=True)
 
-    def evict_device(self, slots: torch.Tensor) -> None:
-        """Drop device slots (clean pages only), demoting them to the host tier when it is a cache."""
+    def evict_device(self, slots: torch.Tensor, defer: bool = False) -> None:
+        """Drop device slots (clean pages only), demoting them to the host tier when it is a
+        cache. With `defer` (resolve, whose fill follows on the fetch stage) the demotion
+        copies are only recorded, and `demote` makes them before the fill writes into any
+        slot; otherwise they are made now."""
         store, dev = self.store, self.store.device_tier
         if slots.numel() == 0:
             return
@@ -140,17 +156,34 @@ class Fetcher:
                 self._make_host_room(hk.numel())
                 k = min(hk.numel(), host.num_free)
                 if k:
-                    src = slots[absent][:k].long()
-                    buf = store.staging(k, "demote")
-                    if dev.pool.device.type == "cpu":
-                        torch.index_select(page_rows(dev.pool), 0, src, out=page_rows(buf))
-                    else:
-                        buf.copy_(dev.pool[src.to(dev.pool.device)])
-                    host.put(hk[:k], buf)
-                    store.host_residency.touch(host.slots(hk[:k]), store.step_counter)
+                    hslots = host.alloc_slots(hk[:k]).long()
+                    store.demotions.append((slots[absent][:k].long(), hslots))
+                    store.host_residency.touch(hslots, store.step_counter)
                     store.stats.add_transfer("device", "host", k * store.page_shape.nbytes)
         dev.delete(keys)
         store.stats.count("evictions", "device", keys.numel())
+        if not defer:
+            self.demote()
+
+    def demote(self) -> None:
+        """Make the recorded demotion copies (evicted device page -> its new host slot), in
+        the order they were recorded. Called before any write into a device slot or the host
+        pool can follow an eviction: at the start of every fill (the fetch stage: a slot freed
+        by a resolve is only written by its fill or a later one, and a host slot is only read
+        by a later fill), and by whatever evicts outside resolve."""
+        store = self.store
+        # NOTE: the lock makes a caller wait for copies another thread has taken, not only
+        # for the ones left in the queue
+        with store.demote_lock:
+            while store.demotions:
+                src, dst = store.demotions.popleft()
+                dev, host = store.device_tier.pool, store.host_tier.pool
+                if dev.device.type == "cpu":
+                    copy_pages(host, dst, dev, src)
+                else:
+                    buf = store.staging(src.numel(), "demote")
+                    buf.copy_(dev[src.to(dev.device)])
+                    page_rows(host).index_copy_(0, dst, page_rows(buf))
 
     def _make_host_room(self, n: int) -> None:
         store, host = self.store, self.store.host_tier
@@ -173,28 +206,48 @@ class Fetcher:
         store.stats.count("evictions", "host", int(present.sum()))
 
     # ---------------------------------------------------------------- fills
+    def start_reads(self, res: Resolution) -> None:
+        """Issue the disk reads of `res` now, straight into their device slots (a device pool
+        in host memory), so that they run on the disk threads while the caller selects and
+        resolves the next micro-batch; `fill` then copies the host pages and waits for them.
+        The demotions recorded so far are made first: the reads overwrite evicted slots. An
+        error is kept in `res.reads` and raised by `fill`."""
+        pool = self.store.device_tier.pool
+        if res.reads is not None or res.disk_keys.numel() == 0 or pool.device.type != "cpu":
+            return
+        try:
+            self.demote()
+            res.reads = self.store.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
+        except Exception as exc:   # noqa: BLE001 - raised by fill, which handles its errors
+            res.reads = Future()
+            res.reads.set_exception(exc)
+
     def fill(self, res: Resolution) -> None:
         """Copy the misses of `res` into their device slots: disk reads are issued first
-        (straight into the slots when the device pool is in host memory) and run on the disk
-        threads while this thread copies the host pages. Unpins the host slots even when a
-        disk read fails (RequestKVError names the owners)."""
+        (straight into the slots when the device pool is in host memory; earlier if
+        `start_reads` did) and run on the disk threads while this thread copies the host
+        pages. Unpins the host slots even when a disk read fails (RequestKVError names the
+        owners)."""
         store = self.store
+        self.demote()       # evictions of this resolve (and earlier ones) free the slots
         pool = store.device_tier.pool
         nbytes = store.page_shape.nbytes
         n = res.disk_keys.numel()
         on_cpu = pool.device.type == "cpu"
         try:
-            reads = store.disk_tier.get_into(res.disk_keys, pool, res.disk_dst) \
-                if n and on_cpu else None
+            reads = res.reads
+            if reads is None and n and on_cpu:
+                reads = store.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
             try:
                 if res.host_src.numel():
-                    # NOTE: through a reused buffer: a fresh [n, page] temporary page-faults
-                    buf = store.staging(res.host_src.numel(), "fill")
-                    torch.index_select(page_rows(store.host_tier.pool), 0, res.host_src,
-                                       out=page_rows(buf))
+                    host = store.host_tier.pool
                     if on_cpu:
-                        page_rows(pool).index_copy_(0, res.host_dst, page_rows(buf))
+                        copy_pages(pool, res.host_dst, host, res.host_src)
                     else:
+                        # NOTE: through a reused buffer: a fresh [n, page] temporary
+                        # page-faults
+                        buf = store.staging(res.host_src.numel(), "fill")
+                        torch.index_select(page_rows(host), 0, res.host_src, out=page_rows(buf))
                         pool.index_copy_(0, res.host_dst.to(pool.device),
                                          buf.to(pool.device, non_blocking=True))
                     store.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)

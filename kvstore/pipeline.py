@@ -8,8 +8,10 @@ batch. Modes (`--pipeline`):
 
 - `sequential`: one stage after the other, the batch as one unit.
 - `sfc`: the sparse sequences split into micro-batches of `--micro-batch` sequences. The engine
-  thread selects and resolves micro-batch i while the fetch thread fills i-1 (torch copies and
-  disk reads release the GIL). Then the engine thread computes each micro-batch's attention as
+  thread selects and resolves micro-batch i, and issues its disk reads at once (so the disk
+  works while the next one is selected), while the fetch thread fills i-1: the demotion copies
+  its resolve recorded, host copies, waiting for its reads (page copies and disk reads run in C
+  without the GIL). A micro-batch with nothing to fetch skips the fetch thread. Then the engine thread computes each micro-batch's attention as
   soon as its fetch is in, while the fetch thread goes on with the later ones; the rest of the
   layer (o_proj, MLP, the next layer's projections) runs for the whole batch, as KVDrive's
   computation does. On a CPU, attention is a per-(sequence, head) gather and SDPA with no
@@ -54,7 +56,7 @@ import torch
 from kernels.page_select import SelectedPages, cat_selected
 from kvstore.calibration import MicroBatchCalibration
 from kvstore.config import PIPELINES
-from kvstore.fetcher import Resolution
+from kvstore.fetcher import Fetcher, Resolution
 from kvstore.stages import ComputeFn, LayerPart, LayerStages, merge_sparse
 
 if TYPE_CHECKING:
@@ -131,6 +133,9 @@ class Pipeline:
             except Exception as exc:   # noqa: BLE001 - re-raised below, after every job ended
                 errors.append(exc)
         self._pending.clear()
+        # NOTE: demotions a failed resolve recorded but no fill made (the engine thread may
+        # write into the freed slots next)
+        Fetcher(self.store).demote()
         predicted = None
         if self._predicted is not None:
             try:
@@ -158,10 +163,11 @@ class Pipeline:
         """Sequences per sfc micro-batch: --micro-batch, or the calibrated size (0 until then)."""
         return self.calibration.chosen
 
-    def begin_step(self, num_sparse: int) -> None:
-        """Called by each StepKV: picks the micro-batch size of this step."""
+    def begin_step(self, num_sparse: int, decode_only: bool = True) -> None:
+        """Called by each StepKV: picks the micro-batch size of this step (`decode_only`: no
+        prefill chunk in it)."""
         if self.mode == "sfc":
-            self._step_mb = self.calibration.begin(num_sparse)
+            self._step_mb = self.calibration.begin(num_sparse, decode_only)
 
     def end_step(self) -> None:
         """Called once the step's forward is done (stage threads drained)."""
@@ -263,9 +269,14 @@ class Pipeline:
             else:                           # on the engine thread, right after selection
                 rf = Future()
                 try:
-                    rf.set_result(self._resolve_job(stages, keys, torch.cat(protect)))
+                    res = self._resolve_job(stages, keys, torch.cat(protect))
                 except Exception as exc:   # noqa: BLE001 - raised by finish, after the layer's jobs end
                     rf.set_exception(exc)
+                else:
+                    if res.misses == 0:     # every page resident: nothing to hand over
+                        parts.append(LayerPart(idx, sel, keys, res.slots))
+                        return
+                    rf.set_result(res)
             parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self._fill_job, stages,
                                                                          rf)))
 
@@ -281,7 +292,9 @@ class Pipeline:
         t0 = time.perf_counter()
         stall = max(0.0, t0 - self._resolver_free) if self.resolve_thread else 0.0
         try:
-            return stages.resolve(keys, protect)
+            res = stages.resolve(keys, protect)
+            stages.start_reads(res)         # the disk works while the next one is selected
+            return res
         finally:
             t1 = time.perf_counter()
             self._resolver_free = t1
@@ -325,6 +338,7 @@ class Pipeline:
             _, keys = stages.select_keys(sparse_idx, q_pred, observe=False)
             t1 = time.perf_counter()
             res = stages.resolve(keys, torch.cat([protect, keys]), count=False)
+            stages.start_reads(res)
             self.stats.observe_stage("resolve", time.perf_counter() - t1)
             return keys, res
 

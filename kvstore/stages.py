@@ -52,6 +52,9 @@ class LayerStages:
                 count: bool = True) -> Resolution:
         return self.step.fetcher.resolve(keys, protect, count=count)
 
+    def start_reads(self, res: Resolution) -> None:
+        self.step.fetcher.start_reads(res)
+
     def fill(self, res: Resolution) -> None:
         self.step.fetcher.fill(res)
 

@@ -86,7 +86,7 @@ class StepKV:
         self.observe_idx = [i for i, s in enumerate(seqs) if s.observe and s.q_len > 1] \
             if cfg.sparse_budget > 0 and cfg.obs_window > 0 else []
         self.pipe = store.pipeline
-        self.pipe.begin_step(len(self.sparse_idx))
+        self.pipe.begin_step(len(self.sparse_idx), all(s.q_len == 1 for s in seqs))
         self._q_pred: dict[int, torch.Tensor] = {}
         self._plans: dict[bool, AttentionBatch | None] = {}
         if cfg.sparse_budget > 0:

@@ -12,6 +12,8 @@ request's pages also drops them from every tier before the ids can be reused.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -100,6 +102,11 @@ class TieredKVStore:
         self.host_pinned = torch.zeros(self.host_tier.capacity_pages if self.host_tier else 0,
                                        dtype=torch.bool)
         self._staging: dict[str, torch.Tensor] = {}
+        # evicted device pages whose copy to their new host slot is still to be made:
+        # (device slots, host slots), recorded by resolve, made by the fill after it
+        # (Fetcher.demote)
+        self.demotions: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+        self.demote_lock = threading.Lock()
         self.selector = make_selector(cfg.selector)
         self.dense_attention = make_attention_backend(self.device)
         self.sparse_attention = TorchSparseDecode()
@@ -247,8 +254,8 @@ class TieredKVStore:
     def staging(self, n: int, purpose: str = "fill") -> torch.Tensor:
         """A reused host buffer [n, 2, kvh, ps, hd] (grown on demand, never shrunk): fresh
         memory costs a page fault per 4 KB, so page copies between tiers go through these.
-        One buffer per purpose ("fill": the fetch stage, "demote": the resolve stage), as
-        the two stages run on different threads."""
+        One buffer per purpose ("fill": host -> device, "demote": device -> host, both
+        with a CUDA device pool; host pools copy pages directly, see copy_pages)."""
         buf = self._staging.get(purpose)
         if buf is None or buf.shape[0] < n:
             buf = torch.empty(max(n, 256), *self.page_shape.shape, dtype=self.page_shape.dtype)

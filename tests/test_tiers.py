@@ -11,6 +11,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.errors import PageMissing, TierFull
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.memory_pool import copy_pages
 
 NUM_LAYERS, MAX_PAGES, CAPACITY = 4, 64, 24  # CAPACITY: pages (keys) each test tier holds
 SHAPES = {
@@ -261,3 +262,26 @@ def test_get_to_non_contiguous_out(pool_tier):
     assert not out.is_contiguous()
     pool_tier.get(keys, out)
     assert torch.equal(out.contiguous().view(torch.uint8), pages.view(torch.uint8))
+
+
+def test_copy_pages_between_pools_is_bit_exact_and_checks_slots(shape):
+    # the host <-> device page moves of the fetch stage (one memcpy per page, in C)
+    src = HostTier(shape, CAPACITY * shape.nbytes, NUM_LAYERS * MAX_PAGES)
+    dst = DeviceTier(shape, (CAPACITY // 2) * shape.nbytes, NUM_LAYERS * MAX_PAGES)
+    pages = random_pages(shape, CAPACITY)
+    src.pool.copy_(pages)
+    s = torch.tensor([5, 0, CAPACITY - 1, 7], dtype=torch.int32)
+    d = torch.tensor([3, CAPACITY // 2 - 1, 0, 1], dtype=torch.int64)
+    copy_pages(dst.pool, d, src.pool, s)
+    assert same_bits(dst.pool[d], pages[s.long()])
+    untouched = [i for i in range(CAPACITY // 2) if i not in d.tolist()]
+    assert not dst.pool[untouched].view(torch.uint8).any()
+    before = dst.pool.clone()
+    for bad_d, bad_s in [([CAPACITY // 2], [0]), ([0], [CAPACITY]), ([-1], [0]), ([0, 1], [0])]:
+        with pytest.raises(ValueError):
+            copy_pages(dst.pool, torch.tensor(bad_d), src.pool, torch.tensor(bad_s))
+    assert same_bits(dst.pool, before)               # a rejected batch copies nothing
+    other = HostTier(PageShape(shape.page_size * 2, shape.num_kv_heads, shape.head_dim,
+                               shape.dtype), 4 * shape.nbytes, NUM_LAYERS * MAX_PAGES)
+    with pytest.raises(ValueError, match="page shape"):
+        copy_pages(other.pool, torch.tensor([0]), src.pool, torch.tensor([0]))

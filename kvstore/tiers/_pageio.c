@@ -1,4 +1,4 @@
-/* _pageio: the disk tier's per-page work without the GIL.
+/* _pageio: the KV tiers' per-page work without the GIL.
  *
  * The disk tier's I/O threads used to do per extent and per page Python work (build the iovec
  * list, call os.preadv, hash each page, compare): ~20-30 us with the GIL held per extent. At the
@@ -12,6 +12,11 @@
  *       or -errno. iov_base holds addresses (uint64), iov_len lengths (int64).
  *   pwritev_extents(...)                  the same with pwritev.
  *   hash_pages(addrs, nbytes, out)        out[j] = XXH64(seed 0) of the nbytes at addrs[j].
+ *   copy_pages(dst, dst_pages, src, src_pages, nbytes, dst_idx, src_idx)
+ *       page dst_idx[i] of the pool at address dst <- page src_idx[i] of the pool at src
+ *       (pools of dst_pages / src_pages pages of nbytes each; indices checked): the memory
+ *       tiers' page moves (host -> device fills, device -> host demotions) as one copy per
+ *       page, where torch needs a gather into a buffer and a scatter out of it.
  *
  * Arrays are int64/uint64 buffers (numpy). The caller keeps every buffer alive and unmoved for
  * the call. XXH64 is written from its specification (Yann Collet's xxHash, BSD 2-clause
@@ -204,6 +209,45 @@ static PyObject *hash_pages(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *copy_pages(PyObject *self, PyObject *args) {
+    unsigned long long dst, src;
+    Py_ssize_t dst_pages, src_pages, nbytes;
+    PyObject *od, *os;
+    if (!PyArg_ParseTuple(args, "KnKnnOO", &dst, &dst_pages, &src, &src_pages, &nbytes, &od, &os))
+        return NULL;
+    if (nbytes < 0 || dst_pages < 0 || src_pages < 0) {
+        PyErr_SetString(PyExc_ValueError, "sizes must be >= 0");
+        return NULL;
+    }
+    Py_buffer vd, vs;
+    Py_ssize_t nd, ns;
+    if (get_buf(od, &vd, 0, "dst_idx", &nd) < 0)
+        return NULL;
+    if (get_buf(os, &vs, 0, "src_idx", &ns) < 0) {
+        PyBuffer_Release(&vd);
+        return NULL;
+    }
+    const int64_t *di = vd.buf, *si = vs.buf;
+    const char *err = nd != ns ? "dst_idx and src_idx differ in length" : NULL;
+    for (Py_ssize_t i = 0; err == NULL && i < nd; i++)
+        if (di[i] < 0 || di[i] >= dst_pages || si[i] < 0 || si[i] >= src_pages)
+            err = "page index out of range";
+    if (err != NULL) {
+        PyBuffer_Release(&vd);
+        PyBuffer_Release(&vs);
+        PyErr_SetString(PyExc_ValueError, err);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < nd; i++)
+        memcpy((char *)(uintptr_t)dst + di[i] * nbytes,
+               (const char *)(uintptr_t)src + si[i] * nbytes, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&vd);
+    PyBuffer_Release(&vs);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"preadv_extents", preadv_extents, METH_VARARGS,
      "preadv_extents(fds, offsets, iov_ptr, iov_base, iov_len, got): one preadv per extent, "
@@ -212,11 +256,14 @@ static PyMethodDef methods[] = {
      "pwritev_extents(fds, offsets, iov_ptr, iov_base, iov_len, got): one pwritev per extent"},
     {"hash_pages", hash_pages, METH_VARARGS,
      "hash_pages(addrs, nbytes, out): out[j] = XXH64 (seed 0) of nbytes at addrs[j]"},
+    {"copy_pages", copy_pages, METH_VARARGS,
+     "copy_pages(dst, dst_pages, src, src_pages, nbytes, dst_idx, src_idx): page dst_idx[i] "
+     "of the pool at dst <- page src_idx[i] of the pool at src, without the GIL"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_pageio",
-                                    "The disk tier's page I/O and checksums without the GIL.",
-                                    -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_pageio",
+    "The KV tiers' page I/O, checksums and page copies without the GIL.", -1, methods};
 
 PyMODINIT_FUNC PyInit__pageio(void) { return PyModule_Create(&module); }

@@ -23,6 +23,7 @@ import weakref
 
 import torch
 
+from kvstore.tiers import _pageio
 from kvstore.tiers.base import ALIGN, PageShape, Tier, page_rows
 from kvstore.tiers.errors import PageMissing, TierFull
 
@@ -51,6 +52,23 @@ def _register_pinned(buf: torch.Tensor) -> None:
         raise RuntimeError(f"host tier: cudaHostRegister of {size} bytes failed (cudaError "
                            f"{err}); lower --kv-host-gb or raise the locked-memory limit")
     weakref.finalize(buf.untyped_storage(), cudart.cudaHostUnregister, ptr)
+
+
+def copy_pages(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
+               src_slots: torch.Tensor) -> None:
+    """dst[dst_slots] = src[src_slots] between two slot pools in host memory, [S, 2, kvh, ps,
+    hd] of one page shape: one memcpy per page in C, without the GIL (slots checked there).
+    NOTE: torch needs index_select into a buffer and index_copy_ out of it, two copies of
+    every page; the fetch stage's host -> device fills and the demotions of evicted device
+    pages are this copy."""
+    if dst.device.type != "cpu" or src.device.type != "cpu" or not dst.is_contiguous() \
+            or not src.is_contiguous() or dst.dtype != src.dtype or dst.shape[1:] != src.shape[1:]:
+        raise ValueError(f"copy_pages: two contiguous host pools of one page shape, got "
+                         f"{dst.dtype} {tuple(dst.shape)} on {dst.device} and {src.dtype} "
+                         f"{tuple(src.shape)} on {src.device}")
+    nbytes = dst[0].numel() * dst.element_size() if dst.shape[0] else 0
+    _pageio.copy_pages(dst.data_ptr(), dst.shape[0], src.data_ptr(), src.shape[0], nbytes,
+                       dst_slots.to(torch.int64).numpy(), src_slots.to(torch.int64).numpy())
 
 
 class MemoryPool(Tier):
