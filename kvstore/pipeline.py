@@ -11,17 +11,17 @@ batch. Modes (`--pipeline`):
   thread selects and resolves micro-batch i, and issues its disk reads at once (so the disk
   works while the next one is selected), while the fetch thread fills i-1: the demotion copies
   its resolve recorded, host copies, waiting for its reads (page copies and disk reads run in C
-  without the GIL). A micro-batch with nothing to fetch skips the fetch thread. Then the engine thread computes each micro-batch's attention as
-  soon as its fetch is in, while the fetch thread goes on with the later ones; the rest of the
-  layer (o_proj, MLP, the next layer's projections) runs for the whole batch, as KVDrive's
-  computation does. On a CPU, attention is a per-(sequence, head) gather and SDPA with no
-  batch-level efficiency to lose, and a disk-bound fetch is longer than selection and
-  resolution together, so overlapping it with attention too is what makes the pipeline pay
-  (bench/pipeline.py measures `sfc-whole`, KVDrive's rule of computing once every fetch of the
-  layer is in, beside it). With `resolve_thread=True` resolution gets its own thread too
-  (select i | resolve i-1 | fetch i-2, KVDrive's three-stage schedule; measured slower on a
-  2-core CPU). Bookkeeping (recency, write-back of full pages) runs on a stage thread while
-  the engine thread goes on with the layer.
+  without the GIL). A micro-batch with nothing to fetch skips the fetch thread. Then the engine
+  thread computes each micro-batch's attention as soon as its fetch is in, while the fetch
+  thread goes on with the later ones; the rest of the layer (o_proj, MLP, the next layer's
+  projections) runs for the whole batch, as KVDrive's computation does. On a CPU, attention is a
+  per-(sequence, head) gather and SDPA with no batch-level efficiency to lose, and a disk-bound
+  fetch is longer than selection and resolution together, so overlapping it with attention too
+  is what makes the pipeline pay (bench/pipeline.py measures `sfc-whole`, KVDrive's rule of
+  computing once every fetch of the layer is in, beside it). With `resolve_thread=True`
+  resolution gets its own thread too (select i | resolve i-1 | fetch i-2, KVDrive's three-stage
+  schedule; measured slower on a 2-core CPU). Bookkeeping (recency, write-back of full pages)
+  runs on a stage thread while the engine thread goes on with the layer.
 - `layer-ahead`: the model predicts layer l+1's queries from layer l's input (layer l+1's own
   q projection applied to it, as InfiniGen and KVSwap do); those pages are selected, resolved
   and fetched on the stage threads while layer l computes. Layer l+1 then selects exactly;
