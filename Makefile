@@ -12,7 +12,7 @@ export STRATA_CACHE_DIR ?= $(CURDIR)/.cache/models
 
 setup: $(STAMP)
 
-# setup.py builds kvstore/tiers/_pageio.c (the disk tier's I/O without the GIL) in place
+# setup.py builds kvstore/tiers/_pageio.c (page I/O, checksums and copies without the GIL) in place
 $(STAMP): pyproject.toml setup.py kvstore/tiers/_pageio.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

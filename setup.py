@@ -1,5 +1,6 @@
 """Build of the one C extension (kvstore/tiers/_pageio.c: the disk tier's page I/O and
-checksums without the GIL); everything else is in pyproject.toml."""
+checksums, and page copies between the memory tiers, without the GIL); everything else is in
+pyproject.toml."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"],

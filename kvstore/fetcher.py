@@ -235,9 +235,8 @@ class Fetcher:
         n = res.disk_keys.numel()
         on_cpu = pool.device.type == "cpu"
         try:
+            self.start_reads(res)           # unless the pipeline already did
             reads = res.reads
-            if reads is None and n and on_cpu:
-                reads = store.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
             try:
                 if res.host_src.numel():
                     host = store.host_tier.pool

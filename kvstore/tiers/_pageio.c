@@ -122,6 +122,27 @@ static int get_buf(PyObject *obj, Py_buffer *view, int writable, const char *nam
     return 0;
 }
 
+/* Two buffers as get_buf, of one length `n` (named `what` in the error); on failure neither
+ * is held. */
+static int get_pair(PyObject *oa, Py_buffer *va, int wa, const char *na, PyObject *ob,
+                    Py_buffer *vb, int wb, const char *nb, const char *what, Py_ssize_t *n) {
+    Py_ssize_t la, lb;
+    if (get_buf(oa, va, wa, na, &la) < 0)
+        return -1;
+    if (get_buf(ob, vb, wb, nb, &lb) < 0) {
+        PyBuffer_Release(va);
+        return -1;
+    }
+    if (la != lb) {
+        PyBuffer_Release(va);
+        PyBuffer_Release(vb);
+        PyErr_SetString(PyExc_ValueError, what);
+        return -1;
+    }
+    *n = la;
+    return 0;
+}
+
 static PyObject *vector_io(PyObject *args, int write) {
     PyObject *o[6];
     if (!PyArg_ParseTuple(args, "OOOOOO", &o[0], &o[1], &o[2], &o[3], &o[4], &o[5]))
@@ -185,19 +206,10 @@ static PyObject *hash_pages(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_buffer va, vo;
-    Py_ssize_t na, no;
-    if (get_buf(oa, &va, 0, "addrs", &na) < 0)
+    Py_ssize_t na;
+    if (get_pair(oa, &va, 0, "addrs", oo, &vo, 1, "out", "addrs and out differ in length",
+                 &na) < 0)
         return NULL;
-    if (get_buf(oo, &vo, 1, "out", &no) < 0) {
-        PyBuffer_Release(&va);
-        return NULL;
-    }
-    if (na != no) {
-        PyBuffer_Release(&va);
-        PyBuffer_Release(&vo);
-        PyErr_SetString(PyExc_ValueError, "addrs and out differ in length");
-        return NULL;
-    }
     const uint64_t *addrs = va.buf;
     uint64_t *out = vo.buf;
     Py_BEGIN_ALLOW_THREADS
@@ -220,24 +232,18 @@ static PyObject *copy_pages(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_buffer vd, vs;
-    Py_ssize_t nd, ns;
-    if (get_buf(od, &vd, 0, "dst_idx", &nd) < 0)
+    Py_ssize_t nd;
+    if (get_pair(od, &vd, 0, "dst_idx", os, &vs, 0, "src_idx",
+                 "dst_idx and src_idx differ in length", &nd) < 0)
         return NULL;
-    if (get_buf(os, &vs, 0, "src_idx", &ns) < 0) {
-        PyBuffer_Release(&vd);
-        return NULL;
-    }
     const int64_t *di = vd.buf, *si = vs.buf;
-    const char *err = nd != ns ? "dst_idx and src_idx differ in length" : NULL;
-    for (Py_ssize_t i = 0; err == NULL && i < nd; i++)
-        if (di[i] < 0 || di[i] >= dst_pages || si[i] < 0 || si[i] >= src_pages)
-            err = "page index out of range";
-    if (err != NULL) {
-        PyBuffer_Release(&vd);
-        PyBuffer_Release(&vs);
-        PyErr_SetString(PyExc_ValueError, err);
-        return NULL;
-    }
+    for (Py_ssize_t i = 0; i < nd; i++)
+        if (di[i] < 0 || di[i] >= dst_pages || si[i] < 0 || si[i] >= src_pages) {
+            PyBuffer_Release(&vd);
+            PyBuffer_Release(&vs);
+            PyErr_SetString(PyExc_ValueError, "page index out of range");
+            return NULL;
+        }
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < nd; i++)
         memcpy((char *)(uintptr_t)dst + di[i] * nbytes,
