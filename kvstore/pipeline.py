@@ -8,8 +8,10 @@ batch. Modes (`--pipeline`):
 
 - `sequential`: one stage after the other, the batch as one unit.
 - `sfc`: the sparse sequences split into micro-batches of `--micro-batch` sequences. The engine
-  thread selects and resolves micro-batch i, and issues its disk reads at once (so the disk
-  works while the next one is selected), while the fetch thread fills i-1: the demotion copies
+  thread selects and resolves micro-batch i and hands its disk reads to the resolve thread,
+  which issues them at once (so the disk works while the next one is selected, and the engine
+  thread does not make the demotion copies and extent plans that go first), while the fetch
+  thread fills i-1: the demotion copies
   its resolve recorded, host copies, waiting for its reads (page copies and disk reads run in C
   without the GIL). A micro-batch with nothing to fetch skips the fetch thread. Then the engine
   thread computes each micro-batch's attention as soon as its fetch is in, while the fetch
@@ -331,14 +333,17 @@ class Pipeline:
             else:                           # on the engine thread, right after selection
                 rf = Future()
                 try:
-                    res = self._resolve_job(stages, keys, torch.cat(protect))
+                    res = self._resolve_job(stages, keys, torch.cat(protect), reads=False)
                 except Exception as exc:   # noqa: BLE001 - raised by finish, after the layer's jobs end
                     rf.set_exception(exc)
                 else:
                     if res.misses == 0:     # every page resident: nothing to hand over
                         parts.append(LayerPart(idx, sel, keys, res.slots))
                         return
-                    rf.set_result(res)
+                    if res.disk_keys.numel():   # issued on the resolve thread meanwhile
+                        rf = resolver.submit(self._start_reads_job, stages, res)
+                    else:
+                        rf.set_result(res)
             parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self._fill_job, stages,
                                                                          rf)))
 
@@ -350,12 +355,19 @@ class Pipeline:
             submit(idx, sel, keys)
         return parts
 
-    def _resolve_job(self, stages, keys, protect) -> Resolution:
+    def _start_reads_job(self, stages, res: Resolution) -> Resolution:
+        t0 = time.perf_counter()
+        stages.start_reads(res)
+        self.stats.observe_stage("resolve", time.perf_counter() - t0)
+        return res
+
+    def _resolve_job(self, stages, keys, protect, reads: bool = True) -> Resolution:
         t0 = time.perf_counter()
         stall = max(0.0, t0 - self._resolver_free) if self.resolve_thread else 0.0
         try:
             res = stages.resolve(keys, protect)
-            stages.start_reads(res)         # the disk works while the next one is selected
+            if reads:
+                stages.start_reads(res)     # the disk works while the next one is selected
             return res
         finally:
             t1 = time.perf_counter()
