@@ -57,7 +57,8 @@ def run(args) -> dict:
     disk_path.mkdir(parents=True)
     # sfc-whole: KVDrive's rule, attention once every fetch of the layer is in (the default
     # sfc computes each micro-batch's attention as soon as its own fetch is in)
-    modes = [("sequential", 0), ("sfc", None), ("sfc-whole", None), ("layer-ahead", 0)]
+    modes = [("sequential", 0), ("sfc", None), ("sfc-ahead1", None), ("sfc-no-ahead", None),
+             ("sfc-whole", None), ("layer-ahead", 0)]
     modes += [("sfc", mb) for mb in args.micro_batches]
     if args.with_resolve_thread:
         modes.append(("sfc-3threads", None))
@@ -135,7 +136,9 @@ def run(args) -> dict:
                 store.pipeline.close()
                 store.pipeline = Pipeline(store, "sfc" if m.startswith("sfc") else m, mb,
                                           resolve_thread=m == "sfc-3threads",
-                                          whole_batch_compute=m == "sfc-whole")
+                                          whole_batch_compute=m == "sfc-whole",
+                                          reuse_ahead={"sfc-no-ahead": 0,
+                                                       "sfc-ahead1": 1}.get(m, 2))
                 step()                              # first step of a mode: not timed
                 before = store.stats.snapshot()
                 for _ in range(args.steps):

@@ -94,6 +94,9 @@ class Fetcher:
         if not locate:
             self.demote()            # the caller writes into the new slots right away
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count)
+        # NOTE: never evicted until `fill` has written them (or `forget` dropped them): a fill
+        # may still run on the fetch stage when a later resolve makes room
+        store.device_pinned[new_slots] = True
         rest_keys, rest_slots = miss, new_slots
         host_src = host_dst = _NONE
         if host is not None:
@@ -122,7 +125,7 @@ class Fetcher:
         want = max(short, dev.capacity_pages // 32)
         for attempt in range(2):
             key_of = dev.slot_keys
-            evictable = (key_of >= 0) & store.clean[key_of.clamp(min=0)]
+            evictable = (key_of >= 0) & store.clean[key_of.clamp(min=0)] & ~store.device_pinned
             if protect.numel():
                 ps = dev.slots(protect)
                 evictable[ps[ps >= 0].long()] = False
@@ -261,11 +264,25 @@ class Fetcher:
             raise store.request_error(exc.keys, str(exc)) from exc
         finally:
             store.host_pinned[res.host_src] = False
+        # NOTE: after a failure the slots stay pinned until `forget` drops them
+        store.device_pinned[res.host_dst] = False
+        store.device_pinned[res.disk_dst] = False
         if n == 0:
             return
         if res.counted:
             store.stats.count("hits", "disk", n)
         store.stats.add_transfer("disk", "device", n * nbytes)
+
+    def forget(self, res: Resolution | None) -> None:
+        """A fill failed (or never ran): its misses' slots hold no valid page, so drop them
+        rather than let a later lookup take them for hits. Engine thread, stage threads idle.
+        The owners of unreadable pages fail through the error; other pages are fetched again."""
+        if res is None or res.misses == 0:
+            return
+        dev = self.store.device_tier
+        slots = torch.cat([res.host_dst, res.disk_dst])
+        dev.delete(dev.slot_keys[slots])
+        self.store.device_pinned[slots] = False
 
     # ---------------------------------------------------------------- write-back
     def write_back(self, keys: torch.Tensor, slots: torch.Tensor, request_ids: list[str]) -> None:

@@ -8,8 +8,10 @@ batch. Modes (`--pipeline`):
 
 - `sequential`: one stage after the other, the batch as one unit.
 - `sfc`: the sparse sequences split into micro-batches of `--micro-batch` sequences. The engine
-  thread selects and resolves micro-batch i, and issues its disk reads at once (so the disk
-  works while the next one is selected), while the fetch thread fills i-1: the demotion copies
+  thread selects and resolves micro-batch i and hands its disk reads to the resolve thread,
+  which issues them at once (so the disk works while the next one is selected, and the engine
+  thread does not make the demotion copies and extent plans that go first), while the fetch
+  thread fills i-1: the demotion copies
   its resolve recorded, host copies, waiting for its reads (page copies and disk reads run in C
   without the GIL). A micro-batch with nothing to fetch skips the fetch thread. Then the engine
   thread computes each micro-batch's attention as soon as its fetch is in, while the fetch
@@ -22,6 +24,12 @@ batch. Modes (`--pipeline`):
   resolution gets its own thread too (select i | resolve i-1 | fetch i-2, KVDrive's three-stage
   schedule; measured slower on a 2-core CPU). Bookkeeping (recency, write-back of full pages)
   runs on a stage thread while the engine thread goes on with the layer.
+  Across layers (`reuse_ahead`, 2 layers by default): once a layer's fetches are under way,
+  the pages the previous step selected two layers on are resolved and their fetch started, so
+  the disk reads them while this layer and the next compute (KVDrive's finding that critical entries stay
+  critical over nearby steps; KVSwap measures 75-81% overlap between adjacent steps, 83% here).
+  The next layer still selects exactly and fetches what the reuse missed; its compute waits for
+  the pages fetched ahead, and those stay pinned (never evicted) until written.
 - `layer-ahead`: the model predicts layer l+1's queries from layer l's input (layer l+1's own
   q projection applied to it, as InfiniGen and KVSwap do); those pages are selected, resolved
   and fetched on the stage threads while layer l computes. Layer l+1 then selects exactly;
@@ -48,7 +56,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,7 +64,7 @@ import torch
 from kernels.page_select import SelectedPages, cat_selected
 from kvstore.calibration import MicroBatchCalibration
 from kvstore.config import PIPELINES
-from kvstore.fetcher import Fetcher, Resolution
+from kvstore.fetcher import DeviceTierTooSmall, Fetcher, Resolution
 from kvstore.stages import ComputeFn, LayerPart, LayerStages, merge_sparse
 
 if TYPE_CHECKING:
@@ -81,7 +89,8 @@ class Pipeline:
     """Schedules the stages of each layer (module docstring). One per KV store."""
 
     def __init__(self, store, mode: str = "sequential", micro_batch: int = 0,
-                 resolve_thread: bool = False, whole_batch_compute: bool = False):
+                 resolve_thread: bool = False, whole_batch_compute: bool = False,
+                 reuse_ahead: int = 2):
         if mode not in PIPELINES:
             raise ValueError(f"--pipeline must be one of {', '.join(PIPELINES)} (got {mode!r})")
         if micro_batch < 0:
@@ -96,6 +105,15 @@ class Pipeline:
         # sfc: compute attention once every fetch of the layer is in (KVDrive's rule) instead
         # of each micro-batch's as soon as its own fetch is in
         self.whole_batch_compute = whole_batch_compute
+        # sfc: while layer l computes, fetch the pages of layer l + reuse_ahead that the last
+        # step selected (0: off)
+        self.reuse_ahead = reuse_ahead if mode == "sfc" else 0
+        self._reused: dict[int, torch.Tensor] = {}   # layer -> keys the last step selected
+        # fetches ahead: (layer, keys, resolve job -> fill job or None) until `drain` has
+        # waited for the resolve, then layer -> (keys, fill job)
+        self._ahead_job: tuple[int, torch.Tensor, Future] | None = None
+        self._ahead: dict[int, tuple[torch.Tensor, Future]] = {}
+        self._gate: Future | None = None         # the fill this layer's compute waits for
         self._resolver: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
@@ -121,10 +139,12 @@ class Pipeline:
                 ex.shutdown(wait=True)
         self._resolver = self._fetcher = None
 
-    def drain(self, raise_errors: bool = True):
+    def drain(self, raise_errors: bool = True, keep_ahead: bool = False):
         """Wait for the stage threads' jobs (bookkeeping, prefetch); re-raise the first error
-        of a bookkeeping job (else log it). Returns (layer, keys) of a finished layer-ahead prefetch, or
-        None. Time waited counts as compute stall (the layer cannot start)."""
+        of a bookkeeping job (else log it). Returns (layer, keys) of a finished layer-ahead
+        prefetch, or None. Time waited counts as compute stall (the layer cannot start).
+        `keep_ahead` (at the start of a layer): sfc's fetch of the pages the last step
+        selected may go on; the layer's compute waits for it (`finish`)."""
         t0 = time.perf_counter()
         errors = []
         for f in self._pending:
@@ -133,6 +153,22 @@ class Pipeline:
             except Exception as exc:   # noqa: BLE001 - re-raised below, after every job ended
                 errors.append(exc)
         self._pending.clear()
+        if self._ahead_job is not None:     # its resolve mutates the tiers: always waited for
+            layer, keys, job = self._ahead_job
+            self._ahead_job = None
+            try:
+                filled = job.result()
+            except Exception as exc:   # noqa: BLE001 - a reuse is only a hint
+                logger.debug("fetch ahead failed (an exact fetch retries): %s", exc)
+                filled = None
+            if filled is not None:
+                self._ahead[layer] = (keys, filled)
+        if not keep_ahead:          # a step ended (or failed) with fetches ahead in flight
+            for filled in [f for _, f in self._ahead.values()] + [self._gate]:
+                if filled is not None and (exc := self._settle_fill(filled)[1]) is not None:
+                    logger.debug("fetch ahead failed (an exact fetch retries): %s", exc)
+            self._ahead.clear()
+            self._gate = None
         # NOTE: demotions a failed resolve recorded but no fill made (the engine thread may
         # write into the freed slots next)
         Fetcher(self.store).demote()
@@ -143,7 +179,7 @@ class Pipeline:
                 if exc is None:
                     predicted = (layer, keys)
                 else:
-                    self._forget_unfilled(res)
+                    Fetcher(self.store).forget(res)
                     logger.debug("layer-ahead prefetch failed (the exact fetch retries): %s", exc)
             except Exception as exc:   # noqa: BLE001 - a prediction is only a hint
                 logger.debug("layer-ahead prefetch failed (the exact fetch retries): %s", exc)
@@ -180,9 +216,20 @@ class Pipeline:
         thread): dense_keys are every page of the dense sequences dense_idx, sparse decodes
         get their selected pages. Returns the layer's parts, for `finish`."""
         mb = self._step_mb if self.mode == "sfc" else 0
+        ahead_keys = None
+        if stages.layer in self._ahead:
+            # this layer's pages fetched ahead: its compute waits for them
+            ahead_keys, self._gate = self._ahead.pop(stages.layer)
+        # NOTE: pages fetched ahead, for this layer and later ones, stay resident
+        protect = torch.cat([t_keys] + ([ahead_keys] if ahead_keys is not None else [])
+                            + [k for k, _ in self._ahead.values()])
         if mb and len(sparse_idx) > 1:
-            return self._run_sfc(stages, dense_idx, dense_keys, sparse_idx, t_keys, mb)
-        return self._run_sequential(stages, dense_idx, dense_keys, sparse_idx, t_keys)
+            parts = self._run_sfc(stages, dense_idx, dense_keys, sparse_idx, protect, mb)
+        else:
+            parts = self._run_sequential(stages, dense_idx, dense_keys, sparse_idx, protect)
+        if self.reuse_ahead and stages.step.sparse_idx:
+            self._reuse_ahead(stages, parts, protect, ahead_keys)
+        return parts
 
     def finish(self, parts: list[LayerPart], compute: ComputeFn
                ) -> tuple[torch.Tensor, SelectedPages | None]:
@@ -191,8 +238,16 @@ class Pipeline:
         the remaining fetches are still waited for, then the first error is raised. Returns
         (device slots of every part's keys, in order; the sparse decodes' selection)."""
         waited, error = 0.0, None
-        if self.whole_batch_compute:
-            waited, error = self._wait(parts)
+        if self._gate is not None:              # this layer's pages fetched ahead
+            t0 = time.perf_counter()
+            error = self._settle_fill(self._gate)[1]
+            self._gate = None
+            waited = time.perf_counter() - t0
+            if error is not None:
+                waited += self._wait(parts)[0]
+        if self.whole_batch_compute and error is None:
+            w, error = self._wait(parts)
+            waited += w
             if error is None:
                 parts = merge_sparse(parts)
         for k, p in enumerate(parts):
@@ -217,13 +272,22 @@ class Pipeline:
     def _settle(self, part: LayerPart) -> BaseException | None:
         """Wait for a part's fill; set its slots, or drop its unfilled slots and return the
         error."""
-        res, exc = part.filled.result()
+        res, exc = self._settle_fill(part.filled)
         part.filled = None
-        if exc is not None:
-            self._forget_unfilled(res)
-        else:
+        if exc is None:
             part.slots = res.slots
         return exc
+
+    def _settle_fill(self, filled: Future) -> tuple[Resolution | None, BaseException | None]:
+        """Wait for a fill job: (its resolution, its error); after an error the unfilled slots
+        are dropped."""
+        res, exc = filled.result()
+        if exc is not None:
+            # NOTE: a resolve of the next layer may run on the resolve thread (fetch ahead,
+            # layer-ahead); tier bookkeeping is mutated by one thread at a time
+            wait([f for f in (self._ahead_job and self._ahead_job[2], self._predicted) if f])
+            Fetcher(self.store).forget(res)
+        return res, exc
 
     def _wait(self, parts: list[LayerPart]) -> tuple[float, BaseException | None]:
         """Wait for every fill of `parts`: (seconds waited, the first error or None)."""
@@ -231,7 +295,7 @@ class Pipeline:
         errors = [e for p in parts if p.filled is not None and (e := self._settle(p))]
         return time.perf_counter() - t0, (errors[0] if errors else None)
 
-    def _run_sequential(self, stages, dense_idx, dense_keys, sparse_idx, t_keys):
+    def _run_sequential(self, stages, dense_idx, dense_keys, sparse_idx, protect):
         st = self.stats
         sel = None
         keys = dense_keys
@@ -239,13 +303,13 @@ class Pipeline:
             sel, sparse_keys = stages.select_keys(sparse_idx)
             keys = torch.cat([dense_keys, sparse_keys])
         t0 = time.perf_counter()
-        res = stages.resolve(keys, torch.cat([keys, t_keys]))
+        res = stages.resolve(keys, torch.cat([keys, protect]))
         t1 = time.perf_counter()
         st.observe_stage("resolve", t1 - t0)
         try:
             stages.fill(res)
         except Exception:
-            self._forget_unfilled(res)
+            stages.step.fetcher.forget(res)
             raise
         st.observe_stage("fetch", time.perf_counter() - t1)
         n = dense_keys.numel()
@@ -256,10 +320,10 @@ class Pipeline:
             parts.append(LayerPart(sparse_idx, sel, keys[n:], res.slots[n:]))
         return parts
 
-    def _run_sfc(self, stages, dense_idx, dense_keys, sparse_idx, t_keys, mb):
+    def _run_sfc(self, stages, dense_idx, dense_keys, sparse_idx, protect_keys, mb):
         resolver, fetcher = self._threads()
         self._resolver_free = time.perf_counter()
-        protect = [t_keys]
+        protect = [protect_keys]
         parts: list[LayerPart] = []
 
         def submit(idx, sel, keys: torch.Tensor) -> None:
@@ -269,14 +333,17 @@ class Pipeline:
             else:                           # on the engine thread, right after selection
                 rf = Future()
                 try:
-                    res = self._resolve_job(stages, keys, torch.cat(protect))
+                    res = self._resolve_job(stages, keys, torch.cat(protect), reads=False)
                 except Exception as exc:   # noqa: BLE001 - raised by finish, after the layer's jobs end
                     rf.set_exception(exc)
                 else:
                     if res.misses == 0:     # every page resident: nothing to hand over
                         parts.append(LayerPart(idx, sel, keys, res.slots))
                         return
-                    rf.set_result(res)
+                    if res.disk_keys.numel():   # issued on the resolve thread meanwhile
+                        rf = resolver.submit(self._start_reads_job, stages, res)
+                    else:
+                        rf.set_result(res)
             parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self._fill_job, stages,
                                                                          rf)))
 
@@ -288,12 +355,19 @@ class Pipeline:
             submit(idx, sel, keys)
         return parts
 
-    def _resolve_job(self, stages, keys, protect) -> Resolution:
+    def _start_reads_job(self, stages, res: Resolution) -> Resolution:
+        t0 = time.perf_counter()
+        stages.start_reads(res)
+        self.stats.observe_stage("resolve", time.perf_counter() - t0)
+        return res
+
+    def _resolve_job(self, stages, keys, protect, reads: bool = True) -> Resolution:
         t0 = time.perf_counter()
         stall = max(0.0, t0 - self._resolver_free) if self.resolve_thread else 0.0
         try:
             res = stages.resolve(keys, protect)
-            stages.start_reads(res)         # the disk works while the next one is selected
+            if reads:
+                stages.start_reads(res)     # the disk works while the next one is selected
             return res
         finally:
             t1 = time.perf_counter()
@@ -317,16 +391,57 @@ class Pipeline:
         finally:
             self.stats.observe_stage("fetch", time.perf_counter() - t1, t1 - t0)
 
-    def _forget_unfilled(self, res: Resolution | None) -> None:
-        """A fill failed: its misses' slots hold no valid page, so drop them (engine thread,
-        stage threads idle) rather than let a later step take them for hits. The owners of
-        unreadable pages fail through the error; other pages are fetched again."""
-        if res is None or res.misses == 0:
-            return
-        dev = self.store.device_tier
-        dev.delete(dev.slot_keys[torch.cat([res.host_dst, res.disk_dst])])
-
     # ------------------------------------------------------------------ overlapped work
+    def _reuse_ahead(self, stages: LayerStages, parts: list[LayerPart], protect: torch.Tensor,
+                     ahead_keys: torch.Tensor | None) -> None:
+        """sfc, once a layer's fetches are under way: remember the pages its sparse decodes
+        selected, and fetch the pages the last step selected in layer `layer + reuse_ahead`
+        (those of this step's sparse decodes), so the disk reads them while this layer and the
+        next compute (KVDrive's temporal locality of critical entries, KVSwap's reuse between
+        adjacent steps). That layer selects exactly and fetches what this missed; `ahead_keys`,
+        this layer's pages fetched so, give the recall (exact-selected pages fetched ahead)."""
+        step, layer = stages.step, stages.layer
+        sparse = [p.keys for p in parts if p.sel is not None]
+        if sparse:                          # a sparse layer (the first layers run dense)
+            exact = torch.cat(sparse)
+            if ahead_keys is not None:
+                self.stats.observe_lookahead(int(torch.isin(exact, ahead_keys).sum()),
+                                             exact.numel())
+            self._reused[layer] = exact
+        target = layer + self.reuse_ahead
+        last = self._reused.get(target)
+        if last is None:
+            return
+        keys = last[torch.isin(last, step.sparse_keys(target))]
+        # NOTE: a prediction may only take a quarter of the device tier; the exact fetch
+        # takes what it needs
+        if keys.numel() == 0 or keys.numel() > self.store.device_tier.capacity_pages // 4:
+            return
+        nxt = LayerStages(step, target, None)
+        protect = torch.cat([p.keys for p in parts] + [protect, keys])
+        resolver, fetcher = self._threads()
+
+        def resolve_job() -> Future | None:
+            """On the resolve thread, while this layer computes: resolve the reused pages,
+            start their disk reads, and queue their fill behind this layer's (or None)."""
+            t0 = time.perf_counter()
+            try:
+                res = nxt.resolve(keys, protect, count=False)
+            except DeviceTierTooSmall:
+                return None
+            # most recently used, so that making room for this layer's rest keeps them
+            self.store.residency.touch(res.slots, step.now)
+            nxt.start_reads(res)
+            self.stats.observe_stage("resolve", time.perf_counter() - t0)
+            resolved = Future()
+            if res.misses == 0:
+                resolved.set_result((res, None))
+                return resolved
+            resolved.set_result(res)
+            return fetcher.submit(self._fill_job, nxt, resolved)
+
+        self._ahead_job = (target, keys, resolver.submit(resolve_job))
+
     def prefetch(self, stages: LayerStages, q_pred: torch.Tensor, sparse_idx: list[int],
                  protect: torch.Tensor) -> None:
         """Layer-ahead: select layer `stages.layer`'s pages with predicted queries, resolve and

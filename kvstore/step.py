@@ -88,6 +88,7 @@ class StepKV:
         self.pipe = store.pipeline
         self.pipe.begin_step(len(self.sparse_idx), all(s.q_len == 1 for s in seqs))
         self._q_pred: dict[int, torch.Tensor] = {}
+        self._sparse_pages: torch.Tensor | None = None
         self._plans: dict[bool, AttentionBatch | None] = {}
         if cfg.sparse_budget > 0:
             st, L = store.stats, store.num_layers
@@ -105,6 +106,13 @@ class StepKV:
             return None
         return self._sparse_rows
 
+    def sparse_keys(self, layer: int) -> torch.Tensor:
+        """Keys of every page of the sparse decodes in `layer`."""
+        if self._sparse_pages is None:
+            self._sparse_pages = torch.cat([self.page_tensors[i] for i in self.sparse_idx]) \
+                if self.sparse_idx else torch.empty(0, **_I64)
+        return layer * self.store.max_pages + self._sparse_pages
+
     def lookahead(self, layer: int, q_pred: torch.Tensor) -> None:
         """The model's guess of layer `layer`'s queries [B_sparse, H, D] (layer `layer`'s
         q projection applied to the previous layer's input): prefetched while the previous
@@ -119,7 +127,7 @@ class StepKV:
         P = store.max_pages
         pool = store.device_tier.pool                        # [S, 2, KVH, ps, D]
         # the previous layer's bookkeeping and this layer's prefetch run on the stage threads
-        predicted = pipe.drain()
+        predicted = pipe.drain(keep_ahead=True)
         # 1. write: pages being written get device slots (new pages need no fill)
         t_keys = layer * P + self.t_pid
         t_slots = self.fetcher.ensure(t_keys, protect=t_keys, fill=False).long()

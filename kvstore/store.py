@@ -101,6 +101,8 @@ class TieredKVStore:
         # host slots a pending fill reads from (never evicted until the fill is done)
         self.host_pinned = torch.zeros(self.host_tier.capacity_pages if self.host_tier else 0,
                                        dtype=torch.bool)
+        # device slots a pending fill writes into (never evicted until it has)
+        self.device_pinned = torch.zeros(self.device_tier.capacity_pages, dtype=torch.bool)
         self._staging: dict[str, torch.Tensor] = {}
         # evicted device pages whose copy to their new host slot is still to be made:
         # (device slots, host slots), recorded by resolve, made by the fill after it

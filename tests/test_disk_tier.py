@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 
 import numpy as np
 import pytest
@@ -117,6 +118,7 @@ def test_thousand_request_cycles_leak_no_files_or_fds(disk):
     files0, fds0 = len(os.listdir(root)), len(os.listdir("/proc/self/fd"))
     pages = random_pages(disk.page_shape, 8)
     out = torch.empty_like(pages)
+    fds = []
     for handle in range(1000):
         ids = [(handle * 3 + i) % MAX_PAGES for i in range(4)]
         register(disk, handle, ids)
@@ -124,10 +126,21 @@ def test_thousand_request_cycles_leak_no_files_or_fds(disk):
         disk.put(keys, pages)
         disk.get(keys, out)
         disk.release_request(handle)
+        if handle in (99, 999):
+            fds.append(len(os.listdir("/proc/self/fd")))
     assert same_bits(out, pages)
     assert len(os.listdir(root)) == files0 == 0
-    assert len(os.listdir("/proc/self/fd")) == fds0
+    # each I/O thread keeps one io_uring (set up on its first read) for its life, nothing more
+    assert fds[0] == fds[1] <= fds0 + disk._io.threads
     assert disk.used_bytes == 0 and disk.num_pages == 0
+    disk.close()                   # the I/O threads exit: their rings go with them
+    # (fds0 counts the ring of the thread that checked for io_uring; a ring is closed when its
+    # thread's exit runs its destructor, just after the join returns)
+    deadline = time.monotonic() + 5
+    while len(os.listdir("/proc/self/fd")) > fds0 - bool(disk._io.ring_depth) \
+            and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(os.listdir("/proc/self/fd")) == fds0 - bool(disk._io.ring_depth)
 
 
 def test_flipped_byte_on_disk_is_detected_as_corruption_of_that_page(disk):
@@ -282,3 +295,45 @@ def test_page_checksums_are_xxh64_as_the_reference_library_computes_it():
         buf = rng.integers(0, 256, size=(5, n), dtype=np.uint8)
         got = page_hashes(buf, np.array([4, 0, 2]))
         assert got.tolist() == [xxhash.xxh64_intdigest(buf[r].tobytes()) for r in (4, 0, 2)]
+
+
+def test_ring_reads_match_preadv_reads_including_errors(tmp_path):
+    """_pageio's io_uring path (one thread, many extents in flight) returns what the preadv
+    loop does: the same bytes, byte counts, a short count past the end of the file, and
+    -EBADF for an extent whose fd is -1 (how ExtentIO fails an extent with an injected fault)."""
+    from kvstore.tiers import _pageio
+    if not _pageio.ring_available():
+        pytest.skip("io_uring is not available on this kernel")
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    path = tmp_path / "f"
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        n = 200
+        offsets = rng.integers(0, (1 << 20) - 8192, n).astype(np.int64)
+        offsets[7] = (1 << 20) - 1000                      # runs past the end: short read
+        fds = np.full(n, fd, dtype=np.int64)
+        fds[11] = -1
+        # two iovecs per extent: 3000 + 5000 bytes into consecutive rows of the destination
+        lens = np.tile(np.array([3000, 5000], dtype=np.int64), n)
+        iov_ptr = np.arange(0, 2 * n + 1, 2, dtype=np.int64)
+        outs, gots = [], []
+        for depth in (0, 64):
+            out = np.zeros((n, 8000), dtype=np.uint8)
+            base = np.uint64(out.ctypes.data) + np.repeat(np.arange(n, dtype=np.uint64)
+                                                          * np.uint64(8000), 2)
+            base[1::2] += np.uint64(3000)
+            got = np.zeros(n, dtype=np.int64)
+            _pageio.preadv_extents(fds, offsets, iov_ptr, base, lens, got, depth)
+            outs.append(out)
+            gots.append(got)
+        assert np.array_equal(gots[0], gots[1]) and np.array_equal(outs[0], outs[1])
+        assert gots[1][11] == -errno.EBADF and gots[1][7] == 1000
+        ok = np.ones(n, dtype=bool)
+        ok[[7, 11]] = False
+        assert (gots[1][ok] == 8000).all()
+        for i in np.flatnonzero(ok)[:20]:
+            assert np.array_equal(outs[1][i], data[offsets[i]:offsets[i] + 8000])
+    finally:
+        os.close(fd)

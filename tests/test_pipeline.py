@@ -57,17 +57,21 @@ def sequential(smollm2_dir, prompts, tmp_path_factory):
 
 
 def make_mode(folder, tmp_path, mode: str, micro_batch: int, **kw) -> LLMEngine:
-    """`sfc-whole`: sfc with KVDrive's whole-batch compute (bench/pipeline.py's variant)."""
-    engine = make(folder, tmp_path, pipeline=mode.removesuffix("-whole"),
+    """bench/pipeline.py's variants: `sfc-whole`, sfc with KVDrive's whole-batch compute;
+    `sfc-no-ahead`, sfc without fetching the next layer's reused pages."""
+    sfc_variant = mode in ("sfc-whole", "sfc-no-ahead")
+    engine = make(folder, tmp_path, pipeline="sfc" if sfc_variant else mode,
                   micro_batch=micro_batch, **kw)
-    if mode == "sfc-whole":
+    if sfc_variant:
         engine.store.pipeline.close()
         engine.store.pipeline = Pipeline(engine.store, "sfc", micro_batch,
-                                         whole_batch_compute=True)
+                                         whole_batch_compute=mode == "sfc-whole",
+                                         reuse_ahead=0 if mode == "sfc-no-ahead" else 2)
     return engine
 
 
-@pytest.mark.parametrize("mode,micro_batch", [("sfc", 1), ("sfc", 3), ("sfc-whole", 2),
+@pytest.mark.parametrize("mode,micro_batch", [("sfc", 1), ("sfc", 3), ("sfc", 4),
+                                              ("sfc-whole", 2), ("sfc-no-ahead", 2),
                                               ("layer-ahead", 0)])
 def test_every_mode_gives_the_same_output_and_selections(smollm2_dir, prompts, sequential,
                                                          tmp_path, mode, micro_batch):
@@ -92,13 +96,17 @@ def test_every_mode_gives_the_same_output_and_selections(smollm2_dir, prompts, s
         per_layer = -(-len(prompts) // micro_batch)
         assert st.stage_count["select"] >= STEPS * 20 * per_layer
         assert st.stage_stall.get("compute", 0) > 0
-    if mode == "layer-ahead":
+    if mode == "sfc-no-ahead":
+        assert st.lookahead_exact == 0
+    else:
+        # layer-ahead's predicted pages, or sfc's pages of the last step, fetched while the
+        # layer before computes
         assert st.lookahead_exact > 0
         recall = st.lookahead_hits / st.lookahead_exact
         assert 0.3 < recall <= 1.0            # the sink and local pages alone are ~40%
     store = engine.store
     assert store.num_used_pages == 0
-    assert not bool(store.host_pinned.any())
+    assert not bool(store.host_pinned.any()) and not bool(store.device_pinned.any())
     assert all(used == 0 for used, _ in store.tier_usage().values())
 
 
@@ -133,6 +141,7 @@ def test_corrupt_page_fails_only_its_request_with_stage_threads(smollm2_dir, pro
         assert got[rid] == sequential[0][rid]
     assert engine.store.num_used_pages == 0
     assert not bool(engine.store.host_pinned.any())
+    assert not bool(engine.store.device_pinned.any())
 
 
 @pytest.mark.parametrize("mode", ["sfc", "layer-ahead"])

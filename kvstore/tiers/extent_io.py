@@ -5,7 +5,11 @@ offset, capped at `max_extent_bytes` and IOV_MAX). Each extent is ONE `os.preadv
 - straight into/out of the page buffers (scatter/gather iovecs) when the buffers allow it
   (buffered I/O, or O_DIRECT with 4096-aligned page buffers whose size is a multiple of 4096);
 - otherwise through a per-thread 4096-aligned staging buffer plus a copy.
-Extents are split into one task per thread. A task's extents go to the C extension
+Extents are split into one task per thread; reads go to one task instead when io_uring works
+here (`ring_depth`): one thread then keeps up to that many extents in flight at a few us of
+CPU each, where 8 threads blocked in preadv cost ~9-14 us of CPU per request on this 2-core box
+(measured with 12 KB O_DIRECT random reads: the same ~45-50K requests/s either way), CPU the
+engine thread computing beside the I/O wants. A task's extents go to the C extension
 `kvstore.tiers._pageio` as arrays (addresses and lengths of every iovec, built with numpy): one
 call reads or writes them all and one call hashes every page, both without the GIL. Per-extent
 Python (iovec lists, os.preadv, a hash call per page) held the GIL ~20-30 us per extent, ~200
@@ -34,6 +38,7 @@ from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.errors import PageCorrupted, TierIOError
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+RING_DEPTH = 64        # extents in flight per io_uring read task
 
 
 def page_hashes(buf: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -150,7 +155,8 @@ class _Batch:
 
 class ExtentIO:
     def __init__(self, page_shape: PageShape, direct_io: bool, threads: int,
-                 crc: np.ndarray, stored: np.ndarray, max_extent_bytes: int = 1 << 20):
+                 crc: np.ndarray, stored: np.ndarray, max_extent_bytes: int = 1 << 20,
+                 ring_depth: int = RING_DEPTH):
         self.nbytes = page_shape.nbytes
         self.stride = page_shape.nbytes_aligned
         self.direct_io = direct_io
@@ -158,6 +164,9 @@ class ExtentIO:
         self.max_pages = max(1, min(max_extent_bytes // self.stride, _IOV_MAX // 2))
         self._crc, self._stored = crc, stored
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kv-disk")
+        # NOTE: asked on an I/O thread, which sets up its ring (0: no io_uring here)
+        self.ring_depth = ring_depth if ring_depth > 0 and \
+            self._pool.submit(_pageio.ring_available).result() else 0
         self._local = threading.local()
         # zeros written after each page whose size is not a multiple of 4096 (buffered I/O)
         self._pad_zero_buf = np.zeros(max(1, self.stride - self.nbytes), dtype=np.uint8)
@@ -182,13 +191,14 @@ class ExtentIO:
             f.set_result(None)
             return f
         pages = np.cumsum(job.ends - job.starts)
-        tasks = min(self.threads, e)
+        vec = self._vectors(job) if self.direct_ok(job.buf) else None
+        ring = self.ring_depth if job.op == "read" and vec is not None else 0
+        tasks = 1 if ring else min(self.threads, e)
         cuts = np.searchsorted(pages, pages[-1] * np.arange(1, tasks) / tasks, side="right")
         bounds = np.unique(np.concatenate([[0], cuts, [e]]))
         batch = _Batch(len(bounds) - 1)
-        vec = self._vectors(job) if self.direct_ok(job.buf) else None
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            self._pool.submit(self._task, job, vec, int(lo), int(hi), batch)
+            self._pool.submit(self._task, job, vec, int(lo), int(hi), batch, ring)
         return batch.future
 
     def _vectors(self, job: ExtentJob) -> _Vectors:
@@ -224,11 +234,11 @@ class ExtentIO:
     # -- worker side ------------------------------------------------------------------------
 
     def _task(self, job: ExtentJob, vec: _Vectors | None, lo: int, hi: int,
-              batch: _Batch) -> None:
+              batch: _Batch, ring: int = 0) -> None:
         io_errors, corrupt, nbytes, bug = [], [], 0, None
         try:
             if vec is not None:
-                io_errors, corrupt, nbytes = self._vector_io(job, vec, lo, hi)
+                io_errors, corrupt, nbytes = self._vector_io(job, vec, lo, hi, ring)
             else:
                 io_errors, corrupt, nbytes = self._staged_io(job, lo, hi)
         except Exception as err:  # NOTE: a bug must fail the batch, not hang its waiters
@@ -242,9 +252,10 @@ class ExtentIO:
                 self.bytes_written += nbytes
         batch.task_done(io_errors, corrupt, bug)
 
-    def _vector_io(self, job: ExtentJob, vec: _Vectors, lo: int, hi: int):
-        """Extents lo..hi-1: one _pageio call for the I/O and one for the checksums, without
-        the GIL. Returns (io errors, corrupt keys, bytes moved)."""
+    def _vector_io(self, job: ExtentJob, vec: _Vectors, lo: int, hi: int, ring: int = 0):
+        """Extents lo..hi-1: one _pageio call for the I/O (through io_uring, `ring` in flight,
+        when ring > 0) and one for the checksums, without the GIL. Returns (io errors, corrupt
+        keys, bytes moved)."""
         s0, s1 = int(job.starts[lo]), int(job.ends[hi - 1])
         injected: dict[int, OSError] = {}
         if job.fault is not None:
@@ -261,7 +272,7 @@ class ExtentIO:
             _pageio.hash_pages(vec.addrs[s0:s1], self.nbytes, hashes)
             _pageio.pwritev_extents(*io)
         else:
-            _pageio.preadv_extents(*io)
+            _pageio.preadv_extents(*io, ring)
             _pageio.hash_pages(vec.addrs[s0:s1], self.nbytes, hashes)
         ok = vec.got[lo:hi] == vec.want[lo:hi]
         keys = job.keys[s0:s1]
