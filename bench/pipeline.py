@@ -12,10 +12,12 @@ swapped between rounds), so the noise of this shared 2-core box hits every mode 
 the rounds, SFC runs without --micro-batch and calibrates it (candidates 1, 2, 4, 8 sequences);
 the rounds use the calibrated size (and --micro-batch values given with --micro-batches).
 `sfc-whole` is sfc with KVDrive's whole-batch compute (attention once every fetch of the layer
-is in) instead of each micro-batch's attention as soon as its own fetch is in.
+is in) instead of each micro-batch's attention as soon as its own fetch is in; `sfc-ahead2`
+fetches the last step's pages two layers ahead instead of one, `sfc-no-ahead` not at all.
 Reported per mode: median decode step time, overlap ratio 1 - step(mode) / step(sequential),
 busy and stall seconds per stage per step, bytes per tier per step, device hit ratio; and the
-layer-ahead recall (exact-selected pages the prediction had already fetched). Also the share of
+recall of what was fetched ahead (exact-selected pages the layer-ahead prediction, or sfc's
+reuse of the last step's pages, had already fetched). Also the share of
 the sequential step spent resolving and fetching (the issue's target, sfc >= 1.3x sequential,
 applies when that share is a third or more). Decode runs on 1 torch thread; the stage threads
 use the second core. Results: bench/results/pipeline.json and .png.
@@ -57,7 +59,7 @@ def run(args) -> dict:
     disk_path.mkdir(parents=True)
     # sfc-whole: KVDrive's rule, attention once every fetch of the layer is in (the default
     # sfc computes each micro-batch's attention as soon as its own fetch is in)
-    modes = [("sequential", 0), ("sfc", None), ("sfc-ahead1", None), ("sfc-no-ahead", None),
+    modes = [("sequential", 0), ("sfc", None), ("sfc-ahead2", None), ("sfc-no-ahead", None),
              ("sfc-whole", None), ("layer-ahead", 0)]
     modes += [("sfc", mb) for mb in args.micro_batches]
     if args.with_resolve_thread:
@@ -138,7 +140,7 @@ def run(args) -> dict:
                                           resolve_thread=m == "sfc-3threads",
                                           whole_batch_compute=m == "sfc-whole",
                                           reuse_ahead={"sfc-no-ahead": 0,
-                                                       "sfc-ahead1": 1}.get(m, 2))
+                                                       "sfc-ahead2": 2}.get(m, 1))
                 step()                              # first step of a mode: not timed
                 before = store.stats.snapshot()
                 for _ in range(args.steps):

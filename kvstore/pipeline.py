@@ -24,10 +24,11 @@ batch. Modes (`--pipeline`):
   resolution gets its own thread too (select i | resolve i-1 | fetch i-2, KVDrive's three-stage
   schedule; measured slower on a 2-core CPU). Bookkeeping (recency, write-back of full pages)
   runs on a stage thread while the engine thread goes on with the layer.
-  Across layers (`reuse_ahead`, 2 layers by default): once a layer's fetches are under way,
-  the pages the previous step selected two layers on are resolved and their fetch started, so
-  the disk reads them while this layer and the next compute (KVDrive's finding that critical entries stay
-  critical over nearby steps; KVSwap measures 75-81% overlap between adjacent steps, 83% here).
+  Across layers (`reuse_ahead`, 1 layer by default): once a layer's fetches are under way,
+  the pages the previous step selected in the next layer are resolved and their fetch started,
+  so the disk reads them while this layer computes (KVDrive's finding that critical entries
+  stay critical over nearby steps; KVSwap measures 75-81% overlap between adjacent steps, 83%
+  here).
   The next layer still selects exactly and fetches what the reuse missed; its compute waits for
   the pages fetched ahead, and those stay pinned (never evicted) until written.
 - `layer-ahead`: the model predicts layer l+1's queries from layer l's input (layer l+1's own
@@ -90,7 +91,7 @@ class Pipeline:
 
     def __init__(self, store, mode: str = "sequential", micro_batch: int = 0,
                  resolve_thread: bool = False, whole_batch_compute: bool = False,
-                 reuse_ahead: int = 2):
+                 reuse_ahead: int = 1):
         if mode not in PIPELINES:
             raise ValueError(f"--pipeline must be one of {', '.join(PIPELINES)} (got {mode!r})")
         if micro_batch < 0:
@@ -396,8 +397,8 @@ class Pipeline:
                      ahead_keys: torch.Tensor | None) -> None:
         """sfc, once a layer's fetches are under way: remember the pages its sparse decodes
         selected, and fetch the pages the last step selected in layer `layer + reuse_ahead`
-        (those of this step's sparse decodes), so the disk reads them while this layer and the
-        next compute (KVDrive's temporal locality of critical entries, KVSwap's reuse between
+        (those of this step's sparse decodes), so the disk reads them while the layers up to it
+        compute (KVDrive's temporal locality of critical entries, KVSwap's reuse between
         adjacent steps). That layer selects exactly and fetches what this missed; `ahead_keys`,
         this layer's pages fetched so, give the recall (exact-selected pages fetched ahead)."""
         step, layer = stages.step, stages.layer
@@ -413,9 +414,14 @@ class Pipeline:
         if last is None:
             return
         keys = last[torch.isin(last, step.sparse_keys(target))]
-        # NOTE: a prediction may only take a quarter of the device tier; the exact fetch
-        # takes what it needs
-        if keys.numel() == 0 or keys.numel() > self.store.device_tier.capacity_pages // 4:
+        working = sum(p.keys.numel() for p in parts) + step.t_pid.numel()
+        # NOTE: pages fetched ahead (pinned, then protected until their layer) may take half of
+        # the device tier in all, and leave room for twice this layer's working set: the exact
+        # fetches must always find room
+        held = sum(k.numel() for k, _ in self._ahead.values()) + \
+            (self._ahead_job[1].numel() if self._ahead_job else 0)
+        cap = self.store.device_tier.capacity_pages
+        if keys.numel() == 0 or held + keys.numel() > min(cap // 2, cap - 2 * working):
             return
         nxt = LayerStages(step, target, None)
         protect = torch.cat([p.keys for p in parts] + [protect, keys])

@@ -58,20 +58,23 @@ def sequential(smollm2_dir, prompts, tmp_path_factory):
 
 def make_mode(folder, tmp_path, mode: str, micro_batch: int, **kw) -> LLMEngine:
     """bench/pipeline.py's variants: `sfc-whole`, sfc with KVDrive's whole-batch compute;
-    `sfc-no-ahead`, sfc without fetching the next layer's reused pages."""
-    sfc_variant = mode in ("sfc-whole", "sfc-no-ahead")
+    `sfc-no-ahead` / `sfc-ahead2`, sfc fetching the last step's pages no layer / two layers
+    ahead (instead of one)."""
+    sfc_variant = mode in ("sfc-whole", "sfc-no-ahead", "sfc-ahead2")
     engine = make(folder, tmp_path, pipeline="sfc" if sfc_variant else mode,
                   micro_batch=micro_batch, **kw)
     if sfc_variant:
         engine.store.pipeline.close()
         engine.store.pipeline = Pipeline(engine.store, "sfc", micro_batch,
                                          whole_batch_compute=mode == "sfc-whole",
-                                         reuse_ahead=0 if mode == "sfc-no-ahead" else 2)
+                                         reuse_ahead={"sfc-no-ahead": 0,
+                                                      "sfc-ahead2": 2}.get(mode, 1))
     return engine
 
 
 @pytest.mark.parametrize("mode,micro_batch", [("sfc", 1), ("sfc", 3), ("sfc", 4),
                                               ("sfc-whole", 2), ("sfc-no-ahead", 2),
+                                              ("sfc-ahead2", 3),
                                               ("layer-ahead", 0)])
 def test_every_mode_gives_the_same_output_and_selections(smollm2_dir, prompts, sequential,
                                                          tmp_path, mode, micro_batch):
