@@ -25,12 +25,8 @@ batch. Modes (`--pipeline`):
   schedule; measured slower on a 2-core CPU). Bookkeeping (recency, write-back of full pages)
   runs on a stage thread while the engine thread goes on with the layer.
   Across layers (`reuse_ahead`, 1 layer by default): once a layer's fetches are under way,
-  the pages the previous step selected in the next layer are resolved and their fetch started,
-  so the disk reads them while this layer computes (KVDrive's finding that critical entries
-  stay critical over nearby steps; KVSwap measures 75-81% overlap between adjacent steps, 83%
-  here).
-  The next layer still selects exactly and fetches what the reuse missed; its compute waits for
-  the pages fetched ahead, and those stay pinned (never evicted) until written.
+  the pages the previous step selected in the next layer are fetched while this layer computes
+  (kvstore/ahead.py); the next layer still selects exactly.
 - `layer-ahead`: the model predicts layer l+1's queries from layer l's input (layer l+1's own
   q projection applied to it, as InfiniGen and KVSwap do); those pages are selected, resolved
   and fetched on the stage threads while layer l computes. Layer l+1 then selects exactly;
@@ -63,9 +59,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels.page_select import SelectedPages, cat_selected
+from kvstore.ahead import ReuseAhead, prefetch_predicted
 from kvstore.calibration import MicroBatchCalibration
 from kvstore.config import PIPELINES
-from kvstore.fetcher import DeviceTierTooSmall, Fetcher, Resolution
+from kvstore.fetcher import Fetcher, Resolution
 from kvstore.stages import ComputeFn, LayerPart, LayerStages, merge_sparse
 
 if TYPE_CHECKING:
@@ -108,12 +105,7 @@ class Pipeline:
         self.whole_batch_compute = whole_batch_compute
         # sfc: while layer l computes, fetch the pages of layer l + reuse_ahead that the last
         # step selected (0: off)
-        self.reuse_ahead = reuse_ahead if mode == "sfc" else 0
-        self._reused: dict[int, torch.Tensor] = {}   # layer -> keys the last step selected
-        # fetches ahead: (layer, keys, resolve job -> fill job or None) until `drain` has
-        # waited for the resolve, then layer -> (keys, fill job)
-        self._ahead_job: tuple[int, torch.Tensor, Future] | None = None
-        self._ahead: dict[int, tuple[torch.Tensor, Future]] = {}
+        self.ahead = ReuseAhead(self, reuse_ahead) if mode == "sfc" and reuse_ahead else None
         self._gate: Future | None = None         # the fill this layer's compute waits for
         self._resolver: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
@@ -123,7 +115,7 @@ class Pipeline:
         self._step_mb = micro_batch
 
     # ------------------------------------------------------------------ threads
-    def _threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+    def threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         if self._resolver is None:
             # NOTE: inference mode is per thread; the engine thread's buffers (made under it)
             # can only be updated in place under it
@@ -154,22 +146,13 @@ class Pipeline:
             except Exception as exc:   # noqa: BLE001 - re-raised below, after every job ended
                 errors.append(exc)
         self._pending.clear()
-        if self._ahead_job is not None:     # its resolve mutates the tiers: always waited for
-            layer, keys, job = self._ahead_job
-            self._ahead_job = None
-            try:
-                filled = job.result()
-            except Exception as exc:   # noqa: BLE001 - a reuse is only a hint
-                logger.debug("fetch ahead failed (an exact fetch retries): %s", exc)
-                filled = None
-            if filled is not None:
-                self._ahead[layer] = (keys, filled)
-        if not keep_ahead:          # a step ended (or failed) with fetches ahead in flight
-            for filled in [f for _, f in self._ahead.values()] + [self._gate]:
-                if filled is not None and (exc := self._settle_fill(filled)[1]) is not None:
-                    logger.debug("fetch ahead failed (an exact fetch retries): %s", exc)
-            self._ahead.clear()
-            self._gate = None
+        if self.ahead is not None:
+            self.ahead.collect()            # its resolve mutates the tiers: always waited for
+            if not keep_ahead:      # a step ended (or failed) with fetches ahead in flight
+                for filled in self.ahead.fills() + [self._gate]:
+                    if filled is not None and (exc := self._settle_fill(filled)[1]) is not None:
+                        logger.debug("fetch ahead failed (an exact fetch retries): %s", exc)
+                self._gate = None
         # NOTE: demotions a failed resolve recorded but no fill made (the engine thread may
         # write into the freed slots next)
         Fetcher(self.store).demote()
@@ -217,19 +200,19 @@ class Pipeline:
         thread): dense_keys are every page of the dense sequences dense_idx, sparse decodes
         get their selected pages. Returns the layer's parts, for `finish`."""
         mb = self._step_mb if self.mode == "sfc" else 0
-        ahead_keys = None
-        if stages.layer in self._ahead:
-            # this layer's pages fetched ahead: its compute waits for them
-            ahead_keys, self._gate = self._ahead.pop(stages.layer)
-        # NOTE: pages fetched ahead, for this layer and later ones, stay resident
-        protect = torch.cat([t_keys] + ([ahead_keys] if ahead_keys is not None else [])
-                            + [k for k, _ in self._ahead.values()])
+        ahead_keys, protect = None, t_keys
+        if self.ahead is not None:
+            # this layer's pages fetched ahead (its compute waits for them) and those of later
+            # layers stay resident
+            ahead_keys, self._gate = self.ahead.take(stages.layer)
+            protect = torch.cat([t_keys] + ([ahead_keys] if ahead_keys is not None else [])
+                                + self.ahead.held())
         if mb and len(sparse_idx) > 1:
             parts = self._run_sfc(stages, dense_idx, dense_keys, sparse_idx, protect, mb)
         else:
             parts = self._run_sequential(stages, dense_idx, dense_keys, sparse_idx, protect)
-        if self.reuse_ahead and stages.step.sparse_idx:
-            self._reuse_ahead(stages, parts, protect, ahead_keys)
+        if self.ahead is not None and stages.step.sparse_idx:
+            self.ahead.issue(stages, parts, protect, ahead_keys)
         return parts
 
     def finish(self, parts: list[LayerPart], compute: ComputeFn
@@ -286,7 +269,7 @@ class Pipeline:
         if exc is not None:
             # NOTE: a resolve of the next layer may run on the resolve thread (fetch ahead,
             # layer-ahead); tier bookkeeping is mutated by one thread at a time
-            wait([f for f in (self._ahead_job and self._ahead_job[2], self._predicted) if f])
+            wait([f for f in (self.ahead and self.ahead.resolving(), self._predicted) if f])
             Fetcher(self.store).forget(res)
         return res, exc
 
@@ -322,7 +305,7 @@ class Pipeline:
         return parts
 
     def _run_sfc(self, stages, dense_idx, dense_keys, sparse_idx, protect_keys, mb):
-        resolver, fetcher = self._threads()
+        resolver, fetcher = self.threads()
         self._resolver_free = time.perf_counter()
         protect = [protect_keys]
         parts: list[LayerPart] = []
@@ -345,7 +328,7 @@ class Pipeline:
                         rf = resolver.submit(self._start_reads_job, stages, res)
                     else:
                         rf.set_result(res)
-            parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self._fill_job, stages,
+            parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self.fill_job, stages,
                                                                          rf)))
 
         if dense_idx:
@@ -375,7 +358,7 @@ class Pipeline:
             self._resolver_free = t1
             self.stats.observe_stage("resolve", t1 - t0, stall)
 
-    def _fill_job(self, stages, rf: Future):
+    def fill_job(self, stages, rf: Future):
         """Fill one micro-batch; returns (resolution or None, error or None): errors are
         handled on the engine thread once every job of the layer has ended."""
         t0 = time.perf_counter()
@@ -393,90 +376,12 @@ class Pipeline:
             self.stats.observe_stage("fetch", time.perf_counter() - t1, t1 - t0)
 
     # ------------------------------------------------------------------ overlapped work
-    def _reuse_ahead(self, stages: LayerStages, parts: list[LayerPart], protect: torch.Tensor,
-                     ahead_keys: torch.Tensor | None) -> None:
-        """sfc, once a layer's fetches are under way: remember the pages its sparse decodes
-        selected, and fetch the pages the last step selected in layer `layer + reuse_ahead`
-        (those of this step's sparse decodes), so the disk reads them while the layers up to it
-        compute (KVDrive's temporal locality of critical entries, KVSwap's reuse between
-        adjacent steps). That layer selects exactly and fetches what this missed; `ahead_keys`,
-        this layer's pages fetched so, give the recall (exact-selected pages fetched ahead)."""
-        step, layer = stages.step, stages.layer
-        sparse = [p.keys for p in parts if p.sel is not None]
-        if sparse:                          # a sparse layer (the first layers run dense)
-            exact = torch.cat(sparse)
-            if ahead_keys is not None:
-                self.stats.observe_lookahead(int(torch.isin(exact, ahead_keys).sum()),
-                                             exact.numel())
-            self._reused[layer] = exact
-        target = layer + self.reuse_ahead
-        last = self._reused.get(target)
-        if last is None:
-            return
-        keys = last[torch.isin(last, step.sparse_keys(target))]
-        working = sum(p.keys.numel() for p in parts) + step.t_pid.numel()
-        # NOTE: pages fetched ahead (pinned, then protected until their layer) may take half of
-        # the device tier in all, and leave room for twice this layer's working set: the exact
-        # fetches must always find room
-        held = sum(k.numel() for k, _ in self._ahead.values()) + \
-            (self._ahead_job[1].numel() if self._ahead_job else 0)
-        cap = self.store.device_tier.capacity_pages
-        if keys.numel() == 0 or held + keys.numel() > min(cap // 2, cap - 2 * working):
-            return
-        nxt = LayerStages(step, target, None)
-        protect = torch.cat([p.keys for p in parts] + [protect, keys])
-        resolver, fetcher = self._threads()
-
-        def resolve_job() -> Future | None:
-            """On the resolve thread, while this layer computes: resolve the reused pages,
-            start their disk reads, and queue their fill behind this layer's (or None)."""
-            t0 = time.perf_counter()
-            try:
-                res = nxt.resolve(keys, protect, count=False)
-            except DeviceTierTooSmall:
-                return None
-            # most recently used, so that making room for this layer's rest keeps them
-            self.store.residency.touch(res.slots, step.now)
-            nxt.start_reads(res)
-            self.stats.observe_stage("resolve", time.perf_counter() - t0)
-            resolved = Future()
-            if res.misses == 0:
-                resolved.set_result((res, None))
-                return resolved
-            resolved.set_result(res)
-            return fetcher.submit(self._fill_job, nxt, resolved)
-
-        self._ahead_job = (target, keys, resolver.submit(resolve_job))
-
     def prefetch(self, stages: LayerStages, q_pred: torch.Tensor, sparse_idx: list[int],
                  protect: torch.Tensor) -> None:
         """Layer-ahead: select layer `stages.layer`'s pages with predicted queries, resolve and
         fetch them on the stage threads (the caller's layer computes meanwhile; `protect`
-        holds its pages)."""
-        resolver, fetcher = self._threads()
-
-        def resolve_job():
-            _, keys = stages.select_keys(sparse_idx, q_pred, observe=False)
-            t1 = time.perf_counter()
-            res = stages.resolve(keys, torch.cat([protect, keys]), count=False)
-            stages.start_reads(res)
-            self.stats.observe_stage("resolve", time.perf_counter() - t1)
-            return keys, res
-
-        rf = resolver.submit(resolve_job)
-
-        def fill_job():
-            keys, res = rf.result()
-            t0 = time.perf_counter()
-            try:
-                stages.fill(res)
-                return stages.layer, keys, res, None
-            except Exception as exc:   # noqa: BLE001 - handled by drain (engine thread)
-                return stages.layer, keys, res, exc
-            finally:
-                self.stats.observe_stage("fetch", time.perf_counter() - t0)
-
-        self._predicted = fetcher.submit(fill_job)
+        holds its pages); `drain` collects them."""
+        self._predicted = prefetch_predicted(self, stages, q_pred, sparse_idx, protect)
 
     def after_compute(self, step: "StepKV", touched_slots: torch.Tensor, full) -> None:
         """Recency of the slots the layer used and write-back of pages that became full:
@@ -490,4 +395,4 @@ class Pipeline:
         if self.mode == "sequential":
             bookkeeping()
         else:
-            self._pending.append(self._threads()[0].submit(bookkeeping))
+            self._pending.append(self.threads()[0].submit(bookkeeping))
