@@ -4,4 +4,5 @@ pyproject.toml."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"],
+                             depends=["kvstore/tiers/_pageio_ring.h"],
                              extra_compile_args=["-O3", "-Wall"])])

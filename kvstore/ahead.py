@@ -95,7 +95,11 @@ class ReuseAhead:
         last = self.reused.get(target)
         if last is None:
             return
-        keys = last[torch.isin(last, step.sparse_keys(target))]
+        # NOTE: only pages safely in the backing store (clean), of this step's sparse decodes,
+        # and none written this step: a page id freed and reused since the last step may be
+        # a page its new owner is writing, in no tier yet
+        keys = last[torch.isin(last, step.sparse_keys(target)) & store.clean[last]
+                    & ~torch.isin(last, target * store.max_pages + step.t_pid)]
         working = sum(p.keys.numel() for p in parts) + step.t_pid.numel()
         held = sum(k.numel() for k in self.held()) + (self.job[1].numel() if self.job else 0)
         cap = store.device_tier.capacity_pages

@@ -94,9 +94,6 @@ class Fetcher:
         if not locate:
             self.demote()            # the caller writes into the new slots right away
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count)
-        # NOTE: never evicted until `fill` has written them (or `forget` dropped them): a fill
-        # may still run on the fetch stage when a later resolve makes room
-        store.device_pinned[new_slots] = True
         rest_keys, rest_slots = miss, new_slots
         host_src = host_dst = _NONE
         if host is not None:
@@ -113,6 +110,9 @@ class Fetcher:
                 raise RuntimeError(f"{rest_keys.numel()} KV pages are in no tier (store bug)")
             if count:
                 store.stats.count("lookups", "disk", rest_keys.numel())
+        # NOTE: never evicted until `fill` has written them (or `forget` dropped them): a fill
+        # may still run on the fetch stage when a later resolve makes room
+        store.device_pinned[new_slots] = True
         return Resolution(slots, host_src, host_dst, rest_keys, rest_slots, count)
 
     def _make_room(self, n: int, protect: torch.Tensor) -> None:
@@ -275,7 +275,8 @@ class Fetcher:
 
     def forget(self, res: Resolution | None) -> None:
         """A fill failed (or never ran): its misses' slots hold no valid page, so drop them
-        rather than let a later lookup take them for hits. Engine thread, stage threads idle.
+        rather than let a later lookup take them for hits. On the thread that resolves (no
+        resolve runs meanwhile); a fill still running writes other slots.
         The owners of unreadable pages fail through the error; other pages are fetched again."""
         if res is None or res.misses == 0:
             return

@@ -193,6 +193,11 @@ class Pipeline:
         """Called once the step's forward is done (stage threads drained)."""
         self.calibration.end()
 
+    def protected(self, keys: torch.Tensor) -> torch.Tensor:
+        """`keys` and the pages fetched ahead for this layer and later ones (what making room
+        must not evict)."""
+        return torch.cat([keys] + self.ahead.held()) if self.ahead is not None else keys
+
     # ------------------------------------------------------------------ one layer
     def run(self, stages: LayerStages, dense_idx: list[int], dense_keys: torch.Tensor,
             sparse_idx: list[int], t_keys: torch.Tensor) -> list[LayerPart]:
@@ -204,9 +209,8 @@ class Pipeline:
         if self.ahead is not None:
             # this layer's pages fetched ahead (its compute waits for them) and those of later
             # layers stay resident
+            protect = self.protected(t_keys)
             ahead_keys, self._gate = self.ahead.take(stages.layer)
-            protect = torch.cat([t_keys] + ([ahead_keys] if ahead_keys is not None else [])
-                                + self.ahead.held())
         if mb and len(sparse_idx) > 1:
             parts = self._run_sfc(stages, dense_idx, dense_keys, sparse_idx, protect, mb)
         else:
@@ -244,7 +248,11 @@ class Pipeline:
                 if error is not None:
                     waited += self._wait(parts[k + 1:])[0]
                     break
-            compute(p.idx, p.sel, p.slots)
+            try:
+                compute(p.idx, p.sel, p.slots)
+            except BaseException:
+                self._wait(parts[k + 1:])       # no fill left running, none left unsettled
+                raise
         if waited > 1e-4:
             self.stats.add_stall("compute", waited)
         if error is not None:
@@ -342,7 +350,8 @@ class Pipeline:
     def _start_reads_job(self, stages, res: Resolution) -> Resolution:
         t0 = time.perf_counter()
         stages.start_reads(res)
-        self.stats.observe_stage("resolve", time.perf_counter() - t0)
+        # NOTE: busy time of the micro-batch's resolve stage (observed once, by the resolve)
+        self.stats.add_busy("resolve", time.perf_counter() - t0)
         return res
 
     def _resolve_job(self, stages, keys, protect, reads: bool = True) -> Resolution:

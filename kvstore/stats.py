@@ -53,6 +53,11 @@ class KVStats:
             self.selected_sum += sum(tokens)
             self.selected_count += len(tokens)
 
+    def add_busy(self, stage: str, seconds: float) -> None:
+        """More work of a micro-batch already observed in `stage`."""
+        with self._lock:
+            self.stage_busy[stage] += seconds
+
     def add_stall(self, stage: str, seconds: float) -> None:
         with self._lock:
             self.stage_stall[stage] += seconds

@@ -130,7 +130,7 @@ class StepKV:
         predicted = pipe.drain(keep_ahead=True)
         # 1. write: pages being written get device slots (new pages need no fill)
         t_keys = layer * P + self.t_pid
-        t_slots = self.fetcher.ensure(t_keys, protect=t_keys, fill=False).long()
+        t_slots = self.fetcher.ensure(t_keys, protect=pipe.protected(t_keys), fill=False).long()
         tok_slots = store.device_tier.slots(layer * P + self.tok_pid).long()
         pool[tok_slots, 0, :, self.tok_off] = k.to(pool.dtype)   # indexed view: [T, KVH, D]
         pool[tok_slots, 1, :, self.tok_off] = v.to(pool.dtype)

@@ -103,7 +103,7 @@ class TieredKVStore:
                                        dtype=torch.bool)
         # device slots a pending fill writes into (never evicted until it has)
         self.device_pinned = torch.zeros(self.device_tier.capacity_pages, dtype=torch.bool)
-        self._staging: dict[str, torch.Tensor] = {}
+        self._staging: dict[tuple[str, int], torch.Tensor] = {}
         # evicted device pages whose copy to their new host slot is still to be made:
         # (device slots, host slots), recorded by resolve, made by the fill after it
         # (Fetcher.demote)
@@ -257,11 +257,13 @@ class TieredKVStore:
         """A reused host buffer [n, 2, kvh, ps, hd] (grown on demand, never shrunk): fresh
         memory costs a page fault per 4 KB, so page copies between tiers go through these.
         One buffer per purpose ("fill": host -> device, "demote": device -> host, both
-        with a CUDA device pool; host pools copy pages directly, see copy_pages)."""
-        buf = self._staging.get(purpose)
+        with a CUDA device pool; host pools copy pages directly, see copy_pages) and per
+        thread (an inline fill on the engine thread may run beside one on the fetch thread)."""
+        key = (purpose, threading.get_ident())
+        buf = self._staging.get(key)
         if buf is None or buf.shape[0] < n:
             buf = torch.empty(max(n, 256), *self.page_shape.shape, dtype=self.page_shape.dtype)
-            self._staging[purpose] = buf
+            self._staging[key] = buf
         return buf[:n]
 
     def request_error(self, keys: torch.Tensor, message: str) -> RequestKVError:

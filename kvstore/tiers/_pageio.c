@@ -9,7 +9,8 @@
  *
  *   preadv_extents(fds, offsets, iov_ptr, iov_base, iov_len, got[, depth])
  *       extent i: preadv(fds[i], iov[iov_ptr[i]:iov_ptr[i+1]], offsets[i]); got[i] = bytes read,
- *       or -errno. iov_base holds addresses (uint64), iov_len lengths (int64). With depth > 0
+ *       or -errno. iov_base holds addresses (uint64), iov_len lengths (int64). Returns False
+ *       once io_uring has failed in this process (then pass depth 0). With depth > 0
  *       the extents go through this thread's io_uring, up to `depth` in flight (one thread
  *       keeps the disk's queue full at a few us of CPU per request, where a pool of threads
  *       each blocked in preadv costs a context switch or two per request); without io_uring
@@ -33,6 +34,7 @@
 #include <errno.h>
 #include <linux/io_uring.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -154,139 +156,7 @@ static int get_pair(PyObject *oa, Py_buffer *va, int wa, const char *na, PyObjec
     return 0;
 }
 
-/* ----------------------------------------------------------------------------- io_uring */
-/* One ring per calling thread (the disk tier's I/O threads live as long as the tier), set up
- * on first use with the raw syscalls (no liburing) and torn down when the thread exits. */
-
-#define RING_ENTRIES 128
-
-struct ring {
-    int fd;
-    unsigned *sq_head, *sq_tail, *sq_mask, *sq_array, *cq_head, *cq_tail, *cq_mask;
-    struct io_uring_sqe *sqes;
-    struct io_uring_cqe *cqes;
-    void *sq_map, *cq_map;
-    size_t sq_len, cq_len, sqes_len;
-};
-
-static pthread_key_t ring_key;
-static pthread_once_t ring_once = PTHREAD_ONCE_INIT;
-static int ring_broken;     /* io_uring unavailable: every call runs the extents in turn */
-
-static void ring_free(void *p) {
-    struct ring *r = p;
-    if (r->sqes != NULL && r->sqes != MAP_FAILED) munmap(r->sqes, r->sqes_len);
-    if (r->cq_map != NULL && r->cq_map != MAP_FAILED) munmap(r->cq_map, r->cq_len);
-    if (r->sq_map != NULL && r->sq_map != MAP_FAILED) munmap(r->sq_map, r->sq_len);
-    if (r->fd >= 0) close(r->fd);
-    free(r);
-}
-
-static void ring_key_init(void) {
-    if (pthread_key_create(&ring_key, ring_free) != 0) ring_broken = 1;
-}
-
-static struct ring *ring_get(void) {
-    pthread_once(&ring_once, ring_key_init);
-    if (ring_broken) return NULL;
-    struct ring *r = pthread_getspecific(ring_key);
-    if (r != NULL) return r;
-    struct io_uring_params p;
-    memset(&p, 0, sizeof p);
-    r = calloc(1, sizeof *r);
-    if (r == NULL) return NULL;
-    r->fd = (int)syscall(__NR_io_uring_setup, RING_ENTRIES, &p);
-    if (r->fd < 0) goto fail;
-    r->sq_len = p.sq_off.array + p.sq_entries * sizeof(unsigned);
-    r->cq_len = p.cq_off.cqes + p.cq_entries * sizeof(struct io_uring_cqe);
-    r->sqes_len = p.sq_entries * sizeof(struct io_uring_sqe);
-    r->sq_map = mmap(NULL, r->sq_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r->fd,
-                     IORING_OFF_SQ_RING);
-    r->cq_map = mmap(NULL, r->cq_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r->fd,
-                     IORING_OFF_CQ_RING);
-    r->sqes = mmap(NULL, r->sqes_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, r->fd,
-                   IORING_OFF_SQES);
-    if (r->sq_map == MAP_FAILED || r->cq_map == MAP_FAILED || r->sqes == MAP_FAILED) goto fail;
-    char *sq = r->sq_map, *cq = r->cq_map;
-    r->sq_head = (unsigned *)(sq + p.sq_off.head);
-    r->sq_tail = (unsigned *)(sq + p.sq_off.tail);
-    r->sq_mask = (unsigned *)(sq + p.sq_off.ring_mask);
-    r->sq_array = (unsigned *)(sq + p.sq_off.array);
-    r->cq_head = (unsigned *)(cq + p.cq_off.head);
-    r->cq_tail = (unsigned *)(cq + p.cq_off.tail);
-    r->cq_mask = (unsigned *)(cq + p.cq_off.ring_mask);
-    r->cqes = (struct io_uring_cqe *)(cq + p.cq_off.cqes);
-    if (pthread_setspecific(ring_key, r) != 0) goto fail;
-    return r;
-fail:
-    ring_broken = 1;
-    ring_free(r);
-    return NULL;
-}
-
-/* Extents [0, e) through the ring, at most `depth` in flight; got[i] = the completion's result.
- * Returns 0, or -1 if the ring failed before any extent was submitted (the caller then runs
- * them in turn). */
-static int ring_run(struct ring *r, int write, Py_ssize_t e, const int64_t *fds,
-                    const int64_t *offs, const int64_t *ptr, struct iovec *iov, int64_t *got,
-                    unsigned depth) {
-    Py_ssize_t next = 0, done = 0;
-    unsigned inflight = 0, queued = 0;   /* submitted and not completed; in the SQ ring */
-    if (depth > RING_ENTRIES) depth = RING_ENTRIES;
-    while (done < e) {
-        unsigned tail = *r->sq_tail;
-        while (next < e && inflight + queued < depth) {
-            unsigned idx = tail & *r->sq_mask;
-            struct io_uring_sqe *sqe = &r->sqes[idx];
-            memset(sqe, 0, sizeof *sqe);
-            sqe->opcode = write ? IORING_OP_WRITEV : IORING_OP_READV;
-            sqe->fd = (int)fds[next];
-            sqe->off = (uint64_t)offs[next];
-            sqe->addr = (uint64_t)(uintptr_t)&iov[ptr[next]];
-            sqe->len = (unsigned)(ptr[next + 1] - ptr[next]);
-            sqe->user_data = (uint64_t)next;
-            r->sq_array[idx] = idx;
-            tail++;
-            next++;
-            queued++;
-        }
-        __atomic_store_n(r->sq_tail, tail, __ATOMIC_RELEASE);
-        int n = (int)syscall(__NR_io_uring_enter, r->fd, queued, 1, IORING_ENTER_GETEVENTS,
-                             NULL, 0);
-        if (n < 0) {
-            int err = errno;
-            if (err == EINTR || err == EAGAIN || err == EBUSY) continue;
-            if (done == 0 && inflight == 0) {
-                /* nothing in flight: take back what is queued, let the caller run it all */
-                __atomic_store_n(r->sq_tail, *r->sq_head, __ATOMIC_RELEASE);
-                ring_broken = 1;
-                return -1;
-            }
-            /* NOTE: cannot happen with a working ring (the fd is ours, the SQEs valid); the
-             * extents not completed fail with the error */
-            for (Py_ssize_t i = 0; i < e; i++)
-                if (i >= next - (Py_ssize_t)queued - (Py_ssize_t)inflight) got[i] = -(int64_t)err;
-            ring_broken = 1;
-            return 0;
-        }
-        queued -= (unsigned)n;
-        inflight += (unsigned)n;
-        unsigned head = *r->cq_head;
-        unsigned ctail = __atomic_load_n(r->cq_tail, __ATOMIC_ACQUIRE);
-        for (; head != ctail; head++) {
-            struct io_uring_cqe *cqe = &r->cqes[head & *r->cq_mask];
-            got[cqe->user_data] = cqe->res;
-            inflight--;
-            done++;
-        }
-        __atomic_store_n(r->cq_head, head, __ATOMIC_RELEASE);
-    }
-    return 0;
-}
-
-static PyObject *ring_available(PyObject *self, PyObject *noargs) {
-    return PyBool_FromLong(ring_get() != NULL);
-}
+#include "_pageio_ring.h"
 
 /* ----------------------------------------------------------------------------- vectored I/O */
 
@@ -328,12 +198,12 @@ static PyObject *vector_io(PyObject *args, int write) {
             all[j].iov_base = (void *)(uintptr_t)bases[j];
             all[j].iov_len = (size_t)lens[j];
         }
-        if (ring_run(r, write, e, fds, offs, ptr, all, got, (unsigned)depth) == 0)
-            e = 0;                       /* done: the loop below has nothing left */
+        ring_run(r, write, e, fds, offs, ptr, all, got, (unsigned)depth);
     }
     free(all);
     struct iovec iov[IOV_MAX];
     for (Py_ssize_t i = 0; i < e; i++) {
+        if (r != NULL && got[i] != NOT_RUN) continue;      /* the ring did this one */
         int cnt = (int)(ptr[i + 1] - ptr[i]);
         for (int j = 0; j < cnt; j++) {
             iov[j].iov_base = (void *)(uintptr_t)bases[ptr[i] + j];
@@ -349,7 +219,7 @@ static PyObject *vector_io(PyObject *args, int write) {
     Py_END_ALLOW_THREADS
     for (int k = 0; k < held; k++)
         PyBuffer_Release(&v[k]);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(!ring_broken);
 fail:
     for (int k = 0; k < held; k++)
         PyBuffer_Release(&v[k]);

@@ -24,6 +24,7 @@ Errors are collected per extent and raised once per batch through the batch's Fu
 """
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
@@ -37,6 +38,7 @@ from kvstore.tiers.base import ALIGN, PageShape
 from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.errors import PageCorrupted, TierIOError
 
+logger = logging.getLogger(__name__)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 RING_DEPTH = 64        # extents in flight per io_uring read task
 
@@ -272,7 +274,12 @@ class ExtentIO:
             _pageio.hash_pages(vec.addrs[s0:s1], self.nbytes, hashes)
             _pageio.pwritev_extents(*io)
         else:
-            _pageio.preadv_extents(*io, ring)
+            if not _pageio.preadv_extents(*io, ring) and self.ring_depth:
+                # io_uring failed here (this batch still completed, without it): read batches
+                # go back to the pool of threads
+                self.ring_depth = 0
+                logger.warning("disk tier: io_uring failed; reading with %d threads instead",
+                               self.threads)
             _pageio.hash_pages(vec.addrs[s0:s1], self.nbytes, hashes)
         ok = vec.got[lo:hi] == vec.want[lo:hi]
         keys = job.keys[s0:s1]
