@@ -8,25 +8,20 @@ batch. Modes (`--pipeline`):
 
 - `sequential`: one stage after the other, the batch as one unit.
 - `sfc`: the sparse sequences split into micro-batches of `--micro-batch` sequences. The engine
-  thread selects and resolves micro-batch i and hands its disk reads to the resolve thread,
-  which issues them at once (so the disk works while the next one is selected, and the engine
-  thread does not make the demotion copies and extent plans that go first), while the fetch
-  thread fills i-1: the demotion copies
-  its resolve recorded, host copies, waiting for its reads (page copies and disk reads run in C
-  without the GIL). A micro-batch with nothing to fetch skips the fetch thread. Then the engine
-  thread computes each micro-batch's attention as soon as its fetch is in, while the fetch
-  thread goes on with the later ones; the rest of the layer (o_proj, MLP, the next layer's
-  projections) runs for the whole batch, as KVDrive's computation does. On a CPU, attention is a
-  per-(sequence, head) gather and SDPA with no batch-level efficiency to lose, and a disk-bound
-  fetch is longer than selection and resolution together, so overlapping it with attention too
-  is what makes the pipeline pay (bench/pipeline.py measures `sfc-whole`, KVDrive's rule of
-  computing once every fetch of the layer is in, beside it). With `resolve_thread=True`
-  resolution gets its own thread too (select i | resolve i-1 | fetch i-2, KVDrive's three-stage
-  schedule; measured slower on a 2-core CPU). Bookkeeping (recency, write-back of full pages)
-  runs on a stage thread while the engine thread goes on with the layer.
-  Across layers (`reuse_ahead`, 1 layer by default): once a layer's fetches are under way,
-  the pages the previous step selected in the next layer are fetched while this layer computes
-  (kvstore/ahead.py); the next layer still selects exactly.
+  thread selects and resolves micro-batch i and hands its disk reads to the resolve thread
+  (which makes the demotion copies and extent plan that go first and issues them at once),
+  while the fetch thread fills i-1 (demotion copies, host copies, waiting for its reads; page
+  copies and disk reads run in C without the GIL). A micro-batch with nothing to fetch skips
+  the fetch thread. The engine thread computes each micro-batch's attention as soon as its
+  fetch is in; the rest of the layer (o_proj, MLP, the next layer's projections) runs for the
+  whole batch, as KVDrive's does. On a CPU, attention has no batch-level efficiency to lose,
+  so overlapping the fetch with it too is what pays (bench/pipeline.py measures `sfc-whole`,
+  KVDrive's rule of computing once every fetch of the layer is in, beside it). With
+  `resolve_thread=True` resolution gets its own thread too (KVDrive's three-stage schedule;
+  measured slower on a 2-core CPU). Bookkeeping (recency, write-back of full pages) runs on a
+  stage thread while the engine thread goes on with the layer. Across layers (`reuse_ahead`,
+  1 layer by default), the pages the previous step selected in the next layer are fetched
+  while this layer computes (kvstore/ahead.py); the next layer still selects exactly.
 - `layer-ahead`: the model predicts layer l+1's queries from layer l's input (layer l+1's own
   q projection applied to it, as InfiniGen and KVSwap do); those pages are selected, resolved
   and fetched on the stage threads while layer l computes. Layer l+1 then selects exactly;
@@ -35,18 +30,17 @@ batch. Modes (`--pipeline`):
 For the same selections every mode attends to the same pages, so outputs are identical; only
 which pages stay resident (and so what is fetched) differs.
 
-Threading contract: tier bookkeeping (slot maps, residency, evictions, host pins) is mutated
-by one thread at a time: whichever thread resolves while a layer's pipeline runs, the engine
-thread otherwise (`drain` waits for the stage threads before the engine thread touches the tiers).
-The fetch thread moves data only, into slots reserved for it and from host slots pinned for it.
+Threading contract: tier bookkeeping (slot maps, residency, evictions, pins) is mutated by one
+thread at a time: whichever thread resolves while a layer's pipeline runs, the engine thread
+otherwise (`drain` waits for the stage threads before the engine thread touches the tiers).
+The fetch thread moves data into slots reserved (and pinned) for it, from host slots pinned for
+it, and unpins them when done (disjoint entries of the pin masks).
 
 Metrics (kvstore.stats): one `strata_stage_seconds{stage}` observation per stage per
 micro-batch, busy seconds per stage, and stall seconds: time a stage waited on the stage before
 it (the resolve thread idle for a selection, a fill waiting for its resolution, compute waiting
-for a fetch).
-
-The stage functions of a layer and the parts it is split into are in kvstore/stages.py; the
-micro-batch calibration in kvstore/calibration.py.
+for a fetch). Stage functions and layer parts: kvstore/stages.py; calibration of the
+micro-batch: kvstore/calibration.py.
 """
 from __future__ import annotations
 
@@ -194,8 +188,7 @@ class Pipeline:
         self.calibration.end()
 
     def protected(self, keys: torch.Tensor) -> torch.Tensor:
-        """`keys` and the pages fetched ahead for this layer and later ones (what making room
-        must not evict)."""
+        """`keys` and the pages fetched ahead for this layer and later ones (kept resident)."""
         return torch.cat([keys] + self.ahead.held()) if self.ahead is not None else keys
 
     # ------------------------------------------------------------------ one layer
@@ -262,8 +255,7 @@ class Pipeline:
         return slots, (cat_selected(sels) if sels else None)
 
     def _settle(self, part: LayerPart) -> BaseException | None:
-        """Wait for a part's fill; set its slots, or drop its unfilled slots and return the
-        error."""
+        """Wait for a part's fill; set its slots, or (on an error) return the error."""
         res, exc = self._settle_fill(part.filled)
         part.filled = None
         if exc is None:
