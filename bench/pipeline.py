@@ -49,6 +49,7 @@ def run(args) -> dict:
     torch.set_num_threads(args.threads)
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
+    from kvstore.calibration import CALIBRATION_CANDIDATES, CALIBRATION_STEPS
     from kvstore.pipeline import Pipeline
     from scheduler.sampling_params import SamplingParams
     from server.tokenizer import Tokenizer
@@ -64,7 +65,7 @@ def run(args) -> dict:
     modes += [("sfc", mb) for mb in args.micro_batches]
     if args.with_resolve_thread:
         modes.append(("sfc-3threads", None))
-    calib_steps = 16
+    calib_steps = (len(CALIBRATION_CANDIDATES) + 1) * CALIBRATION_STEPS
     total_steps = calib_steps + args.rounds * (args.steps + 1) * len(modes) + args.requests + 8
     eargs = EngineArgs(max_model_len=8192, max_num_seqs=args.requests,
                        max_num_batched_tokens=args.prefill_tokens, kv_device_gb=args.device_gb,
