@@ -59,8 +59,8 @@ class ReuseAhead:
             self.fetched[layer] = (keys, filled)
 
     def fills(self) -> list[Future]:
-        """Every fill in flight, for a step that ended (or failed): the caller settles them."""
-        self.collect()
+        """Every fill in flight (after `collect`), for a step that ended (or failed): the
+        caller settles them."""
         out = [f for _, f in self.fetched.values()]
         self.fetched.clear()
         return out
@@ -101,7 +101,8 @@ class ReuseAhead:
         keys = last[torch.isin(last, step.sparse_keys(target)) & store.clean[last]
                     & ~torch.isin(last, target * store.max_pages + step.t_pid)]
         working = sum(p.keys.numel() for p in parts) + step.t_pid.numel()
-        held = sum(k.numel() for k in self.held()) + (self.job[1].numel() if self.job else 0)
+        # NOTE: no resolve job is left here: `drain` collected it before this layer ran
+        held = sum(k.numel() for k in self.held())
         cap = store.device_tier.capacity_pages
         if keys.numel() == 0 or held + keys.numel() > min(cap // 2, cap - 2 * working):
             return
