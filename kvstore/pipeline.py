@@ -7,7 +7,8 @@ the misses into their slots (host copy, disk read), then **compute** attention f
 batch. Modes (`--pipeline`):
 
 - `sequential`: one stage after the other, the batch as one unit.
-- `sfc`: the sparse sequences split into micro-batches of `--micro-batch` sequences. The engine
+- `sfc`: the sequences split into micro-batches of `--micro-batch` sequences (sparse decodes
+  and dense sequences apart; in the dense first layers every sequence is dense). The engine
   thread selects and resolves micro-batch i and hands its disk reads to the resolve thread
   (which makes the demotion copies and extent plan that go first and issues them at once),
   while the fetch thread fills i-1 (demotion copies, host copies, waiting for its reads; page
