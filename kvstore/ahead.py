@@ -38,9 +38,9 @@ class ReuseAhead:
     def __init__(self, pipeline: "Pipeline", layers: int):
         self.pipe, self.layers = pipeline, layers
         self.reused: dict[int, torch.Tensor] = {}       # layer -> keys the last step selected
-        # (layer, keys, resolve job -> fill job or None) until `collect` has waited for the
-        # resolve, then layer -> (keys, fill job)
-        self.job: tuple[int, torch.Tensor, Future] | None = None
+        # (layer, resolve job -> (keys, fill job) or None) until `collect` has waited for
+        # the resolve, then layer -> (keys, fill job)
+        self.job: tuple[int, Future] | None = None
         self.fetched: dict[int, tuple[torch.Tensor, Future]] = {}
 
     def collect(self) -> None:
@@ -48,15 +48,15 @@ class ReuseAhead:
         does); its fill goes on."""
         if self.job is None:
             return
-        layer, keys, job = self.job
+        layer, job = self.job
         self.job = None
         try:
-            filled = job.result()
+            got = job.result()
         except Exception as exc:   # noqa: BLE001 - a reuse is only a hint
             logger.debug("fetch ahead failed (an exact fetch retries): %s", exc)
-            filled = None
-        if filled is not None:
-            self.fetched[layer] = (keys, filled)
+            got = None
+        if got is not None:
+            self.fetched[layer] = got
 
     def fills(self) -> list[Future]:
         """Every fill in flight (after `collect`), for a step that ended (or failed): the
@@ -74,48 +74,53 @@ class ReuseAhead:
         return [k for k, _ in self.fetched.values()]
 
     def resolving(self) -> Future | None:
-        return self.job[2] if self.job else None
+        return self.job[1] if self.job else None
 
     def issue(self, stages: LayerStages, parts: list[LayerPart], protect: torch.Tensor,
               ahead_keys: torch.Tensor | None) -> None:
         """Once layer `stages.layer`'s fetches are under way: remember the pages its sparse
         decodes selected, and fetch the pages the last step selected `layers` layers on (those
         of this step's sparse decodes). `ahead_keys`, this layer's pages fetched so, give the
-        recall (exact-selected pages fetched ahead)."""
+        recall (exact-selected pages fetched ahead). The engine thread only hands the job
+        over: choosing the pages, resolving and reading them run on the resolve thread."""
         pipe, store = self.pipe, self.pipe.store
         step, layer = stages.step, stages.layer
         sparse = [p.keys for p in parts if p.sel is not None]
-        if sparse:                          # a sparse layer (the first layers run dense)
-            exact = torch.cat(sparse)
-            if ahead_keys is not None:
-                pipe.stats.observe_lookahead(int(torch.isin(exact, ahead_keys).sum()),
-                                             exact.numel())
+        exact = torch.cat(sparse) if sparse else None     # none in the dense first layers
+        if exact is not None:
             self.reused[layer] = exact
         target = layer + self.layers
         last = self.reused.get(target)
-        if last is None:
+        if last is None and (exact is None or ahead_keys is None):
             return
-        # NOTE: only pages safely in the backing store (clean), of this step's sparse decodes,
-        # and none written this step: a page id freed and reused since the last step may be
-        # a page its new owner is writing, in no tier yet
-        keys = last[torch.isin(last, step.sparse_keys(target)) & store.clean[last]
-                    & ~torch.isin(last, target * store.max_pages + step.t_pid)]
         working = sum(p.keys.numel() for p in parts) + step.t_pid.numel()
         # NOTE: no resolve job is left here: `drain` collected it before this layer ran
         held = sum(k.numel() for k in self.held())
         cap = store.device_tier.capacity_pages
-        if keys.numel() == 0 or held + keys.numel() > min(cap // 2, cap - 2 * working):
-            return
+        room = min(cap // 2, cap - 2 * working) - held
         nxt = LayerStages(step, target, None)
-        protect = torch.cat([p.keys for p in parts] + [protect, keys])
+        protect = torch.cat([p.keys for p in parts] + [protect])
         resolver, fetcher = pipe.threads()
 
-        def resolve_job() -> Future | None:
-            """On the resolve thread, while this layer computes: resolve the reused pages,
-            start their disk reads, and queue their fill behind this layer's (or None)."""
+        def resolve_job() -> tuple[torch.Tensor, Future] | None:
+            """On the resolve thread, while this layer computes: pick the reused pages,
+            resolve them, start their disk reads, and queue their fill behind this layer's.
+            Returns (keys, fill job), or None when nothing is fetched ahead."""
+            if exact is not None and ahead_keys is not None:
+                pipe.stats.observe_lookahead(int(torch.isin(exact, ahead_keys).sum()),
+                                             exact.numel())
+            if last is None:
+                return None
+            # NOTE: only pages safely in the backing store (clean), of this step's sparse
+            # decodes, and none written this step: a page id freed and reused since the last
+            # step may be a page its new owner is writing, in no tier yet
+            keys = last[torch.isin(last, step.sparse_keys(target)) & store.clean[last]
+                        & ~torch.isin(last, target * store.max_pages + step.t_pid)]
+            if keys.numel() == 0 or keys.numel() > room:
+                return None
             t0 = time.perf_counter()
             try:
-                res = nxt.resolve(keys, protect, count=False)
+                res = nxt.resolve(keys, torch.cat([protect, keys]), count=False)
             except DeviceTierTooSmall:
                 return None
             # most recently used, so that making room for this layer's rest keeps them
@@ -125,11 +130,11 @@ class ReuseAhead:
             resolved = Future()
             if res.misses == 0:
                 resolved.set_result((res, None))
-                return resolved
+                return keys, resolved
             resolved.set_result(res)
-            return fetcher.submit(pipe.fill_job, nxt, resolved)
+            return keys, fetcher.submit(pipe.fill_job, nxt, resolved)
 
-        self.job = (target, keys, resolver.submit(resolve_job))
+        self.job = (target, resolver.submit(resolve_job))
 
 
 def prefetch_predicted(pipe: "Pipeline", stages: LayerStages, q_pred: torch.Tensor,

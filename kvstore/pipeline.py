@@ -7,7 +7,8 @@ the misses into their slots (host copy, disk read), then **compute** attention f
 batch. Modes (`--pipeline`):
 
 - `sequential`: one stage after the other, the batch as one unit.
-- `sfc`: the sparse sequences split into micro-batches of `--micro-batch` sequences. The engine
+- `sfc`: the sequences split into micro-batches of `--micro-batch` sequences (sparse decodes
+  and dense sequences apart; in the dense first layers every sequence is dense). The engine
   thread selects and resolves micro-batch i and hands its disk reads to the resolve thread
   (which makes the demotion copies and extent plan that go first and issues them at once),
   while the fetch thread fills i-1 (demotion copies, host copies, waiting for its reads; page
@@ -192,11 +193,11 @@ class Pipeline:
         return torch.cat([keys] + self.ahead.held()) if self.ahead is not None else keys
 
     # ------------------------------------------------------------------ one layer
-    def run(self, stages: LayerStages, dense_idx: list[int], dense_keys: torch.Tensor,
-            sparse_idx: list[int], t_keys: torch.Tensor) -> list[LayerPart]:
+    def run(self, stages: LayerStages, dense_idx: list[int], sparse_idx: list[int],
+            t_keys: torch.Tensor) -> list[LayerPart]:
         """Select and resolve one layer's pages, and fetch them (inline, or started on the fetch
-        thread): dense_keys are every page of the dense sequences dense_idx, sparse decodes
-        get their selected pages. Returns the layer's parts, for `finish`."""
+        thread): the dense sequences dense_idx need every page, sparse decodes their selected
+        pages. Returns the layer's parts, for `finish`."""
         mb = self._step_mb if self.mode == "sfc" else 0
         ahead_keys, protect = None, t_keys
         if self.ahead is not None:
@@ -204,10 +205,10 @@ class Pipeline:
             # layers stay resident
             protect = self.protected(t_keys)
             ahead_keys, self._gate = self.ahead.take(stages.layer)
-        if mb and len(sparse_idx) > 1:
-            parts = self._run_sfc(stages, dense_idx, dense_keys, sparse_idx, protect, mb)
+        if mb and max(len(sparse_idx), len(dense_idx)) > 1:
+            parts = self._run_sfc(stages, dense_idx, sparse_idx, protect, mb)
         else:
-            parts = self._run_sequential(stages, dense_idx, dense_keys, sparse_idx, protect)
+            parts = self._run_sequential(stages, dense_idx, sparse_idx, protect)
         if self.ahead is not None and stages.step.sparse_idx:
             self.ahead.issue(stages, parts, protect, ahead_keys)
         return parts
@@ -279,10 +280,10 @@ class Pipeline:
         errors = [e for p in parts if p.filled is not None and (e := self._settle(p))]
         return time.perf_counter() - t0, (errors[0] if errors else None)
 
-    def _run_sequential(self, stages, dense_idx, dense_keys, sparse_idx, protect):
+    def _run_sequential(self, stages, dense_idx, sparse_idx, protect):
         st = self.stats
         sel = None
-        keys = dense_keys
+        keys = dense_keys = stages.dense_keys(dense_idx)
         if sparse_idx:
             sel, sparse_keys = stages.select_keys(sparse_idx)
             keys = torch.cat([dense_keys, sparse_keys])
@@ -304,7 +305,7 @@ class Pipeline:
             parts.append(LayerPart(sparse_idx, sel, keys[n:], res.slots[n:]))
         return parts
 
-    def _run_sfc(self, stages, dense_idx, dense_keys, sparse_idx, protect_keys, mb):
+    def _run_sfc(self, stages, dense_idx, sparse_idx, protect_keys, mb):
         resolver, fetcher = self.threads()
         self._resolver_free = time.perf_counter()
         protect = [protect_keys]
@@ -331,8 +332,11 @@ class Pipeline:
             parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self.fill_job, stages,
                                                                          rf)))
 
-        if dense_idx:
-            submit(dense_idx, None, dense_keys)
+        # the dense sequences (every sequence in the first, dense layers) in micro-batches too:
+        # a part's compute overlaps the next part's fetch
+        for c in range(0, len(dense_idx), mb):
+            idx = dense_idx[c:c + mb]
+            submit(idx, None, stages.dense_keys(idx))
         for c in range(0, len(sparse_idx), mb):
             idx = sparse_idx[c:c + mb]
             sel, keys = stages.select_keys(idx)

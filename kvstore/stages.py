@@ -30,7 +30,7 @@ class LayerStages:
                observe: bool = True) -> SelectedPages:
         st = self.step
         if qd is None:
-            qd = self.q[torch.tensor([st.qo[i] for i in idx], **_I64)]
+            qd = self.q[st.query_rows(idx)]
         return st.select(self.layer, qd, idx, observe=observe)
 
     def select_keys(self, idx: list[int], qd: torch.Tensor | None = None,
@@ -41,6 +41,12 @@ class LayerStages:
         keys = self.union_keys(idx, sel)
         self.step.store.stats.observe_stage("select", time.perf_counter() - t0)
         return sel, keys
+
+    def dense_keys(self, idx: list[int]) -> torch.Tensor:
+        """Keys of every page of the sequences `idx`."""
+        st, base = self.step, self.layer * self.step.store.max_pages
+        return torch.cat([base + st.page_tensors[i] for i in idx]) if idx \
+            else torch.empty(0, **_I64)
 
     def union_keys(self, idx: list[int], sel: SelectedPages) -> torch.Tensor:
         """Keys of the pages any head selected, sequence after sequence, ascending."""

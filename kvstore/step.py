@@ -89,7 +89,7 @@ class StepKV:
         self.pipe.begin_step(len(self.sparse_idx), all(s.q_len == 1 for s in seqs))
         self._q_pred: dict[int, torch.Tensor] = {}
         self._sparse_pages: torch.Tensor | None = None
-        self._plans: dict[bool, AttentionBatch | None] = {}
+        self._rows: dict[tuple[int, ...], torch.Tensor | slice] = {}
         if cfg.sparse_budget > 0:
             st, L = store.stats, store.num_layers
             st.dense_fallbacks["prefill"] += L * sum(s.q_len > 1 for s in seqs)
@@ -149,10 +149,8 @@ class StepKV:
         sparse = layer >= store.cfg.dense_layers
         dense_idx = self.dense_idx if sparse else list(range(len(self.seqs)))
         sparse_idx = self.sparse_idx if sparse else []
-        dense_keys = torch.cat([layer * P + self.page_tensors[i] for i in dense_idx]) \
-            if dense_idx else torch.empty(0, **_I64)
         stages = LayerStages(self, layer, q)
-        parts = pipe.run(stages, dense_idx, dense_keys, sparse_idx, t_keys)
+        parts = pipe.run(stages, dense_idx, sparse_idx, t_keys)
         if layer + 1 in self._q_pred:          # layer-ahead: overlaps with this layer's compute
             pipe.prefetch(LayerStages(self, layer + 1, None), self._q_pred.pop(layer + 1),
                           self.sparse_idx, torch.cat([p.keys for p in parts] + [t_keys]))
@@ -183,7 +181,7 @@ class StepKV:
         """Every page of the sequences idx (prefills, contexts within the budget, dense
         layers); in a sparse layer, prefills ending this step also rank their pages."""
         store = self.store
-        rows = self._dense_rows(sparse)
+        rows = self.query_rows(idx)
         batch = self._dense_batch(idx, slots, sparse)
         out[rows] = store.dense_attention.forward(q[rows], store.device_tier.pool, batch, scale)
         if sparse and self.observe_idx:
@@ -194,8 +192,7 @@ class StepKV:
         """The selected pages of the sparse decodes idx (a micro-batch, or all of them)."""
         store = self.store
         pool = store.device_tier.pool
-        rows = self._sparse_rows if idx == self.sparse_idx else \
-            torch.tensor([self.qo[i] for i in idx], **_I64)
+        rows = self.query_rows(idx)
         if store.cfg.head_pages == "union":
             # every head attends to the pages any head selected (fetched anyway): the
             # dense kernel gathers 2 KB head runs of them, and a page one head missed
@@ -239,12 +236,19 @@ class StepKV:
         self.store.stats.observe_lookahead(hit, exact.numel())
 
     # ------------------------------------------------------------------------------------
-    def _dense_rows(self, sparse: bool) -> torch.Tensor:
-        key = ("rows", sparse)
-        if key not in self._plans:
-            idx = self.dense_idx if sparse else range(len(self.seqs))
-            self._plans[key] = torch.cat([torch.arange(self.qo[i], self.qo[i + 1]) for i in idx])
-        return self._plans[key]
+    def query_rows(self, idx: list[int]) -> torch.Tensor | slice:
+        """The rows of q (and of the attention output) of the sequences idx: a slice where
+        they are consecutive (decode micro-batches), else an index tensor (cached per idx)."""
+        key = tuple(idx)
+        rows = self._rows.get(key)
+        if rows is None:
+            a, b = self.qo[idx[0]], self.qo[idx[-1] + 1]
+            if b - a == sum(self.seqs[i].q_len for i in idx):
+                rows = slice(a, b)
+            else:
+                rows = torch.cat([torch.arange(self.qo[i], self.qo[i + 1]) for i in idx])
+            self._rows[key] = rows
+        return rows
 
     def _dense_batch(self, idx: list[int], slots: torch.Tensor, sparse: bool) -> AttentionBatch:
         """Page table over device slots for the dense sequences (slots in page order)."""
