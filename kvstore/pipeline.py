@@ -7,22 +7,22 @@ the misses into their slots (host copy, disk read), then **compute** attention f
 batch. Modes (`--pipeline`):
 
 - `sequential`: one stage after the other, the batch as one unit.
-- `sfc`: the sequences split into micro-batches of `--micro-batch` sequences (sparse decodes
-  and dense sequences apart; in the dense first layers every sequence is dense). The engine
-  thread selects and resolves micro-batch i and hands its disk reads to the resolve thread
-  (which makes the demotion copies and extent plan that go first and issues them at once),
-  while the fetch thread fills i-1 (demotion copies, host copies, waiting for its reads; page
-  copies and disk reads run in C without the GIL). A micro-batch with nothing to fetch skips
-  the fetch thread. The engine thread computes each micro-batch's attention as soon as its
-  fetch is in; the rest of the layer (o_proj, MLP, the next layer's projections) runs for the
-  whole batch, as KVDrive's does. On a CPU, attention has no batch-level efficiency to lose,
-  so overlapping the fetch with it too is what pays (bench/pipeline.py measures `sfc-whole`,
-  KVDrive's rule of computing once every fetch of the layer is in, beside it). With
-  `resolve_thread=True` resolution gets its own thread too (KVDrive's three-stage schedule;
-  measured slower on a 2-core CPU). Bookkeeping (recency, write-back of full pages) runs on a
-  stage thread while the engine thread goes on with the layer. Across layers (`reuse_ahead`,
-  1 layer by default), the pages the previous step selected in the next layer are fetched
-  while this layer computes (kvstore/ahead.py); the next layer still selects exactly.
+- `sfc`: sparse decodes and dense sequences (all of them in the dense first layers) split into
+  micro-batches of `--micro-batch` sequences. The engine thread selects and resolves
+  micro-batch i and hands its disk reads to the resolve thread (which makes the demotion copies
+  and extent plan that go first and issues them at once), while the fetch thread fills i-1
+  (demotion copies, host copies, waiting for its reads; page copies and disk reads run in C
+  without the GIL). A micro-batch with nothing to fetch skips the fetch thread. The engine
+  thread computes each micro-batch's attention as soon as its fetch is in; the rest of the
+  layer (projections, MLP) runs for the whole batch, as KVDrive's does. On a CPU, attention has
+  no batch-level efficiency to lose, so overlapping the fetch with it too is what pays
+  (bench/pipeline.py times KVDrive's rule, computing once every fetch of the layer is in, as
+  `sfc-whole`). With `resolve_thread=True` resolution gets its own thread (KVDrive's three
+  stages; slower on 2 cores, measured again at bc83876: 570 against 518 ms per step).
+  Bookkeeping (recency, write-back of full pages) runs on a stage thread while the engine
+  thread goes on with the layer. Across layers (`reuse_ahead`, 1 layer by default), the pages
+  the previous step selected in the next layer are fetched while this layer computes
+  (kvstore/ahead.py); it still selects exactly.
 - `layer-ahead`: the model predicts layer l+1's queries from layer l's input (layer l+1's own
   q projection applied to it, as InfiniGen and KVSwap do); those pages are selected, resolved
   and fetched on the stage threads while layer l computes. Layer l+1 then selects exactly;
@@ -179,8 +179,7 @@ class Pipeline:
         return self.calibration.chosen
 
     def begin_step(self, num_sparse: int, decode_only: bool = True) -> None:
-        """Called by each StepKV: picks the micro-batch size of this step (`decode_only`: no
-        prefill chunk in it)."""
+        """Called by each StepKV: the micro-batch size of this step (`decode_only`: no prefill)."""
         if self.mode == "sfc":
             self._step_mb = self.calibration.begin(num_sparse, decode_only)
 
@@ -332,9 +331,7 @@ class Pipeline:
             parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self.fill_job, stages,
                                                                          rf)))
 
-        # the dense sequences (every sequence in the first, dense layers) in micro-batches too:
-        # a part's compute overlaps the next part's fetch
-        for c in range(0, len(dense_idx), mb):
+        for c in range(0, len(dense_idx), mb):     # a part computes while the next fetches
             idx = dense_idx[c:c + mb]
             submit(idx, None, stages.dense_keys(idx))
         for c in range(0, len(sparse_idx), mb):

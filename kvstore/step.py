@@ -182,7 +182,7 @@ class StepKV:
         layers); in a sparse layer, prefills ending this step also rank their pages."""
         store = self.store
         rows = self.query_rows(idx)
-        batch = self._dense_batch(idx, slots, sparse)
+        batch = self._dense_batch(idx, slots)
         out[rows] = store.dense_attention.forward(q[rows], store.device_tier.pool, batch, scale)
         if sparse and self.observe_idx:
             self._observe_window(layer, q, idx, slots, scale)
@@ -250,7 +250,7 @@ class StepKV:
             self._rows[key] = rows
         return rows
 
-    def _dense_batch(self, idx: list[int], slots: torch.Tensor, sparse: bool) -> AttentionBatch:
+    def _dense_batch(self, idx: list[int], slots: torch.Tensor) -> AttentionBatch:
         """Page table over device slots for the dense sequences (slots in page order)."""
         counts = torch.tensor([self.n_pages[i] for i in idx], dtype=torch.int32)
         indptr = torch.zeros(len(idx) + 1, dtype=torch.int32)
