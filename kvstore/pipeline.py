@@ -105,8 +105,7 @@ class Pipeline:
         self._resolver: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
-        # layer-ahead: (layer, fill job -> (resolution, error))
-        self._predicted: tuple[int, Future] | None = None
+        self._predicted: tuple[int, Future] | None = None  # layer-ahead: (layer, fill job)
         self._resolver_free = 0.0                # when the resolve thread finished its last job
         self._step_mb = micro_batch
 
@@ -131,9 +130,8 @@ class Pipeline:
     def drain(self, raise_errors: bool = True, keep_ahead: bool = False):
         """Wait for the stage threads' jobs (bookkeeping, prefetch); re-raise the first error
         of a bookkeeping job (else log it). Returns (layer, keys) of a finished layer-ahead
-        prefetch, or None. Time waited counts as compute stall (the layer cannot start).
-        `keep_ahead` (at the start of a layer): sfc's fetch of the pages the last step
-        selected may go on; the layer's compute waits for it (`finish`)."""
+        prefetch, or None. Time waited counts as compute stall. `keep_ahead` (at the start of
+        a layer): sfc's fetches ahead may go on; the layer's compute waits for them (`finish`)."""
         t0 = time.perf_counter()
         errors = []
         for f in self._pending:
@@ -311,7 +309,8 @@ class Pipeline:
         parts: list[LayerPart] = []
 
         def submit(idx, sel, keys: torch.Tensor) -> None:
-            protect.append(keys)            # this and every earlier micro-batch stay resident
+            if sel is not None:             # this and every earlier micro-batch stay resident
+                protect.append(keys)
             if self.resolve_thread:
                 res = resolver.submit(self._resolve_job, stages, keys, torch.cat(protect))
             else:                           # on the engine thread, right after selection
@@ -328,9 +327,11 @@ class Pipeline:
             parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self.fill_job, stages,
                                                                          res)))
 
-        for c in range(0, len(dense_idx), mb):     # a part computes while the next fetches
-            idx = dense_idx[c:c + mb]
-            submit(idx, None, stages.dense_keys(idx))
+        # dense parts (every page known up front: all stay resident) compute while the next fetch
+        dense = [dense_idx[c:c + mb] for c in range(0, len(dense_idx), mb)]
+        protect.extend(dense_keys := [stages.dense_keys(idx) for idx in dense])
+        for idx, keys in zip(dense, dense_keys):
+            submit(idx, None, keys)
         for c in range(0, len(sparse_idx), mb):
             idx = sparse_idx[c:c + mb]
             sel, keys = stages.select_keys(idx)
@@ -358,9 +359,8 @@ class Pipeline:
             self.stats.observe_stage("resolve", t1 - t0, stall)
 
     def fill_job(self, stages, res: Resolution | Future):
-        """Fill one micro-batch (its resolution, or the job resolving it); returns (resolution
-        or None, error or None): errors are handled on the engine thread once every job of
-        the layer has ended."""
+        """Fill one micro-batch (its resolution, or the job resolving it) -> (resolution or
+        None, error or None); the engine thread handles errors once the layer's jobs end."""
         t0 = time.perf_counter()
         if isinstance(res, Future):
             try:
