@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvstore.fetcher import DeviceTierTooSmall
-from kvstore.stages import LayerPart, LayerStages
+from kvstore.stages import LayerPart, LayerStages, filled
 
 if TYPE_CHECKING:
     from kvstore.pipeline import Pipeline
@@ -127,12 +127,9 @@ class ReuseAhead:
             store.residency.touch(res.slots, step.now)
             nxt.start_reads(res)
             pipe.stats.observe_stage("resolve", time.perf_counter() - t0)
-            resolved = Future()
             if res.misses == 0:
-                resolved.set_result((res, None))
-                return keys, resolved
-            resolved.set_result(res)
-            return keys, fetcher.submit(pipe.fill_job, nxt, resolved)
+                return keys, filled(res, None)
+            return keys, fetcher.submit(pipe.fill_job, nxt, res)
 
         self.job = (target, resolver.submit(resolve_job))
 
@@ -141,8 +138,7 @@ def prefetch_predicted(pipe: "Pipeline", stages: LayerStages, q_pred: torch.Tens
                        sparse_idx: list[int], protect: torch.Tensor) -> Future:
     """Layer-ahead: select layer `stages.layer`'s pages with the predicted queries `q_pred`,
     resolve them on the resolve thread and fill them on the fetch thread (`protect`: the pages
-    of the layer computing meanwhile). The returned fill job resolves to (layer, keys,
-    resolution, error or None)."""
+    of the layer computing meanwhile). Returns the fill job (`Pipeline.fill_job`)."""
     resolver, fetcher = pipe.threads()
 
     def resolve_job():
@@ -151,19 +147,6 @@ def prefetch_predicted(pipe: "Pipeline", stages: LayerStages, q_pred: torch.Tens
         res = stages.resolve(keys, torch.cat([protect, keys]), count=False)
         stages.start_reads(res)
         pipe.stats.observe_stage("resolve", time.perf_counter() - t1)
-        return keys, res
+        return res
 
-    rf = resolver.submit(resolve_job)
-
-    def fill_job():
-        keys, res = rf.result()
-        t0 = time.perf_counter()
-        try:
-            stages.fill(res)
-            return stages.layer, keys, res, None
-        except Exception as exc:   # noqa: BLE001 - handled by Pipeline.drain (engine thread)
-            return stages.layer, keys, res, exc
-        finally:
-            pipe.stats.observe_stage("fetch", time.perf_counter() - t0)
-
-    return fetcher.submit(fill_job)
+    return fetcher.submit(pipe.fill_job, stages, resolver.submit(resolve_job))

@@ -32,6 +32,7 @@ class Resolution:
     disk_dst: torch.Tensor               # int64 device slots they go to
     counted: bool = True                 # lookups/hits counted (not for speculative prefetch)
     reads: Future | None = None          # the disk reads, once issued (`Fetcher.start_reads`)
+    keys: torch.Tensor | None = None     # the keys resolved (slots[i] holds keys[i])
 
     @property
     def misses(self) -> int:
@@ -73,7 +74,7 @@ class Fetcher:
             store.stats.count("lookups", "device", keys.numel())
             store.stats.count("hits", "device", keys.numel() - n_miss)
         if n_miss == 0:
-            return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count)
+            return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count, keys=keys)
         miss = keys[miss_mask]
         host = store.host_tier if locate else None
         in_host = hslots = None
@@ -93,7 +94,7 @@ class Fetcher:
         slots = dev.slots(keys)
         if not locate:
             self.demote()            # the caller writes into the new slots right away
-            return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count)
+            return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count, keys=keys)
         rest_keys, rest_slots = miss, new_slots
         host_src = host_dst = _NONE
         if host is not None:
@@ -113,7 +114,7 @@ class Fetcher:
         # NOTE: never evicted until `fill` has written them (or `forget` dropped them): a fill
         # may still run on the fetch stage when a later resolve makes room
         store.device_pinned[new_slots] = True
-        return Resolution(slots, host_src, host_dst, rest_keys, rest_slots, count)
+        return Resolution(slots, host_src, host_dst, rest_keys, rest_slots, count, keys=keys)
 
     def _make_room(self, n: int, protect: torch.Tensor) -> None:
         store, dev = self.store, self.store.device_tier

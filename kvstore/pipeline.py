@@ -58,7 +58,7 @@ from kvstore.ahead import ReuseAhead, prefetch_predicted
 from kvstore.calibration import MicroBatchCalibration
 from kvstore.config import PIPELINES
 from kvstore.fetcher import Fetcher, Resolution
-from kvstore.stages import ComputeFn, LayerPart, LayerStages, merge_sparse
+from kvstore.stages import ComputeFn, LayerPart, LayerStages, filled, merge_sparse
 
 if TYPE_CHECKING:
     from kvstore.step import StepKV
@@ -105,7 +105,7 @@ class Pipeline:
         self._resolver: ThreadPoolExecutor | None = None
         self._fetcher: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
-        self._predicted: Future | None = None    # layer-ahead: -> (layer, keys fetched)
+        self._predicted: tuple[int, Future] | None = None  # layer-ahead: (layer, fill job)
         self._resolver_free = 0.0                # when the resolve thread finished its last job
         self._step_mb = micro_batch
 
@@ -130,9 +130,8 @@ class Pipeline:
     def drain(self, raise_errors: bool = True, keep_ahead: bool = False):
         """Wait for the stage threads' jobs (bookkeeping, prefetch); re-raise the first error
         of a bookkeeping job (else log it). Returns (layer, keys) of a finished layer-ahead
-        prefetch, or None. Time waited counts as compute stall (the layer cannot start).
-        `keep_ahead` (at the start of a layer): sfc's fetch of the pages the last step
-        selected may go on; the layer's compute waits for it (`finish`)."""
+        prefetch, or None. Time waited counts as compute stall. `keep_ahead` (at the start of
+        a layer): sfc's fetches ahead may go on; the layer's compute waits for them (`finish`)."""
         t0 = time.perf_counter()
         errors = []
         for f in self._pending:
@@ -144,8 +143,8 @@ class Pipeline:
         if self.ahead is not None:
             self.ahead.collect()            # its resolve mutates the tiers: always waited for
             if not keep_ahead:      # a step ended (or failed) with fetches ahead in flight
-                for filled in self.ahead.fills() + [self._gate]:
-                    if filled is not None and (exc := self._settle_fill(filled)[1]) is not None:
+                for job in self.ahead.fills() + [self._gate]:
+                    if job is not None and (exc := self._settle_fill(job)[1]) is not None:
                         logger.debug("fetch ahead failed (an exact fetch retries): %s", exc)
                 self._gate = None
         # NOTE: demotions a failed resolve recorded but no fill made (the engine thread may
@@ -153,14 +152,12 @@ class Pipeline:
         Fetcher(self.store).demote()
         predicted = None
         if self._predicted is not None:
-            try:
-                layer, keys, res, exc = self._predicted.result()
-                if exc is None:
-                    predicted = (layer, keys)
-                else:
-                    Fetcher(self.store).forget(res)
-                    logger.debug("layer-ahead prefetch failed (the exact fetch retries): %s", exc)
-            except Exception as exc:   # noqa: BLE001 - a prediction is only a hint
+            layer, job = self._predicted
+            res, exc = job.result()
+            if exc is None:
+                predicted = (layer, res.keys)
+            else:           # a prediction is only a hint
+                Fetcher(self.store).forget(res)
                 logger.debug("layer-ahead prefetch failed (the exact fetch retries): %s", exc)
             self._predicted = None
         waited = time.perf_counter() - t0
@@ -269,7 +266,8 @@ class Pipeline:
         if exc is not None:
             # NOTE: a resolve of the next layer may run on the resolve thread (fetch ahead,
             # layer-ahead); tier bookkeeping is mutated by one thread at a time
-            wait([f for f in (self.ahead and self.ahead.resolving(), self._predicted) if f])
+            wait([f for f in (self.ahead and self.ahead.resolving(),
+                              self._predicted and self._predicted[1]) if f])
             Fetcher(self.store).forget(res)
         return res, exc
 
@@ -311,29 +309,29 @@ class Pipeline:
         parts: list[LayerPart] = []
 
         def submit(idx, sel, keys: torch.Tensor) -> None:
-            protect.append(keys)            # this and every earlier micro-batch stay resident
+            if sel is not None:             # this and every earlier micro-batch stay resident
+                protect.append(keys)
             if self.resolve_thread:
-                rf = resolver.submit(self._resolve_job, stages, keys, torch.cat(protect))
+                res = resolver.submit(self._resolve_job, stages, keys, torch.cat(protect))
             else:                           # on the engine thread, right after selection
-                rf = Future()
                 try:
                     res = self._resolve_job(stages, keys, torch.cat(protect), reads=False)
                 except Exception as exc:   # noqa: BLE001 - raised by finish, after the layer's jobs end
-                    rf.set_exception(exc)
-                else:
-                    if res.misses == 0:     # every page resident: nothing to hand over
-                        parts.append(LayerPart(idx, sel, keys, res.slots))
-                        return
-                    if res.disk_keys.numel():   # issued on the resolve thread meanwhile
-                        rf = resolver.submit(self._start_reads_job, stages, res)
-                    else:
-                        rf.set_result(res)
+                    parts.append(LayerPart(idx, sel, keys, filled=filled(None, exc)))
+                    return
+                if res.misses == 0:         # every page resident: nothing to hand over
+                    parts.append(LayerPart(idx, sel, keys, res.slots))
+                    return
+                if res.disk_keys.numel():   # issued on the resolve thread meanwhile
+                    res = resolver.submit(self._start_reads_job, stages, res)
             parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self.fill_job, stages,
-                                                                         rf)))
+                                                                         res)))
 
-        for c in range(0, len(dense_idx), mb):     # a part computes while the next fetches
-            idx = dense_idx[c:c + mb]
-            submit(idx, None, stages.dense_keys(idx))
+        # dense parts (every page known up front: all stay resident) compute while the next fetch
+        dense = [dense_idx[c:c + mb] for c in range(0, len(dense_idx), mb)]
+        protect.extend(dense_keys := [stages.dense_keys(idx) for idx in dense])
+        for idx, keys in zip(dense, dense_keys):
+            submit(idx, None, keys)
         for c in range(0, len(sparse_idx), mb):
             idx = sparse_idx[c:c + mb]
             sel, keys = stages.select_keys(idx)
@@ -360,14 +358,15 @@ class Pipeline:
             self._resolver_free = t1
             self.stats.observe_stage("resolve", t1 - t0, stall)
 
-    def fill_job(self, stages, rf: Future):
-        """Fill one micro-batch; returns (resolution or None, error or None): errors are
-        handled on the engine thread once every job of the layer has ended."""
+    def fill_job(self, stages, res: Resolution | Future):
+        """Fill one micro-batch (its resolution, or the job resolving it) -> (resolution or
+        None, error or None); the engine thread handles errors once the layer's jobs end."""
         t0 = time.perf_counter()
-        try:
-            res = rf.result()
-        except Exception as exc:   # noqa: BLE001 - the resolve failed: nothing to fill
-            return None, exc
+        if isinstance(res, Future):
+            try:
+                res = res.result()
+            except Exception as exc:   # noqa: BLE001 - the resolve failed: nothing to fill
+                return None, exc
         t1 = time.perf_counter()
         try:
             stages.fill(res)
@@ -383,7 +382,8 @@ class Pipeline:
         """Layer-ahead: select layer `stages.layer`'s pages with predicted queries, resolve and
         fetch them on the stage threads (the caller's layer computes meanwhile; `protect`
         holds its pages); `drain` collects them."""
-        self._predicted = prefetch_predicted(self, stages, q_pred, sparse_idx, protect)
+        self._predicted = (stages.layer,
+                           prefetch_predicted(self, stages, q_pred, sparse_idx, protect))
 
     def after_compute(self, step: "StepKV", touched_slots: torch.Tensor, full) -> None:
         """Recency of the slots the layer used and write-back of pages that became full:

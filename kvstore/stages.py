@@ -78,6 +78,13 @@ class LayerPart:
     filled: Future | None = None
 
 
+def filled(res: Resolution | None, exc: BaseException | None) -> Future:
+    """A fill job's result, (resolution, error), for a part that needs no fill job."""
+    done = Future()
+    done.set_result((res, exc))
+    return done
+
+
 # computes the attention of one part: (sequences, selection or None, device slots of its keys)
 ComputeFn = Callable[[list[int], SelectedPages | None, torch.Tensor], None]
 
