@@ -185,21 +185,19 @@ class Pipeline:
         self.calibration.end()
 
     def protected(self, keys: torch.Tensor) -> torch.Tensor:
-        """`keys` and the pages fetched ahead for this layer and later ones (kept resident)."""
+        """`keys` and the pages fetched ahead for this layer and later ones: what a layer keeps
+        resident (taken once per layer, before `run`)."""
         return torch.cat([keys] + self.ahead.held()) if self.ahead is not None else keys
 
     # ------------------------------------------------------------------ one layer
     def run(self, stages: LayerStages, dense_idx: list[int], sparse_idx: list[int],
-            t_keys: torch.Tensor) -> list[LayerPart]:
+            protect: torch.Tensor) -> list[LayerPart]:
         """Select and resolve one layer's pages, and fetch them (inline, or started on the fetch
         thread): the dense sequences dense_idx need every page, sparse decodes their selected
-        pages. Returns the layer's parts, for `finish`."""
+        pages; `protect` (`protected`) stays resident. Returns the layer's parts, for `finish`."""
         mb = self._step_mb if self.mode == "sfc" else 0
-        ahead_keys, protect = None, t_keys
-        if self.ahead is not None:
-            # this layer's pages fetched ahead (its compute waits for them) and those of later
-            # layers stay resident
-            protect = self.protected(t_keys)
+        ahead_keys = None
+        if self.ahead is not None:          # this layer's compute waits for its pages fetched ahead
             ahead_keys, self._gate = self.ahead.take(stages.layer)
         if mb and max(len(sparse_idx), len(dense_idx)) > 1:
             parts = self._run_sfc(stages, dense_idx, sparse_idx, protect, mb)

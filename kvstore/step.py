@@ -81,7 +81,6 @@ class StepKV:
                   for s, n in zip(seqs, self.n_pages)]
         self.sparse_idx = [i for i, sp in enumerate(sparse) if sp]
         self.dense_idx = [i for i, sp in enumerate(sparse) if not sp]
-        self._sparse_rows = torch.tensor([self.qo[i] for i in self.sparse_idx], **_I64)
         # prefills ending this step whose observation window ranks their pages (SnapKV)
         self.observe_idx = [i for i, s in enumerate(seqs) if s.observe and s.q_len > 1] \
             if cfg.sparse_budget > 0 and cfg.obs_window > 0 else []
@@ -99,12 +98,12 @@ class StepKV:
 
     # ------------------------------------------------------------------------------------
     @property
-    def lookahead_rows(self) -> torch.Tensor | None:
+    def lookahead_rows(self) -> torch.Tensor | slice | None:
         """Query rows of the sparse decodes when layer-ahead prefetch is on (the model then
         calls `lookahead(layer + 1, predicted q)` before each layer), else None."""
         if self.pipe.mode != "layer-ahead" or not self.sparse_idx:
             return None
-        return self._sparse_rows
+        return self.query_rows(self.sparse_idx)
 
     def sparse_keys(self, layer: int) -> torch.Tensor:
         """Keys of every page of the sparse decodes in `layer`."""
@@ -130,7 +129,8 @@ class StepKV:
         predicted = pipe.drain(keep_ahead=True)
         # 1. write: pages being written get device slots (new pages need no fill)
         t_keys = layer * P + self.t_pid
-        t_slots = self.fetcher.ensure(t_keys, protect=pipe.protected(t_keys), fill=False).long()
+        protect = pipe.protected(t_keys)        # and the pages fetched ahead
+        t_slots = self.fetcher.ensure(t_keys, protect=protect, fill=False).long()
         tok_slots = store.device_tier.slots(layer * P + self.tok_pid).long()
         pool[tok_slots, 0, :, self.tok_off] = k.to(pool.dtype)   # indexed view: [T, KVH, D]
         pool[tok_slots, 1, :, self.tok_off] = v.to(pool.dtype)
@@ -150,7 +150,7 @@ class StepKV:
         dense_idx = self.dense_idx if sparse else list(range(len(self.seqs)))
         sparse_idx = self.sparse_idx if sparse else []
         stages = LayerStages(self, layer, q)
-        parts = pipe.run(stages, dense_idx, sparse_idx, t_keys)
+        parts = pipe.run(stages, dense_idx, sparse_idx, protect)
         if layer + 1 in self._q_pred:          # layer-ahead: overlaps with this layer's compute
             pipe.prefetch(LayerStages(self, layer + 1, None), self._q_pred.pop(layer + 1),
                           self.sparse_idx, torch.cat([p.keys for p in parts] + [t_keys]))
