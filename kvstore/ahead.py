@@ -123,13 +123,17 @@ class ReuseAhead:
                 res = nxt.resolve(keys, torch.cat([protect, keys]), count=False)
             except DeviceTierTooSmall:
                 return None
-            # most recently used, so that making room for this layer's rest keeps them
-            store.residency.touch(res.slots, step.now)
-            nxt.start_reads(res)
-            pipe.stats.observe_stage("resolve", time.perf_counter() - t0)
-            if res.misses == 0:
-                return keys, filled(res, None)
-            return keys, fetcher.submit(pipe.fill_job, nxt, res)
+            try:
+                # most recently used, so that making room for this layer's rest keeps them
+                store.residency.touch(res.slots, step.now)
+                nxt.start_reads(res)
+                pipe.stats.observe_stage("resolve", time.perf_counter() - t0)
+                if res.misses == 0:
+                    return keys, filled(res, None)
+                return keys, fetcher.submit(pipe.fill_job, nxt, res)
+            except BaseException:   # no fill will run: its pins and slots must not leak
+                step.fetcher.abandon(res)
+                raise
 
         self.job = (target, resolver.submit(resolve_job))
 

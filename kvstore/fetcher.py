@@ -4,7 +4,7 @@ pages to the backing tier (asynchronous for disk, so it overlaps with compute)."
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -273,6 +273,14 @@ class Fetcher:
         if res.counted:
             store.stats.count("hits", "disk", n)
         store.stats.add_transfer("disk", "device", n * nbytes)
+
+    def abandon(self, res: Resolution) -> None:
+        """A resolution whose fill will never run (the job handing it over failed): wait
+        for its disk reads, if issued, unpin its host pages and drop its slots (`forget`)."""
+        if res.reads is not None:
+            wait([res.reads])            # no read may land in a slot given to another page
+        self.store.host_pinned[res.host_src] = False
+        self.forget(res)
 
     def forget(self, res: Resolution | None) -> None:
         """A fill failed (or never ran): its misses' slots hold no valid page, so drop them

@@ -306,7 +306,7 @@ class Pipeline:
         protect = [protect_keys]
         parts: list[LayerPart] = []
 
-        def submit(idx, sel, keys: torch.Tensor) -> None:
+        def submit(idx, sel, keys: torch.Tensor) -> bool:     # False: its resolve failed
             if sel is not None:             # this and every earlier micro-batch stay resident
                 protect.append(keys)
             if self.resolve_thread:
@@ -316,24 +316,26 @@ class Pipeline:
                     res = self._resolve_job(stages, keys, torch.cat(protect), reads=False)
                 except Exception as exc:   # noqa: BLE001 - raised by finish, after the layer's jobs end
                     parts.append(LayerPart(idx, sel, keys, filled=filled(None, exc)))
-                    return
+                    return False
                 if res.misses == 0:         # every page resident: nothing to hand over
                     parts.append(LayerPart(idx, sel, keys, res.slots))
-                    return
+                    return True
                 if res.disk_keys.numel():   # issued on the resolve thread meanwhile
                     res = resolver.submit(self._start_reads_job, stages, res)
             parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self.fill_job, stages,
                                                                          res)))
+            return True
 
         # dense parts (every page known up front: all stay resident) compute while the next fetch
         dense = [dense_idx[c:c + mb] for c in range(0, len(dense_idx), mb)]
         protect.extend(dense_keys := [stages.dense_keys(idx) for idx in dense])
-        for idx, keys in zip(dense, dense_keys):
-            submit(idx, None, keys)
+        if not all(submit(idx, None, keys) for idx, keys in zip(dense, dense_keys)):
+            return parts
         for c in range(0, len(sparse_idx), mb):
             idx = sparse_idx[c:c + mb]
             sel, keys = stages.select_keys(idx)
-            submit(idx, sel, keys)
+            if not submit(idx, sel, keys):
+                break
         return parts
 
     def _start_reads_job(self, stages, res: Resolution) -> Resolution:

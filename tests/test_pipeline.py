@@ -4,6 +4,7 @@ stage metrics, layer-ahead recall, micro-batch calibration, and a corrupt page f
 request when the fetch runs on the stage threads."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -174,3 +175,27 @@ def test_end_of_step_placement_waits_for_the_stage_threads(smollm2_dir, prompts,
     got, errors = run(engine, prompts)
     assert not errors and got == sequential[0]
     assert len(busy) > STEPS and not any(busy)
+
+
+def test_a_failed_fetch_ahead_leaks_no_pins(smollm2_dir, prompts, sequential, tmp_path):
+    # the fetch ahead's job fails after resolving its pages (here: handing the fill over);
+    # the pages it pinned and the slots it reserved are dropped, and decode goes on exactly
+    engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2)
+    pipe = engine.store.pipeline
+    fetcher = pipe.threads()[1]
+    submit, failed = fetcher.submit, []
+
+    def flaky_submit(fn, *a, **kw):
+        # only the fetch ahead hands fills over from the resolve thread
+        if threading.current_thread().name.startswith("strata-resolve") and len(failed) < 40:
+            failed.append(True)
+            raise RuntimeError("injected: the fetch thread is gone")
+        return submit(fn, *a, **kw)
+
+    fetcher.submit = flaky_submit
+    got, errors = run(engine, prompts)
+    assert not errors and got == sequential[0]
+    assert len(failed) == 40
+    store = engine.store
+    assert store.num_used_pages == 0
+    assert not bool(store.host_pinned.any()) and not bool(store.device_pinned.any())
