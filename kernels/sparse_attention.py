@@ -23,6 +23,11 @@ import torch.nn.functional as F
 from kernels.decode_upcast import Upcast, upcast_wins
 from kernels.page_table import PageTable
 
+try:
+    from kernels import _decode
+except ImportError:         # a checkout whose extensions are not built (`make setup` builds them)
+    _decode = None
+
 
 @dataclass(frozen=True)
 class _SparsePlan:
@@ -122,6 +127,73 @@ class TorchSparseDecode:
         return out.view(b, h, d).to(q.dtype)
 
     __call__ = forward
+
+
+class NativeSparseDecode:
+    """The same attention in C (kernels/_decode.c), on the CPU: each row reads its pages' K
+    and V straight from the pool once (online softmax in float32, flash-decoding's
+    recurrence), with no gathered workspace, no upcast copy, no padding, and without the GIL.
+    Other devices, dtypes or shapes go to TorchSparseDecode.
+
+    NOTE (measured, 1 thread, SmolLM2 shapes, bf16 pool, 24 rows x 64 pages of 16 tokens,
+    medians): ~1.4 ms per call against TorchSparseDecode's ~3.0 (gather ~1.0, upcast ~0.5,
+    SDPA ~1.3).
+    """
+
+    def __init__(self) -> None:
+        self._torch = TorchSparseDecode()
+
+    @staticmethod
+    def supports(q: torch.Tensor, kv_pool: torch.Tensor, group: int) -> bool:
+        return (_decode is not None and q.is_cpu and kv_pool.is_cpu
+                and kv_pool.dtype in (torch.bfloat16, torch.float32)
+                and kv_pool.is_contiguous() and q.shape[2] <= 256 and group <= 16
+                and kv_pool.shape[3] <= 64)
+
+    def forward(self, q: torch.Tensor, kv_pool: torch.Tensor, head_table: PageTable,
+                group: int, scale: float) -> torch.Tensor:
+        """q [B, H, D], kv_pool [S, 2, KVH, page_size, D] -> [B, H, D] (q's dtype)."""
+        if not self.supports(q, kv_pool, group):
+            return self._torch.forward(q, kv_pool, head_table, group, scale)
+        return self.forward_partial(q, kv_pool, head_table, group, scale)[0].to(q.dtype)
+
+    __call__ = forward
+
+    def forward_partial(self, q: torch.Tensor, kv_pool: torch.Tensor, head_table: PageTable,
+                        group: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [B, H, D] float32, log-sum-exp of each query head's scores [B, H] float32);
+        a row without pages gives out 0 and lse -inf (supported inputs only)."""
+        b, h, d = q.shape
+        kvh, ps = kv_pool.shape[2], kv_pool.shape[3]
+        rows = b * kvh
+        if h != kvh * group or head_table.batch_size != rows:
+            raise ValueError(f"q has {h} heads and the table {head_table.batch_size} rows; "
+                             f"expected {kvh} x {group} heads and {b} x {kvh} rows")
+        if ps != head_table.page_size:
+            raise ValueError(f"pool page_size {ps} != table page_size {head_table.page_size}")
+        qf = q.to(torch.float32).contiguous()
+        indptr = head_table.indptr.to(torch.int64).contiguous()
+        slots = head_table.indices.to(torch.int64).contiguous()
+        last = head_table.last_page_len.to(torch.int32).contiguous()
+        # NOTE: the C kernel trusts the table: a slot or length out of range would read
+        # outside the pool
+        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < kv_pool.shape[0]
+                                  and int(last.max()) <= ps):
+            raise ValueError(f"page table outside the pool ({kv_pool.shape[0]} slots of {ps})")
+        out = torch.empty(b, h, d, dtype=torch.float32)
+        lse = torch.empty(b, h, dtype=torch.float32)
+        _decode.sparse_decode(qf.data_ptr(), kv_pool.data_ptr(),
+                              int(kv_pool.dtype == torch.bfloat16), kvh, ps, d, group,
+                              indptr.data_ptr(), slots.data_ptr(), last.data_ptr(), rows, scale,
+                              out.data_ptr(), lse.data_ptr())
+        return out, lse
+
+
+def make_sparse_decode(device: torch.device | str) -> "NativeSparseDecode | TorchSparseDecode":
+    """The sparse decode kernel for the KV pool's device: the C one on the CPU when built."""
+    if torch.device(device).type == "cpu" and _decode is not None:
+        return NativeSparseDecode()
+    return TorchSparseDecode()
 
 
 def sparse_decode_attention(q: torch.Tensor, kv_pool: torch.Tensor, head_table: PageTable,

@@ -21,7 +21,7 @@ import torch
 
 from kernels.attention import make_attention_backend
 from kernels.page_select import make_selector
-from kernels.sparse_attention import TorchSparseDecode
+from kernels.sparse_attention import make_sparse_decode
 from kvstore.config import KVStoreConfig
 from kvstore.page_allocator import PageAllocator
 from kvstore.pipeline import Pipeline
@@ -111,7 +111,7 @@ class TieredKVStore:
         self.demote_lock = threading.Lock()
         self.selector = make_selector(cfg.selector)
         self.dense_attention = make_attention_backend(self.device)
-        self.sparse_attention = TorchSparseDecode()
+        self.sparse_attention = make_sparse_decode(self.device)
         self.stats = KVStats()
         self.pipeline = Pipeline(self, cfg.pipeline, cfg.micro_batch)
         self.placement = RecencyPlacement()

@@ -10,7 +10,9 @@ import torch
 from kernels.attention import AttentionBatch, TorchPagedAttention
 from kernels.page_select import select_pages
 from kernels.page_table import build_head_page_table
-from kernels.sparse_attention import (TorchSparseDecode, reference_sparse_decode_attention,
+from kernels.page_table import PageTable
+from kernels.sparse_attention import (NativeSparseDecode, TorchSparseDecode, _decode,
+                                      make_sparse_decode, reference_sparse_decode_attention,
                                       sparse_decode_attention)
 
 AWKWARD_LENS = [27, 61, 113, 577]
@@ -79,6 +81,74 @@ def test_random_per_head_subsets_match_reference(page_size, group, dtype, atol):
     got = sparse_decode_attention(q, pool, table, group, 0.125)
     ref = reference_sparse_decode_attention(q, pool, table, group, 0.125)
     torch.testing.assert_close(got.float(), ref, atol=atol, rtol=0)
+
+
+def test_the_cpu_store_uses_the_c_kernel():
+    assert _decode is not None, "kernels/_decode.c is not built: run `make setup`"
+    assert isinstance(make_sparse_decode("cpu"), NativeSparseDecode)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("page_size", [16, 8])
+def test_c_kernel_matches_reference_and_torch(page_size, group, dtype, atol):
+    kv_heads = 3
+    pool, slots = _pool(AWKWARD_LENS, page_size, kv_heads, dtype, seed=11)
+    sel = _random_selection(AWKWARD_LENS, page_size, kv_heads, budget=5, seed=12)
+    table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, page_size)
+    q = torch.randn(len(AWKWARD_LENS), kv_heads * group, HEAD_DIM).to(dtype)
+    got = NativeSparseDecode().forward(q, pool, table, group, 0.125)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    ref = reference_sparse_decode_attention(q, pool, table, group, 0.125)
+    torch.testing.assert_close(got.float(), ref, atol=atol, rtol=0)
+    torch.testing.assert_close(got.float(), TorchSparseDecode().forward(
+        q, pool, table, group, 0.125).float(), atol=atol, rtol=0)
+
+
+def test_c_kernel_partials_merge_by_log_sum_exp():
+    # a row's pages split in two tables (one row empty in each): the halves' (out, lse)
+    # merge to the whole row's attention, and an empty row weighs nothing
+    page_size, kv_heads, group = 16, 3, 3
+    pool, slots = _pool(AWKWARD_LENS, page_size, kv_heads, torch.float32, seed=13)
+    sel = _random_selection(AWKWARD_LENS, page_size, kv_heads, budget=6, seed=14)
+    table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, page_size)
+    q = torch.randn(len(AWKWARD_LENS), kv_heads * group, HEAD_DIM)
+    kernel = NativeSparseDecode()
+    whole = kernel.forward(q, pool, table, group, 0.125)
+    counts = table.indptr.long().diff()
+    head = counts // 2
+    head[0] = 0                                 # row 0 has every page in the tail
+    rows = []
+    for r in range(table.batch_size):
+        pages = table.pages(r)
+        rows.append((pages[:head[r]], pages[head[r]:]))
+
+    def half(which: int) -> PageTable:
+        lists = [rw[which] for rw in rows]
+        indptr = torch.tensor([0] + [len(x) for x in lists]).cumsum(0).to(torch.int32)
+        last = torch.where(torch.tensor([which == 1 or len(rw[1]) == 0 for rw in rows]),
+                           table.last_page_len, page_size).to(torch.int32)
+        return PageTable(indptr, torch.cat(lists).to(torch.int32), last, page_size)
+
+    (o1, l1), (o2, l2) = (kernel.forward_partial(q, pool, half(i), group, 0.125) for i in (0, 1))
+    assert torch.isinf(l1[0, :group]).all() and bool((o1[0, :group] == 0).all())  # row 0
+    lse = torch.logaddexp(l1, l2)
+    merged = o1 * torch.exp(l1 - lse)[..., None] + o2 * torch.exp(l2 - lse)[..., None]
+    torch.testing.assert_close(merged, whole, atol=1e-5, rtol=0)
+
+
+def test_c_kernel_rejects_tables_outside_the_pool_and_defers_other_dtypes():
+    pool, slots = _pool([27], 16, 3, torch.float32)
+    indptr, pages = _all_pages([27], 16, 3)
+    table = build_head_page_table(indptr, pages, slots, [27], 16)
+    q = torch.randn(1, 9, HEAD_DIM)
+    bad = PageTable(table.indptr, table.indices + pool.shape[0], table.last_page_len, 16)
+    with pytest.raises(ValueError, match="outside the pool"):
+        NativeSparseDecode().forward(q, pool, bad, 3, 0.125)
+    half = pool.half()                          # no C path for float16: torch computes it
+    got = NativeSparseDecode().forward(q.half(), half, table, 3, 0.125)
+    ref = reference_sparse_decode_attention(q.half(), half, table, 3, 0.125)
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=0)
 
 
 def test_head_page_table_maps_slots_and_last_page_lengths():
