@@ -29,6 +29,18 @@ except ImportError:         # a checkout whose extensions are not built (`make s
     _decode = None
 
 
+def _query_rows(q: torch.Tensor, kv_pool: torch.Tensor, head_table: PageTable,
+                group: int) -> int:
+    """The table's rows (B x KVH), checked against q's batch and heads."""
+    b, h, _ = q.shape
+    kvh = kv_pool.shape[2]
+    rows = b * kvh
+    if h != kvh * group or head_table.batch_size != rows:
+        raise ValueError(f"q has {h} heads and the table {head_table.batch_size} rows; "
+                         f"expected {kvh} x {group} heads and {b} x {kvh} rows")
+    return rows
+
+
 @dataclass(frozen=True)
 class _SparsePlan:
     rows: torch.Tensor            # [2 * R * max_pages] int64: K then V rows of
@@ -105,11 +117,8 @@ class TorchSparseDecode:
             self.plan(head_table, tuple(kv_pool.shape))
         plan = self._plan
         b, h, d = q.shape
-        kvh, ps = kv_pool.shape[2], kv_pool.shape[3]
-        rows = b * kvh
-        if h != kvh * group or head_table.batch_size != rows:
-            raise ValueError(f"q has {h} heads and the table {head_table.batch_size} rows; "
-                             f"expected {kvh} x {group} heads and {b} x {kvh} rows")
+        ps = kv_pool.shape[3]
+        rows = _query_rows(q, kv_pool, head_table, group)
         flat = kv_pool.view(-1, ps * d)                             # needs a contiguous pool
         n, run = plan.rows.shape[0], ps * d
         ws = self._workspace
@@ -166,10 +175,7 @@ class NativeSparseDecode:
         a row without pages gives out 0 and lse -inf (supported inputs only)."""
         b, h, d = q.shape
         kvh, ps = kv_pool.shape[2], kv_pool.shape[3]
-        rows = b * kvh
-        if h != kvh * group or head_table.batch_size != rows:
-            raise ValueError(f"q has {h} heads and the table {head_table.batch_size} rows; "
-                             f"expected {kvh} x {group} heads and {b} x {kvh} rows")
+        rows = _query_rows(q, kv_pool, head_table, group)
         if ps != head_table.page_size:
             raise ValueError(f"pool page_size {ps} != table page_size {head_table.page_size}")
         qf = q.to(torch.float32).contiguous()

@@ -68,16 +68,23 @@ def _random_selection(kv_lens, page_size, kv_heads, budget, seed):
     return select_pages(scores, num_pages, budget, 1, 1)
 
 
+def _random_case(page_size, group, dtype, budget, seed):
+    """A pool, a random per-head selection as a head page table, and queries: (sel, table,
+    pool, q)."""
+    kv_heads = 3
+    pool, slots = _pool(AWKWARD_LENS, page_size, kv_heads, dtype, seed=seed)
+    sel = _random_selection(AWKWARD_LENS, page_size, kv_heads, budget, seed + 1)
+    table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, page_size)
+    q = torch.randn(len(AWKWARD_LENS), kv_heads * group, HEAD_DIM).to(dtype)
+    return sel, table, pool, q
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("page_size", [16, 8])
 def test_random_per_head_subsets_match_reference(page_size, group, dtype, atol):
-    kv_heads = 3
-    pool, slots = _pool(AWKWARD_LENS, page_size, kv_heads, dtype, seed=1)
-    sel = _random_selection(AWKWARD_LENS, page_size, kv_heads, budget=5, seed=2)
+    sel, table, pool, q = _random_case(page_size, group, dtype, budget=5, seed=1)
     assert any(not torch.equal(sel.row(3, 0), sel.row(3, h)) for h in (1, 2))  # heads differ
-    table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, page_size)
-    q = torch.randn(len(AWKWARD_LENS), kv_heads * group, HEAD_DIM).to(dtype)
     got = sparse_decode_attention(q, pool, table, group, 0.125)
     ref = reference_sparse_decode_attention(q, pool, table, group, 0.125)
     torch.testing.assert_close(got.float(), ref, atol=atol, rtol=0)
@@ -92,11 +99,7 @@ def test_the_cpu_store_uses_the_c_kernel():
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("page_size", [16, 8])
 def test_c_kernel_matches_reference_and_torch(page_size, group, dtype, atol):
-    kv_heads = 3
-    pool, slots = _pool(AWKWARD_LENS, page_size, kv_heads, dtype, seed=11)
-    sel = _random_selection(AWKWARD_LENS, page_size, kv_heads, budget=5, seed=12)
-    table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, page_size)
-    q = torch.randn(len(AWKWARD_LENS), kv_heads * group, HEAD_DIM).to(dtype)
+    _, table, pool, q = _random_case(page_size, group, dtype, budget=5, seed=11)
     got = NativeSparseDecode().forward(q, pool, table, group, 0.125)
     assert got.shape == q.shape and got.dtype == q.dtype
     ref = reference_sparse_decode_attention(q, pool, table, group, 0.125)
@@ -108,11 +111,8 @@ def test_c_kernel_matches_reference_and_torch(page_size, group, dtype, atol):
 def test_c_kernel_partials_merge_by_log_sum_exp():
     # a row's pages split in two tables (one row empty in each): the halves' (out, lse)
     # merge to the whole row's attention, and an empty row weighs nothing
-    page_size, kv_heads, group = 16, 3, 3
-    pool, slots = _pool(AWKWARD_LENS, page_size, kv_heads, torch.float32, seed=13)
-    sel = _random_selection(AWKWARD_LENS, page_size, kv_heads, budget=6, seed=14)
-    table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, page_size)
-    q = torch.randn(len(AWKWARD_LENS), kv_heads * group, HEAD_DIM)
+    page_size, group = 16, 3
+    _, table, pool, q = _random_case(page_size, group, torch.float32, budget=6, seed=13)
     kernel = NativeSparseDecode()
     whole = kernel.forward(q, pool, table, group, 0.125)
     counts = table.indptr.long().diff()
