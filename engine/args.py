@@ -50,6 +50,7 @@ class EngineArgs:
     sparse_obs_reduce: str = "max"        # sum | max: how the window's queries and a group's heads combine
     sparse_prior_share: float = 0.25      # share of the selected pages kept for the prompt's top pages
     pipeline: str = "sequential"          # sparse decode stages: sequential | sfc | layer-ahead
+    residency: str = "cycle"              # which pages the device and host tiers evict: cycle | lru
     micro_batch: int = 0                  # sequences per SFC micro-batch; 0: calibrate
     kv_force_tier: str = "none"           # tests/diagnostics: evict down to host or disk every step
     threads: int = 0                      # torch intra-op threads; 0: all cores
@@ -84,7 +85,7 @@ class EngineArgs:
             dense_layers=self.dense_layers, selector=self.selector,
             head_pages=self.sparse_head_pages, obs_window=self.sparse_obs_window,
             prior_share=self.sparse_prior_share, obs_reduce=self.sparse_obs_reduce,
-            pipeline=self.pipeline,
+            pipeline=self.pipeline, residency=self.residency,
             micro_batch=self.micro_batch,
             max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier)
 

@@ -124,8 +124,9 @@ class ReuseAhead:
             except DeviceTierTooSmall:
                 return None
             try:
-                # most recently used, so that making room for this layer's rest keeps them
-                store.residency.touch(res.slots, step.now)
+                # their last use: the last step selected them (`protect` keeps them resident
+                # until their layer; if it does not select them again, they go first)
+                store.residency.touch(res.slots, store.clock_of(keys, step.now - 1))
                 nxt.start_reads(res)
                 pipe.stats.observe_stage("resolve", time.perf_counter() - t0)
                 if res.misses == 0:

@@ -7,6 +7,7 @@ from pathlib import Path
 FORCE_TIERS = ("none", "host", "disk")
 HEAD_PAGES = ("per-head", "union")
 PIPELINES = ("sequential", "sfc", "layer-ahead")
+RESIDENCY_POLICIES = ("cycle", "lru")       # kvstore/residency.py
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,7 @@ class KVStoreConfig:
     obs_reduce: str = "max"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
     head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
-    residency: str = "lru"               # --residency: lru
+    residency: str = "cycle"             # --residency: cycle | lru (device and host tiers)
     max_num_seqs: int = 16               # for per-request placement quotas
     pipeline: str = "sequential"         # --pipeline: sequential | sfc | layer-ahead
     micro_batch: int = 0                 # --micro-batch: sequences per SFC micro-batch; 0: calibrate
@@ -59,8 +60,9 @@ class KVStoreConfig:
             raise ValueError(f"--sparse-obs-reduce must be sum or max, got {self.obs_reduce!r}")
         if not 0.0 <= self.prior_share <= 1.0:
             raise ValueError(f"--sparse-prior-share must be in [0, 1], got {self.prior_share}")
-        if self.residency != "lru":
-            raise ValueError(f"--residency must be one of ('lru',), got {self.residency!r}")
+        if self.residency not in RESIDENCY_POLICIES:
+            raise ValueError(f"--residency must be one of {', '.join(RESIDENCY_POLICIES)}, "
+                             f"got {self.residency!r}")
 
     @property
     def backing(self) -> str:

@@ -104,7 +104,7 @@ class Fetcher:
                 store.stats.count("hits", "host", n)
             if n:
                 host_src, host_dst = hslots[in_host].long(), new_slots[in_host]
-                store.host_residency.touch(host_src, store.step_counter)
+                store.host_residency.touch(host_src, store.clock_of(miss[in_host]))
             rest_keys, rest_slots = miss[~in_host], new_slots[~in_host]
         if rest_keys.numel():
             if store.disk_tier is None:
@@ -130,7 +130,7 @@ class Fetcher:
             if protect.numel():
                 ps = dev.slots(protect)
                 evictable[ps[ps >= 0].long()] = False
-            victims = store.residency.victims(want, evictable)
+            victims = store.residency.victims(want, evictable, store.clock_now)
             if victims.numel() >= short:
                 break
             # pages still being written to the backing tier cannot go yet: wait for them
@@ -156,13 +156,14 @@ class Fetcher:
         if host is not None and store.backing is not host:
             absent = ~host.contains(keys)
             if bool(absent.any()):
-                hk = keys[absent]
-                self._make_host_room(hk.numel())
-                k = min(hk.numel(), host.num_free)
+                hk, ds = keys[absent], slots[absent].long()
+                admit, stamps = self._make_host_room(store.residency.last_used[ds])
+                k = min(stamps.numel(), host.num_free)
                 if k:
-                    hslots = host.alloc_slots(hk[:k]).long()
-                    store.demotions.append((slots[absent][:k].long(), hslots))
-                    store.host_residency.touch(hslots, store.step_counter)
+                    hk, ds = hk[admit][:k], ds[admit][:k]
+                    hslots = host.alloc_slots(hk).long()
+                    store.demotions.append((ds, hslots))
+                    store.host_residency.touch(hslots, stamps[:k])
                     store.stats.add_transfer("device", "host", k * store.page_shape.nbytes)
         dev.delete(keys)
         store.stats.count("evictions", "device", keys.numel())
@@ -189,17 +190,23 @@ class Fetcher:
                     buf.copy_(dev[src.to(dev.device)])
                     page_rows(host).index_copy_(0, dst, page_rows(buf))
 
-    def _make_host_room(self, n: int) -> None:
-        store, host = self.store, self.store.host_tier
-        short = n - host.num_free
-        if short <= 0:
-            return
+    def _make_host_room(self, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room in the host tier for pages demoted from the device, last used at clocks `used`
+        [k]: evicts what the host policy gives up for them. Returns (bool [k] which to admit,
+        their host stamps)."""
+        store, host, dev = self.store, self.store.host_tier, self.store.device_tier
         key_of = host.slot_keys
         # NOTE: pinned slots are the sources of fills not done yet (pipelined fetch)
-        victims = store.host_residency.victims(max(short, host.capacity_pages // 32),
-                                               (key_of >= 0) & ~store.host_pinned)
-        host.delete(key_of[victims])
-        store.stats.count("evictions", "host", victims.numel())
+        evictable = (key_of >= 0) & ~store.host_pinned
+        # pages the device tier holds too (a host hit leaves its copy): the device copy serves
+        # them, and the host gets them back if the device evicts them first
+        spare = evictable & (dev.slots(key_of.clamp(min=0)) >= 0)
+        victims, admit, stamps = store.host_residency.admit(used, evictable, spare,
+                                                            host.num_free, store.clock_now)
+        if victims.numel():
+            host.delete(key_of[victims])
+            store.stats.count("evictions", "host", victims.numel())
+        return admit, stamps
 
     def evict_host(self, keys: torch.Tensor) -> None:
         store, host = self.store, self.store.host_tier

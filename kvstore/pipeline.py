@@ -388,9 +388,10 @@ class Pipeline:
     def after_compute(self, step: "StepKV", touched_slots: torch.Tensor, full) -> None:
         """Recency of the slots the layer used and write-back of pages that became full:
         inline when sequential, else on the resolve thread (overlapping the layer's rest)."""
+        store, now = self.store, self.store.clock_now
+
         def bookkeeping():
-            store = self.store
-            store.residency.touch(touched_slots, step.now)
+            store.residency.touch(touched_slots, now)
             if full is not None:
                 step.fetcher.write_back(full[0], full[1], step.t_full_rids)
 

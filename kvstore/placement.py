@@ -29,7 +29,10 @@ class RecencyPlacement:
         cold = pids[torch.tensor(order[dev_quota:], dtype=torch.int64)]
         dev = store.device_tier
         # hot pages: most recently used on the device; cold ones: first to be evicted
-        store.residency.touch(_present(dev, store.keys_of(hot)), store.step_counter)
+        hot_keys = store.keys_of(hot)
+        hot_slots = dev.slots(hot_keys)
+        on = hot_slots >= 0
+        store.residency.touch(hot_slots[on], store.clock_of(hot_keys[on]))
         store.residency.age(_present(dev, store.keys_of(cold)))
         if warm.numel():
             # warm pages resident on the device start on host too, so eviction is free later
@@ -40,7 +43,7 @@ class RecencyPlacement:
             if k:
                 sel = ok.nonzero().squeeze(1)[:k]
                 host.put(keys[sel], dev.pool[slots[sel].long()])
-                store.host_residency.touch(host.slots(keys[sel]), store.step_counter)
+                store.host_residency.touch(host.slots(keys[sel]), store.clock_of(keys[sel]))
                 store.stats.add_transfer("device", "host", k * store.page_shape.nbytes)
 
 

@@ -127,6 +127,7 @@ class StepKV:
         pool = store.device_tier.pool                        # [S, 2, KVH, ps, D]
         # the previous layer's bookkeeping and this layer's prefetch run on the stage threads
         predicted = pipe.drain(keep_ahead=True)
+        store.clock_now = self.now * store.num_layers + layer
         # 1. write: pages being written get device slots (new pages need no fill)
         t_keys = layer * P + self.t_pid
         protect = pipe.protected(t_keys)        # and the pages fetched ahead

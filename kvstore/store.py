@@ -95,9 +95,10 @@ class TieredKVStore:
                           if cfg.disk_bytes else None)
         self.tiers = [t for t in (self.device_tier, self.host_tier, self.disk_tier) if t is not None]
         self.backing = self.tiers[-1]
-        self.residency = make_residency(cfg.residency, self.device_tier.capacity_pages)
+        self.residency = make_residency(cfg.residency, self.device_tier.capacity_pages,
+                                        num_layers)
         self.host_residency = make_residency(
-            cfg.residency, self.host_tier.capacity_pages if self.host_tier else 0)
+            cfg.residency, self.host_tier.capacity_pages if self.host_tier else 0, num_layers)
         # host slots a pending fill reads from (never evicted until the fill is done)
         self.host_pinned = torch.zeros(self.host_tier.capacity_pages if self.host_tier else 0,
                                        dtype=torch.bool)
@@ -120,6 +121,7 @@ class TieredKVStore:
         self.requests: dict[str, RequestKV] = {}
         self._next_handle = 0
         self.step_counter = 0
+        self.clock_now = 0          # layer clock (`clock_of`) of the layer being computed
         logger.info("KV store: device %.0f MiB (%d pages), host %.0f MiB, disk %.0f MiB; "
                     "backing tier %s holds %d pages x %d layers", cfg.device_bytes / 2**20,
                     self.device_tier.capacity_pages, cfg.host_bytes / 2**20,
@@ -216,6 +218,12 @@ class TieredKVStore:
         return self.allocator.free(request_id)
 
     # ---------------------------------------------------------------- helpers
+    def clock_of(self, keys: torch.Tensor, step: int | None = None) -> torch.Tensor:
+        """Layer clock of a use of `keys` in `step` (default: this one): step * layers + the
+        key's layer, the order in which a step reads them (the tiers' recency stamps)."""
+        step = self.step_counter if step is None else step
+        return step * self.num_layers + keys // self.max_pages
+
     def keys_of(self, page_ids: torch.Tensor, layers: range | None = None) -> torch.Tensor:
         """page_ids [n] -> keys [L * n] (layer-major) for every layer (or `layers`)."""
         layers = range(self.num_layers) if layers is None else layers

@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--micro-batch", type=int, default=0,
                        help="sequences per SFC micro-batch (0: calibrate on the first decode "
                             "steps)")
+    serve.add_argument("--residency", choices=("cycle", "lru"), default="cycle",
+                       help="which pages the device and host tiers evict when full: cycle "
+                            "(a step reads the layers in turn, so keep a fixed share of them: "
+                            "first pages unused for a whole step, then the most recently used) "
+                            "or lru (least recently used)")
     serve.add_argument("--kv-force-tier", choices=("none", "host", "disk"), default="none",
                        help="diagnostics: evict pages down to this tier after every step")
     serve.add_argument("--api-key", default=None,
@@ -131,6 +136,7 @@ def engine_args(args: argparse.Namespace, served_model_name: str):
               "sparse_prior_share": args.sparse_prior_share,
               "sparse_obs_reduce": args.sparse_obs_reduce,
               "pipeline": args.pipeline, "micro_batch": args.micro_batch,
+              "residency": args.residency,
               "threads": args.threads, "cache_dir": args.cache_dir}
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     return EngineArgs(**{k: v for k, v in values.items() if k in known and v is not None})
