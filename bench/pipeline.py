@@ -11,6 +11,7 @@ One process, one prefill: the modes are then timed in alternating rounds on the 
 swapped between rounds), so the noise of this shared 2-core box hits every mode alike. Before
 the rounds, SFC runs without --micro-batch and calibrates it (candidates 1, 2, 4, 8 sequences);
 the rounds use the calibrated size (and --micro-batch values given with --micro-batches).
+`sequential-lru` is sequential with --residency lru (the others run the default, cycle).
 `sfc-whole` is sfc with KVDrive's whole-batch compute (attention once every fetch of the layer
 is in) instead of each micro-batch's attention as soon as its own fetch is in; `sfc-ahead2`
 fetches the last step's pages two layers ahead instead of one, `sfc-no-ahead` not at all.
@@ -60,8 +61,8 @@ def run(args) -> dict:
     disk_path.mkdir(parents=True)
     # sfc-whole: KVDrive's rule, attention once every fetch of the layer is in (the default
     # sfc computes each micro-batch's attention as soon as its own fetch is in)
-    modes = [("sequential", 0), ("sfc", None), ("sfc-ahead2", None), ("sfc-no-ahead", None),
-             ("sfc-whole", None), ("layer-ahead", 0)]
+    modes = [("sequential", 0), ("sequential-lru", 0), ("sfc", None), ("sfc-ahead2", None),
+             ("sfc-no-ahead", None), ("sfc-whole", None), ("layer-ahead", 0)]
     modes += [("sfc", mb) for mb in args.micro_batches]
     if args.with_resolve_thread:
         modes.append(("sfc-3threads", None))
@@ -136,8 +137,10 @@ def run(args) -> dict:
         bar = tqdm(total=args.rounds * len(modes) * args.steps, desc="rounds", leave=False)
         for _ in range(args.rounds):
             for (m, mb), (name, rec) in zip(modes, per_mode.items()):
+                set_residency(store, "lru" if m == "sequential-lru" else "cycle")
                 store.pipeline.close()
-                store.pipeline = Pipeline(store, "sfc" if m.startswith("sfc") else m, mb,
+                store.pipeline = Pipeline(store, "sfc" if m.startswith("sfc") else
+                                          m.removesuffix("-lru"), mb,
                                           resolve_thread=m == "sfc-3threads",
                                           whole_batch_compute=m == "sfc-whole",
                                           reuse_ahead={"sfc-no-ahead": 0,
@@ -200,6 +203,16 @@ def run(args) -> dict:
             "rounds": args.rounds, "steps_per_round": args.steps,
             "calibrated_micro_batch": calibrated,
             "sequential_fetch_share": fetch_share, "modes": results}
+
+
+def set_residency(store, name: str) -> None:
+    """Swap the device and host tiers' residency policy (the same stamps carry over)."""
+    from kvstore.residency import make_residency
+    for attr in ("residency", "host_residency"):
+        old = getattr(store, attr)
+        new = make_residency(name, 0, store.num_layers)
+        new.last_used = old.last_used
+        setattr(store, attr, new)
 
 
 def print_table(res: dict) -> None:

@@ -7,7 +7,10 @@
  * are float32. Online softmax one page at a time (flash-decoding's recurrence), float32
  * accumulation. Reads each page's K and V once, where torch gathers them into a padded
  * workspace, upcasts and runs SDPA over the padding. An empty row yields out 0, lse -inf
- * (the half of a split attention with none of the row's pages).
+ * (the half of a split attention with none of the row's pages). With `carry`, out and lse
+ * come in holding the result over other pages (the first half of a split attention), and
+ * the row goes on from there: each row's result is then one recurrence, the same bits
+ * whatever the batch it runs in (merging the halves with torch's vectorised exp is not).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -69,14 +72,23 @@ static inline void scale_vec(float *acc, float c, int d) {
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static void attend_row(const float *q, const char *pool, int bf16, int64_t slot_bytes,
                        int64_t head_bytes, int64_t v_bytes, const int64_t *slots, int64_t n,
-                       int last, int ps, int d, int g, float scale, float *out, float *lse) {
+                       int last, int ps, int d, int g, float scale, float *out, float *lse,
+                       int carry) {
     float m[MAX_G], l[MAX_G], s[MAX_PS * MAX_G], row[MAX_D];
     const int64_t tok_bytes = (int64_t)d * (bf16 ? 2 : 4);
-    for (int j = 0; j < g; j++) {
-        m[j] = -INFINITY;
-        l[j] = 0.f;
+    if (carry) {
+        /* out normalized over the first half: the state (max lse, sum 1, acc out) */
+        for (int j = 0; j < g; j++) {
+            m[j] = lse[j];
+            l[j] = isinf(lse[j]) ? 0.f : 1.f;
+        }
+    } else {
+        for (int j = 0; j < g; j++) {
+            m[j] = -INFINITY;
+            l[j] = 0.f;
+        }
+        memset(out, 0, sizeof(float) * (size_t)g * d);
     }
-    memset(out, 0, sizeof(float) * (size_t)g * d);
     for (int64_t p = 0; p < n; p++) {
         const int ntok = p == n - 1 ? last : ps;
         const char *k = pool + slots[p] * slot_bytes + head_bytes;
@@ -120,11 +132,11 @@ static void attend_row(const float *q, const char *pool, int bf16, int64_t slot_
 
 static PyObject *sparse_decode(PyObject *self, PyObject *args) {
     unsigned long long q, pool, row_ptr, slots, last, out, lse;
-    int bf16, kvh, ps, d, g;
+    int bf16, kvh, ps, d, g, carry;
     Py_ssize_t rows;
     float scale;
-    if (!PyArg_ParseTuple(args, "KKiiiiiKKKnfKK", &q, &pool, &bf16, &kvh, &ps, &d, &g, &row_ptr,
-                          &slots, &last, &rows, &scale, &out, &lse))
+    if (!PyArg_ParseTuple(args, "KKiiiiiKKKnfKKp", &q, &pool, &bf16, &kvh, &ps, &d, &g, &row_ptr,
+                          &slots, &last, &rows, &scale, &out, &lse, &carry))
         return NULL;
     if (d < 1 || d > MAX_D || g < 1 || g > MAX_G || ps < 1 || ps > MAX_PS || kvh < 1) {
         PyErr_Format(PyExc_ValueError, "unsupported shape: head_dim %d (<= %d), group %d "
@@ -143,7 +155,7 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
         attend_row((const float *)(uintptr_t)q + r * g * d, (const char *)(uintptr_t)pool, bf16,
                    slot_bytes, (r % kvh) * head_bytes, v_bytes, sl + rp[r], rp[r + 1] - rp[r],
                    ll[r], ps, d, g, scale, (float *)(uintptr_t)out + r * g * d,
-                   (float *)(uintptr_t)lse + r * g);
+                   (float *)(uintptr_t)lse + r * g, carry);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -151,8 +163,9 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"sparse_decode", sparse_decode, METH_VARARGS,
      "sparse_decode(q, pool, bf16, kvh, page_size, head_dim, group, row_ptr, slots, last_len, "
-     "rows, scale, out, lse): addresses of contiguous buffers (q/out float32 [rows, group, D], "
-     "row_ptr/slots int64, last_len int32, lse float32 [rows, group]); without the GIL"},
+     "rows, scale, out, lse, carry): addresses of contiguous buffers (q/out float32 [rows, "
+     "group, D], row_ptr/slots int64, last_len int32, lse float32 [rows, group]; with carry, "
+     "out/lse hold a first half's result to go on from); without the GIL"},
     {NULL, NULL, 0, NULL},
 };
 

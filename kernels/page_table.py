@@ -34,6 +34,24 @@ class PageTable:
     def pages(self, i: int) -> torch.Tensor:
         return self.indices[int(self.indptr[i]):int(self.indptr[i + 1])]
 
+    def split(self, first: torch.Tensor) -> tuple["PageTable", "PageTable"]:
+        """The entries where `first` [nnz] bool is True, and the others: two tables over the
+        same rows, in the same order. A row's last_page_len goes with its last entry; in the
+        other table that row ends with a full page (page_size)."""
+        counts = (self.indptr[1:] - self.indptr[:-1]).long()
+        row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+        n_first = torch.zeros_like(counts).index_add_(0, row, first.long())
+        last_first = first[(self.indptr[1:].long() - 1).clamp(min=0)] & (counts > 0)
+        full = torch.full_like(self.last_page_len, self.page_size)
+
+        def table(n: torch.Tensor, keep: torch.Tensor, last: torch.Tensor) -> PageTable:
+            indptr = torch.zeros_like(self.indptr)
+            torch.cumsum(n, 0, out=indptr[1:])
+            return PageTable(indptr, self.indices[keep], last, self.page_size)
+
+        return (table(n_first, first, torch.where(last_first, self.last_page_len, full)),
+                table(counts - n_first, ~first, torch.where(last_first, full, self.last_page_len)))
+
 
 def build_page_table(page_ids: Sequence[Sequence[int]], kv_lens: Sequence[int], page_size: int,
                      device: torch.device | str = "cpu") -> PageTable:

@@ -170,9 +170,14 @@ class NativeSparseDecode:
     __call__ = forward
 
     def forward_partial(self, q: torch.Tensor, kv_pool: torch.Tensor, head_table: PageTable,
-                        group: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        group: int, scale: float,
+                        carry: tuple[torch.Tensor, torch.Tensor] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [B, H, D] float32, log-sum-exp of each query head's scores [B, H] float32);
-        a row without pages gives out 0 and lse -inf (supported inputs only)."""
+        a row without pages gives out 0 and lse -inf (supported inputs only). `carry`, the
+        (out, lse) of the same queries over other pages (a first half), is updated in place
+        to the attention over both: split attention, with each row's bits independent of
+        the batch it runs in."""
         b, h, d = q.shape
         kvh, ps = kv_pool.shape[2], kv_pool.shape[3]
         rows = _query_rows(q, kv_pool, head_table, group)
@@ -187,12 +192,19 @@ class NativeSparseDecode:
         if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < kv_pool.shape[0]
                                   and int(last.max()) <= ps):
             raise ValueError(f"page table outside the pool ({kv_pool.shape[0]} slots of {ps})")
-        out = torch.empty(b, h, d, dtype=torch.float32)
-        lse = torch.empty(b, h, dtype=torch.float32)
+        if carry is None:
+            out = torch.empty(b, h, d, dtype=torch.float32)
+            lse = torch.empty(b, h, dtype=torch.float32)
+        else:
+            out, lse = carry
+            if out.shape != (b, h, d) or lse.shape != (b, h) or out.dtype != torch.float32 \
+                    or lse.dtype != torch.float32 or not (out.is_contiguous()
+                                                          and lse.is_contiguous()):
+                raise ValueError("carry must be forward_partial's (out, lse) for these queries")
         _decode.sparse_decode(qf.data_ptr(), kv_pool.data_ptr(),
                               int(kv_pool.dtype == torch.bfloat16), kvh, ps, d, group,
                               indptr.data_ptr(), slots.data_ptr(), last.data_ptr(), rows, scale,
-                              out.data_ptr(), lse.data_ptr())
+                              out.data_ptr(), lse.data_ptr(), carry is not None)
         return out, lse
 
 

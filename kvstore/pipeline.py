@@ -9,16 +9,17 @@ batch. Modes (`--pipeline`):
 - `sequential`: one stage after the other, the batch as one unit.
 - `sfc`: sparse decodes and dense sequences (all of them in the dense first layers) split into
   micro-batches of `--micro-batch` sequences. The engine thread selects and resolves
-  micro-batch i and hands its disk reads to the resolve thread (which makes the demotion copies
-  and extent plan that go first and issues them at once), while the fetch thread fills i-1
-  (demotion copies, host copies, waiting for its reads; page copies and disk reads run in C
-  without the GIL). A micro-batch with nothing to fetch skips the fetch thread. The engine
-  thread computes each micro-batch's attention as soon as its fetch is in; the rest of the
-  layer (projections, MLP) runs for the whole batch, as KVDrive's does. On a CPU, attention has
-  no batch-level efficiency to lose, so overlapping the fetch with it too is what pays
-  (bench/pipeline.py times KVDrive's rule, computing once every fetch of the layer is in, as
-  `sfc-whole`). With `resolve_thread=True` resolution gets its own thread (KVDrive's three
-  stages; slower on 2 cores, measured again at bc83876: 570 against 518 ms per step).
+  micro-batch i and hands its disk reads to the resolve thread (demotion copies and extent
+  plan first, then issued at once), while the fetch thread fills i-1 (demotion copies, host
+  copies, waiting for its reads; copies and reads run in C without the GIL). A micro-batch
+  with nothing to fetch skips the fetch thread. The engine thread first attends to each
+  micro-batch's pages the last step selected too (resident once the fetch ahead below is in),
+  then to the rest as soon as its fetch is in (split attention: kernels/_decode.c goes on from
+  the first half's state, so the bits are those of every mode). Projections and MLP run for
+  the whole batch, as KVDrive's do; on a CPU attention has no batch efficiency to lose, so
+  overlapping the fetch with it too pays (`sfc-whole` in bench/pipeline.py computes once every
+  fetch of the layer is in, KVDrive's rule). `resolve_thread=True` resolves on its own thread
+  (KVDrive's three stages; slower on 2 cores: 570 against 518 ms per step at bc83876).
   Bookkeeping (recency, write-back of full pages) runs on a stage thread while the engine
   thread goes on with the layer. Across layers (`reuse_ahead`, 1 layer by default), the pages
   the previous step selected in the next layer are fetched while this layer computes
@@ -37,11 +38,9 @@ otherwise (`drain` waits for the stage threads before the engine thread touches 
 The fetch thread moves data into slots reserved (and pinned) for it, from host slots pinned for
 it, and unpins them when done (disjoint entries of the pin masks).
 
-Metrics (kvstore.stats): one `strata_stage_seconds{stage}` observation per stage per
-micro-batch, busy seconds per stage, and stall seconds: time a stage waited on the stage before
-it (the resolve thread idle for a selection, a fill waiting for its resolution, compute waiting
-for a fetch). Stage functions and layer parts: kvstore/stages.py; calibration of the
-micro-batch: kvstore/calibration.py.
+Metrics (kvstore.stats): `strata_stage_seconds{stage}` per stage per micro-batch, busy and
+stall seconds (a stage waiting on the one before it). Stage functions and layer parts:
+kvstore/stages.py; calibration of the micro-batch: kvstore/calibration.py.
 """
 from __future__ import annotations
 
@@ -49,7 +48,6 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -59,9 +57,6 @@ from kvstore.calibration import MicroBatchCalibration
 from kvstore.config import PIPELINES
 from kvstore.fetcher import Fetcher, Resolution
 from kvstore.stages import ComputeFn, LayerPart, LayerStages, filled, merge_sparse
-
-if TYPE_CHECKING:
-    from kvstore.step import StepKV
 
 logger = logging.getLogger(__name__)
 
@@ -207,12 +202,14 @@ class Pipeline:
             self.ahead.issue(stages, parts, protect, ahead_keys)
         return parts
 
-    def finish(self, parts: list[LayerPart], compute: ComputeFn
+    def finish(self, parts: list[LayerPart], compute: ComputeFn,
+               compute_early: ComputeFn | None = None
                ) -> tuple[torch.Tensor, SelectedPages | None]:
         """Compute each part once its pages are in, in order (or, with whole_batch_compute, all
-        of them once every fetch is in); waiting counts as compute stall. After a failed fetch
-        the remaining fetches are still waited for, then the first error is raised. Returns
-        (device slots of every part's keys, in order; the sparse decodes' selection)."""
+        of them once every fetch is in; else `compute_early` first runs the first half of
+        `early` parts while their fills run); waiting counts as compute stall. After a failed
+        fetch the remaining fetches are still waited for, then the first error is raised.
+        Returns (device slots of every part's keys, in order; the sparse decodes' selection)."""
         waited, error = 0.0, None
         if self._gate is not None:              # this layer's pages fetched ahead
             t0 = time.perf_counter()
@@ -226,6 +223,10 @@ class Pipeline:
             waited += w
             if error is None:
                 parts = merge_sparse(parts)
+        elif compute_early is not None and error is None:
+            for p in parts:
+                if p.early and p.filled is not None and not p.filled.done():
+                    compute_early(p)
         for k, p in enumerate(parts):
             if error is not None:
                 break
@@ -237,7 +238,7 @@ class Pipeline:
                     waited += self._wait(parts[k + 1:])[0]
                     break
             try:
-                compute(p.idx, p.sel, p.slots)
+                compute(p)
             except BaseException:
                 self._wait(parts[k + 1:])       # no fill left running, none left unsettled
                 raise
@@ -281,6 +282,7 @@ class Pipeline:
         keys = dense_keys = stages.dense_keys(dense_idx)
         if sparse_idx:
             sel, sparse_keys = stages.select_keys(sparse_idx)
+            reused = stages.reused(sparse_keys)
             keys = torch.cat([dense_keys, sparse_keys])
         t0 = time.perf_counter()
         res = stages.resolve(keys, torch.cat([keys, protect]))
@@ -297,7 +299,7 @@ class Pipeline:
         if dense_idx:
             parts.append(LayerPart(dense_idx, None, dense_keys, res.slots[:n]))
         if sparse_idx:
-            parts.append(LayerPart(sparse_idx, sel, keys[n:], res.slots[n:]))
+            parts.append(LayerPart(sparse_idx, sel, keys[n:], res.slots[n:], reused=reused))
         return parts
 
     def _run_sfc(self, stages, dense_idx, sparse_idx, protect_keys, mb):
@@ -307,23 +309,25 @@ class Pipeline:
         parts: list[LayerPart] = []
 
         def submit(idx, sel, keys: torch.Tensor) -> bool:     # False: its resolve failed
+            part = LayerPart(idx, sel, keys)
+            parts.append(part)
             if sel is not None:             # this and every earlier micro-batch stay resident
                 protect.append(keys)
+                part.reused = stages.reused(keys)
             if self.resolve_thread:
                 res = resolver.submit(self._resolve_job, stages, keys, torch.cat(protect))
             else:                           # on the engine thread, right after selection
                 try:
                     res = self._resolve_job(stages, keys, torch.cat(protect), reads=False)
                 except Exception as exc:   # noqa: BLE001 - raised by finish, after the layer's jobs end
-                    parts.append(LayerPart(idx, sel, keys, filled=filled(None, exc)))
+                    part.filled = filled(None, exc)
                     return False
+                part.resolved(res)
                 if res.misses == 0:         # every page resident: nothing to hand over
-                    parts.append(LayerPart(idx, sel, keys, res.slots))
                     return True
                 if res.disk_keys.numel():   # issued on the resolve thread meanwhile
                     res = resolver.submit(self._start_reads_job, stages, res)
-            parts.append(LayerPart(idx, sel, keys, filled=fetcher.submit(self.fill_job, stages,
-                                                                         res)))
+            part.filled = fetcher.submit(self.fill_job, stages, res)
             return True
 
         # dense parts (every page known up front: all stay resident) compute while the next fetch
@@ -385,17 +389,10 @@ class Pipeline:
         self._predicted = (stages.layer,
                            prefetch_predicted(self, stages, q_pred, sparse_idx, protect))
 
-    def after_compute(self, step: "StepKV", touched_slots: torch.Tensor, full) -> None:
-        """Recency of the slots the layer used and write-back of pages that became full:
-        inline when sequential, else on the resolve thread (overlapping the layer's rest)."""
-        store, now = self.store, self.store.clock_now
-
-        def bookkeeping():
-            store.residency.touch(touched_slots, now)
-            if full is not None:
-                step.fetcher.write_back(full[0], full[1], step.t_full_rids)
-
+    def overlap(self, job) -> None:
+        """Bookkeeping `job` of a layer: inline when sequential, else on the resolve thread
+        (overlapping the layer's rest; `drain` collects it)."""
         if self.mode == "sequential":
-            bookkeeping()
+            job()
         else:
-            self._pending.append(self.threads()[0].submit(bookkeeping))
+            self._pending.append(self.threads()[0].submit(job))

@@ -42,6 +42,15 @@ class LayerStages:
         self.step.store.stats.observe_stage("select", time.perf_counter() - t0)
         return sel, keys
 
+    def reused(self, keys: torch.Tensor) -> torch.Tensor:
+        """Which of a selection's `keys` the last step selected too (bool [n]); records this
+        step's. Split attention computes those pages first: a choice that depends on the
+        selections alone, so every mode splits alike (and gives the same bits)."""
+        store, now = self.step.store, self.step.now
+        reused = store.selected_at[keys] == now - 1
+        store.selected_at[keys] = now
+        return reused
+
     def dense_keys(self, idx: list[int]) -> torch.Tensor:
         """Keys of every page of the sequences `idx`."""
         st, base = self.step, self.layer * self.step.store.max_pages
@@ -69,13 +78,26 @@ class LayerStages:
 class LayerPart:
     """One unit of a layer's fetch and compute: the dense sequences `idx` (`sel` None: every
     page), or a micro-batch of sparse decodes. `slots` (device slots of `keys`) are set once
-    the part is filled: inline, or when `filled`, the fetch thread's (resolution or None,
-    error or None), has resolved and `Pipeline.finish` settled it."""
+    the part is resolved; `filled`, the fetch thread's (resolution or None, error or None),
+    until `Pipeline.finish` has settled it. Sparse decodes: `reused` (bool per key) marks the
+    pages the last step selected too; `early`: those are in their slots once the layer's
+    fetch ahead is in, so their half of the attention (`head`, once computed) need not wait
+    for `filled`."""
     idx: list[int]
     sel: SelectedPages | None
     keys: torch.Tensor
     slots: torch.Tensor | None = None
     filled: Future | None = None
+    reused: torch.Tensor | None = None
+    early: bool = False
+    head: object = None
+
+    def resolved(self, res: Resolution) -> None:
+        """Its pages' slots; `early` unless a reused page is still to be fetched."""
+        self.slots = res.slots
+        if self.reused is not None and res.misses and bool(self.reused.any()):
+            pending = torch.cat([res.host_dst, res.disk_dst])
+            self.early = not bool(torch.isin(res.slots[self.reused].long(), pending).any())
 
 
 def filled(res: Resolution | None, exc: BaseException | None) -> Future:
@@ -85,8 +107,8 @@ def filled(res: Resolution | None, exc: BaseException | None) -> Future:
     return done
 
 
-# computes the attention of one part: (sequences, selection or None, device slots of its keys)
-ComputeFn = Callable[[list[int], SelectedPages | None, torch.Tensor], None]
+# computes the attention of one part (its pages are in its slots); or, the early half
+ComputeFn = Callable[[LayerPart], None]
 
 
 def merge_sparse(parts: list[LayerPart]) -> list[LayerPart]:
@@ -97,4 +119,6 @@ def merge_sparse(parts: list[LayerPart]) -> list[LayerPart]:
         return parts
     return [p for p in parts if p.sel is None] + [LayerPart(
         [i for p in sparse for i in p.idx], cat_selected([p.sel for p in sparse]),
-        torch.cat([p.keys for p in sparse]), torch.cat([p.slots for p in sparse]))]
+        torch.cat([p.keys for p in sparse]), torch.cat([p.slots for p in sparse]),
+        reused=None if any(p.reused is None for p in sparse)
+        else torch.cat([p.reused for p in sparse]))]

@@ -17,8 +17,9 @@ from kernels.attention import AttentionBatch
 from kernels.page_select import select_pages, window_page_mass
 from kernels.page_summary import summarize_pages
 from kernels.page_table import PageTable
+from kernels.sparse_attention import NativeSparseDecode
 from kvstore.fetcher import Fetcher
-from kvstore.stages import LayerStages
+from kvstore.stages import LayerPart, LayerStages
 
 _I64 = dict(dtype=torch.int64)
 
@@ -159,22 +160,29 @@ class StepKV:
         # 4. compute over device slots, part by part as the pipeline hands them over
         out = torch.empty_like(q)
 
-        def compute(idx: list[int], sel, slots: torch.Tensor) -> None:
+        def compute(p: LayerPart, early: bool = False) -> None:
             t0 = time.perf_counter()
-            if sel is None:
-                self._attend_dense(layer, q, out, idx, slots, sparse, scale)
+            if p.sel is None:
+                self._attend_dense(layer, q, out, p.idx, p.slots, sparse, scale)
             else:
-                self._attend_sparse(q, out, idx, sel, slots, scale)
+                self._attend_sparse(q, out, p, scale, early)
             store.stats.observe_stage("compute", time.perf_counter() - t0)
 
-        slots_all, sel = pipe.finish(parts, compute)
+        slots_all, sel = pipe.finish(parts, compute, lambda p: compute(p, early=True))
         if predicted is not None and sel is not None:
             self._observe_lookahead(layer, sel, predicted)
 
         # 5. bookkeeping (overlaps with the rest of the layer when pipelined): recency, and
         # pages that became full go to the backing tier (once)
+        touched, now = torch.cat([slots_all, t_slots.int()]), store.clock_now
         full = (t_keys[self.t_full], t_slots[self.t_full]) if self.t_full_rids else None
-        pipe.after_compute(self, torch.cat([slots_all, t_slots.int()]), full)
+
+        def bookkeeping():
+            store.residency.touch(touched, now)
+            if full is not None:
+                self.fetcher.write_back(full[0], full[1], self.t_full_rids)
+
+        pipe.overlap(bookkeeping)
         return out
 
     def _attend_dense(self, layer: int, q: torch.Tensor, out: torch.Tensor, idx: list[int],
@@ -188,25 +196,44 @@ class StepKV:
         if sparse and self.observe_idx:
             self._observe_window(layer, q, idx, slots, scale)
 
-    def _attend_sparse(self, q: torch.Tensor, out: torch.Tensor, idx: list[int], sel,
-                       slots: torch.Tensor, scale: float) -> None:
-        """The selected pages of the sparse decodes idx (a micro-batch, or all of them)."""
+    def _attend_sparse(self, q: torch.Tensor, out: torch.Tensor, part: LayerPart, scale: float,
+                       early: bool = False) -> None:
+        """The selected pages of the sparse decodes part.idx (a micro-batch, or all of them).
+        With the C kernel, each row attends first to its pages the last step selected too (and
+        the partial last page), then goes on over the others: `early` computes only the first
+        half (into part.head), while the others are fetched."""
         store = self.store
         pool = store.device_tier.pool
+        idx, sel = part.idx, part.sel
         rows = self.query_rows(idx)
         if store.cfg.head_pages == "union":
             # every head attends to the pages any head selected (fetched anyway): the
             # dense kernel gathers 2 KB head runs of them, and a page one head missed
             # still counts
-            table = self._union_table(idx, sel, slots)
+            table = self._union_table(idx, sel, part.slots)
             batch = AttentionBatch(torch.arange(len(idx) + 1, dtype=torch.int32),
                                    table, torch.empty(0, **_I64))
             out[rows] = store.dense_attention.forward(q[rows], pool, batch, scale)
-        else:
-            table = self._sparse_table(idx, sel, slots)
-            kvh = store.page_shape.num_kv_heads
-            out[rows] = store.sparse_attention.forward(q[rows], pool, table,
-                                                       q.shape[1] // kvh, scale)
+            return
+        kernel, qr = store.sparse_attention, q[rows]
+        group = q.shape[1] // store.page_shape.num_kv_heads
+        if part.reused is None or not isinstance(kernel, NativeSparseDecode) \
+                or not kernel.supports(qr, pool, group):
+            table, _ = self._sparse_table(idx, sel, part.slots)
+            out[rows] = kernel.forward(qr, pool, table, group, scale)
+            return
+        if part.head is None:
+            table, pos = self._sparse_table(idx, sel, part.slots)
+            first = part.reused[pos]
+            first[table.indptr[1:].long() - 1] = True        # the partial page: resident
+            head, rest = table.split(first)
+            part.head = (kernel.forward_partial(qr, pool, head, group, scale), rest)
+        if early:
+            return
+        first_half, rest = part.head
+        part.head = None
+        out[rows] = kernel.forward_partial(qr, pool, rest, group, scale,
+                                           carry=first_half)[0].to(q.dtype)
 
     def _observe_window(self, layer: int, q: torch.Tensor, dense_idx: list[int],
                         slots: torch.Tensor, scale: float) -> None:
@@ -286,9 +313,11 @@ class StepKV:
         store.stats.observe_selected((per_row - partial.repeat_interleave(kvh)).tolist())
         return sel
 
-    def _sparse_table(self, idx: list[int], sel, union_slots: torch.Tensor) -> PageTable:
+    def _sparse_table(self, idx: list[int], sel, union_slots: torch.Tensor
+                      ) -> tuple[PageTable, torch.Tensor]:
         """Per (sequence, KV head) rows over device slots: row b * KVH + h lists the slots of
-        the pages head h of sequence b selected (ascending; the partial last page is last)."""
+        the pages head h of sequence b selected (ascending; the partial last page is last).
+        Returns (the table, each entry's position among the union keys)."""
         kvh = self.store.page_shape.num_kv_heads
         pmax = max(self.n_pages[i] for i in idx) + 1
         b_of_union = torch.repeat_interleave(torch.arange(len(idx)),
@@ -299,7 +328,7 @@ class StepKV:
         pos = torch.searchsorted(union_global, b_of_entry * pmax + sel.page_indices)
         last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
         return PageTable(sel.indptr.to(torch.int32), union_slots[pos].to(torch.int32),
-                         last.repeat_interleave(kvh), self.store.cfg.page_size)
+                         last.repeat_interleave(kvh), self.store.cfg.page_size), pos
 
     def _union_table(self, idx: list[int], sel, union_slots: torch.Tensor) -> PageTable:
         """One row per sequence over the union of its heads' pages (the partial page last)."""

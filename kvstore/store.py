@@ -118,6 +118,8 @@ class TieredKVStore:
         self.placement = RecencyPlacement()
         # True where the key's page is safely in the backing tier (evictable from faster tiers)
         self.clean = torch.zeros(max_keys, dtype=torch.bool)
+        # the last step whose sparse decode selected the key's page (kvstore.stages.reused)
+        self.selected_at = torch.full((max_keys,), -1, dtype=torch.int64)
         self.requests: dict[str, RequestKV] = {}
         self._next_handle = 0
         self.step_counter = 0

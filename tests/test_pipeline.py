@@ -73,6 +73,21 @@ def make_mode(folder, tmp_path, mode: str, micro_batch: int, **kw) -> LLMEngine:
     return engine
 
 
+def count_early_halves(engine: LLMEngine) -> list:
+    """Records each part whose first half of attention ran before its fill was in."""
+    pipe, early = engine.store.pipeline, []
+    finish = pipe.finish
+
+    def counting(parts, compute, compute_early=None):
+        def first_half(p):
+            early.append(p)
+            compute_early(p)
+        return finish(parts, compute, compute_early and first_half)
+
+    pipe.finish = counting
+    return early
+
+
 @pytest.mark.parametrize("mode,micro_batch", [("sfc", 1), ("sfc", 3), ("sfc", 4),
                                               ("sfc-whole", 2), ("sfc-no-ahead", 2),
                                               ("sfc-ahead2", 3),
@@ -81,6 +96,7 @@ def test_every_mode_gives_the_same_output_and_selections(smollm2_dir, prompts, s
                                                          tmp_path, mode, micro_batch):
     seq_out, seq_stats = sequential
     engine = make_mode(smollm2_dir, tmp_path, mode, micro_batch)
+    early = count_early_halves(engine)
     got, errors = run(engine, prompts)
     assert not errors
     assert got == seq_out
@@ -100,6 +116,9 @@ def test_every_mode_gives_the_same_output_and_selections(smollm2_dir, prompts, s
         per_layer = -(-len(prompts) // micro_batch)
         assert st.stage_count["select"] >= STEPS * 20 * per_layer
         assert st.stage_stall.get("compute", 0) > 0
+    if mode in ("sfc", "sfc-no-ahead", "sfc-ahead2"):
+        # attention over the pages the last step selected too ran while the rest was fetched
+        assert early
     if mode == "sfc-no-ahead":
         assert st.lookahead_exact == 0
     else:

@@ -137,6 +137,58 @@ def test_c_kernel_partials_merge_by_log_sum_exp():
     torch.testing.assert_close(merged, whole, atol=1e-5, rtol=0)
 
 
+def _rows(table: PageTable, r0: int, r1: int) -> PageTable:
+    """Rows r0..r1 of a table as a table of their own."""
+    a, b = int(table.indptr[r0]), int(table.indptr[r1])
+    return PageTable(table.indptr[r0:r1 + 1] - a, table.indices[a:b],
+                     table.last_page_len[r0:r1], table.page_size)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_c_kernel_goes_on_from_a_first_half_with_the_same_bits_in_any_batch(dtype, atol):
+    """Split attention as the store runs it: each row's pages the last step selected first
+    (any subset, with the partial last page), then the rest carried on from that state. The
+    result is the whole rows' attention, and a row's bits do not depend on the batch it runs
+    in (sequential attends the whole batch at once, sfc a micro-batch at a time)."""
+    page_size, group, kvh = 16, 3, 3
+    _, table, pool, q = _random_case(page_size, group, dtype, budget=6, seed=17)
+    kernel = NativeSparseDecode()
+    gen = torch.Generator().manual_seed(5)
+    first = torch.rand(table.indices.numel(), generator=gen) < 0.6
+    first[table.indptr[1:].long() - 1] = True            # the partial page goes first
+
+    def split_attention(qs, tab, mask):
+        head, rest = tab.split(mask)
+        carry = kernel.forward_partial(qs, pool, head, group, 0.125)
+        return kernel.forward_partial(qs, pool, rest, group, 0.125, carry=carry)[0]
+
+    got = split_attention(q, table, first)
+    whole = kernel.forward(q, pool, table, group, 0.125).float()
+    torch.testing.assert_close(got, whole, atol=atol, rtol=0)
+    for b in range(q.shape[0]):
+        sub = _rows(table, b * kvh, (b + 1) * kvh)
+        a, e = int(table.indptr[b * kvh]), int(table.indptr[(b + 1) * kvh])
+        assert torch.equal(split_attention(q[b:b + 1], sub, first[a:e]), got[b:b + 1])
+    # nothing left for the second half: the first half's result, bit for bit
+    every = torch.ones_like(first)
+    head_only = kernel.forward_partial(q, pool, table, group, 0.125)[0]
+    assert torch.equal(split_attention(q, table, every), head_only)
+    with pytest.raises(ValueError, match="carry"):
+        kernel.forward_partial(q, pool, table, group, 0.125,
+                               carry=(head_only[:1], torch.zeros(1, q.shape[1])))
+
+
+def test_page_table_split_keeps_order_and_moves_the_partial_page_length():
+    t = PageTable(torch.tensor([0, 3, 5, 6], dtype=torch.int32),
+                  torch.tensor([10, 11, 12, 20, 21, 30], dtype=torch.int32),
+                  torch.tensor([5, 7, 9], dtype=torch.int32), 16)
+    a, b = t.split(torch.tensor([True, False, True, False, False, True]))
+    assert a.indptr.tolist() == [0, 2, 2, 3] and a.indices.tolist() == [10, 12, 30]
+    assert b.indptr.tolist() == [0, 1, 3, 3] and b.indices.tolist() == [11, 20, 21]
+    # a row's last entry keeps its length; the other half of that row ends with a full page
+    assert a.last_page_len.tolist() == [5, 16, 9] and b.last_page_len.tolist() == [16, 7, 16]
+
+
 def test_c_kernel_rejects_tables_outside_the_pool_and_defers_other_dtypes():
     pool, slots = _pool([27], 16, 3, torch.float32)
     indptr, pages = _all_pages([27], 16, 3)
