@@ -107,8 +107,7 @@ class Pipeline:
     # ------------------------------------------------------------------ threads
     def threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         if self._resolver is None:
-            # NOTE: inference mode is per thread; the engine thread's buffers (made under it)
-            # can only be updated in place under it
+            # NOTE: inference mode is per thread (in-place updates of the engine's buffers)
             self._resolver = ThreadPoolExecutor(1, thread_name_prefix="strata-resolve",
                                                 initializer=_enter_inference_mode)
             self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="strata-fetch",
@@ -224,9 +223,13 @@ class Pipeline:
             if error is None:
                 parts = merge_sparse(parts)
         elif compute_early is not None and error is None:
-            for p in parts:
-                if p.early and p.filled is not None and not p.filled.done():
-                    compute_early(p)
+            try:
+                for p in parts:
+                    if p.early and p.filled is not None and not p.filled.done():
+                        compute_early(p)
+            except BaseException:
+                self._wait(parts)               # no fill left running, none left unsettled
+                raise
         for k, p in enumerate(parts):
             if error is not None:
                 break
@@ -263,8 +266,7 @@ class Pipeline:
         are dropped."""
         res, exc = filled.result()
         if exc is not None:
-            # NOTE: a resolve of the next layer may run on the resolve thread (fetch ahead,
-            # layer-ahead); tier bookkeeping is mutated by one thread at a time
+            # NOTE: a next layer's resolve may run meanwhile (one tier mutator at a time)
             wait([f for f in (self.ahead and self.ahead.resolving(),
                               self._predicted and self._predicted[1]) if f])
             Fetcher(self.store).forget(res)

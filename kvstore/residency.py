@@ -6,8 +6,8 @@ buffer or KVDrive's score lookahead plug in here.
 
 Stamps are layer clocks (`TieredKVStore.clock_of`: step * layers + layer). A decode step
 reads each layer's pages once, layer after layer, so a tier that cannot hold a step's pages
-sees a cycle: LRU then evicts exactly the page needed next (measured on the pipeline bench:
-3% host hits). `cycle`, the default, evicts the page needed last instead.
+sees a cycle: LRU then evicts exactly the page needed next (on bench/pipeline.py:
+1-3% host hits). `cycle`, the default, evicts the page needed last instead.
 """
 from __future__ import annotations
 

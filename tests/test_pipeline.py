@@ -252,3 +252,36 @@ def test_a_failed_fetch_ahead_leaks_no_pins(smollm2_dir, prompts, sequential, tm
     store = engine.store
     assert store.num_used_pages == 0
     assert not bool(store.host_pinned.any()) and not bool(store.device_pinned.any())
+
+
+def test_a_failing_early_half_waits_for_the_fills_and_leaks_nothing(smollm2_dir, prompts,
+                                                                     tmp_path, monkeypatch):
+    # attention over the pages selected last step fails while the rest is being fetched: the
+    # error leaves the layer only once its fills have ended; the step's requests fail, and
+    # no pin, slot or page is left behind
+    from kvstore.step import StepKV
+    engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2)
+    pipe = engine.store.pipeline
+    attend, finish, raised, in_flight = StepKV._attend_sparse, pipe.finish, [], []
+
+    def failing(self, q, out, part, scale, early=False):
+        if early and not raised:
+            raised.append(True)
+            raise RuntimeError("injected: early half failed")
+        return attend(self, q, out, part, scale, early)
+
+    def watched(parts, *a):
+        try:
+            return finish(parts, *a)
+        except RuntimeError:
+            in_flight.extend(p for p in parts if p.filled is not None and not p.filled.done())
+            raise
+
+    monkeypatch.setattr(StepKV, "_attend_sparse", failing)
+    pipe.finish = watched
+    got, errors = run(engine, prompts)
+    assert raised and not in_flight
+    assert errors and all("injected" in e for e in errors.values())
+    store = engine.store
+    assert store.num_used_pages == 0
+    assert not bool(store.host_pinned.any()) and not bool(store.device_pinned.any())
