@@ -75,23 +75,22 @@ def test_cycle_evicts_pages_that_dropped_out_of_the_selection_first():
 
 def test_cycle_admits_demoted_pages_by_their_next_use():
     """The host's side: a page demoted from the device competes with the residents by when it
-    is next needed; stale residents go first, then copies the device holds too."""
+    is next needed; stale residents go first, copies the device holds too last."""
     pol = CycleResidency(6, period=10)
     pol.touch(torch.arange(6), torch.tensor([100, 95, 103, 104, 105, 106]))
     now = 106
     evictable = torch.ones(6, dtype=torch.bool)
-    spare = torch.tensor([False, False, False, True, False, False])
-    # two pages come in, last used at 101 and 107: slot 1 is stale (unused for a period),
-    # slot 3 a spare copy; both go, both pages are admitted
-    victims, admit, stamps = pol.admit(torch.tensor([101, 107]), evictable, spare, 0, now)
-    assert sorted(victims.tolist()) == [1, 3] and admit.tolist() == [True, True]
-    assert stamps.tolist() == [101, 107]
-    # no stale or spare slot: a page used at 104 displaces the newest resident (106, needed
-    # last); one used at 107 is needed after every resident: not admitted
-    spare[:] = False
-    pol.touch(torch.tensor([1]), 102)
-    victims, admit, _ = pol.admit(torch.tensor([104, 107]), evictable, spare, 0, now)
-    assert victims.tolist() == [5] and admit.tolist() == [True, False]
+    spare = torch.tensor([False, False, False, False, False, True])
+    # two pages come in, last used at 101 and 102: slot 1 is stale (unused for a period) and
+    # goes; then slot 4 (105, needed after both): slot 5, newer still, is a spare copy and
+    # stays
+    victims, admit, stamps = pol.admit(torch.tensor([101, 102]), evictable, spare, 0, now)
+    assert sorted(victims.tolist()) == [1, 4] and admit.tolist() == [True, True]
+    assert stamps.tolist() == [101, 102]
+    pol.touch(torch.tensor([1, 4]), stamps)
+    # a page used at 107 is needed after every resident: not admitted
+    victims, admit, _ = pol.admit(torch.tensor([102, 107]), evictable, spare, 0, now)
+    assert victims.tolist() == [3] and admit.tolist() == [True, False]
     # with free slots every page comes in and nothing is evicted
     victims, admit, _ = pol.admit(torch.tensor([104, 107]), evictable, spare, 2, now)
     assert victims.numel() == 0 and admit.all()
