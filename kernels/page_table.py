@@ -39,8 +39,9 @@ class PageTable:
         same rows, in the same order. A row's last_page_len goes with its last entry; in the
         other table that row ends with a full page (page_size)."""
         counts = (self.indptr[1:] - self.indptr[:-1]).long()
-        row = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
-        n_first = torch.zeros_like(counts).index_add_(0, row, first.long())
+        seen = torch.zeros(first.numel() + 1, dtype=torch.int64, device=first.device)
+        torch.cumsum(first, 0, out=seen[1:])                    # `first` entries before each
+        n_first = seen[self.indptr[1:].long()] - seen[self.indptr[:-1].long()]
         last_first = first[(self.indptr[1:].long() - 1).clamp(min=0)] & (counts > 0)
         full = torch.full_like(self.last_page_len, self.page_size)
 

@@ -222,29 +222,25 @@ class Pipeline:
             waited += w
             if error is None:
                 parts = merge_sparse(parts)
-        elif compute_early is not None and error is None:
-            try:
-                for p in parts:
-                    if p.early and p.filled is not None and not p.filled.done():
-                        compute_early(p)
-            except BaseException:
-                self._wait(parts)               # no fill left running, none left unsettled
-                raise
-        for k, p in enumerate(parts):
-            if error is not None:
-                break
-            if p.filled is not None:
-                w = time.perf_counter()
-                error = self._settle(p)
-                waited += time.perf_counter() - w
+        early = compute_early if not self.whole_batch_compute and error is None else None
+        try:
+            for p in parts if early is not None else ():
+                if p.early and p.filled is not None and not p.filled.done():
+                    early(p)
+            for k, p in enumerate(parts):
                 if error is not None:
-                    waited += self._wait(parts[k + 1:])[0]
                     break
-            try:
+                if p.filled is not None:
+                    w = time.perf_counter()
+                    error = self._settle(p)
+                    waited += time.perf_counter() - w
+                    if error is not None:
+                        waited += self._wait(parts[k + 1:])[0]
+                        break
                 compute(p)
-            except BaseException:
-                self._wait(parts[k + 1:])       # no fill left running, none left unsettled
-                raise
+        except BaseException:
+            self._wait(parts)       # no fill left running, none left unsettled (settled: skipped)
+            raise
         if waited > 1e-4:
             self.stats.add_stall("compute", waited)
         if error is not None:

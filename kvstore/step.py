@@ -222,6 +222,7 @@ class StepKV:
             table, _ = self._sparse_table(idx, sel, part.slots)
             out[rows] = kernel.forward(qr, pool, table, group, scale)
             return
+        qr = qr.float()                 # converted once for both halves
         if part.head is None:
             table, pos = self._sparse_table(idx, sel, part.slots)
             first = part.reused[pos]
