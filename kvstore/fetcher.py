@@ -125,12 +125,7 @@ class Fetcher:
         # per several layers instead of once per layer
         want = max(short, dev.capacity_pages // 32)
         for attempt in range(2):
-            key_of = dev.slot_keys
-            evictable = (key_of >= 0) & store.clean[key_of.clamp(min=0)] & ~store.device_pinned
-            if protect.numel():
-                ps = dev.slots(protect)
-                evictable[ps[ps >= 0].long()] = False
-            victims = store.residency.victims(want, evictable, store.clock_now)
+            victims = store.residency.victims(want, self._evictable(protect), store.clock_now)
             if victims.numel() >= short:
                 break
             # pages still being written to the backing tier cannot go yet: wait for them
@@ -142,6 +137,28 @@ class Fetcher:
                 f"set: raise --kv-device-gb, or lower --max-num-seqs, --max-num-batched-tokens "
                 f"or --sparse-budget")
         self.evict_device(victims, defer=True)
+
+    def reserve(self, n: int, protect: torch.Tensor) -> None:
+        """Evict ahead of need until `n` device slots are free (as far as clean, unpinned
+        pages outside `protect` allow; no waiting for writes), and make the demotion copies:
+        the pipeline's resolve thread does this while the engine thread computes, so that the
+        next layer's resolves on the engine thread find free slots."""
+        store, dev = self.store, self.store.device_tier
+        short = n - dev.num_free
+        if short <= 0:
+            return
+        self.evict_device(store.residency.victims(short, self._evictable(protect),
+                                                  store.clock_now))
+
+    def _evictable(self, protect: torch.Tensor) -> torch.Tensor:
+        """bool [device slots]: clean, unpinned pages outside `protect`."""
+        store, dev = self.store, self.store.device_tier
+        key_of = dev.slot_keys
+        evictable = (key_of >= 0) & store.clean[key_of.clamp(min=0)] & ~store.device_pinned
+        if protect.numel():
+            ps = dev.slots(protect)
+            evictable[ps[ps >= 0].long()] = False
+        return evictable
 
     def evict_device(self, slots: torch.Tensor, defer: bool = False) -> None:
         """Drop device slots (clean pages only), demoting them to the host tier when it is a

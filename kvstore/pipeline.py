@@ -23,7 +23,7 @@ batch. Modes (`--pipeline`):
   Bookkeeping (recency, write-back of full pages) runs on a stage thread while the engine
   thread goes on with the layer. Across layers (`reuse_ahead`, 1 layer by default), the pages
   the previous step selected in the next layer are fetched while this layer computes
-  (kvstore/ahead.py); it still selects exactly.
+  (kvstore/ahead.py), and room is made for the next layer's misses; it still selects exactly.
 - `layer-ahead`: the model predicts layer l+1's queries from layer l's input (layer l+1's own
   q projection applied to it, as InfiniGen and KVSwap do); those pages are selected, resolved
   and fetched on the stage threads while layer l computes. Layer l+1 then selects exactly;
@@ -103,6 +103,7 @@ class Pipeline:
         self._predicted: tuple[int, Future] | None = None  # layer-ahead: (layer, fill job)
         self._resolver_free = 0.0                # when the resolve thread finished its last job
         self._step_mb = micro_batch
+        self.layer_misses = 0           # sfc: misses of the layer's exact resolves (inline)
 
     # ------------------------------------------------------------------ threads
     def threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
@@ -190,6 +191,7 @@ class Pipeline:
         thread): the dense sequences dense_idx need every page, sparse decodes their selected
         pages; `protect` (`protected`) stays resident. Returns the layer's parts, for `finish`."""
         mb = self._step_mb if self.mode == "sfc" else 0
+        self.layer_misses = 0
         ahead_keys = None
         if self.ahead is not None:          # this layer's compute waits for its pages fetched ahead
             ahead_keys, self._gate = self.ahead.take(stages.layer)
@@ -321,6 +323,7 @@ class Pipeline:
                     part.filled = filled(None, exc)
                     return False
                 part.resolved(res)
+                self.layer_misses += res.misses
                 if res.misses == 0:         # every page resident: nothing to hand over
                     return True
                 if res.disk_keys.numel():   # issued on the resolve thread meanwhile

@@ -4,6 +4,7 @@ stage metrics, layer-ahead recall, micro-batch calibration, and a corrupt page f
 request when the fetch runs on the stage threads."""
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -12,6 +13,7 @@ import pytest
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from kvstore.calibration import CALIBRATION_CANDIDATES
+from kvstore.fetcher import Fetcher
 from kvstore.pipeline import Pipeline
 from kvstore.stats import STAGES
 from tests import engine_helpers
@@ -165,6 +167,25 @@ def test_residency_policies_give_the_same_output_from_different_tiers(smollm2_di
     else:
         assert moved(cyc, "device", "host") < 0.5 * moved(lru, "device", "host")
         assert cyc.hits["disk"] < 2 * lru.hits["disk"]
+
+
+def test_sfc_evicts_for_the_next_layer_while_a_layer_computes(smollm2_dir, prompts, sequential,
+                                                             tmp_path, monkeypatch):
+    """Residency bookkeeping overlaps with compute: while a layer computes, the resolve thread
+    evicts (and demotes) to leave the next layer's resolves free slots, so the engine thread
+    rarely evicts."""
+    evicted = collections.Counter()
+    evict = Fetcher.evict_device
+
+    def counting(self, slots, defer=False):
+        evicted[threading.current_thread().name.partition("_")[0]] += slots.numel()
+        return evict(self, slots, defer)
+
+    monkeypatch.setattr(Fetcher, "evict_device", counting)
+    engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2)
+    got, errors = run(engine, prompts)
+    assert not errors and got == sequential[0]
+    assert evicted["strata-resolve"] > 3 * evicted[threading.main_thread().name]
 
 
 def test_sfc_calibrates_the_micro_batch_when_not_given(smollm2_dir, prompts, sequential,
