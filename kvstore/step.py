@@ -90,6 +90,7 @@ class StepKV:
         self._q_pred: dict[int, torch.Tensor] = {}
         self._sparse_pages: torch.Tensor | None = None
         self._rows: dict[tuple[int, ...], torch.Tensor | slice] = {}
+        self.selected: list[torch.Tensor] = []     # keys the sparse decodes selected
         if cfg.sparse_budget > 0:
             st, L = store.stats, store.num_layers
             st.dense_fallbacks["prefill"] += L * sum(s.q_len > 1 for s in seqs)
