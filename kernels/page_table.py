@@ -34,6 +34,20 @@ class PageTable:
     def pages(self, i: int) -> torch.Tensor:
         return self.indices[int(self.indptr[i]):int(self.indptr[i + 1])]
 
+    def per_head(self, heads: int) -> "PageTable":
+        """Every row's pages once per KV head: row b * heads + h of the result lists row b's
+        pages (a decode over every page, as the sparse kernel's per-head rows)."""
+        counts = (self.indptr[1:] - self.indptr[:-1]).long().repeat_interleave(heads)
+        indptr = torch.zeros(counts.numel() + 1, dtype=self.indptr.dtype,
+                             device=self.indptr.device)
+        indptr[1:] = torch.cumsum(counts, 0)
+        # entry j of row b * heads + h is entry indptr[b] + j - new indptr[b * heads + h]
+        shift = self.indptr[:-1].long().repeat_interleave(heads) - indptr[:-1].long()
+        src = torch.arange(int(indptr[-1]), device=counts.device) \
+            + torch.repeat_interleave(shift, counts)
+        return PageTable(indptr, self.indices[src], self.last_page_len.repeat_interleave(heads),
+                         self.page_size)
+
     def split(self, first: torch.Tensor) -> tuple["PageTable", "PageTable"]:
         """The entries where `first` [nnz] bool is True, and the others: two tables over the
         same rows, in the same order. A row's last_page_len goes with its last entry; in the

@@ -43,13 +43,13 @@ class LayerStages:
         return sel, keys
 
     def reused(self, keys: torch.Tensor) -> torch.Tensor:
-        """Which of a selection's `keys` the last step selected too (bool [n]); records this
-        step's. Split attention computes those pages first: a choice that depends on the
-        selections alone, so every mode splits alike (and gives the same bits)."""
-        store, now = self.step.store, self.step.now
-        reused = store.selected_at[keys] == now - 1
-        store.selected_at[keys] = now
-        return reused
+        """Which of a selection's `keys` the last completed step selected too (bool [n]);
+        records this step's (`TieredKVStore.end_step` stamps them once the step completes, so
+        a step run again after a failure splits as it did the first time). Split attention
+        computes those pages first: a choice that depends on the selections alone, so every
+        mode splits alike (and gives the same bits)."""
+        self.step.selected.append(keys)
+        return self.step.store.selected_at[keys] == self.step.store.completed_step
 
     def dense_keys(self, idx: list[int]) -> torch.Tensor:
         """Keys of every page of the sequences `idx`."""

@@ -118,8 +118,10 @@ class TieredKVStore:
         self.placement = RecencyPlacement()
         # True where the key's page is safely in the backing tier (evictable from faster tiers)
         self.clean = torch.zeros(max_keys, dtype=torch.bool)
-        # the last step whose sparse decode selected the key's page (kvstore.stages.reused)
+        # the last completed step whose sparse decode selected the key's page
+        # (kvstore.stages.reused)
         self.selected_at = torch.full((max_keys,), -1, dtype=torch.int64)
+        self.completed_step = 0
         self.requests: dict[str, RequestKV] = {}
         self._next_handle = 0
         self.step_counter = 0
@@ -293,6 +295,9 @@ class TieredKVStore:
         # still run on a stage thread; placement and demotion below mutate the same tiers
         self.pipeline.drain()
         self.pipeline.end_step()
+        if step.selected:
+            self.selected_at[torch.cat(step.selected)] = step.now
+        self.completed_step = step.now
         for rid in prefilled:
             rkv = self.requests.get(rid)
             if rkv is not None and not rkv.prefilled:

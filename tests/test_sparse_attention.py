@@ -59,6 +59,10 @@ def test_sparse_equals_dense_when_every_row_lists_every_page(page_size, group, d
     torch.testing.assert_close(got.float(), dense.float(), atol=atol, rtol=0)
     ref = reference_sparse_decode_attention(q, pool, table, group, scale)
     torch.testing.assert_close(got.float(), ref, atol=atol, rtol=0)
+    # a dense decode's table, once per KV head, is this table (StepKV's dense decodes)
+    per_head = batch.page_table.per_head(kv_heads)
+    for field in ("indptr", "indices", "last_page_len"):
+        assert getattr(per_head, field).tolist() == getattr(table, field).tolist()
 
 
 def _random_selection(kv_lens, page_size, kv_heads, budget, seed):
