@@ -197,8 +197,8 @@ class StepKV:
         group = q.shape[1] // store.page_shape.num_kv_heads
         if all(self.seqs[i].q_len == 1 for i in idx) and isinstance(kernel, NativeSparseDecode) \
                 and kernel.supports(qr, pool, group):
-            # decodes: the C kernel reads each page in place (2x faster than gathering them
-            # for SDPA: 8 x 7K tokens, ~11 against ~23 ms a layer)
+            # decodes: the C kernel reads each page in place (2.4x faster than gathering
+            # them for SDPA: 13.6 against 32 ms for 8 x 7K tokens on one thread)
             table = batch.page_table.per_head(store.page_shape.num_kv_heads)
             out[rows] = kernel.forward(qr, pool, table, group, scale)
         else:
