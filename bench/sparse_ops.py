@@ -5,7 +5,8 @@
 SmolLM2 shapes by default (30 layers, 9 heads / 3 KV heads, head_dim 64, page 16, bf16 KV).
 Per layer: summary update at append time (decode: one token per sequence), Quest scoring +
 top-k selection + the per-head page table, sparse attention over the selection, and dense
-TorchPagedAttention over every page; each times `layers` for the step. Random K/V and queries
+attention over every page (TorchPagedAttention, and the C kernel the store's dense decodes use);
+each times `layers` for the step. Random K/V and queries
 (selection quality is the accuracy bench's job); `--resident` distinct layers are cycled so the
 KV does not sit in the CPU caches.
 """
@@ -154,6 +155,11 @@ def main() -> None:
     report(f"dense attention forward ({n_pages} pages)",
            _median_ms(lambda: dense.forward(q, pool(), batch, scale), max(3, args.repeats // 3)),
            key="dense")
+    per_head = batch.page_table.per_head(kvh)
+    report(f"dense attention forward, {type(native).__name__} over every page (the store's "
+           f"decodes)",
+           _median_ms(lambda: native.forward(q, pool(), per_head, group, scale),
+                      max(3, args.repeats // 3)))
 
     print(f"threads={args.threads} batch={b} context={args.context} pages/seq={n_pages} "
           f"page={ps} heads={args.heads}/{kvh} hd={d} kv={args.dtype} budget={budget_pages} "
