@@ -109,7 +109,7 @@ class ReuseAhead:
 
         # the next layer's resolves on the engine thread find this many slots free: about
         # as many misses as this layer's, and its pages being written
-        reserve = 3 * pipe.layer_misses // 2 + step.t_pid.numel()
+        reserve = 3 * sum(p.misses for p in parts) // 2 + step.t_pid.numel()
 
         def fetch() -> tuple[torch.Tensor, Future] | None:
             """Pick the reused pages, resolve them, start their disk reads, and queue their

@@ -103,7 +103,6 @@ class Pipeline:
         self._predicted: tuple[int, Future] | None = None  # layer-ahead: (layer, fill job)
         self._resolver_free = 0.0                # when the resolve thread finished its last job
         self._step_mb = micro_batch
-        self.layer_misses = 0           # sfc: misses of the layer's exact resolves (inline)
 
     # ------------------------------------------------------------------ threads
     def threads(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
@@ -191,7 +190,6 @@ class Pipeline:
         thread): the dense sequences dense_idx need every page, sparse decodes their selected
         pages; `protect` (`protected`) stays resident. Returns the layer's parts, for `finish`."""
         mb = self._step_mb if self.mode == "sfc" else 0
-        self.layer_misses = 0
         ahead_keys = None
         if self.ahead is not None:          # this layer's compute waits for its pages fetched ahead
             ahead_keys, self._gate = self.ahead.take(stages.layer)
@@ -323,7 +321,6 @@ class Pipeline:
                     part.filled = filled(None, exc)
                     return False
                 part.resolved(res)
-                self.layer_misses += res.misses
                 if res.misses == 0:         # every page resident: nothing to hand over
                     return True
                 if res.disk_keys.numel():   # issued on the resolve thread meanwhile

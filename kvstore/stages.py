@@ -78,8 +78,8 @@ class LayerStages:
 class LayerPart:
     """One unit of a layer's fetch and compute: the dense sequences `idx` (`sel` None: every
     page), or a micro-batch of sparse decodes. `slots` (device slots of `keys`) are set once
-    the part is resolved; `filled`, the fetch thread's (resolution or None, error or None),
-    until `Pipeline.finish` has settled it. Sparse decodes: `reused` (bool per key) marks the
+    the part is resolved (`misses`: how many of them it had to fetch); `filled`, the fetch
+    thread's (resolution or None, error or None), until `Pipeline.finish` has settled it. Sparse decodes: `reused` (bool per key) marks the
     pages the last step selected too; `early`: those are in their slots once the layer's
     fetch ahead is in, so their half of the attention (`head`, once computed) need not wait
     for `filled`."""
@@ -87,6 +87,7 @@ class LayerPart:
     sel: SelectedPages | None
     keys: torch.Tensor
     slots: torch.Tensor | None = None
+    misses: int = 0
     filled: Future | None = None
     reused: torch.Tensor | None = None
     early: bool = False
@@ -94,7 +95,7 @@ class LayerPart:
 
     def resolved(self, res: Resolution) -> None:
         """Its pages' slots; `early` unless a reused page is still to be fetched."""
-        self.slots = res.slots
+        self.slots, self.misses = res.slots, res.misses
         if self.reused is not None and res.misses and bool(self.reused.any()):
             pending = torch.cat([res.host_dst, res.disk_dst])
             self.early = not bool(torch.isin(res.slots[self.reused].long(), pending).any())

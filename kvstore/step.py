@@ -193,10 +193,10 @@ class StepKV:
         store = self.store
         rows = self.query_rows(idx)
         batch = self._dense_batch(idx, slots)
-        pool, kernel, qr = store.device_tier.pool, store.sparse_attention, q[rows]
+        pool, qr = store.device_tier.pool, q[rows]
         group = q.shape[1] // store.page_shape.num_kv_heads
-        if all(self.seqs[i].q_len == 1 for i in idx) and isinstance(kernel, NativeSparseDecode) \
-                and kernel.supports(qr, pool, group):
+        kernel = self._c_kernel(qr, group)
+        if kernel is not None and all(self.seqs[i].q_len == 1 for i in idx):
             # decodes: the C kernel reads each page in place (1.8x faster than gathering
             # them for SDPA: 12.8 against 23.4 ms a layer for 8 x 7K tokens, one thread,
             # bench/sparse_ops.py)
@@ -226,12 +226,12 @@ class StepKV:
                                    table, torch.empty(0, **_I64))
             out[rows] = store.dense_attention.forward(q[rows], pool, batch, scale)
             return
-        kernel, qr = store.sparse_attention, q[rows]
+        qr = q[rows]
         group = q.shape[1] // store.page_shape.num_kv_heads
-        if part.reused is None or not isinstance(kernel, NativeSparseDecode) \
-                or not kernel.supports(qr, pool, group):
+        kernel = self._c_kernel(qr, group)
+        if part.reused is None or kernel is None:
             table, _ = self._sparse_table(idx, sel, part.slots)
-            out[rows] = kernel.forward(qr, pool, table, group, scale)
+            out[rows] = store.sparse_attention.forward(qr, pool, table, group, scale)
             return
         qr = qr.float()                 # converted once for both halves
         if part.head is None:
@@ -246,6 +246,15 @@ class StepKV:
         part.head = None
         out[rows] = kernel.forward_partial(qr, pool, rest, group, scale,
                                            carry=first_half)[0].to(q.dtype)
+
+    def _c_kernel(self, qr: torch.Tensor, group: int) -> NativeSparseDecode | None:
+        """The store's C decode kernel when it serves the queries `qr` over the device pool
+        (else None: a torch path computes them)."""
+        kernel = self.store.sparse_attention
+        if isinstance(kernel, NativeSparseDecode) and \
+                kernel.supports(qr, self.store.device_tier.pool, group):
+            return kernel
+        return None
 
     def _observe_window(self, layer: int, q: torch.Tensor, dense_idx: list[int],
                         slots: torch.Tensor, scale: float) -> None:
