@@ -1,6 +1,7 @@
-"""Build of the C extensions, both without the GIL: kvstore/tiers/_pageio.c (the disk tier's
-page I/O and checksums, and page copies between the memory tiers) and kernels/_decode.c
-(sparse decode attention on the CPU); everything else is in pyproject.toml."""
+"""Build of the C extensions, all without the GIL: kvstore/tiers/_pageio.c (the disk tier's
+page I/O and checksums, and page copies between the memory tiers), kernels/_decode.c
+(sparse decode attention on the CPU) and kernels/_select.c (page selection on the CPU);
+everything else is in pyproject.toml."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"],
@@ -9,4 +10,6 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                    # NOTE: Python's CFLAGS carry -fwrapv, which halves the speed of this
                    # kernel's vectorized loops (measured 2.5 against 1.3 ms per call)
                    Extension("kernels._decode", ["kernels/_decode.c"],
+                             extra_compile_args=["-O3", "-Wall", "-fno-wrapv"]),
+                   Extension("kernels._select", ["kernels/_select.c"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv"])])

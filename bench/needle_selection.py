@@ -94,6 +94,7 @@ def main() -> None:
         return s
 
     store.selector.score = score
+    store.selector.native = False          # the torch path, which calls `score`
     orig_select = step_mod.StepKV.select
 
     def select(self, layer, qd, idx, observe=True):

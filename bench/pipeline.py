@@ -7,10 +7,11 @@ rest on disk, sparse budget 1024.
     .venv/bin/python bench/pipeline.py --replot bench/results/pipeline.json
 
 One process, one prefill: the modes are then timed in alternating rounds on the same requests
-(round r runs --steps decode steps of each mode in turn; the store's pipeline object is
-swapped between rounds), so the noise of this shared 2-core box hits every mode alike. Before
-the rounds, SFC runs without --micro-batch and calibrates it (candidates 1, 2, 4, 8 sequences);
-the rounds use the calibrated size (and --micro-batch values given with --micro-batches).
+(round r runs --warmup untimed, then --steps timed decode steps of each mode in turn; the
+store's pipeline object is swapped between them), so the noise of this shared 2-core box hits
+every mode alike. Before the rounds, SFC runs without --micro-batch and calibrates it
+(candidates 1, 2, 4, 8 sequences); the rounds use the calibrated size (and --micro-batch values
+given with --micro-batches).
 `sequential-lru` is sequential with --residency lru (the others run the default, cycle).
 `sfc-whole` is sfc with KVDrive's whole-batch compute (attention once every fetch of the layer
 is in) instead of each micro-batch's attention as soon as its own fetch is in; `sfc-ahead2`
@@ -67,7 +68,8 @@ def run(args) -> dict:
     if args.with_resolve_thread:
         modes.append(("sfc-3threads", None))
     calib_steps = (len(CALIBRATION_CANDIDATES) + 1) * CALIBRATION_STEPS
-    total_steps = calib_steps + args.rounds * (args.steps + 1) * len(modes) + args.requests + 8
+    total_steps = (calib_steps + args.rounds * (args.steps + args.warmup) * len(modes)
+                   + args.requests + 8)
     eargs = EngineArgs(max_model_len=8192, max_num_seqs=args.requests,
                        max_num_batched_tokens=args.prefill_tokens, kv_device_gb=args.device_gb,
                        kv_host_gb=args.host_gb, kv_disk_gb=4.0, kv_disk_path=disk_path,
@@ -145,7 +147,8 @@ def run(args) -> dict:
                                           whole_batch_compute=m == "sfc-whole",
                                           reuse_ahead={"sfc-no-ahead": 0,
                                                        "sfc-ahead2": 2}.get(m, 1))
-                step()                              # first step of a mode: not timed
+                for _ in range(args.warmup):        # the tiers settle to the mode: not timed
+                    step()
                 before = store.stats.snapshot()
                 for _ in range(args.steps):
                     ts = time.perf_counter()
@@ -200,7 +203,7 @@ def run(args) -> dict:
             "prompt_tokens": [len(p) for p in prompts], "sparse_budget": args.budget,
             "kv_device_gb": args.device_gb, "kv_host_gb": args.host_gb,
             "decode_threads": args.decode_threads, "prefill_s": prefill_s,
-            "rounds": args.rounds, "steps_per_round": args.steps,
+            "rounds": args.rounds, "steps_per_round": args.steps, "warmup_steps": args.warmup,
             "calibrated_micro_batch": calibrated,
             "sequential_fetch_share": fetch_share, "modes": results}
 
@@ -288,6 +291,9 @@ def main() -> None:
     ap.add_argument("--host-gb", type=float, default=0.256)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per mode and round")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="untimed decode steps per mode and round, first (what the tiers hold "
+                         "settles to the mode: after sequential-lru, ~1 step)")
     ap.add_argument("--micro-batches", type=int, nargs="*", default=[],
                     help="extra fixed SFC micro-batch sizes to time")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for prefill")

@@ -19,7 +19,7 @@ import time
 import torch
 
 from kernels.attention import AttentionBatch, TorchPagedAttention
-from kernels.page_select import make_selector, select_pages
+from kernels.page_select import make_selector, native_select_serves, select_pages
 from kernels.page_summary import summarize_pages, update_summaries
 from kernels.page_table import build_head_page_table
 from kernels.sparse_attention import TorchSparseDecode, make_sparse_decode
@@ -127,6 +127,12 @@ def main() -> None:
                _median_ms(lambda: select_pages(scores, num_pages, budget_pages,
                                                args.sink_pages, args.local_pages), args.repeats),
                key="select" if main_dtype else None)
+        if native_select_serves(q, per_req, None):
+            quest = make_selector("quest")
+            report(f"quest scores + select_pages in one C call, the store's ({sdt_name})",
+                   _median_ms(lambda: quest.select(q, per_req, num_pages, group, budget_pages,
+                                                   args.sink_pages, args.local_pages),
+                              args.repeats), key="score_select" if main_dtype else None)
     sel = select_pages(scores, num_pages, budget_pages, args.sink_pages, args.local_pages)
     report("build_head_page_table",
            _median_ms(lambda: build_head_page_table(sel.indptr, sel.page_indices, slot_table,
@@ -168,7 +174,9 @@ def main() -> None:
     print(f"{'op':<{width}}  {'ms/layer':>9}  {'ms/step':>9}")
     for name, per_layer, step in rows:
         print(f"{name:<{width}}  {per_layer:9.3f}  {step:9.2f}")
-    sparse_total = sum(step_ms[k] for k in ("update", "score", "select", "table", "sparse"))
+    # the store selects in C where it can (kernels/_select.c), else scores then select_pages
+    choose = ("score_select",) if "score_select" in step_ms else ("score", "select")
+    sparse_total = sum(step_ms[k] for k in ("update", *choose, "table", "sparse"))
     dense_total = step_ms["dense"] + step_ms["dense_plan"]
     kv_bytes = torch.tensor([], dtype=dtype).element_size() * 2 * d
     print(f"attention-side total per step: sparse {sparse_total:.1f} ms "

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionBatch
-from kernels.page_select import select_pages, window_page_mass
+from kernels.page_select import window_page_mass
 from kernels.page_summary import summarize_pages
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode
@@ -316,17 +316,13 @@ class StepKV:
         store, cfg = self.store, self.store.cfg
         kvh = store.page_shape.num_kv_heads
         n_pages = [self.n_pages[i] for i in idx]
-        summaries = [store.requests[self.seqs[i].request_id].summaries[layer] for i in idx]
-        scores = store.selector.score(qd, summaries, n_pages, qd.shape[1] // kvh)  # [B, KVH, P]
-        prior = None
+        reqs = [store.requests[self.seqs[i].request_id] for i in idx]
+        priors = None
         if cfg.prior_pages > 0:
-            prior = torch.full_like(scores, -float("inf"))
-            for b, i in enumerate(idx):
-                p = store.requests[self.seqs[i].request_id].prior
-                if p is not None:
-                    prior[b, :, :n_pages[b]] = p[layer, :n_pages[b]].t()
-        sel = select_pages(scores, n_pages, cfg.budget_pages, cfg.sink_pages, cfg.local_pages,
-                           prior, cfg.prior_pages)
+            priors = [None if r.prior is None else r.prior[layer] for r in reqs]
+        sel = store.selector.select(qd, [r.summaries[layer] for r in reqs], n_pages,
+                                    qd.shape[1] // kvh, cfg.budget_pages, cfg.sink_pages,
+                                    cfg.local_pages, priors, cfg.prior_pages)
         if not observe:
             return sel
         per_row = (sel.indptr[1:] - sel.indptr[:-1]) * cfg.page_size        # [B * KVH]

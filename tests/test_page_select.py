@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import page_select
 from kernels.page_select import (MeanKeySelector, QuestSelector, SelectedPages, Selector,
-                                 make_selector, mean_scores, quest_scores, select_pages,
-                                 window_page_mass)
+                                 make_selector, mean_scores, native_select, quest_scores,
+                                 select_pages, window_page_mass)
 from kernels.page_summary import summarize_pages
 
 AWKWARD_LENS = [27, 61, 113, 577]
@@ -152,6 +153,70 @@ def test_selectors_behind_the_seam():
         sel: Selector = make_selector(name)
         assert isinstance(sel, cls) and sel.name == name
         torch.testing.assert_close(sel.score(q, summ, [4, 2], 3), fn(q, summ, [4, 2], 3))
+
+
+needs_native = pytest.mark.skipif(page_select._select is None,
+                                  reason="kernels/_select.c is not built")
+_FIELDS = ("indptr", "page_indices", "union_indptr", "union_indices")
+
+
+def _prior_tensor(priors, counts, like):
+    prior = torch.full_like(like, -float("inf"))
+    for b, p in enumerate(priors):
+        if p is not None:
+            prior[b, :, :counts[b]] = p[:counts[b]].t()
+    return prior
+
+
+@needs_native
+@pytest.mark.parametrize("quest", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_select_is_select_pages_over_the_selectors_scores(quest, dtype):
+    """kernels/_select.c computes the torch selector's scores and, over them, picks exactly
+    select_pages' pages: sink, local and prior pages, budgets past the context, GQA groups of
+    1-5 heads, head dims that are no multiple of 8, NaN summaries (a page ranked last)."""
+    gen = torch.Generator().manual_seed(2 * int(quest) + (dtype == torch.bfloat16))
+    shapes = [(3, 3, 64), (2, 4, 32), (1, 1, 16), (2, 5, 24)]
+    for trial in range(40):
+        kvh, group, d = shapes[trial % len(shapes)]
+        lens = torch.randint(1, 40 * 16, (int(torch.randint(1, 5, (), generator=gen)),),
+                             generator=gen).tolist()
+        _, summ = _sequences(lens, 16, kvh, d, dtype, seed=trial)
+        counts = [-(-n // 16) for n in lens]
+        if trial % 5 == 0 and counts[0] > 3:
+            summ[0][2] = float("nan")
+        q = torch.randn(len(lens), kvh * group, d, generator=gen).to(dtype)
+        budget, sink, local, prior_pages = (int(torch.randint(1, 30, (), generator=gen)),
+                                            trial % 3, trial % 5, trial % 7)
+        priors = [None if b % 3 == 2 else
+                  torch.where(torch.rand(c + 2, kvh, generator=gen) < 0.3,
+                              torch.randn(c + 2, kvh, generator=gen), -float("inf"))
+                  for b, c in enumerate(counts)]
+        sel, scores = native_select(q, summ, counts, group, quest, budget, sink, local, priors,
+                                    prior_pages, scores=True)
+        ref_scores = (quest_scores if quest else mean_scores)(q, summ, counts, group)
+        torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=1e-4, equal_nan=True)
+        ref = select_pages(scores, counts, budget, sink, local,
+                           _prior_tensor(priors, counts, scores), prior_pages)
+        for f in _FIELDS:
+            assert torch.equal(getattr(sel, f), getattr(ref, f)), (trial, f)
+
+
+@needs_native
+def test_selector_select_takes_the_c_path_and_matches_the_torch_path():
+    _, summ = _sequences(AWKWARD_LENS, 16, 3, 64, torch.bfloat16)
+    counts = [-(-n // 16) for n in AWKWARD_LENS]
+    q = torch.randn(len(counts), 9, 64).to(torch.bfloat16)
+    priors = [torch.randn(c + 2, 3) for c in counts]
+    for name in ("quest", "mean"):
+        c_path, torch_path = make_selector(name), make_selector(name)
+        torch_path.native = False
+        got = c_path.select(q, summ, counts, 3, 8, 1, 2, priors, 3)
+        want = torch_path.select(q, summ, counts, 3, 8, 1, 2, priors, 3)
+        for f in _FIELDS:
+            assert torch.equal(getattr(got, f), getattr(want, f)), (name, f)
+    with pytest.raises(ValueError, match="budget_pages"):
+        native_select(q, summ, counts, 3, True, 0, 1, 1)
 
 
 def test_unknown_selector_is_a_clear_error():
