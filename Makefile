@@ -15,7 +15,7 @@ setup: $(STAMP)
 # setup.py builds kvstore/tiers/_pageio.c (page I/O, checksums and copies without the GIL) and
 # kernels/_decode.c (sparse decode attention) and kernels/_select.c (page selection) in place
 $(STAMP): pyproject.toml setup.py kvstore/tiers/_pageio.c kvstore/tiers/_pageio_ring.h \
-		kernels/_decode.c kernels/_select.c Makefile
+		kernels/_decode.c kernels/_select.c kernels/_rows.h Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build

@@ -18,30 +18,15 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_rows.h"
+
 #define MAX_D 256
 #define MAX_G 16
 #define MAX_PS 64
 
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 /* exp(x) for x <= 0, 0 below -80: a denormal weight makes every multiply that touches it
  * ~100x slower on x86, and attention to a long context is full of negligible weights */
 static inline float safe_exp(float x) { return x < -80.f ? 0.f : expf(x); }
-
-static inline void load_row(const void *src, int bf16, float *dst, int d) {
-    if (bf16) {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int i = 0; i < d; i++)
-            dst[i] = bf16_to_f32(s[i]);
-    } else {
-        memcpy(dst, src, (size_t)d * sizeof(float));
-    }
-}
 
 static inline float dot(const float *a, const float *b, int d) {
     /* 16 lanes of partial sums: vectorized without reassociating a single float sum */

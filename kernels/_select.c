@@ -24,25 +24,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_rows.h"
+
 #define MAX_D 256
 #define MAX_G 16
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline void load_row(const char *src, int bf16, float *dst, int d) {
-    if (bf16) {
-        const uint16_t *s = (const uint16_t *)src;
-        for (int i = 0; i < d; i++)
-            dst[i] = bf16_to_f32(s[i]);
-    } else {
-        memcpy(dst, src, (size_t)d * sizeof(float));
-    }
-}
 
 typedef float v8 __attribute__((vector_size(32)));
 
