@@ -12,9 +12,9 @@ Shapes:
   scores     [B, KVH, P_max]    float32, -inf beyond num_pages[b]
 
 `Selector.select` scores and selects in one call: in C without the GIL on the CPU
-(kernels/_select.c: ~0.2 against ~1.1 ms a layer for 8 x 440 pages, where the torch ops'
-overhead dominates and each op takes the GIL the pipeline's stage threads want), else
-select_pages over `score`.
+(kernels/_select.c: 0.60 against 0.92 ms a layer for 8 x 438 pages by bench/sparse_ops.py; the
+torch path also takes the GIL between its ~35 ops, which the pipeline's stage threads want),
+else select_pages over `score`.
 
 Leaf module: imports only torch and kernels.*.
 """
@@ -309,10 +309,14 @@ def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: li
                          f"{budget_pages}, sink {sink_pages}, local {local_pages}")
     b_size, h, d = q.shape
     kvh = h // group
-    for s, n in zip(summaries, counts):
+    # NOTE: the C code trusts these shapes (it reads n pages of each)
+    for b, (s, n) in enumerate(zip(summaries, counts)):
         if s.dim() != 4 or s.shape[0] < n or s.shape[1:] != (kvh, 3, d):
             raise ValueError(f"summaries of shape {tuple(s.shape)} for {n} pages of "
                              f"{kvh} KV heads x {d}")
+        p = priors[b] if priors is not None else None
+        if p is not None and (p.dim() != 2 or p.shape[0] < n or p.shape[1] != kvh):
+            raise ValueError(f"prior of shape {tuple(p.shape)} for {n} pages of {kvh} KV heads")
     p_max = max(counts, default=0)
     k = min(p_max, max(budget_pages, sink_pages + local_pages))
     qf = q.float().contiguous()

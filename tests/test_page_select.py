@@ -217,6 +217,11 @@ def test_selector_select_takes_the_c_path_and_matches_the_torch_path():
             assert torch.equal(getattr(got, f), getattr(want, f)), (name, f)
     with pytest.raises(ValueError, match="budget_pages"):
         native_select(q, summ, counts, 3, True, 0, 1, 1)
+    # the C code reads n pages of each: shorter inputs are refused before it runs
+    with pytest.raises(ValueError, match="summaries of shape"):
+        native_select(q, [summ[0][:1]] + summ[1:], counts, 3, True, 8, 1, 1)
+    with pytest.raises(ValueError, match="prior of shape"):
+        native_select(q, summ, counts, 3, True, 8, 1, 1, [p[:1] for p in priors], 3)
 
 
 def test_unknown_selector_is_a_clear_error():
