@@ -1,9 +1,9 @@
 /* Page selection for sparse decode in C, without the GIL (kernels/page_select.py,
- * `NativeSelect`): the selector's scores and select_pages' top-k in one call per layer.
+ * `native_select`): the selector's scores and select_pages' top-k in one call per layer.
  *
  * The torch path costs ~0.9 ms a layer for 8 sequences x 438 pages here (8 bmm calls over
  * upcast summaries, then ~25 small ops for the top-k) and takes the GIL between its ops, which
- * the pipeline's stage threads compete for; this call 0.6 ms (bench/sparse_ops.py).
+ * the pipeline's stage threads compete for; this call ~0.56 ms (bench/results/sparse_ops.txt).
  *
  * Scores, per (sequence b, KV head h, page p): the max over the GQA group's query heads of
  *   quest: sum_d (q_d < 0 ? q_d * min_d : q_d * max_d)   (Quest's upper bound of q . k)

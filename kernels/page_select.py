@@ -12,9 +12,9 @@ Shapes:
   scores     [B, KVH, P_max]    float32, -inf beyond num_pages[b]
 
 `Selector.select` scores and selects in one call: in C without the GIL on the CPU
-(kernels/_select.c: 0.60 against 0.92 ms a layer for 8 x 438 pages by bench/sparse_ops.py; the
-torch path also takes the GIL between its ~35 ops, which the pipeline's stage threads want),
-else select_pages over `score`.
+(kernels/_select.c: 0.55-0.58 against 0.86-0.90 ms a layer for 8 x 438 pages,
+bench/results/sparse_ops.txt; the torch path also takes the GIL between its ~35 ops, which the
+pipeline's stage threads want), else select_pages over `score`.
 
 Leaf module: imports only torch and kernels.*.
 """
