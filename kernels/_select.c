@@ -126,25 +126,25 @@ static float kth_largest(float *w, int64_t n, int64_t k) {
 }
 
 /* mark (chosen[p] = 1) the `k` entries of key[0..n-1] with the largest values among those
- * with eligible[p] (all when eligible is NULL), ties to the lower p; returns how many */
+ * with eligible[p], ties to the lower p; returns how many */
 static int64_t mark_top(const float *key, const uint8_t *eligible, int64_t n, int64_t k,
                         float *scratch, uint8_t *chosen) {
     int64_t m = 0;
     for (int64_t p = 0; p < n; p++)
-        if (!eligible || eligible[p]) scratch[m++] = key[p];
+        if (eligible[p]) scratch[m++] = key[p];
     if (k <= 0 || m == 0)
         return 0;
     if (k >= m) {
         for (int64_t p = 0; p < n; p++)
-            if (!eligible || eligible[p]) chosen[p] = 1;
+            if (eligible[p]) chosen[p] = 1;
         return m;
     }
     float t = kth_largest(scratch, m, k - 1);
     int64_t c = 0;
     for (int64_t p = 0; p < n; p++)
-        if ((!eligible || eligible[p]) && key[p] > t) { chosen[p] = 1; c++; }
+        if (eligible[p] && key[p] > t) { chosen[p] = 1; c++; }
     for (int64_t p = 0; p < n && c < k; p++)
-        if ((!eligible || eligible[p]) && key[p] == t && !chosen[p]) { chosen[p] = 1; c++; }
+        if (eligible[p] && key[p] == t && !chosen[p]) { chosen[p] = 1; c++; }
     return c;
 }
 
@@ -188,7 +188,7 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
         failed = 1;
     } else {
         float *scratch = sc + stride * kvh, *pv = scratch + stride, *qq = pv + stride;
-        uint8_t *any = chosen + (size_t)(p_max + 1) * kvh, *elig = any + p_max + 1;
+        uint8_t *any = chosen + (size_t)stride * kvh, *elig = any + stride;
         ip[0] = 0;
         up[0] = 0;
         for (int b = 0; b < b_size; b++) {

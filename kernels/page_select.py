@@ -113,14 +113,12 @@ class Selector(Protocol):
 
 
 class _Selector:
-    """`select`: select_pages over `score`, in one C call when it serves the inputs."""
+    """`select`: select_pages over the subclass's `score`, in one C call when it serves the
+    inputs (`quest` picks the C scoring)."""
 
     name: str
     quest: bool
     native = True       # False: always the torch path (whose `score` a caller may wrap)
-
-    def score(self, q, summaries, num_pages, group) -> torch.Tensor:
-        raise NotImplementedError
 
     def select(self, q, summaries, num_pages, group, budget_pages, sink_pages, local_pages,
                priors=None, prior_pages=0):
@@ -226,6 +224,12 @@ def window_page_mass(q_obs: torch.Tensor, k_pages: torch.Tensor, kv_len: int, sc
     return mass.t().contiguous()
 
 
+def _check_budget(budget_pages: int, sink_pages: int, local_pages: int) -> None:
+    if budget_pages < 1 or sink_pages < 0 or local_pages < 0:
+        raise ValueError(f"need budget_pages >= 1 and sink/local pages >= 0, got budget "
+                         f"{budget_pages}, sink {sink_pages}, local {local_pages}")
+
+
 def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
                  budget_pages: int, sink_pages: int, local_pages: int,
                  prior: torch.Tensor | None = None, prior_pages: int = 0) -> SelectedPages:
@@ -242,9 +246,7 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     pages of each row with the highest finite prior (sink and local pages aside) are kept too,
     within the same budget; -inf marks pages, or whole rows, without a prior.
     """
-    if budget_pages < 1 or sink_pages < 0 or local_pages < 0:
-        raise ValueError(f"need budget_pages >= 1 and sink/local pages >= 0, got budget "
-                         f"{budget_pages}, sink {sink_pages}, local {local_pages}")
+    _check_budget(budget_pages, sink_pages, local_pages)
     b_size, kvh, p_max = scores.shape
     dev = scores.device
     n = torch.as_tensor(num_pages, dtype=torch.int64, device=dev)
@@ -304,9 +306,7 @@ def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: li
     """select_pages over quest_scores (quest) or mean_scores, in C (`native_select_serves`
     inputs). Returns (the selection, the scores [B, KVH, P_max] when `scores`, else None);
     ties at the cut go to the lower page number."""
-    if budget_pages < 1 or sink_pages < 0 or local_pages < 0:
-        raise ValueError(f"need budget_pages >= 1 and sink/local pages >= 0, got budget "
-                         f"{budget_pages}, sink {sink_pages}, local {local_pages}")
+    _check_budget(budget_pages, sink_pages, local_pages)
     b_size, h, d = q.shape
     kvh = h // group
     # NOTE: the C code trusts these shapes (it reads n pages of each)

@@ -79,10 +79,10 @@ class LayerPart:
     """One unit of a layer's fetch and compute: the dense sequences `idx` (`sel` None: every
     page), or a micro-batch of sparse decodes. `slots` (device slots of `keys`) are set once
     the part is resolved (`misses`: how many of them it had to fetch); `filled`, the fetch
-    thread's (resolution or None, error or None), until `Pipeline.finish` has settled it. Sparse decodes: `reused` (bool per key) marks the
-    pages the last step selected too; `early`: those are in their slots once the layer's
-    fetch ahead is in, so their half of the attention (`head`, once computed) need not wait
-    for `filled`."""
+    thread's (resolution or None, error or None), until `Pipeline.finish` has settled it.
+    Sparse decodes: `reused` (bool per key) marks the pages the last step selected too;
+    `early`: those are in their slots once the layer's fetch ahead is in, so their half of the
+    attention (`head`, once computed) need not wait for `filled`."""
     idx: list[int]
     sel: SelectedPages | None
     keys: torch.Tensor
