@@ -12,9 +12,9 @@ until their layer, and may hold at most half of the device tier, leaving room fo
 layer's working set, so an exact fetch always finds room.
 
 The same job then evicts ahead of need (`Fetcher.reserve`, with the demotion copies): it leaves
-the next layer about 1.5 times this layer's exact misses in free slots, so the resolves on the
-engine thread rarely evict (choosing victims and admitting them to the host took ~1.7 ms a
-layer there).
+the next layer about 1.5 times this layer's sparse exact misses in free slots, so the resolves
+on the engine thread rarely evict (choosing victims and admitting them to the host took ~1.7 ms
+a layer there).
 
 `prefetch_predicted` (layer-ahead): the pages selected with the model's prediction of the next
 layer's queries.
@@ -108,8 +108,12 @@ class ReuseAhead:
         resolver, fetcher = pipe.threads()
 
         # the next layer's resolves on the engine thread find this many slots free: about
-        # as many misses as this layer's, and its pages being written
-        reserve = 3 * sum(p.misses for p in parts) // 2 + step.t_pid.numel()
+        # as many misses as this layer's sparse decodes had, and its pages being written. Not
+        # a dense layer's misses (its whole working set flows through the device): reserving
+        # for those evicted most of the first dense layer's share of the device, so sfc read
+        # that layer from disk each step (bench/pipeline.py: 154 -> 144-147 MB per step)
+        reserve = 3 * sum(p.misses for p in parts if p.sel is not None) // 2 \
+            + step.t_pid.numel()
 
         def fetch() -> tuple[torch.Tensor, Future] | None:
             """Pick the reused pages, resolve them, start their disk reads, and queue their

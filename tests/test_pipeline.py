@@ -188,6 +188,28 @@ def test_sfc_evicts_for_the_next_layer_while_a_layer_computes(smollm2_dir, promp
     assert evicted["strata-resolve"] > 3 * evicted[threading.main_thread().name]
 
 
+def test_sfc_reserves_no_room_for_a_dense_layers_misses(smollm2_dir, prompts, sequential,
+                                                         tmp_path, monkeypatch):
+    """The eviction ahead of need is sized by the sparse decodes' misses: in a dense layer
+    (every page of every sequence flows through the device) it leaves room only for the
+    pages being written, not for that layer's misses, which would evict the device's share of
+    the first dense layer."""
+    asked = collections.defaultdict(list)          # dense layer? -> slots asked to free
+    reserve = Fetcher.reserve
+
+    def recording(self, n, protect):
+        store = self.store
+        asked[store.clock_now % store.num_layers < store.cfg.dense_layers].append(n)
+        return reserve(self, n, protect)
+
+    monkeypatch.setattr(Fetcher, "reserve", recording)
+    engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2)
+    got, errors = run(engine, prompts)
+    assert not errors and got == sequential[0]
+    assert asked[True] and max(asked[True]) <= len(prompts)       # one page written per decode
+    assert max(asked[False]) > len(prompts)
+
+
 def test_sfc_calibrates_the_micro_batch_when_not_given(smollm2_dir, prompts, sequential,
                                                        tmp_path):
     engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=0)
