@@ -90,8 +90,8 @@ class ReuseAhead:
         over: choosing the pages, resolving and reading them run on the resolve thread."""
         pipe, store = self.pipe, self.pipe.store
         step, layer = stages.step, stages.layer
-        sparse = [p.keys for p in parts if p.sel is not None]
-        exact = torch.cat(sparse) if sparse else None     # none in the dense first layers
+        sparse = [p for p in parts if p.sel is not None]     # none in the dense first layers
+        exact = torch.cat([p.keys for p in sparse]) if sparse else None
         if exact is not None:
             self.reused[layer] = exact
         target = layer + self.layers
@@ -112,8 +112,7 @@ class ReuseAhead:
         # a dense layer's misses (its whole working set flows through the device): reserving
         # for those evicted most of the first dense layer's share of the device, so sfc read
         # that layer from disk each step (bench/pipeline.py: 154 -> 144-147 MB per step)
-        reserve = 3 * sum(p.misses for p in parts if p.sel is not None) // 2 \
-            + step.t_pid.numel()
+        reserve = 3 * sum(p.misses for p in sparse) // 2 + step.t_pid.numel()
 
         def fetch() -> tuple[torch.Tensor, Future] | None:
             """Pick the reused pages, resolve them, start their disk reads, and queue their
