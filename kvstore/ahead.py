@@ -12,9 +12,9 @@ until their layer, and may hold at most half of the device tier, leaving room fo
 layer's working set, so an exact fetch always finds room.
 
 The same job then evicts ahead of need (`Fetcher.reserve`, with the demotion copies): it leaves
-the next layer about 1.5 times this layer's sparse exact misses in free slots, so the resolves
-on the engine thread rarely evict (choosing victims and admitting them to the host took ~1.7 ms
-a layer there).
+the next layer about 1.5 times its sparse exact misses in the last step in free slots, so the
+resolves on the engine thread rarely evict (choosing victims and admitting them to the host
+took ~1.7 ms a layer there).
 
 `prefetch_predicted` (layer-ahead): the pages selected with the model's prediction of the next
 layer's queries.
@@ -43,6 +43,7 @@ class ReuseAhead:
     def __init__(self, pipeline: "Pipeline", layers: int):
         self.pipe, self.layers = pipeline, layers
         self.reused: dict[int, torch.Tensor] = {}       # layer -> keys the last step selected
+        self.misses: dict[int, int] = {}                # layer -> its sparse misses last step
         # (layer, resolve job -> (keys, fill job) or None) until `collect` has waited for
         # the resolve, then layer -> (keys, fill job)
         self.job: tuple[int, Future] | None = None
@@ -107,12 +108,19 @@ class ReuseAhead:
         protect = torch.cat([p.keys for p in parts] + [protect])
         resolver, fetcher = pipe.threads()
 
-        # the next layer's resolves on the engine thread find this many slots free: about
-        # as many misses as this layer's sparse decodes had, and its pages being written. Not
-        # a dense layer's misses (its whole working set flows through the device): reserving
-        # for those evicted most of the first dense layer's share of the device, so sfc read
-        # that layer from disk each step (bench/pipeline.py: 154 -> 144-147 MB per step)
-        reserve = 3 * sum(p.misses for p in sparse) // 2 + step.t_pid.numel()
+        # the next layer's resolves on the engine thread find this many slots free: 1.5x the
+        # misses that layer's sparse decodes had in the last step (this layer's on the first
+        # step), and its pages being written. Not this layer's misses: the first sparse layer
+        # is not fetched ahead (the dense layer before it has no room), so its ~900 misses
+        # left the next one ~1,350 free slots for ~150, taken from the last dense layer's
+        # share (bench/pipeline.py: they sat free for 7 layers). Nor a dense layer's (its
+        # whole working set flows through the device): that evicted most of the first dense
+        # layer's share, so sfc read that layer from disk each step (154 -> 144 MB per step)
+        expect = 0
+        if sparse:
+            self.misses[layer] = sum(p.misses for p in sparse)
+            expect = self.misses.get(layer + 1, self.misses[layer])
+        reserve = 3 * expect // 2 + step.t_pid.numel()
 
         def fetch() -> tuple[torch.Tensor, Future] | None:
             """Pick the reused pages, resolve them, start their disk reads, and queue their

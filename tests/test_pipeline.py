@@ -15,6 +15,7 @@ from engine.llm_engine import LLMEngine
 from kvstore.calibration import CALIBRATION_CANDIDATES
 from kvstore.fetcher import Fetcher
 from kvstore.pipeline import Pipeline
+from kvstore.stages import LayerPart
 from kvstore.stats import STAGES
 from tests import engine_helpers
 from tests.engine_helpers import drive, flip_bytes, greedy
@@ -193,21 +194,37 @@ def test_sfc_reserves_no_room_for_a_dense_layers_misses(smollm2_dir, prompts, se
     """The eviction ahead of need is sized by the sparse decodes' misses: in a dense layer
     (every page of every sequence flows through the device) it leaves room only for the
     pages being written, not for that layer's misses, which would evict the device's share of
-    the first dense layer."""
-    asked = collections.defaultdict(list)          # dense layer? -> slots asked to free
-    reserve = Fetcher.reserve
+    the first dense layer. In a sparse layer it leaves about the misses the next layer had in
+    the last step (not this layer's: the first sparse layer is fetched ahead less, if at all)."""
+    asked = collections.defaultdict(list)          # dense layer? -> (clock, slots to free)
+    misses = collections.Counter()                 # clock -> the sparse decodes' misses
+    reserve, resolved = Fetcher.reserve, LayerPart.resolved
 
     def recording(self, n, protect):
         store = self.store
-        asked[store.clock_now % store.num_layers < store.cfg.dense_layers].append(n)
+        asked[store.clock_now % store.num_layers < store.cfg.dense_layers].append(
+            (store.clock_now, n))
         return reserve(self, n, protect)
 
+    def counting(self, res):
+        if self.sel is not None:
+            misses[engine.store.clock_now] += res.misses
+        return resolved(self, res)
+
     monkeypatch.setattr(Fetcher, "reserve", recording)
+    monkeypatch.setattr(LayerPart, "resolved", counting)
     engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2)
     got, errors = run(engine, prompts)
     assert not errors and got == sequential[0]
-    assert asked[True] and max(asked[True]) <= len(prompts)       # one page written per decode
-    assert max(asked[False]) > len(prompts)
+    # one page written per decode
+    assert asked[True] and max(n for _, n in asked[True]) <= len(prompts)
+    L, checked = engine.store.num_layers, 0
+    for clock, n in asked[False]:
+        nxt = clock + 1 - L                        # the next layer, one step before
+        if clock % L + 1 < L and nxt in misses:
+            assert 3 * misses[nxt] // 2 <= n <= 3 * misses[nxt] // 2 + len(prompts)
+            checked += 1
+    assert checked > STEPS and max(n for _, n in asked[False]) > len(prompts)
 
 
 def test_sfc_calibrates_the_micro_batch_when_not_given(smollm2_dir, prompts, sequential,
