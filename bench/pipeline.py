@@ -291,9 +291,10 @@ def main() -> None:
     ap.add_argument("--host-gb", type=float, default=0.256)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per mode and round")
-    ap.add_argument("--warmup", type=int, default=2,
+    ap.add_argument("--warmup", type=int, default=4,
                     help="untimed decode steps per mode and round, first (what the tiers hold "
-                         "settles to the mode: after sequential-lru, ~1 step)")
+                         "settles to the mode: with 2, sfc's first 2 timed steps still ran "
+                         "3-7%% slower than its others)")
     ap.add_argument("--micro-batches", type=int, nargs="*", default=[],
                     help="extra fixed SFC micro-batch sizes to time")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for prefill")
