@@ -110,12 +110,9 @@ class ReuseAhead:
 
         # the next layer's resolves on the engine thread find this many slots free: 1.5x the
         # misses that layer's sparse decodes had in the last step (this layer's on the first
-        # step), and its pages being written. Not this layer's misses: the first sparse layer
-        # is not fetched ahead (the dense layer before it has no room), so its ~900 misses
-        # left the next one ~1,350 free slots for ~150, taken from the last dense layer's
-        # share (bench/pipeline.py: they sat free for 7 layers). Nor a dense layer's (its
-        # whole working set flows through the device): that evicted most of the first dense
-        # layer's share, so sfc read that layer from disk each step (154 -> 144 MB per step)
+        # step), and its pages being written. Never sized by a dense layer (its whole working
+        # set flows through the device) nor by the first sparse one (not fetched ahead, it
+        # misses ~6x more than the next): the surplus came out of the dense layers' share
         expect = 0
         if sparse:
             self.misses[layer] = sum(p.misses for p in sparse)
