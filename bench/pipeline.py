@@ -19,14 +19,16 @@ fetches the last step's pages two layers ahead instead of one, `sfc-no-ahead` no
 Reported per mode: median decode step time, overlap ratio 1 - step(mode) / step(sequential),
 busy and stall seconds per stage per step, bytes per tier per step, device hit ratio; and the
 recall of what was fetched ahead (exact-selected pages the layer-ahead prediction, or sfc's
-reuse of the last step's pages, had already fetched). Also the share of
-the sequential step spent resolving and fetching (the issue's target, sfc >= 1.3x sequential,
-applies when that share is a third or more). Decode runs on 1 torch thread; the stage threads
-use the second core. Results: bench/results/pipeline.json and .png.
+reuse of the last step's pages, had already fetched). Also the share of the sequential step
+spent resolving and fetching (the issue's target, sfc >= 1.3x sequential, applies when that
+share is a third or more), and, in the same rounds, sequential and sfc at other budgets
+(--budgets; each pair in both orders), where that share differs. Decode runs on 1 torch
+thread; the stage threads use the second core. Results: bench/results/pipeline.json and .png.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -67,9 +69,11 @@ def run(args) -> dict:
     modes += [("sfc", mb) for mb in args.micro_batches]
     if args.with_resolve_thread:
         modes.append(("sfc-3threads", None))
+    # the budget sweep: sequential and sfc at other sparse budgets (decode only: one prefill)
+    sweep = [b for b in args.budgets if b != args.budget]
     calib_steps = (len(CALIBRATION_CANDIDATES) + 1) * CALIBRATION_STEPS
-    total_steps = (calib_steps + args.rounds * (args.steps + args.warmup) * len(modes)
-                   + args.requests + 8)
+    total_steps = (calib_steps + args.rounds * (args.steps + args.warmup)
+                   * (len(modes) + 2 * len(sweep)) + args.requests + 8)
     eargs = EngineArgs(max_model_len=8192, max_num_seqs=args.requests,
                        max_num_batched_tokens=args.prefill_tokens, kv_device_gb=args.device_gb,
                        kv_host_gb=args.host_gb, kv_disk_gb=4.0, kv_disk_path=disk_path,
@@ -108,9 +112,12 @@ def run(args) -> dict:
         calibrated = store.pipeline.micro_batch
         if not calibrated:
             raise RuntimeError("the SFC calibration did not finish in the calibration steps")
-        modes = [(m, calibrated if mb is None else mb) for m, mb in modes]
-        per_mode = {f"{m}" + (f"-mb{mb}" if m.startswith("sfc") else ""): {
-            "mode": m, "micro_batch": mb, "step_s": [], "stats": []} for m, mb in modes}
+        modes = [(m, calibrated if mb is None else mb, args.budget) for m, mb in modes]
+        sweep_pairs = [[("sequential", 0, b), ("sfc", calibrated, b)] for b in sweep]
+        key = {(m, mb, b): m + (f"-mb{mb}" if m.startswith("sfc") else "")
+               if b == args.budget else f"{m}@{b}" for m, mb, b in modes + sum(sweep_pairs, [])}
+        per_mode = {k: {"mode": m, "micro_batch": mb, "budget": b, "step_s": [], "stats": []}
+                    for (m, mb, b), k in key.items()}
         if args.profile:
             import cProfile
             import io
@@ -126,19 +133,23 @@ def run(args) -> dict:
                 step()
             prof.disable()
             ms = 1e3 * (time.perf_counter() - t0) / args.steps
-            out = io.StringIO()
-            ps = pstats.Stats(prof, stream=out)
-            ps.sort_stats("tottime").print_stats(30)
-            ps.sort_stats("cumtime").print_stats(40)
+            ps = pstats.Stats(prof, stream=(out := io.StringIO()))
+            ps.sort_stats("tottime").print_stats(30).sort_stats("cumtime").print_stats(40)
             (RESULTS / f"pipeline_profile_{m}.txt").write_text(
                 f"cProfile of {args.steps} decode steps, --pipeline {m}, {args.requests} x "
                 f"~{args.context} tokens; {ms:.0f} ms/step under the profiler (engine thread "
                 f"only; stage threads are not profiled)\n" + out.getvalue())
             print(f"wrote {RESULTS / f'pipeline_profile_{m}.txt'}")
             return None
-        bar = tqdm(total=args.rounds * len(modes) * args.steps, desc="rounds", leave=False)
-        for _ in range(args.rounds):
-            for (m, mb), (name, rec) in zip(modes, per_mode.items()):
+        bar = tqdm(total=args.rounds * (len(modes) + 2 * len(sweep)) * args.steps,
+                   desc="rounds", leave=False)
+        for r in range(args.rounds):
+            # each pair of the sweep in both orders over the rounds (the first mode after a
+            # switch pays while the tiers settle)
+            runs = modes + sum((p[::-1] if r % 2 else p for p in sweep_pairs), [])
+            for m, mb, b in runs:
+                rec = per_mode[key[m, mb, b]]
+                set_budget(store, b)
                 set_residency(store, "lru" if m == "sequential-lru" else "cycle")
                 store.pipeline.close()
                 store.pipeline = Pipeline(store, "sfc" if m.startswith("sfc") else
@@ -182,7 +193,7 @@ def run(args) -> dict:
         la_hits = sum(b.lookahead_hits - a.lookahead_hits for a, b in pairs)
         la_exact = sum(b.lookahead_exact - a.lookahead_exact for a, b in pairs)
         results[name] = {
-            "mode": rec["mode"], "micro_batch": rec["micro_batch"], "steps": n,
+            **{k: rec[k] for k in ("mode", "micro_batch", "budget")}, "steps": n,
             "step_ms": [1e3 * s for s in rec["step_s"]],
             "step_ms_median": 1e3 * statistics.median(rec["step_s"]),
             "decode_tok_s": args.requests * n / sum(rec["step_s"]),
@@ -193,12 +204,16 @@ def run(args) -> dict:
             if lookups.get("device") else None,
             "lookahead_recall": la_hits / la_exact if la_exact else None,
         }
-    seq = results["sequential"]
-    for r in results.values():
+    def share(seq: dict) -> float:     # of a sequential step, resolving and fetching
+        return (seq["busy_ms_per_step"]["resolve"] + seq["busy_ms_per_step"]["fetch"]) \
+            / seq["step_ms_median"]
+
+    for r in results.values():   # against sequential at the same budget
+        seq = results["sequential" if r["budget"] == args.budget else f"sequential@{r['budget']}"]
         r["overlap_ratio"] = 1 - r["step_ms_median"] / seq["step_ms_median"]
         r["speedup_vs_sequential"] = seq["step_ms_median"] / r["step_ms_median"]
-    fetch_share = (seq["busy_ms_per_step"]["resolve"] + seq["busy_ms_per_step"]["fetch"]) \
-        / seq["step_ms_median"]
+        r["sequential_fetch_share"] = share(seq)
+    fetch_share = share(results["sequential"])
     return {"code": code_version(), "requests": args.requests,
             "prompt_tokens": [len(p) for p in prompts], "sparse_budget": args.budget,
             "kv_device_gb": args.device_gb, "kv_host_gb": args.host_gb,
@@ -206,6 +221,11 @@ def run(args) -> dict:
             "rounds": args.rounds, "steps_per_round": args.steps, "warmup_steps": args.warmup,
             "calibrated_micro_batch": calibrated,
             "sequential_fetch_share": fetch_share, "modes": results}
+
+
+def set_budget(store, budget: int) -> None:
+    """Swap the store's --sparse-budget (read at each decode step; prefill is dense)."""
+    store.cfg = dataclasses.replace(store.cfg, sparse_budget=budget)
 
 
 def set_residency(store, name: str) -> None:
@@ -229,6 +249,8 @@ def print_table(res: dict) -> None:
            + f"{'host MB':>8}{'disk MB':>8}{'dev hit':>8}{'recall':>7}")
     print(hdr)
     for name, r in res["modes"].items():
+        if "@" in name:
+            continue
         b = r["bytes_per_step"]
         rec = r["lookahead_recall"]
         print(f"{name:<16}{r['step_ms_median']:>8.0f}{r['speedup_vs_sequential']:>7.2f}"
@@ -239,6 +261,27 @@ def print_table(res: dict) -> None:
               f"{(r['device_hit_ratio'] or 0):>8.3f}"
               + (f"{rec:>7.2f}" if rec is not None else f"{'-':>7}"))
     print("(stage columns: busy ms per step; 'st' columns: stall ms per step)")
+    sweep = budget_sweep(res)
+    if len(sweep) > 1:
+        print(f"\n{'budget':>7}{'fetch %':>9}{'seq ms':>8}{'sfc ms':>8}{'x seq':>7}"
+              f"{'sfc stall':>10}{'seq disk MB':>12}{'sfc disk MB':>12}")
+        for b, (seq, sfc) in sweep.items():
+            print(f"{b:>7}{100 * seq['sequential_fetch_share']:>9.0f}{seq['step_ms_median']:>8.0f}"
+                  f"{sfc['step_ms_median']:>8.0f}{sfc['speedup_vs_sequential']:>7.2f}"
+                  f"{sum(sfc['stall_ms_per_step'].values()):>10.0f}"
+                  + "".join(f"{r['bytes_per_step'].get('disk->device', 0) / 1e6:>12.1f}"
+                            for r in (seq, sfc)))
+        print("(sequential and sfc at each sparse budget, same requests and tiers)")
+
+
+def budget_sweep(res: dict) -> dict:
+    """budget -> (sequential's result, sfc's at the calibrated micro-batch), ascending."""
+    main, mb = res["sparse_budget"], res["calibrated_micro_batch"]
+    out = {main: (res["modes"]["sequential"], res["modes"][f"sfc-mb{mb}"])}
+    for name, r in res["modes"].items():
+        if name.startswith("sequential@"):
+            out[r["budget"]] = (r, res["modes"][f"sfc@{r['budget']}"])
+    return dict(sorted(out.items()))
 
 
 def plot(res: dict, path: Path) -> None:
@@ -246,8 +289,11 @@ def plot(res: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(res["modes"])
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = [n for n in res["modes"] if "@" not in n]
+    sweep = budget_sweep(res)
+    fig, axes = plt.subplots(1, 3 if len(sweep) > 1 else 2,
+                             figsize=(16 if len(sweep) > 1 else 11, 4))
+    ax, ax2 = axes[:2]
     steps = [res["modes"][n]["step_ms_median"] for n in names]
     bars = ax.bar(range(len(names)), steps, color=["tab:gray"] + ["tab:blue"] * (len(names) - 1))
     for b, n in zip(bars, names):
@@ -256,8 +302,7 @@ def plot(res: dict, path: Path) -> None:
                 f"{r['step_ms_median']:.0f} ms\n{r['speedup_vs_sequential']:.2f}x",
                 ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel("decode step, median (ms)")
-    ax.set_ylim(0, 1.25 * max(steps))
+    ax.set(ylabel="decode step, median (ms)", ylim=(0, 1.25 * max(steps)))
     ax.set_title("step time per pipeline mode", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     bottom = [0.0] * len(names)
@@ -275,6 +320,23 @@ def plot(res: dict, path: Path) -> None:
     ax2.set_title("time per stage (busy, stacked) and stall", fontsize=9)
     ax2.legend(fontsize=7)
     ax2.grid(axis="y", alpha=0.3)
+    if len(sweep) > 1:
+        ax3, budgets = axes[2], list(sweep)
+        for i, label, color in ((0, "sequential", "tab:gray"), (1, "sfc", "tab:blue")):
+            ax3.plot(range(len(budgets)), [sweep[b][i]["step_ms_median"] for b in budgets],
+                     "o-", color=color, label=label)
+        top = 1.15 * max(max(r["step_ms_median"] for r in sweep[b]) for b in budgets)
+        for k, b in enumerate(budgets):
+            seq, sfc = sweep[b]
+            ax3.text(k, 0.03 * top, f"sfc {sfc['speedup_vs_sequential']:.2f}x\nfetch "
+                     f"{100 * seq['sequential_fetch_share']:.0f}%", ha="center", fontsize=7)
+        ax3.set_xticks(range(len(budgets)), [str(b) for b in budgets])
+        ax3.set(xlabel="--sparse-budget (tokens per request, layer and KV head)",
+                ylabel="decode step, median (ms)", ylim=(0, top))
+        ax3.set_title("sfc against sequential per budget (fetch: share of the sequential "
+                      "step)", fontsize=9)
+        ax3.legend(fontsize=7)
+        ax3.grid(alpha=0.3)
     fig.suptitle(f"{res['requests']} x ~{statistics.mean(res['prompt_tokens']):.0f} tokens, "
                  f"KV device {res['kv_device_gb']} GB / host {res['kv_host_gb']} GB / disk, "
                  f"budget {res['sparse_budget']}", fontsize=9)
@@ -286,15 +348,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--context", type=int, default=7000)
-    ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--budget", type=int, default=1024, help="sparse budget of every mode")
+    ap.add_argument("--budgets", type=int, nargs="*", default=[512, 768, 1536, 2048],
+                    help="other sparse budgets at which sequential and sfc are timed too")
     ap.add_argument("--device-gb", type=float, default=0.064)
     ap.add_argument("--host-gb", type=float, default=0.256)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per mode and round")
     ap.add_argument("--warmup", type=int, default=4,
-                    help="untimed decode steps per mode and round, first (what the tiers hold "
-                         "settles to the mode: with 2, sfc's first 2 timed steps still ran "
-                         "3-7%% slower than its others)")
+                    help="untimed decode steps per mode and round, first (the tiers settle to "
+                         "the mode: with 2, sfc's first 2 timed steps ran 3-7%% slower)")
     ap.add_argument("--micro-batches", type=int, nargs="*", default=[],
                     help="extra fixed SFC micro-batch sizes to time")
     ap.add_argument("--threads", type=int, default=2, help="torch threads for prefill")
