@@ -138,16 +138,19 @@ class Fetcher:
                 f"or --sparse-budget")
         self.evict_device(victims, defer=True)
 
-    def reserve(self, n: int, protect: torch.Tensor) -> None:
+    def reserve(self, n: int, protect: torch.Tensor, incoming: int = 0) -> None:
         """Evict ahead of need until `n` device slots are free (as far as clean, unpinned
         pages outside `protect` allow; no waiting for writes), and make the demotion copies:
         the pipeline's resolve thread does this while the engine thread computes, so that the
-        next layer's resolves on the engine thread find free slots."""
+        next layer's resolves on the engine thread find free slots. `incoming`: misses about
+        to be resolved, which take free slots first (one eviction for both; at least a batch,
+        as `_make_room` evicts)."""
         store, dev = self.store, self.store.device_tier
-        short = n - dev.num_free
+        short = n + incoming - dev.num_free
         if short <= 0:
             return
-        self.evict_device(store.residency.victims(short, self._evictable(protect),
+        want = max(short, dev.capacity_pages // 32) if incoming > 0 else short
+        self.evict_device(store.residency.victims(want, self._evictable(protect),
                                                   store.clock_now))
 
     def _evictable(self, protect: torch.Tensor) -> torch.Tensor:

@@ -200,11 +200,11 @@ def test_sfc_reserves_no_room_for_a_dense_layers_misses(smollm2_dir, prompts, se
     misses = collections.Counter()                 # clock -> the sparse decodes' misses
     reserve, resolved = Fetcher.reserve, LayerPart.resolved
 
-    def recording(self, n, protect):
+    def recording(self, n, protect, incoming=0):
         store = self.store
         asked[store.clock_now % store.num_layers < store.cfg.dense_layers].append(
             (store.clock_now, n))
-        return reserve(self, n, protect)
+        return reserve(self, n, protect, incoming)
 
     def counting(self, res):
         if self.sel is not None:
