@@ -11,10 +11,10 @@ the pages fetched ahead. Those are pinned while their fill runs and protected fr
 until their layer, and may hold at most half of the device tier, leaving room for twice a
 layer's working set, so an exact fetch always finds room.
 
-The same job then evicts ahead of need (`Fetcher.reserve`, with the demotion copies): it leaves
-the next layer about 1.5 times its sparse exact misses in the last step in free slots, so the
-resolves on the engine thread rarely evict (choosing victims and admitting them to the host
-took ~1.7 ms a layer there).
+The same job evicts ahead of need (`Fetcher.reserve`, with the demotion copies), in one pass
+with the room its own fetch needs: it leaves the next layer about 1.5 times its sparse exact
+misses in the last step in free slots, so the resolves on the engine thread rarely evict
+(choosing victims and admitting them to the host took ~1.7 ms a layer there).
 
 `prefetch_predicted` (layer-ahead): the pages selected with the model's prediction of the next
 layer's queries.
@@ -131,9 +131,9 @@ class ReuseAhead:
                         & ~torch.isin(last, target * store.max_pages + step.t_pid)]
             if keys.numel() == 0 or keys.numel() > room:
                 return None
-            # one eviction for these pages' misses and the next layer's reserve together: each
+            # one eviction for these pages' misses and the next layer's reserve together: a
             # pass over the tiers' slots (victims, host admission) costs ~1.5 ms whatever it
-            # evicts (two a layer: 3-4% slower steps)
+            # evicts, on the decode's path (README: two passes a layer were 2-12% slower)
             make_room(torch.cat([protect, keys]), int((store.device_tier.slots(keys) < 0).sum()))
             t0 = time.perf_counter()
             try:
