@@ -209,7 +209,7 @@ def run(args) -> dict:
             / seq["step_ms_median"]
 
     for r in results.values():   # against sequential at the same budget
-        seq = results["sequential" if r["budget"] == args.budget else f"sequential@{r['budget']}"]
+        seq = results[key["sequential", 0, r["budget"]]]
         r["overlap_ratio"] = 1 - r["step_ms_median"] / seq["step_ms_median"]
         r["speedup_vs_sequential"] = seq["step_ms_median"] / r["step_ms_median"]
         r["sequential_fetch_share"] = share(seq)

@@ -121,9 +121,7 @@ class Fetcher:
         short = n - dev.num_free
         if short <= 0:
             return
-        # NOTE: evict a batch beyond the shortfall: the scan over every slot then runs once
-        # per several layers instead of once per layer
-        want = max(short, dev.capacity_pages // 32)
+        want = self._batch(short)
         for attempt in range(2):
             victims = store.residency.victims(want, self._evictable(protect), store.clock_now)
             if victims.numel() >= short:
@@ -143,15 +141,21 @@ class Fetcher:
         pages outside `protect` allow; no waiting for writes), and make the demotion copies:
         the pipeline's resolve thread does this while the engine thread computes, so that the
         next layer's resolves on the engine thread find free slots. `incoming`: misses about
-        to be resolved, which take free slots first (one eviction for both; at least a batch,
-        as `_make_room` evicts)."""
+        to be resolved, which take free slots first (one eviction for both, a batch as
+        `_make_room` evicts)."""
         store, dev = self.store, self.store.device_tier
         short = n + incoming - dev.num_free
         if short <= 0:
             return
-        want = max(short, dev.capacity_pages // 32) if incoming > 0 else short
+        want = self._batch(short) if incoming > 0 else short
         self.evict_device(store.residency.victims(want, self._evictable(protect),
                                                   store.clock_now))
+
+    def _batch(self, short: int) -> int:
+        """How many pages to evict for resolves `short` slots short: a batch beyond the
+        shortfall, so that the scan over every slot runs once per several layers instead of
+        once per layer."""
+        return max(short, self.store.device_tier.capacity_pages // 32)
 
     def _evictable(self, protect: torch.Tensor) -> torch.Tensor:
         """bool [device slots]: clean, unpinned pages outside `protect`."""
