@@ -4,12 +4,16 @@ the same pages leave each tier, the same pages are demoted with the same host st
 counters move, on random tier states of a real TieredKVStore's bookkeeping."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from kvstore.config import KVStoreConfig
 from kvstore.fetcher import DeviceTierTooSmall, Fetcher
 from kvstore.store import TieredKVStore
+from tests.conftest_server import REPO
 
 PAGE = 1024                     # bytes: 16 tokens x 1 head x 8 dims x fp32 x K and V
 
@@ -147,3 +151,10 @@ def test_native_pass_rejects_protect_keys_outside_the_key_space(tmp_path):
     with pytest.raises(ValueError, match="protect"):
         Fetcher(store)._evict(5, torch.tensor([store.clean.numel()]))
     assert state(store) == before
+
+
+def test_evict_pass_bench_runs_both_passes():
+    """bench/evict_pass.py at its default tier sizes, a couple of passes (timings not asserted)."""
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "evict_pass.py"), "--repeats", "2"],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "torch (" in out and "C (kvstore/_evict.c)" in out and "ratio" in out
