@@ -1,11 +1,14 @@
 """Build of the C extensions, all without the GIL: kvstore/tiers/_pageio.c (the disk tier's
-page I/O and checksums, and page copies between the memory tiers), kernels/_decode.c
+page I/O and checksums, and page copies between the memory tiers), kvstore/_evict.c (the
+device tier's eviction pass with host admission), kernels/_decode.c
 (sparse decode attention on the CPU) and kernels/_select.c (page selection on the CPU);
 everything else is in pyproject.toml."""
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"],
                              depends=["kvstore/tiers/_pageio_ring.h"],
+                             extra_compile_args=["-O3", "-Wall"]),
+                   Extension("kvstore._evict", ["kvstore/_evict.c"],
                              extra_compile_args=["-O3", "-Wall"]),
                    # NOTE: Python's CFLAGS carry -fwrapv, which halves the speed of this
                    # kernel's vectorized loops (measured 2.5 against 1.3 ms per call)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvstore import native_evict
 from kvstore.tiers.base import page_rows
 from kvstore.tiers.errors import TierError
 from kvstore.tiers.memory_pool import copy_pages
@@ -48,6 +49,8 @@ class Fetcher:
     pipeline runs them on different threads, so `fill` touches no bookkeeping but the host
     pins that `resolve` set; one thread at a time may call `resolve` (and anything else that
     mutates the tiers)."""
+
+    native = True       # False: always the torch eviction pass (the reference)
 
     def __init__(self, store):
         self.store = store
@@ -123,18 +126,15 @@ class Fetcher:
             return
         want = self._batch(short)
         for attempt in range(2):
-            victims = store.residency.victims(want, self._evictable(protect), store.clock_now)
-            if victims.numel() >= short:
-                break
+            if self._evict(want, protect, need=short):
+                return
             # pages still being written to the backing tier cannot go yet: wait for them
             for rkv in store.requests.values():
                 store.wait_writes(rkv)
-        else:
-            raise DeviceTierTooSmall(
-                f"the device tier ({dev.capacity_pages} pages) cannot hold this step's working "
-                f"set: raise --kv-device-gb, or lower --max-num-seqs, --max-num-batched-tokens "
-                f"or --sparse-budget")
-        self.evict_device(victims, defer=True)
+        raise DeviceTierTooSmall(
+            f"the device tier ({dev.capacity_pages} pages) cannot hold this step's working "
+            f"set: raise --kv-device-gb, or lower --max-num-seqs, --max-num-batched-tokens "
+            f"or --sparse-budget")
 
     def reserve(self, n: int, protect: torch.Tensor, incoming: int = 0) -> None:
         """Evict ahead of need until `n` device slots are free (as far as clean, unpinned
@@ -143,13 +143,27 @@ class Fetcher:
         next layer's resolves on the engine thread find free slots. `incoming`: misses about
         to be resolved, which take free slots first (one eviction for both, a batch as
         `_make_room` evicts)."""
-        store, dev = self.store, self.store.device_tier
-        short = n + incoming - dev.num_free
+        short = n + incoming - self.store.device_tier.num_free
         if short <= 0:
             return
-        want = self._batch(short) if incoming > 0 else short
-        self.evict_device(store.residency.victims(want, self._evictable(protect),
-                                                  store.clock_now))
+        self._evict(self._batch(short) if incoming > 0 else short, protect)
+        self.demote()
+
+    def _evict(self, want: int, protect: torch.Tensor, need: int = 0) -> bool:
+        """Evict up to `want` device pages (clean, unpinned, outside `protect`) that the
+        residency policy gives up first, demoting them to the host tier when it is a cache
+        (the copies deferred to `demote`). Evicts nothing and returns False when fewer than
+        `need` can go. In C for the stock policies (kvstore/native_evict.py)."""
+        store = self.store
+        if self.native and native_evict.serves(store):
+            if store.native_eviction is None:
+                store.native_eviction = native_evict.NativeEviction(store)
+            return store.native_eviction.evict(want, protect, need)
+        victims = store.residency.victims(want, self._evictable(protect), store.clock_now)
+        if victims.numel() < need:
+            return False
+        self.evict_device(victims, defer=True)
+        return True
 
     def _batch(self, short: int) -> int:
         """How many pages to evict for resolves `short` slots short: a batch beyond the

@@ -110,6 +110,7 @@ class TieredKVStore:
         # (Fetcher.demote)
         self.demotions: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
         self.demote_lock = threading.Lock()
+        self.native_eviction = None     # kvstore.native_evict.NativeEviction, made on first use
         self.selector = make_selector(cfg.selector)
         self.dense_attention = make_attention_backend(self.device)
         self.sparse_attention = make_sparse_decode(self.device)

@@ -176,13 +176,17 @@ def test_sfc_evicts_for_the_next_layer_while_a_layer_computes(smollm2_dir, promp
     evicts (and demotes) to leave the next layer's resolves free slots, so the engine thread
     rarely evicts."""
     evicted = collections.Counter()
-    evict = Fetcher.evict_device
+    evict = Fetcher._evict
 
-    def counting(self, slots, defer=False):
-        evicted[threading.current_thread().name.partition("_")[0]] += slots.numel()
-        return evict(self, slots, defer)
+    def counting(self, want, protect, need=0):
+        stats, before = self.store.stats, self.store.stats.evictions["device"]
+        try:
+            return evict(self, want, protect, need)
+        finally:       # one thread evicts at a time: the count moved by this pass only
+            evicted[threading.current_thread().name.partition("_")[0]] += \
+                stats.evictions["device"] - before
 
-    monkeypatch.setattr(Fetcher, "evict_device", counting)
+    monkeypatch.setattr(Fetcher, "_evict", counting)
     engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2)
     got, errors = run(engine, prompts)
     assert not errors and got == sequential[0]

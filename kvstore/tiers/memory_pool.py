@@ -172,6 +172,18 @@ class MemoryPool(Tier):
         self._free[self._top:self._top + n] = slots
         self._top += n
 
+    def maps(self) -> tuple[int, int, int, int, int]:
+        """Addresses of the slot maps and the free stack, the slot count and the free count,
+        for bookkeeping in C (kvstore/_evict.c), which updates them in place; it then hands the
+        new free count back through `set_num_free`."""
+        return (self._slot_of.data_ptr(), self._key_of.data_ptr(), self._free.data_ptr(),
+                self.num_slots, self._top)
+
+    def set_num_free(self, n: int) -> None:
+        if not 0 <= n <= self.num_slots:
+            raise ValueError(f"{self.name} tier: {n} free slots of {self.num_slots}")
+        self._top = n
+
     # -- Tier interface ---------------------------------------------------------------------
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,69 @@
+"""The device tier's eviction pass in C without the GIL (kvstore/_evict.c), for the stock
+residency policies (`cycle`, `lru`): victims, their demotion to the host tier with host
+admission, and both tiers' slot maps, in one call.
+
+The torch path (Fetcher._evictable, the policy's `victims`, Fetcher.evict_device) is the
+reference and serves any other policy. It costs ~60 small ops a pass, ~1.5-2 ms, on the
+pipeline's resolve thread, each op handing the GIL back and forth with the engine thread's
+decode (bench/pipeline.py: ~29 passes a step on that thread).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvstore import _evict
+from kvstore.residency import CycleResidency, LRUResidency
+
+_KINDS = {CycleResidency: 1, LRUResidency: 0}
+
+
+def serves(store) -> bool:
+    """Whether the C pass implements the store's residency policies."""
+    host = store.host_tier
+    return type(store.residency) in _KINDS and (
+        host is None or store.backing is host or type(store.host_residency) in _KINDS)
+
+
+def _tier(tier, pinned: torch.Tensor, policy) -> tuple:
+    stamps = policy.last_used
+    if stamps.dtype != torch.int64 or not stamps.is_contiguous() or \
+            stamps.numel() != tier.num_slots or pinned.numel() != tier.num_slots:
+        raise ValueError(f"{tier.name} tier: residency stamps or pins do not match its slots")
+    slot_of, key_of, free, n, top = tier.maps()
+    return (slot_of, key_of, free, pinned.data_ptr(), stamps.data_ptr(), n, top,
+            _KINDS[type(policy)], getattr(policy, "period", 0))
+
+
+class NativeEviction:
+    """The C pass over one store's tiers (its scratch allocated once)."""
+
+    def __init__(self, store):
+        self.store = store
+        dev, host = store.device_tier, store.host_tier
+        words = _evict.scratch_words(dev.num_slots, host.num_slots if host else 0)
+        self.scratch = torch.zeros(words, dtype=torch.int64).numpy()
+
+    def evict(self, want: int, protect: torch.Tensor, need: int = 0) -> bool:
+        """Fetcher._evict in C (`serves` must hold). Only the thread that resolves calls it."""
+        store = self.store
+        dev, host = store.device_tier, store.host_tier
+        cache = host is not None and store.backing is not host
+        keys = torch.as_tensor(protect).to("cpu", torch.int64).contiguous()
+        out = torch.empty(2 * max(want, 1), dtype=torch.int64)
+        found, n_dev, dev_free, n_host, host_free, k = _evict.evict_pass(
+            _tier(dev, store.device_pinned, store.residency),
+            _tier(host, store.host_pinned, store.host_residency) if cache else None,
+            store.clean.data_ptr(), store.clean.numel(), keys.numpy(), want, need,
+            store.clock_now, out.numpy(), self.scratch)
+        if n_dev == 0:
+            return found >= need
+        dev.set_num_free(dev_free)
+        if cache:
+            host.set_num_free(host_free)
+            if n_host:
+                store.stats.count("evictions", "host", n_host)
+            if k:
+                store.demotions.append((out[:k], out[want:want + k]))
+                store.stats.add_transfer("device", "host", k * store.page_shape.nbytes)
+        store.stats.count("evictions", "device", n_dev)
+        return True
