@@ -176,10 +176,10 @@ static void run(tier_t *d, tier_t *h, const uint8_t *clean, const int64_t *prote
         if (k >= 0 && clean[k] && !d->pinned[s] && !mark[s])
             items[m++] = (item_t){score(d, d->last_used[s], now), s};
     }
-    r->found = m;
-    if (m < need || m == 0)
-        return;
     int64_t nv = m < want ? m : want;
+    r->found = nv;
+    if (nv < need || nv == 0)
+        return;
     select_top(items, m, nv);
     for (int64_t j = 0; j < nv; j++)
         vic[j] = items[j].i;
@@ -251,8 +251,8 @@ static PyObject *evict_pass(PyObject *self, PyObject *args) {
     int host = oh != Py_None;
     if (parse_tier(od, &d) < 0 || (host && parse_tier(oh, &h) < 0))
         return NULL;
-    if (want < 0 || need < 0) {
-        PyErr_SetString(PyExc_ValueError, "want and need must be >= 0");
+    if (want < 0 || need < 0 || want > ((long long)1 << 40)) {
+        PyErr_SetString(PyExc_ValueError, "want and need must be in [0, 2**40]");
         return NULL;
     }
     Py_buffer vp, vo, vs;
@@ -300,7 +300,8 @@ static PyMethodDef methods[] = {
     {"evict_pass", evict_pass, METH_VARARGS,
      "evict_pass(device, host, clean, max_keys, protect, want, need, now, out, scratch) -> "
      "(found, device evicted, device free, host evicted, host free, demoted): evict up to "
-     "`want` device pages (none if fewer than `need` can go); demotions (device slot, host "
+     "`want` device pages (found: how many could go, at most want; none go if fewer than "
+     "`need`); demotions (device slot, host "
      "slot) in out[:demoted], out[want:want + demoted]"},
     {"scratch_words", py_scratch_words, METH_VARARGS,
      "scratch_words(device slots, host slots): int64 words of scratch evict_pass needs"},

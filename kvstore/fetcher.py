@@ -147,7 +147,8 @@ class Fetcher:
         if short <= 0:
             return
         self._evict(self._batch(short) if incoming > 0 else short, protect)
-        self.demote()
+        if self.store.demotions:
+            self.demote()
 
     def _evict(self, want: int, protect: torch.Tensor, need: int = 0) -> bool:
         """Evict up to `want` device pages (clean, unpinned, outside `protect`) that the

@@ -28,7 +28,8 @@ def serves(store) -> bool:
 def _tier(tier, pinned: torch.Tensor, policy) -> tuple:
     stamps = policy.last_used
     if stamps.dtype != torch.int64 or not stamps.is_contiguous() or \
-            stamps.numel() != tier.num_slots or pinned.numel() != tier.num_slots:
+            stamps.numel() != tier.num_slots or pinned.dtype != torch.bool or \
+            not pinned.is_contiguous() or pinned.numel() != tier.num_slots:
         raise ValueError(f"{tier.name} tier: residency stamps or pins do not match its slots")
     slot_of, key_of, free, n, top = tier.maps()
     return (slot_of, key_of, free, pinned.data_ptr(), stamps.data_ptr(), n, top,
@@ -50,6 +51,8 @@ class NativeEviction:
         dev, host = store.device_tier, store.host_tier
         cache = host is not None and store.backing is not host
         keys = torch.as_tensor(protect).to("cpu", torch.int64).contiguous()
+        if store.clean.dtype != torch.bool or store.clean.numel() != dev.max_keys:
+            raise ValueError("the store's clean mask does not match the tiers' keys")
         out = torch.empty(2 * max(want, 1), dtype=torch.int64)
         found, n_dev, dev_free, n_host, host_free, k = _evict.evict_pass(
             _tier(dev, store.device_pinned, store.residency),

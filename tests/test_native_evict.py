@@ -127,6 +127,7 @@ def test_pass_evicts_nothing_when_fewer_than_needed_can_go(tmp_path, native):
     fetcher = Fetcher(store)
     fetcher.native = native
     assert not fetcher._evict(10, torch.empty(0, dtype=torch.int64), need=4)
+    assert not fetcher._evict(2, torch.empty(0, dtype=torch.int64), need=3)  # want < need
     assert state(store) == before and not store.demotions
     assert fetcher._evict(10, torch.empty(0, dtype=torch.int64), need=3)
     assert len(state(store)["device"]) == len(before["device"]) - 3
