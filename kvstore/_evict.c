@@ -65,28 +65,42 @@ static inline int64_t score(const tier_t *t, int64_t used, int64_t now) {
     return used <= now - t->period ? STALE + (now - used) : used;
 }
 
-static inline void swap_items(item_t *a, item_t *b) { item_t t = *a; *a = *b; *b = t; }
+/* The `cap` largest scores seen: a min-heap in a[0:n], whose root is the score to beat once it
+ * is full. Most candidates fail that one comparison, so a pass over every slot writes little. */
+typedef struct {
+    item_t *a;
+    int64_t n, cap;
+} top_t;
 
-/* Rearrange a[0:m] so that a[0:k] hold k of the largest scores (Hoare quickselect). */
-static void select_top(item_t *a, int64_t m, int64_t k) {
-    int64_t lo = 0, hi = m - 1, want = k - 1;
-    if (k <= 0 || k >= m)
-        return;
-    while (lo < hi) {
-        int64_t mid = lo + (hi - lo) / 2;
-        if (a[mid].s > a[lo].s) swap_items(&a[mid], &a[lo]);
-        if (a[hi].s > a[lo].s) swap_items(&a[hi], &a[lo]);
-        if (a[hi].s > a[mid].s) swap_items(&a[hi], &a[mid]);
-        int64_t p = a[mid].s, i = lo, j = hi;     /* median of three */
-        while (i <= j) {
-            while (a[i].s > p) i++;
-            while (a[j].s < p) j--;
-            if (i <= j) swap_items(&a[i++], &a[j--]);
+/* Whether a score could enter (cheaper checks may then be skipped for candidates that cannot). */
+static inline int top_admits(const top_t *t, int64_t s) { return t->n < t->cap || s > t->a[0].s; }
+
+static void top_push(top_t *t, item_t it) {
+    item_t *a = t->a;
+    if (t->n < t->cap) {                      /* sift up */
+        int64_t c = t->n++;
+        while (c > 0 && a[(c - 1) / 2].s > it.s) {
+            a[c] = a[(c - 1) / 2];
+            c = (c - 1) / 2;
         }
-        if (want <= j) hi = j;                    /* a[lo:j+1] >= p >= a[i:hi+1] */
-        else if (want >= i) lo = i;
-        else break;                               /* a[j+1:i] == p */
+        a[c] = it;
+        return;
     }
+    if (t->cap == 0 || it.s <= a[0].s)
+        return;
+    int64_t c = 0;                            /* replace the root, sift down */
+    for (;;) {
+        int64_t l = 2 * c + 1, m = l;
+        if (l >= t->n)
+            break;
+        if (l + 1 < t->n && a[l + 1].s < a[l].s)
+            m = l + 1;
+        if (a[m].s >= it.s)
+            break;
+        a[c] = a[m];
+        c = m;
+    }
+    a[c] = it;
 }
 
 static void drop(tier_t *t, int64_t slot) {
@@ -104,7 +118,7 @@ typedef struct {
 static void admit_host(tier_t *h, const tier_t *d, int64_t na, const int64_t *used,
                        uint8_t *admit, int64_t *stamps, int64_t now, item_t *items,
                        result_t *r) {
-    int64_t excess = na - h->top, hm = 0;
+    int64_t excess = na - h->top;
     for (int64_t i = 0; i < na; i++) {
         admit[i] = 1;
         stamps[i] = h->cycle ? used[i] : now;
@@ -112,20 +126,21 @@ static void admit_host(tier_t *h, const tier_t *d, int64_t na, const int64_t *us
     if (excess <= 0)
         return;
     if (h->cycle) {
+        top_t top = {items, 0, excess};
+        for (int64_t i = 0; i < na; i++)
+            top_push(&top, (item_t){score(h, used[i], now), -1 - i});
         for (int64_t s = 0; s < h->n; s++) {
             int64_t k = h->key_of[s];
             if (k < 0 || h->pinned[s])
                 continue;
             int64_t b = score(h, h->last_used[s], now);
-            if (d->slot_of[k] >= 0 && b < STALE)
+            if (!top_admits(&top, b))          /* the spare rule only lowers a score */
+                continue;
+            if (b < STALE && d->slot_of[k] >= 0)
                 b -= SPARE;
-            items[hm++] = (item_t){b, s};
+            top_push(&top, (item_t){b, s});
         }
-        for (int64_t i = 0; i < na; i++)
-            items[hm + i] = (item_t){score(h, used[i], now), -1 - i};
-        int64_t e = excess < hm + na ? excess : hm + na;
-        select_top(items, hm + na, e);
-        for (int64_t j = 0; j < e; j++) {
+        for (int64_t j = 0; j < top.n; j++) {
             if (items[j].i < 0) {
                 admit[-1 - items[j].i] = 0;
             } else {
@@ -143,13 +158,14 @@ static void admit_host(tier_t *h, const tier_t *d, int64_t na, const int64_t *us
             items[got++] = (item_t){0, s};
     }
     if (got < excess) {
+        top_t top = {items + got, 0, excess - got};
         for (int64_t s = 0; s < h->n; s++) {
             int64_t k = h->key_of[s];
-            if (k >= 0 && !h->pinned[s] && d->slot_of[k] < 0)
-                items[got + hm++] = (item_t){score(h, h->last_used[s], now), s};
+            if (k >= 0 && !h->pinned[s] && top_admits(&top, score(h, h->last_used[s], now))
+                && d->slot_of[k] < 0)
+                top_push(&top, (item_t){score(h, h->last_used[s], now), s});
         }
-        select_top(items + got, hm, excess - got);
-        got += hm < excess - got ? hm : excess - got;
+        got += top.n;
     }
     for (int64_t j = 0; j < got; j++)
         drop(h, items[j].i);
@@ -170,17 +186,16 @@ static void run(tier_t *d, tier_t *h, const uint8_t *clean, const int64_t *prote
         if (s >= 0)
             mark[s] = 1;
     }
-    int64_t m = 0;
+    top_t top = {items, 0, want < d->n ? want : d->n};
     for (int64_t s = 0; s < d->n; s++) {
         int64_t k = d->key_of[s];
-        if (k >= 0 && clean[k] && !d->pinned[s] && !mark[s])
-            items[m++] = (item_t){score(d, d->last_used[s], now), s};
+        if (k >= 0 && !d->pinned[s] && !mark[s] && clean[k])
+            top_push(&top, (item_t){score(d, d->last_used[s], now), s});
     }
-    int64_t nv = m < want ? m : want;
+    int64_t nv = top.n;
     r->found = nv;
     if (nv < need || nv == 0)
         return;
-    select_top(items, m, nv);
     for (int64_t j = 0; j < nv; j++)
         vic[j] = items[j].i;
     if (h != NULL) {

@@ -14,7 +14,7 @@ layer's working set, so an exact fetch always finds room.
 The same job evicts ahead of need (`Fetcher.reserve`, with the demotion copies), in one pass
 with the room its own fetch needs: it leaves the next layer about 1.5 times its sparse exact
 misses in the last step in free slots, so the resolves on the engine thread rarely evict
-(choosing victims and admitting them to the host took ~1.7 ms a layer there in torch; ~0.3 ms
+(choosing victims and admitting them to the host took ~1.7 ms a layer there in torch; ~0.2 ms
 in C now, kvstore/native_evict.py).
 
 `prefetch_predicted` (layer-ahead): the pages selected with the model's prediction of the next

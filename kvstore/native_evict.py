@@ -5,7 +5,7 @@ admission, and both tiers' slot maps, in one call.
 The torch path (Fetcher._evictable, the policy's `victims`, Fetcher.evict_device) is the
 reference and serves any other policy. It is ~60 small ops a pass, each handing the GIL back and
 forth with the engine thread's decode when the pipeline's resolve thread evicts (~30 passes a
-step on bench/pipeline.py): 1.44 against 0.30 ms a pass in C at that benchmark's tier sizes
+step on bench/pipeline.py): 1.36 against 0.17 ms a pass in C at that benchmark's tier sizes
 (bench/evict_pass.py).
 """
 from __future__ import annotations
