@@ -5,8 +5,8 @@
  * It is Fetcher._evictable + residency.victims + Fetcher.evict_device(defer=True) of
  * kvstore/fetcher.py and kvstore/residency.py (the reference, and the path for other policies),
  * for the stock policies: cycle and lru. In torch that pass is ~60 small ops over the device's
- * and the host's slots (~1.5-2 ms) on the pipeline's resolve thread, each taking the GIL back
- * from the engine thread's decode; here it is one call.
+ * and the host's slots (~1.4 ms, bench/evict_pass.py) on the pipeline's resolve thread, each
+ * taking the GIL back from the engine thread's decode; here it is one call.
  *
  * Scores, larger evicted first (ties in no particular order):
  *   lru:   -last_used
@@ -110,7 +110,7 @@ static void drop(tier_t *t, int64_t slot) {
 }
 
 typedef struct {
-    int64_t found, dev_evicted, host_evicted, demoted;
+    int64_t dev_evicted, host_evicted, demoted;
 } result_t;
 
 /* Host admission of `na` demoted pages (keys, last used `used`): evicts host residents for them
@@ -161,9 +161,11 @@ static void admit_host(tier_t *h, const tier_t *d, int64_t na, const int64_t *us
         top_t top = {items + got, 0, excess - got};
         for (int64_t s = 0; s < h->n; s++) {
             int64_t k = h->key_of[s];
-            if (k >= 0 && !h->pinned[s] && top_admits(&top, score(h, h->last_used[s], now))
-                && d->slot_of[k] < 0)
-                top_push(&top, (item_t){score(h, h->last_used[s], now), s});
+            if (k < 0 || h->pinned[s])
+                continue;
+            int64_t b = score(h, h->last_used[s], now);
+            if (top_admits(&top, b) && d->slot_of[k] < 0)
+                top_push(&top, (item_t){b, s});
         }
         got += top.n;
     }
@@ -193,7 +195,6 @@ static void run(tier_t *d, tier_t *h, const uint8_t *clean, const int64_t *prote
             top_push(&top, (item_t){score(d, d->last_used[s], now), s});
     }
     int64_t nv = top.n;
-    r->found = nv;
     if (nv < need || nv == 0)
         return;
     for (int64_t j = 0; j < nv; j++)
@@ -292,7 +293,7 @@ static PyObject *evict_pass(PyObject *self, PyObject *args) {
     for (int64_t j = 0; err == NULL && j < np; j++)
         if (protect[j] < 0 || protect[j] >= max_keys)
             err = "protect: keys outside [0, max_keys)";
-    result_t r = {0, 0, 0, 0};
+    result_t r = {0, 0, 0};
     if (err == NULL) {
         int64_t *out = vo.buf;
         Py_BEGIN_ALLOW_THREADS
@@ -307,17 +308,16 @@ static PyObject *evict_pass(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, err);
         return NULL;
     }
-    return Py_BuildValue("(LLLLLL)", (long long)r.found, (long long)r.dev_evicted, d.top,
+    return Py_BuildValue("(LLLLL)", (long long)r.dev_evicted, d.top,
                          (long long)r.host_evicted, host ? h.top : 0LL, (long long)r.demoted);
 }
 
 static PyMethodDef methods[] = {
     {"evict_pass", evict_pass, METH_VARARGS,
      "evict_pass(device, host, clean, max_keys, protect, want, need, now, out, scratch) -> "
-     "(found, device evicted, device free, host evicted, host free, demoted): evict up to "
-     "`want` device pages (found: how many could go, at most want; none go if fewer than "
-     "`need`); demotions (device slot, host "
-     "slot) in out[:demoted], out[want:want + demoted]"},
+     "(device evicted, device free, host evicted, host free, demoted): evict up to `want` "
+     "device pages, none if fewer than `need` can go; demotions (device slot, host slot) in "
+     "out[:demoted], out[want:want + demoted]"},
     {"scratch_words", py_scratch_words, METH_VARARGS,
      "scratch_words(device slots, host slots): int64 words of scratch evict_pass needs"},
     {NULL, NULL, 0, NULL},

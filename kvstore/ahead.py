@@ -135,10 +135,11 @@ class ReuseAhead:
             # one eviction for these pages' misses and the next layer's reserve together: a
             # pass over the tiers' slots (victims, host admission) costs the same whatever it
             # evicts (torch: ~1.4 ms; README: two passes a layer were 2-12% slower then)
-            make_room(torch.cat([protect, keys]), int((store.device_tier.slots(keys) < 0).sum()))
+            keep = torch.cat([protect, keys])
+            make_room(keep, int((store.device_tier.slots(keys) < 0).sum()))
             t0 = time.perf_counter()
             try:
-                res = nxt.resolve(keys, torch.cat([protect, keys]), count=False)
+                res = nxt.resolve(keys, keep, count=False)
             except DeviceTierTooSmall:
                 return None
             try:

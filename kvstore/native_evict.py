@@ -54,13 +54,13 @@ class NativeEviction:
         if store.clean.dtype != torch.bool or store.clean.numel() != dev.max_keys:
             raise ValueError("the store's clean mask does not match the tiers' keys")
         out = torch.empty(2 * max(want, 1), dtype=torch.int64)
-        found, n_dev, dev_free, n_host, host_free, k = _evict.evict_pass(
+        n_dev, dev_free, n_host, host_free, k = _evict.evict_pass(
             _tier(dev, store.device_pinned, store.residency),
             _tier(host, store.host_pinned, store.host_residency) if cache else None,
             store.clean.data_ptr(), store.clean.numel(), keys.numpy(), want, need,
             store.clock_now, out.numpy(), self.scratch)
         if n_dev == 0:
-            return found >= need
+            return need == 0
         dev.set_num_free(dev_free)
         if cache:
             host.set_num_free(host_free)
