@@ -22,7 +22,8 @@ from kernels.attention import AttentionBatch, TorchPagedAttention
 from kernels.page_select import make_selector, native_select_serves, select_pages
 from kernels.page_summary import summarize_pages, update_summaries
 from kernels.page_table import build_head_page_table
-from kernels.sparse_attention import TorchSparseDecode, make_sparse_decode
+from kernels.sparse_attention import (NativeSparseDecode, TorchSparseDecode,
+                                      make_sparse_decode)
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -151,6 +152,13 @@ def main() -> None:
     report(f"sparse attention forward, {type(native).__name__} (the store's)",
            _median_ms(lambda: native.forward(q, pool(), table, group, scale), args.repeats),
            key="sparse")
+    portable = None
+    if isinstance(native, NativeSparseDecode):
+        portable = NativeSparseDecode()
+        portable.simd = False               # the rows a CPU without AVX-512 runs
+        report("  (same, its portable rows)",
+               _median_ms(lambda: portable.forward(q, pool(), table, group, scale),
+                          args.repeats))
 
     # 4. dense paged attention over every page (planned once per step)
     dense = TorchPagedAttention()
@@ -166,6 +174,10 @@ def main() -> None:
            f"decodes)",
            _median_ms(lambda: native.forward(q, pool(), per_head, group, scale),
                       max(3, args.repeats // 3)))
+    if portable is not None:
+        report("  (same, its portable rows)",
+               _median_ms(lambda: portable.forward(q, pool(), per_head, group, scale),
+                          max(3, args.repeats // 3)))
 
     print(f"threads={args.threads} batch={b} context={args.context} pages/seq={n_pages} "
           f"page={ps} heads={args.heads}/{kvh} hd={d} kv={args.dtype} budget={budget_pages} "

@@ -145,10 +145,14 @@ class NativeSparseDecode:
     Other devices, dtypes or shapes go to TorchSparseDecode.
 
     NOTE (measured, 1 thread, SmolLM2 shapes, bf16 pool, 24 rows x 64 pages of 16 tokens,
-    medians): ~1.4 ms per call against TorchSparseDecode's ~3.0 (gather ~1.0, upcast ~0.5,
-    SDPA ~1.3) on a warm pool; 2.3 against 3.2 in bench/sparse_ops.py, which cycles layers
-    through cold memory; in the decode step 51 against 88 ms per step (8 x 7K tokens).
+    medians): with its AVX-512 rows 0.80-0.87 ms per call in bench/sparse_ops.py, which cycles
+    layers through cold memory, against 2.3-2.5 with its portable rows (`simd = False`, what a
+    CPU without AVX-512 runs) and ~1.6 for TorchSparseDecode (gather, upcast, SDPA); in the
+    decode step (bench/pipeline.py's 8 x 7K tokens, same-process A/B) sequential 407 against
+    448 ms, sfc 372 against 407.
     """
+
+    simd = True     # False: the portable rows even where the CPU has AVX-512
 
     def __init__(self) -> None:
         self._torch = TorchSparseDecode()
@@ -187,11 +191,6 @@ class NativeSparseDecode:
         indptr = head_table.indptr.to(torch.int64).contiguous()
         slots = head_table.indices.to(torch.int64).contiguous()
         last = head_table.last_page_len.to(torch.int32).contiguous()
-        # NOTE: the C kernel trusts the table: a slot or length out of range would read
-        # outside the pool
-        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < kv_pool.shape[0]
-                                  and int(last.max()) <= ps):
-            raise ValueError(f"page table outside the pool ({kv_pool.shape[0]} slots of {ps})")
         if carry is None:
             out = torch.empty(b, h, d, dtype=torch.float32)
             lse = torch.empty(b, h, dtype=torch.float32)
@@ -204,7 +203,8 @@ class NativeSparseDecode:
         _decode.sparse_decode(qf.data_ptr(), kv_pool.data_ptr(),
                               int(kv_pool.dtype == torch.bfloat16), kvh, ps, d, group,
                               indptr.data_ptr(), slots.data_ptr(), last.data_ptr(), rows, scale,
-                              out.data_ptr(), lse.data_ptr(), carry is not None)
+                              out.data_ptr(), lse.data_ptr(), carry is not None,
+                              kv_pool.shape[0], self.simd)   # checks the table against the pool
         return out, lse
 
 

@@ -19,7 +19,7 @@ AWKWARD_LENS = [27, 61, 113, 577]
 HEAD_DIM = 64
 
 
-def _pool(kv_lens, page_size, kv_heads, dtype, seed=0):
+def _pool(kv_lens, page_size, kv_heads, dtype, seed=0, head_dim=HEAD_DIM):
     """Random slot pool with each sequence's pages on shuffled slots: (pool, slot_table)."""
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -31,7 +31,7 @@ def _pool(kv_lens, page_size, kv_heads, dtype, seed=0):
     for b, n in enumerate(need):
         table[b, :n] = torch.tensor(slots[at:at + n])
         at += n
-    pool = torch.randn(len(slots), 2, kv_heads, page_size, HEAD_DIM, generator=gen).to(dtype)
+    pool = torch.randn(len(slots), 2, kv_heads, page_size, head_dim, generator=gen).to(dtype)
     return pool, table
 
 
@@ -65,6 +65,15 @@ def test_sparse_equals_dense_when_every_row_lists_every_page(page_size, group, d
         assert getattr(per_head, field).tolist() == getattr(table, field).tolist()
 
 
+@pytest.fixture(params=[True, False], ids=["simd", "portable"])
+def kernel(request):
+    """The C kernel with its AVX-512 rows (where this CPU has them) and with its portable
+    rows: both paths are tested on any machine that has both."""
+    k = NativeSparseDecode()
+    k.simd = request.param
+    return k
+
+
 def _random_selection(kv_lens, page_size, kv_heads, budget, seed):
     num_pages = [-(-n // page_size) for n in kv_lens]
     scores = torch.randn(len(kv_lens), kv_heads, max(num_pages),
@@ -72,14 +81,14 @@ def _random_selection(kv_lens, page_size, kv_heads, budget, seed):
     return select_pages(scores, num_pages, budget, 1, 1)
 
 
-def _random_case(page_size, group, dtype, budget, seed):
+def _random_case(page_size, group, dtype, budget, seed, head_dim=HEAD_DIM):
     """A pool, a random per-head selection as a head page table, and queries: (sel, table,
     pool, q)."""
     kv_heads = 3
-    pool, slots = _pool(AWKWARD_LENS, page_size, kv_heads, dtype, seed=seed)
+    pool, slots = _pool(AWKWARD_LENS, page_size, kv_heads, dtype, seed=seed, head_dim=head_dim)
     sel = _random_selection(AWKWARD_LENS, page_size, kv_heads, budget, seed + 1)
     table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, page_size)
-    q = torch.randn(len(AWKWARD_LENS), kv_heads * group, HEAD_DIM).to(dtype)
+    q = torch.randn(len(AWKWARD_LENS), kv_heads * group, head_dim).to(dtype)
     return sel, table, pool, q
 
 
@@ -102,9 +111,9 @@ def test_the_cpu_store_uses_the_c_kernel():
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("group", [1, 3])
 @pytest.mark.parametrize("page_size", [16, 8])
-def test_c_kernel_matches_reference_and_torch(page_size, group, dtype, atol):
+def test_c_kernel_matches_reference_and_torch(kernel, page_size, group, dtype, atol):
     _, table, pool, q = _random_case(page_size, group, dtype, budget=5, seed=11)
-    got = NativeSparseDecode().forward(q, pool, table, group, 0.125)
+    got = kernel.forward(q, pool, table, group, 0.125)
     assert got.shape == q.shape and got.dtype == q.dtype
     ref = reference_sparse_decode_attention(q, pool, table, group, 0.125)
     torch.testing.assert_close(got.float(), ref, atol=atol, rtol=0)
@@ -112,12 +121,11 @@ def test_c_kernel_matches_reference_and_torch(page_size, group, dtype, atol):
         q, pool, table, group, 0.125).float(), atol=atol, rtol=0)
 
 
-def test_c_kernel_partials_merge_by_log_sum_exp():
+def test_c_kernel_partials_merge_by_log_sum_exp(kernel):
     # a row's pages split in two tables (one row empty in each): the halves' (out, lse)
     # merge to the whole row's attention, and an empty row weighs nothing
     page_size, group = 16, 3
     _, table, pool, q = _random_case(page_size, group, torch.float32, budget=6, seed=13)
-    kernel = NativeSparseDecode()
     whole = kernel.forward(q, pool, table, group, 0.125)
     counts = table.indptr.long().diff()
     head = counts // 2
@@ -149,14 +157,14 @@ def _rows(table: PageTable, r0: int, r1: int) -> PageTable:
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_c_kernel_goes_on_from_a_first_half_with_the_same_bits_in_any_batch(dtype, atol):
+def test_c_kernel_goes_on_from_a_first_half_with_the_same_bits_in_any_batch(kernel, dtype,
+                                                                            atol):
     """Split attention as the store runs it: each row's pages the last step selected first
     (any subset, with the partial last page), then the rest carried on from that state. The
     result is the whole rows' attention, and a row's bits do not depend on the batch it runs
     in (sequential attends the whole batch at once, sfc a micro-batch at a time)."""
     page_size, group, kvh = 16, 3, 3
     _, table, pool, q = _random_case(page_size, group, dtype, budget=6, seed=17)
-    kernel = NativeSparseDecode()
     gen = torch.Generator().manual_seed(5)
     first = torch.rand(table.indices.numel(), generator=gen) < 0.6
     first[table.indptr[1:].long() - 1] = True            # the partial page goes first
@@ -193,14 +201,37 @@ def test_page_table_split_keeps_order_and_moves_the_partial_page_length():
     assert a.last_page_len.tolist() == [5, 16, 9] and b.last_page_len.tolist() == [16, 7, 16]
 
 
+@pytest.mark.parametrize("head_dim,page_size,group", [(64, 32, 3), (64, 16, 16), (128, 16, 4),
+                                                      (32, 8, 2), (48, 16, 3), (40, 16, 3)])
+def test_c_kernel_rows_for_other_shapes(head_dim, page_size, group):
+    """Head sizes of 16 lanes or not (40: the portable rows only), pages of several 16-token
+    blocks or less than one, groups up to the kernel's 16: both row paths match the reference
+    in float32, and in bf16 to its rounding."""
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        _, table, pool, q = _random_case(page_size, group, dtype, budget=4, seed=23,
+                                         head_dim=head_dim)
+        ref = reference_sparse_decode_attention(q, pool, table, group, 0.125)
+        outs = []
+        for simd in (True, False):
+            k = NativeSparseDecode()
+            k.simd = simd
+            out, lse = k.forward_partial(q, pool, table, group, 0.125)
+            torch.testing.assert_close(out, ref, atol=atol, rtol=0)
+            outs.append((out, lse))
+        torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-6)
+
+
 def test_c_kernel_rejects_tables_outside_the_pool_and_defers_other_dtypes():
     pool, slots = _pool([27], 16, 3, torch.float32)
     indptr, pages = _all_pages([27], 16, 3)
     table = build_head_page_table(indptr, pages, slots, [27], 16)
     q = torch.randn(1, 9, HEAD_DIM)
-    bad = PageTable(table.indptr, table.indices + pool.shape[0], table.last_page_len, 16)
-    with pytest.raises(ValueError, match="outside the pool"):
-        NativeSparseDecode().forward(q, pool, bad, 3, 0.125)
+    for bad in (PageTable(table.indptr, table.indices + pool.shape[0], table.last_page_len, 16),
+                PageTable(table.indptr, torch.cat([torch.tensor([-1], dtype=torch.int32),
+                                                   table.indices[1:]]), table.last_page_len, 16),
+                PageTable(table.indptr, table.indices, table.last_page_len + 16, 16)):
+        with pytest.raises(ValueError, match="outside the pool"):
+            NativeSparseDecode().forward(q, pool, bad, 3, 0.125)
     half = pool.half()                          # no C path for float16: torch computes it
     got = NativeSparseDecode().forward(q.half(), half, table, 3, 0.125)
     ref = reference_sparse_decode_attention(q.half(), half, table, 3, 0.125)
