@@ -19,6 +19,7 @@ import time
 import torch
 
 from kernels.attention import AttentionBatch, TorchPagedAttention
+from kernels import page_select
 from kernels.page_select import make_selector, native_select_serves, select_pages
 from kernels.page_summary import summarize_pages, update_summaries
 from kernels.page_table import build_head_page_table
@@ -134,6 +135,14 @@ def main() -> None:
                    _median_ms(lambda: quest.select(q, per_req, num_pages, group, budget_pages,
                                                    args.sink_pages, args.local_pages),
                               args.repeats), key="score_select" if main_dtype else None)
+            page_select.NATIVE_SIMD = False     # what a CPU without AVX-512 runs
+            try:
+                report("  (same, its portable scoring)",
+                       _median_ms(lambda: quest.select(q, per_req, num_pages, group,
+                                                       budget_pages, args.sink_pages,
+                                                       args.local_pages), args.repeats))
+            finally:
+                page_select.NATIVE_SIMD = True
     sel = select_pages(scores, num_pages, budget_pages, args.sink_pages, args.local_pages)
     report("build_head_page_table",
            _median_ms(lambda: build_head_page_table(sel.indptr, sel.page_indices, slot_table,

@@ -15,8 +15,8 @@
  * Two implementations of a row: the portable one (attend_row, vectorised by the compiler per
  * token) and, where the CPU has AVX-512 and D is a multiple of 16, attend_row16: a block of 16
  * tokens' scores per query head in one vector (no horizontal sum per token), a vector exp, and
- * the next page prefetched. 24 rows x 64 pages of bf16, 1 thread: 0.80-0.87 against 2.3-2.5
- * ms; over every page of 8 x 7K tokens 6.2-6.5 against 17.6-18.5 ms a layer, ~7 GB/s of K/V,
+ * the next page prefetched. 24 rows x 64 pages of bf16, 1 thread: 0.80-0.82 against 2.3-2.4
+ * ms; over every page of 8 x 7K tokens 6.3-6.4 against 17.7-18.2 ms a layer, ~7 GB/s of K/V,
  * this box's attention bandwidth (bench/results/sparse_ops.txt). The two round differently
  * (float32 sums in another order; the vector exp within 2 ulp of expf); one process always
  * runs the same one, so its modes still agree bit for bit.
@@ -124,19 +124,7 @@ static void attend_row(const float *q, const char *pool, int bf16, int64_t slot_
     }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define HAVE_AVX512_PATH 1
-#define AVX512 __attribute__((target("avx512f")))
-
-/* 16 values of a row, bf16 or float32, as float32 */
-static inline AVX512 __m512 load16(const char *p, int bf16) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-    return _mm512_loadu_ps((const float *)p);
-}
-
+#ifdef HAVE_AVX512_PATH
 /* exp(x) for x <= 0, 0 below -80 (safe_exp's rule, and 0 for NaN): Cephes' expf, x = n ln2
  * + r with |r| <= ln2 / 2, a degree-7 polynomial of r scaled by 2^n; within 2 ulp of expf */
 static inline AVX512 __m512 exp16(__m512 x) {
@@ -153,26 +141,6 @@ static inline AVX512 __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.f), _CMP_GE_OQ);
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
-}
-
-/* lane t = the sum of the 16 values at p + 16 t, for t < 16: a transpose by shuffles, each
- * lane's sum one fixed tree (the same bits whatever the batch) */
-static inline AVX512 __m512 hsum16x16(const float *p) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) {
-        const __m512 x = _mm512_load_ps(p + 32 * i), y = _mm512_load_ps(p + 32 * i + 16);
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-    }
-    for (int i = 0; i < 4; i++) {
-        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                         _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
 /* attend_row with AVX-512, d a multiple of 16: a page in blocks of up to 16 tokens; a block's

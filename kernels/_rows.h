@@ -1,5 +1,5 @@
 /* Row loads shared by the CPU kernels (kernels/_decode.c, kernels/_select.c): a row of d
- * values, bf16 or float32, as float32. */
+ * values, bf16 or float32, as float32; and their AVX-512 helpers. */
 #ifndef STRATA_KERNELS_ROWS_H
 #define STRATA_KERNELS_ROWS_H
 
@@ -22,5 +22,40 @@ static inline void load_row(const void *src, int bf16, float *dst, int d) {
         memcpy(dst, src, (size_t)d * sizeof(float));
     }
 }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* AVX-512 helpers, for functions compiled for it (AVX512) and run where the CPU has it */
+#include <immintrin.h>
+#define HAVE_AVX512_PATH 1
+#define AVX512 __attribute__((target("avx512f")))
+
+/* 16 values of a row, bf16 or float32, as float32 */
+static inline AVX512 __m512 load16(const char *p, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* lane t = the sum of the 16 values at p + 16 t, for t < 16: a transpose by shuffles, each
+ * lane's sum one fixed tree (the same bits whatever the batch) */
+static inline AVX512 __m512 hsum16x16(const float *p) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) {
+        const __m512 x = _mm512_load_ps(p + 32 * i), y = _mm512_load_ps(p + 32 * i + 16);
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    }
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                         _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+#endif
 
 #endif

@@ -1,9 +1,11 @@
 /* Page selection for sparse decode in C, without the GIL (kernels/page_select.py,
  * `native_select`): the selector's scores and select_pages' top-k in one call per layer.
  *
- * The torch path costs ~0.9 ms a layer for 8 sequences x 438 pages here (8 bmm calls over
+ * The torch path costs ~0.75 ms a layer for 8 sequences x 438 pages here (8 bmm calls over
  * upcast summaries, then ~25 small ops for the top-k) and takes the GIL between its ops, which
- * the pipeline's stage threads compete for; this call ~0.56 ms (bench/results/sparse_ops.txt).
+ * the pipeline's stage threads compete for; this call 0.63-0.66 ms with the AVX-512 scoring
+ * (16 pages' sums per query head out of one transpose-and-add, kernels/_rows.h), 0.70-0.73 with
+ * the portable one (bench/results/sparse_ops.txt): reading the summaries bounds it.
  *
  * Scores, per (sequence b, KV head h, page p): the max over the GQA group's query heads of
  *   quest: sum_d (q_d < 0 ? q_d * min_d : q_d * max_d)   (Quest's upper bound of q . k)
@@ -67,6 +69,51 @@ static inline float dot4(const float *a0, const float *a1, const float *a2, cons
     return keep_max(keep_max(keep_max(keep_max(best, s[0]), s[1]), s[2]), s[3]);
 }
 
+#ifdef HAVE_AVX512_PATH
+/* score_seq with AVX-512, f (quest: 2D, mean: D) a multiple of 16: pages in blocks of 16, each
+ * query head's 16 sums out of one transpose-and-add of per-page partial sums (no horizontal
+ * sum per page); the max over the group as score_seq takes it (NaN wins). qq as score_seq's,
+ * already filled. */
+static AVX512 void score_seq16(const float *qq, int kvh, int g, int f, const char *summ,
+                               int64_t page_bytes, int64_t head_bytes, int64_t off, int bf16,
+                               int64_t n, float *out, int64_t stride) {
+    float part[MAX_G * 256] __attribute__((aligned(64)));
+    const int nv = f / 16, es = bf16 ? 2 : 4;
+    const __m512 nan = _mm512_set1_ps(NAN);
+    for (int64_t p0 = 0; p0 < n; p0 += 16) {
+        const int nb = n - p0 < 16 ? (int)(n - p0) : 16;
+        for (int h = 0; h < kvh; h++) {
+            const float *qh = qq + (int64_t)h * g * f;
+            for (int t = 0; t < 16; t++) {
+                if (t >= nb) {
+                    for (int j = 0; j < g; j++)
+                        _mm512_store_ps(part + j * 256 + t * 16, _mm512_setzero_ps());
+                    continue;
+                }
+                const char *row = summ + (p0 + t) * page_bytes + h * head_bytes + off;
+                __m512 r[2 * MAX_D / 16];
+                for (int c = 0; c < nv; c++)
+                    r[c] = load16(row + c * 16 * es, bf16);
+                for (int j = 0; j < g; j++) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int c = 0; c < nv; c++)
+                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + j * f + 16 * c), r[c], acc);
+                    _mm512_store_ps(part + j * 256 + t * 16, acc);
+                }
+            }
+            __m512 best = _mm512_set1_ps(-INFINITY);
+            for (int j = 0; j < g; j++) {
+                const __m512 v = hsum16x16(part + j * 256);
+                const __mmask16 bad = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) |
+                                      _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+                best = _mm512_mask_mov_ps(_mm512_max_ps(best, v), bad, nan);
+            }
+            _mm512_mask_storeu_ps(out + h * stride + p0, (__mmask16)((1u << nb) - 1), best);
+        }
+    }
+}
+#endif
+
 /* scores [KVH][n] (row stride `stride`) of one sequence: q [KVH, g, D] float32; the summary
  * rows of page p, head h start at summ + p * page_bytes + h * head_bytes (min, max, mean, each
  * `row_bytes`). Pages outer: one pass over the summaries. Quest's bound is one dot product of
@@ -74,7 +121,7 @@ static inline float dot4(const float *a0, const float *a1, const float *a2, cons
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static void score_seq(const float *q, int kvh, int g, int d, const char *summ,
                       int64_t page_bytes, int64_t head_bytes, int64_t row_bytes, int bf16,
-                      int quest, int64_t n, float *out, int64_t stride, float *qq) {
+                      int quest, int64_t n, float *out, int64_t stride, float *qq, int simd) {
     float row[2 * MAX_D];
     const int f = quest ? 2 * d : d;
     for (int j = 0; j < kvh * g; j++)
@@ -88,6 +135,14 @@ static void score_seq(const float *q, int kvh, int g, int d, const char *summ,
             }
         }
     const int64_t off = quest ? 0 : 2 * row_bytes;
+#ifdef HAVE_AVX512_PATH
+    if (simd) {
+        score_seq16(qq, kvh, g, f, summ, page_bytes, head_bytes, off, bf16, n, out, stride);
+        return;
+    }
+#else
+    (void)simd;
+#endif
     for (int64_t p = 0; p < n; p++)
         for (int h = 0; h < kvh; h++) {
             load_row(summ + p * page_bytes + h * head_bytes + off, bf16, row, f);
@@ -151,11 +206,12 @@ static int64_t mark_top(const float *key, const uint8_t *eligible, int64_t n, in
 static PyObject *select_pages(PyObject *self, PyObject *args) {
     unsigned long long q, summ_addrs, prior_addrs, n_pages, indptr, indices, uindptr, uindices,
         scores_out;
-    int bf16, quest, b_size, kvh, g, d;
+    int bf16, quest, b_size, kvh, g, d, simd = 1;
     long long k, sink, local, prior_pages;
-    if (!PyArg_ParseTuple(args, "KKKiiiiiiKLLLLKKKKK", &q, &summ_addrs, &prior_addrs, &bf16,
+    if (!PyArg_ParseTuple(args, "KKKiiiiiiKLLLLKKKKK|p", &q, &summ_addrs, &prior_addrs, &bf16,
                           &quest, &b_size, &kvh, &g, &d, &n_pages, &k, &sink, &local,
-                          &prior_pages, &indptr, &indices, &uindptr, &uindices, &scores_out))
+                          &prior_pages, &indptr, &indices, &uindptr, &uindices, &scores_out,
+                          &simd))
         return NULL;
     if (d < 1 || d > MAX_D || g < 1 || g > MAX_G || kvh < 1 || b_size < 0 || k < 1) {
         PyErr_Format(PyExc_ValueError, "unsupported shape: head_dim %d (<= %d), group %d "
@@ -180,6 +236,9 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
     if (pk > prior_pages) pk = prior_pages;
     if (pk > p_max) pk = p_max;
     int failed = 0;
+#ifdef HAVE_AVX512_PATH
+    simd = simd && ((quest ? 2 * d : d) % 16 == 0) && __builtin_cpu_supports("avx512f");
+#endif
     Py_BEGIN_ALLOW_THREADS
     const int64_t stride = p_max + 1;
     float *sc = malloc(sizeof(float) * (size_t)(stride * (kvh + 2) + (int64_t)kvh * g * 2 * d));
@@ -196,7 +255,7 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
             memset(any, 0, (size_t)n);
             score_seq((const float *)(uintptr_t)q + (int64_t)b * kvh * g * d, kvh, g, d,
                       (const char *)(uintptr_t)sa[b], page_bytes, head_bytes, row_bytes, bf16,
-                      quest, n, sc, stride, qq);
+                      quest, n, sc, stride, qq, simd);
             for (int h = 0; h < kvh; h++) {
                 const int64_t r = (int64_t)b * kvh + h;
                 uint8_t *ch = chosen + (size_t)stride * h;
@@ -254,8 +313,8 @@ static PyMethodDef methods[] = {
      "scores_out): addresses of contiguous buffers (q float32 [B, KVH, group, D]; summary_addrs "
      "uint64 [B] of [>= n_b, KVH, 3, D] summaries; prior_addrs uint64 [B] of [>= n_b, KVH] "
      "float32 priors, 0 for none, or 0 for no array; n_pages int64 [B]; outputs int64 "
-     "[B*KVH+1], [B*KVH*k], [B+1], [B*P_max]; scores_out float32 [B*KVH, P_max] or 0); "
-     "without the GIL"},
+     "[B*KVH+1], [B*KVH*k], [B+1], [B*P_max]; scores_out float32 [B*KVH, P_max] or 0; simd: "
+     "the AVX-512 scoring where the CPU has it); without the GIL"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -12,9 +12,10 @@ Shapes:
   scores     [B, KVH, P_max]    float32, -inf beyond num_pages[b]
 
 `Selector.select` scores and selects in one call: in C without the GIL on the CPU
-(kernels/_select.c: 0.55-0.58 against 0.86-0.90 ms a layer for 8 x 438 pages,
-bench/results/sparse_ops.txt; the torch path also takes the GIL between its ~35 ops, which the
-pipeline's stage threads want), else select_pages over `score`.
+(kernels/_select.c: 0.63-0.66 ms a layer for 8 x 438 pages with its AVX-512 scoring, 0.70-0.73
+with its portable one, against ~0.75 for the torch path, bench/results/sparse_ops.txt; the torch
+path also takes the GIL between its ~35 ops, which the pipeline's stage threads want), else select_pages
+over `score`.
 
 Leaf module: imports only torch and kernels.*.
 """
@@ -284,6 +285,11 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     return SelectedPages(indptr, page_indices, union_indptr, hit.nonzero()[:, 1], kvh)
 
 
+# kernels/_select.c scores with AVX-512 where the CPU has it (and the summary row is a multiple
+# of 16 floats); False: its portable scoring everywhere (the two round differently)
+NATIVE_SIMD = True
+
+
 def native_select_serves(q: torch.Tensor, summaries: Sequence[torch.Tensor],
                          priors: Sequence[torch.Tensor | None] | None) -> bool:
     """Whether kernels/_select.c takes these inputs: CPU, contiguous, bf16 or float32
@@ -336,7 +342,7 @@ def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: li
                          int(summaries[0].dtype == torch.bfloat16), int(quest), b_size, kvh,
                          group, d, n.data_ptr(), budget_pages, sink_pages, local_pages,
                          prior_pages, indptr.data_ptr(), indices.data_ptr(), uindptr.data_ptr(),
-                         uindices.data_ptr(), 0 if out is None else out.data_ptr())
+                         uindices.data_ptr(), 0 if out is None else out.data_ptr(), NATIVE_SIMD)
     sel = SelectedPages(indptr, indices[:int(indptr[-1])], uindptr,
                         uindices[:int(uindptr[-1])], kvh)
     return sel, out

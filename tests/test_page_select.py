@@ -168,13 +168,21 @@ def _prior_tensor(priors, counts, like):
     return prior
 
 
+@pytest.fixture(params=[True, False], ids=["simd", "portable"])
+def native_simd(request, monkeypatch):
+    """kernels/_select.c with its AVX-512 scoring (where this CPU has it) and its portable one."""
+    monkeypatch.setattr(page_select, "NATIVE_SIMD", request.param)
+    return request.param
+
+
 @needs_native
 @pytest.mark.parametrize("quest", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_select_is_select_pages_over_the_selectors_scores(quest, dtype):
+def test_native_select_is_select_pages_over_the_selectors_scores(quest, dtype, native_simd):
     """kernels/_select.c computes the torch selector's scores and, over them, picks exactly
     select_pages' pages: sink, local and prior pages, budgets past the context, GQA groups of
-    1-5 heads, head dims that are no multiple of 8, NaN summaries (a page ranked last)."""
+    1-5 heads, head dims that are no multiple of 8 or 16 (24: the AVX-512 scoring for quest's
+    48-float rows, the portable one for mean's 24), NaN summaries (a page ranked last)."""
     gen = torch.Generator().manual_seed(2 * int(quest) + (dtype == torch.bfloat16))
     shapes = [(3, 3, 64), (2, 4, 32), (1, 1, 16), (2, 5, 24)]
     for trial in range(40):
@@ -203,7 +211,7 @@ def test_native_select_is_select_pages_over_the_selectors_scores(quest, dtype):
 
 
 @needs_native
-def test_selector_select_takes_the_c_path_and_matches_the_torch_path():
+def test_selector_select_takes_the_c_path_and_matches_the_torch_path(native_simd):
     _, summ = _sequences(AWKWARD_LENS, 16, 3, 64, torch.bfloat16)
     counts = [-(-n // 16) for n in AWKWARD_LENS]
     q = torch.randn(len(counts), 9, 64).to(torch.bfloat16)
