@@ -125,7 +125,7 @@ static void attend_row(const float *q, const char *pool, int bf16, int64_t slot_
 }
 
 #ifdef HAVE_AVX512_PATH
-/* exp(x) for x <= 0, 0 below -80 (safe_exp's rule, and 0 for NaN): Cephes' expf, x = n ln2
+/* exp(x) for x <= 0, 0 below -80 (safe_exp's rule; NaN stays NaN): Cephes' expf, x = n ln2
  * + r with |r| <= ln2 / 2, a degree-7 polynomial of r scaled by 2^n; within 2 ulp of expf */
 static inline AVX512 __m512 exp16(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -139,7 +139,7 @@ static inline AVX512 __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.f), _CMP_GE_OQ);
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.f), _CMP_NLT_UQ);
     return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
 }
 

@@ -352,3 +352,19 @@ def test_flashinfer_sparse_decode_plans_one_batch_per_kv_head(monkeypatch):
     assert q_shape == (2, 3, 16) and kv_shape == (8, 2, 1, 4, 16)
     assert kv_stride == pool.stride()                # a view of the pool, no copy
     assert (out.view(2, 2, 3, 16)[:, 0] == 2).all() and (out.view(2, 2, 3, 16)[:, 1] == 2).all()
+
+
+def test_c_kernel_propagates_a_nan_key_as_torch_does(kernel):
+    """A NaN in a listed page's K (a bug upstream) gives NaN out, as softmax does, rather than
+    a quietly dropped token: the AVX-512 rows' vector exp keeps NaN as NaN."""
+    pool = torch.randn(4, 2, 1, 16, HEAD_DIM)
+    pool[1, 0, 0, 3, 5] = float("nan")
+    q = torch.randn(1, 1, HEAD_DIM)
+    table = PageTable(torch.tensor([0, 2], dtype=torch.int32),
+                      torch.tensor([0, 1], dtype=torch.int32),
+                      torch.tensor([16], dtype=torch.int32), 16)
+    out, _ = kernel.forward_partial(q, pool, table, 1, 0.125)
+    assert bool(torch.isnan(out).all())
+    clean = PageTable(table.indptr, torch.tensor([0, 2], dtype=torch.int32),
+                      table.last_page_len, 16)
+    assert not bool(torch.isnan(kernel.forward_partial(q, pool, clean, 1, 0.125)[0]).any())
