@@ -174,7 +174,7 @@ def render(results: Path = RESULTS, suffix: str = "") -> str:
     names = {k: results / f"{k}{suffix}.json" for k in ("throughput", "ruler", "roofline")}
     reps = {k: _load(p) for k, p in names.items()}
     lines = [BEGIN, "", machine_line(*reps.values()), code_line(*reps.values()),
-             "Regenerate with `.venv/bin/python bench/suite.py` (all three, ~30 min; `--quick` "
+             "Regenerate with `.venv/bin/python bench/suite.py` (all three, ~11 min; `--quick` "
              "~5 min) or the single commands below, then `.venv/bin/python bench/report.py`.", ""]
     sections = (("throughput", throughput_section), ("ruler", ruler_section),
                 ("roofline", roofline_section))

@@ -1,6 +1,6 @@
 """The benchmark suite: throughput, accuracy and roofline, then the README's Results section.
 
-    .venv/bin/python bench/suite.py            # default: ~26 minutes on 2 cores (see below)
+    .venv/bin/python bench/suite.py            # default: ~11 minutes on 2 cores (see below)
     .venv/bin/python bench/suite.py --quick    # within ~5 minutes (writes *_quick.json)
     .venv/bin/python bench/suite.py --full     # the whole grid: ~70 minutes on 2 cores
     make bench-suite ARGS=--quick
@@ -19,8 +19,9 @@ of every configuration prefills its own prompt, so the grid's 1K row and 16-requ
 512 and 2048 budgets and more RULER samples are --full's. Measured on 2026-11-23 (AMD EPYC, 2
 cores) with the previous default (1K row, transformers at 4 too, all four budgets): throughput
 21.5 min (per Strata config ~20 s at 1K, ~1.3 min at 4K, ~3 min at 7K; transformers ~2.5 min),
-RULER 10.8 min (~2.2 min per config), roofline 0.4 min: 32.6 min. This default drops ~6.5 min
-of it (~26 min).
+RULER 10.8 min (~2.2 min per config), roofline 0.4 min: 32.6 min. This default dropped ~6.5 min
+of it (~26 min then). Measured again on 2026-11-25 (Intel Xeon, 2 cores) at 970f50b, after the
+AVX-512 attention rows: throughput 7.8 min, RULER 2.4, roofline 0.4: 10.6 min.
 Then bench/report.py rewrites the README's Results section (not for --quick or --suffix, whose
 report goes to bench/results/report<suffix>.md). The wall time of each part is printed at the end.
 """

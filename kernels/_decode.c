@@ -15,8 +15,8 @@
  * Two implementations of a row: the portable one (attend_row, vectorised by the compiler per
  * token) and, where the CPU has AVX-512 and D is a multiple of 16, attend_row16: a block of 16
  * tokens' scores per query head in one vector (no horizontal sum per token), a vector exp, and
- * the next page prefetched. 24 rows x 64 pages of bf16, 1 thread: 0.80-0.82 against 2.3-2.4
- * ms; over every page of 8 x 7K tokens 6.3-6.4 against 17.7-18.2 ms a layer, ~7 GB/s of K/V,
+ * the next page prefetched. 24 rows x 64 pages of bf16, 1 thread: 0.78-0.79 against 2.2
+ * ms; over every page of 8 x 7K tokens 6.3-6.5 against 17.5-17.7 ms a layer, ~7 GB/s of K/V,
  * this box's attention bandwidth (bench/results/sparse_ops.txt). The two round differently
  * (float32 sums in another order; the vector exp within 2 ulp of expf); one process always
  * runs the same one, so its modes still agree bit for bit.

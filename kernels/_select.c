@@ -3,9 +3,10 @@
  *
  * The torch path costs ~0.75 ms a layer for 8 sequences x 438 pages here (8 bmm calls over
  * upcast summaries, then ~25 small ops for the top-k) and takes the GIL between its ops, which
- * the pipeline's stage threads compete for; this call 0.63-0.66 ms with the AVX-512 scoring
- * (16 pages' sums per query head out of one transpose-and-add, kernels/_rows.h), 0.70-0.73 with
- * the portable one (bench/results/sparse_ops.txt): reading the summaries bounds it.
+ * the pipeline's stage threads compete for; this call 0.58-0.59 ms with the AVX-512 scoring
+ * (16 pages' sums per query head out of one transpose-and-add, kernels/_rows.h, and the next
+ * block's rows prefetched: 0.63-0.66 without), 0.72-0.73 with the portable one
+ * (bench/results/sparse_ops.txt): reading the summaries bounds it.
  *
  * Scores, per (sequence b, KV head h, page p): the max over the GQA group's query heads of
  *   quest: sum_d (q_d < 0 ? q_d * min_d : q_d * max_d)   (Quest's upper bound of q . k)
@@ -91,6 +92,9 @@ static AVX512 void score_seq16(const float *qq, int kvh, int g, int f, const cha
                     continue;
                 }
                 const char *row = summ + (p0 + t) * page_bytes + h * head_bytes + off;
+                if (p0 + t + 16 < n)        /* the next block's row: 4 KiB pages stop the */
+                    for (int o = 0; o < f * es; o += 64)      /* hardware's prefetcher */
+                        _mm_prefetch(row + 16 * page_bytes + o, _MM_HINT_T0);
                 __m512 r[2 * MAX_D / 16];
                 for (int c = 0; c < nv; c++)
                     r[c] = load16(row + c * 16 * es, bf16);
