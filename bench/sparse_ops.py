@@ -135,7 +135,7 @@ def main() -> None:
                    _median_ms(lambda: quest.select(q, per_req, num_pages, group, budget_pages,
                                                    args.sink_pages, args.local_pages),
                               args.repeats), key="score_select" if main_dtype else None)
-            page_select.NATIVE_SIMD = False     # what a CPU without AVX-512 runs
+            page_select.NATIVE_SIMD = False     # the portable scoring (its AVX-512 clone here)
             try:
                 report("  (same, its portable scoring)",
                        _median_ms(lambda: quest.select(q, per_req, num_pages, group,
@@ -164,7 +164,7 @@ def main() -> None:
     portable = None
     if isinstance(native, NativeSparseDecode):
         portable = NativeSparseDecode()
-        portable.simd = False               # the rows a CPU without AVX-512 runs
+        portable.simd = False               # the portable rows (their AVX-512 clone here)
         report("  (same, its portable rows)",
                _median_ms(lambda: portable.forward(q, pool(), table, group, scale),
                           args.repeats))

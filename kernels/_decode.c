@@ -62,6 +62,31 @@ static inline void scale_vec(float *acc, float c, int d) {
         acc[i] *= c;
 }
 
+/* a row's online-softmax state to start from: none, or with `carry` the first half's
+ * normalized result (out as the accumulator, its lse as the max, 1 as the sum) */
+static inline void start_row(float *m, float *l, float *out, const float *lse, int g, int d,
+                             int carry) {
+    for (int j = 0; j < g; j++) {
+        m[j] = carry ? lse[j] : -INFINITY;
+        l[j] = carry && !isinf(lse[j]) ? 1.f : 0.f;
+    }
+    if (!carry)
+        memset(out, 0, sizeof(float) * (size_t)g * d);
+}
+
+/* out normalized, lse = max + log(sum); a row without tokens gives lse -inf */
+static inline void finish_row(const float *m, const float *l, float *out, float *lse, int g,
+                              int d) {
+    for (int j = 0; j < g; j++) {
+        if (l[j] > 0.f) {
+            scale_vec(out + j * d, 1.f / l[j], d);
+            lse[j] = m[j] + logf(l[j]);
+        } else {
+            lse[j] = -INFINITY;
+        }
+    }
+}
+
 /* one clone per instruction set, picked at load time; the helpers inline into each */
 __attribute__((target_clones("avx512f", "avx2", "default")))
 static void attend_row(const float *q, const char *pool, int bf16, int64_t slot_bytes,
@@ -70,19 +95,7 @@ static void attend_row(const float *q, const char *pool, int bf16, int64_t slot_
                        int carry) {
     float m[MAX_G], l[MAX_G], s[MAX_PS * MAX_G], row[MAX_D];
     const int64_t tok_bytes = (int64_t)d * (bf16 ? 2 : 4);
-    if (carry) {
-        /* out normalized over the first half: the state (max lse, sum 1, acc out) */
-        for (int j = 0; j < g; j++) {
-            m[j] = lse[j];
-            l[j] = isinf(lse[j]) ? 0.f : 1.f;
-        }
-    } else {
-        for (int j = 0; j < g; j++) {
-            m[j] = -INFINITY;
-            l[j] = 0.f;
-        }
-        memset(out, 0, sizeof(float) * (size_t)g * d);
-    }
+    start_row(m, l, out, lse, g, d, carry);
     for (int64_t p = 0; p < n; p++) {
         const int ntok = p == n - 1 ? last : ps;
         const char *k = pool + slots[p] * slot_bytes + head_bytes;
@@ -114,14 +127,7 @@ static void attend_row(const float *q, const char *pool, int bf16, int64_t slot_
                 axpy(out + j * d, s[t * g + j], row, d);
         }
     }
-    for (int j = 0; j < g; j++) {
-        if (l[j] > 0.f) {
-            scale_vec(out + j * d, 1.f / l[j], d);
-            lse[j] = m[j] + logf(l[j]);
-        } else {
-            lse[j] = -INFINITY;
-        }
-    }
+    finish_row(m, l, out, lse, g, d);
 }
 
 #ifdef HAVE_AVX512_PATH
@@ -157,12 +163,7 @@ static inline __attribute__((always_inline)) AVX512 void attend_row16(
     float vrow[16 * MAX_D] __attribute__((aligned(64)));        /* a block's V as float32 */
     const int nv = d / 16;
     const int64_t tok_bytes = (int64_t)d * (bf16 ? 2 : 4), head_len = ps * tok_bytes;
-    for (int j = 0; j < g; j++) {
-        m[j] = carry ? lse[j] : -INFINITY;
-        l[j] = carry && !isinf(lse[j]) ? 1.f : 0.f;
-    }
-    if (!carry)
-        memset(out, 0, sizeof(float) * (size_t)g * d);
+    start_row(m, l, out, lse, g, d, carry);
     for (int64_t p = 0; p < n; p++) {
         const char *k = pool + slots[p] * slot_bytes + head_bytes;
         const char *v = k + v_bytes;
@@ -220,14 +221,7 @@ static inline __attribute__((always_inline)) AVX512 void attend_row16(
                 }
         }
     }
-    for (int j = 0; j < g; j++) {
-        if (l[j] > 0.f) {
-            scale_vec(out + j * d, 1.f / l[j], d);
-            lse[j] = m[j] + logf(l[j]);
-        } else {
-            lse[j] = -INFINITY;
-        }
-    }
+    finish_row(m, l, out, lse, g, d);
 }
 
 static AVX512 void attend_row_d64(const float *q, const char *pool, int bf16, int64_t slot_bytes,
@@ -282,8 +276,8 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
             }
         for (int64_t i = 0; i < rp[rows]; i++)
             if (sl[i] < 0 || sl[i] >= n_slots) {
-                PyErr_Format(PyExc_ValueError, "page table outside the pool (slot %lld of "
-                             "%zd slots of %d)", (long long)sl[i], n_slots, ps);
+                PyErr_Format(PyExc_ValueError, "page table outside the pool (slot %lld in "
+                             "a pool of %zd)", (long long)sl[i], n_slots);
                 return NULL;
             }
     }

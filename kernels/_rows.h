@@ -37,8 +37,9 @@ static inline AVX512 __m512 load16(const char *p, int bf16) {
     return _mm512_loadu_ps((const float *)p);
 }
 
-/* lane t = the sum of the 16 values at p + 16 t, for t < 16: a transpose by shuffles, each
- * lane's sum one fixed tree (the same bits whatever the batch) */
+/* lane t = the sum of the 16 values at p + 16 t, for t < 16 (p 64-byte aligned: aligned
+ * loads): a transpose by shuffles, each lane's sum one fixed tree (the same bits whatever the
+ * batch) */
 static inline AVX512 __m512 hsum16x16(const float *p) {
     __m512 a[8], b[4], c[2];
     for (int i = 0; i < 8; i++) {

@@ -310,3 +310,23 @@ def test_prior_pages_never_exceed_the_budget_left_by_sink_and_local():
     assert sel.row(0, 0).tolist() == [0, 1, 46, 47, 48, 49]
     sel = select_pages(scores, [50], 8, 2, 2, prior, prior_pages=10)
     assert sel.row(0, 0).tolist() == [0, 1, 44, 45, 46, 47, 48, 49]
+
+
+@needs_native
+def test_a_nan_in_one_query_heads_score_wins_the_groups_max(native_simd):
+    """A page whose Quest score is NaN for one query head of a GQA group only (a NaN in its min
+    row, which only the head with a negative query there reads) scores NaN for the group, as
+    the torch path's amax does, and ranks last; the mean score, NaN in one head's query."""
+    _, summ = _sequences([160], 16, 1, 64, seed=3)           # 10 pages, one KV head
+    q = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(4))
+    q[0, 0, 5], q[0, 1, 5] = -1.0, 1.0
+    summ[0][2, 0, 0, 5] = float("nan")
+    sel, scores = native_select(q, summ, [10], 2, True, 9, 0, 0, scores=True)
+    assert bool(torch.isnan(quest_scores(q, summ, [10], 2)[0, 0, 2]))
+    assert bool(torch.isnan(scores[0, 0, 2]))
+    assert bool(torch.isfinite(scores[0, 0, torch.arange(10) != 2]).all())
+    assert 2 not in sel.page_indices.tolist()
+    _, clean = _sequences([160], 16, 1, 64, seed=3)
+    q[0, 0, 7] = float("nan")
+    _, scores = native_select(q, clean, [10], 2, False, 9, 0, 0, scores=True)
+    assert bool(torch.isnan(scores[0, 0]).all())

@@ -201,15 +201,19 @@ def test_page_table_split_keeps_order_and_moves_the_partial_page_length():
     assert a.last_page_len.tolist() == [5, 16, 9] and b.last_page_len.tolist() == [16, 7, 16]
 
 
-@pytest.mark.parametrize("head_dim,page_size,group", [(64, 32, 3), (64, 16, 16), (128, 16, 4),
-                                                      (32, 8, 2), (48, 16, 3), (40, 16, 3)])
-def test_c_kernel_rows_for_other_shapes(head_dim, page_size, group):
+@pytest.mark.parametrize("head_dim,page_size,group,q_scale", [
+    (64, 32, 3, 1), (64, 16, 16, 1), (128, 16, 4, 1), (32, 8, 2, 1), (48, 16, 3, 1),
+    (40, 16, 3, 1), (64, 64, 3, 1), (64, 24, 3, 1), (64, 16, 3, 30)])
+def test_c_kernel_rows_for_other_shapes(head_dim, page_size, group, q_scale):
     """Head sizes of 16 lanes or not (40: the portable rows only), pages of several 16-token
-    blocks or less than one, groups up to the kernel's 16: both row paths match the reference
-    in float32, and in bf16 to its rounding."""
+    blocks, of less than one and of a part of one (24), up to the kernel's 64 tokens, groups up
+    to its 16, and queries whose softmax weights fall below the -80 flush (q_scale 30): both
+    row paths match the reference in float32, and in bf16 to its rounding."""
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         _, table, pool, q = _random_case(page_size, group, dtype, budget=4, seed=23,
                                          head_dim=head_dim)
+        q = (q.float() * q_scale).to(dtype)
+        atol *= 1 if q_scale == 1 else 5        # a sharper softmax: more of float32's rounding
         ref = reference_sparse_decode_attention(q, pool, table, group, 0.125)
         outs = []
         for simd in (True, False):
@@ -368,3 +372,18 @@ def test_c_kernel_propagates_a_nan_key_as_torch_does(kernel):
     clean = PageTable(table.indptr, torch.tensor([0, 2], dtype=torch.int32),
                       table.last_page_len, 16)
     assert not bool(torch.isnan(kernel.forward_partial(q, pool, clean, 1, 0.125)[0]).any())
+
+
+def test_c_kernel_reads_no_token_past_a_rows_last(kernel):
+    """The slot of a row's partial last page holds page_size tokens, the rest stale (here NaN):
+    neither K nor V past `last` reaches the output."""
+    page_size, group = 16, 3
+    _, table, pool, q = _random_case(page_size, group, torch.float32, budget=5, seed=29)
+    want = kernel.forward(q, pool, table, group, 0.125)
+    for r in range(table.batch_size):
+        last = int(table.last_page_len[r])
+        slot = int(table.indices[int(table.indptr[r + 1]) - 1])
+        pool[slot, :, r % 3, last:] = float("nan")
+    got = kernel.forward(q, pool, table, group, 0.125)
+    assert bool(torch.isfinite(got).all())
+    assert torch.equal(got, want)
