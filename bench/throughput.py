@@ -17,7 +17,9 @@ Strata configurations (one `strata serve` process each, started on loopback):
 
 One ramp per context and configuration, so a context's prompts are prefilled once, not once per
 concurrency level: start 1 request, wait until it decodes, time --steps decode steps; add 3 more
-(4 in flight), wait until all decode, time --steps steps; then 8, then 16. A level's decode
+(4 in flight), wait until all decode (with `--pipeline sfc`, also until its micro-batch
+calibration is done, strata_pipeline_micro_batch > 0, or 40 steps have passed), time --steps
+steps; then 8, then 16. A level's decode
 tokens/s counts every token streamed while all its requests decode (tokens are counted from the
 stream's logprobs, one entry per token); its TTFT is that of the requests added at that level,
 which arrive while the earlier ones decode (a loaded server, as in production); its
@@ -70,6 +72,7 @@ CONFIGS: dict[str, list[str]] = {
 PEERS = ("transformers", "llama.cpp")
 STAGES = ("select", "resolve", "fetch", "compute")      # the decode stages, in pipeline order
 QUESTION = "\n\nSummarize the text above in a few sentences."
+CALIBRATION_WAIT = 40   # decode steps at most before timing, for sfc's micro-batch calibration
 
 
 # ------------------------------------------------------------------------------ prompts
@@ -156,6 +159,8 @@ def scrape(base: str) -> dict[str, float]:
                 out[f"stall:{s.labels['stage']}"] = s.value
             elif s.name == "strata_requests_running":
                 out["running"] = s.value
+            elif s.name == "strata_pipeline_micro_batch":
+                out["micro_batch"] = s.value
     return out
 
 
@@ -190,7 +195,7 @@ async def _consume(client, model: str, text: str, max_tokens: int, st: Stream) -
         st.error = f"{type(e).__name__}: {e}"
 
 
-async def _wait(pred, streams: list[Stream], timeout: float) -> None:
+async def _wait(pred, streams: list[Stream], timeout: float, poll: float = 0.005) -> None:
     deadline = time.perf_counter() + timeout
     while not pred():
         errs = [s.error for s in streams if s.error]
@@ -198,7 +203,7 @@ async def _wait(pred, streams: list[Stream], timeout: float) -> None:
             raise RuntimeError(f"request failed: {errs[0]}")
         if time.perf_counter() > deadline:
             raise TimeoutError("timed out waiting for the server")
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(poll)
 
 
 async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int],
@@ -226,6 +231,14 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
             await _wait(lambda: all(s.times for s in streams), streams, timeout)
             last_first = max(s.times[0] for s in new)
             await _wait(lambda: all(s.times[-1] > last_first for s in streams), streams, timeout)
+            if metrics and level >= 2:
+                # --pipeline sfc calibrates its micro-batch over its first ~30 decode steps with
+                # two or more sparse sequences: time the size it settles on, not the candidates
+                # (contexts within the budget decode dense and never calibrate: 40 steps at most)
+                c0 = [len(s.times) for s in streams]
+                await _wait(lambda: scrape(base).get("micro_batch", 1) > 0 or min(
+                    len(s.times) - c for s, c in zip(streams, c0)) >= CALIBRATION_WAIT,
+                            streams, timeout, poll=0.25)
             m0 = scrape(base) if metrics else {}
             t0 = time.perf_counter()
             c0 = [len(s.times) for s in streams]

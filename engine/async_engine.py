@@ -85,6 +85,8 @@ class AsyncEngine:
             kv_page_bytes=e.store.page_shape.nbytes * e.store.num_layers,
             kv_tiers=e.store.tier_usage(),
             kv=e.store.stats.snapshot(),
+            pipeline_micro_batch=e.store.pipeline.micro_batch
+            if e.store.pipeline.mode == "sfc" else -1,
         )
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],

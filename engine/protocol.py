@@ -41,6 +41,8 @@ class EngineStats:
     kv_page_bytes: int          # bytes of one page over all layers (K and V)
     kv_tiers: dict = field(default_factory=dict)   # tier -> (used bytes, capacity bytes)
     kv: object | None = None    # kvstore.stats.KVStatsSnapshot: transfers, lookups, hits, ...
+    # --pipeline sfc: sequences per micro-batch (0 while the start-up calibration runs); else -1
+    pipeline_micro_batch: int = -1
 
 
 class EngineClient(Protocol):

@@ -48,6 +48,7 @@ def test_long_prompt_is_served_from_the_disk_tier_with_sparse_decode(tiered, dis
         assert read_metric(text, "strata_stage_seconds_count", f'stage="{stage}"') > 0
         assert read_metric(text, "strata_stage_busy_seconds_total", f'stage="{stage}"') > 0
     assert read_metric(text, "strata_pipeline_stall_seconds_total", 'stage="compute"') >= 0
+    assert "strata_pipeline_micro_batch" not in text        # sfc's alone
     for tier in ("device", "host", "disk"):
         assert read_metric(text, "strata_kv_tier_capacity_bytes", f'tier="{tier}"') > 0
         assert read_metric(text, "strata_kv_tier_used_bytes", f'tier="{tier}"') == 0
