@@ -9,6 +9,7 @@ CALIBRATION_STEPS steps, interleaved (the first steps after a prefill drift as r
 settles, and that must not favour one candidate). A sample is the whole forward of the step per
 sparse sequence, since the size changes more than the KV stages; the candidate with the lowest
 median wins and is logged. Steps with a prefill chunk before that run without micro-batches.
+Each batch size (rounded up to a power of two) is calibrated the first time the batch has it.
 """
 from __future__ import annotations
 
@@ -24,13 +25,29 @@ CALIBRATION_CANDIDATES = (1, 2, 4, 8, 16)
 CALIBRATION_STEPS = 5
 
 
+class _Run:
+    """One batch size's calibration: candidates left to time, and the samples so far."""
+
+    def __init__(self, num_sparse: int):
+        cands = [c for c in CALIBRATION_CANDIDATES if c < num_sparse] + [num_sparse]
+        self.samples: dict[int, list[float]] = {c: [] for c in cands}
+        self.plan = [c for _ in range(CALIBRATION_STEPS) for c in cands]
+
+
 class MicroBatchCalibration:
-    """`begin` gives each step's micro-batch size; `end` closes the step's sample."""
+    """`begin` gives each step's micro-batch size; `end` closes the step's sample.
+
+    Calibrated once per batch size, rounded up to a power of two (2, 4, 8, 16, ...): a server's
+    batch grows and shrinks, and the size that wins at 4 sequences need not at 8. A size's
+    calibration runs over its own steps (interleaved with other sizes' steps when the batch
+    changes meanwhile); `chosen` is the choice for the last step's size, 0 while it calibrates."""
 
     def __init__(self, fixed: int = 0):
-        self.chosen = fixed                       # 0 until calibrated
-        self._samples: dict[int, list[float]] = {}
-        self._plan: list[int] = []
+        self.fixed = fixed
+        self.chosen = fixed                       # for the last step's batch size; 0: calibrating
+        self.choices: dict[int, int] = {}         # batch size (power of two) -> micro-batch
+        self._runs: dict[int, _Run] = {}
+        self._run: _Run | None = None
         self._current = 0
         self._start = 0.0
         self._seqs = 0                            # > 0 while a sample is open
@@ -39,27 +56,32 @@ class MicroBatchCalibration:
         """The micro-batch size for a step with `num_sparse` sparse decodes (0: none);
         `decode_only`: the step has no prefill chunk (only those are sampled)."""
         self._seqs = 0
-        if self.chosen or num_sparse < 2 or not decode_only:
+        if self.fixed or num_sparse < 2:
             return self.chosen
-        if not self._plan and not self._samples:
-            cands = [c for c in CALIBRATION_CANDIDATES if c < num_sparse] + [num_sparse]
-            self._samples = {c: [] for c in cands}
-            self._plan = [c for _ in range(CALIBRATION_STEPS) for c in cands]
-        if self._plan:
-            self._current = self._plan.pop(0)
+        size = 1 << (num_sparse - 1).bit_length()
+        if size in self.choices:
+            self.chosen = self.choices[size]
+            return self.chosen
+        self.chosen = 0
+        if not decode_only:
+            return 0
+        run = self._runs.setdefault(size, _Run(num_sparse))
+        if run.plan:
+            self._run, self._current = run, run.plan.pop(0)
             self._seqs = num_sparse
             self._start = time.perf_counter()
             return self._current
-        best = {c: statistics.median(v) for c, v in self._samples.items() if v}
-        self.chosen = min(best, key=best.get)
-        logger.info("pipeline sfc: calibrated --micro-batch %d (forward time per sequence: "
-                    "%s)", self.chosen,
+        best = {c: statistics.median(v) for c, v in run.samples.items() if v}
+        self.chosen = self.choices[size] = min(best, key=best.get)
+        del self._runs[size]
+        logger.info("pipeline sfc: calibrated --micro-batch %d for %d-%d sequences (forward "
+                    "time per sequence: %s)", self.chosen, size // 2 + 1, size,
                     ", ".join(f"{c}: {1e3 * t:.2f} ms" for c, t in sorted(best.items())))
         return self.chosen
 
     def end(self) -> None:
         """The step's forward is done (stage threads drained)."""
-        if self._seqs:
-            self._samples[self._current].append(
+        if self._seqs and self._run is not None:
+            self._run.samples[self._current].append(
                 (time.perf_counter() - self._start) / self._seqs)
         self._seqs = 0

@@ -41,3 +41,29 @@ def test_a_given_micro_batch_is_never_calibrated():
     cal = MicroBatchCalibration(3)
     assert [step(cal, 8) for _ in range(3)] == [3, 3, 3]
     assert step(cal, 8, decode_only=False) == 3
+
+
+def test_each_batch_size_is_calibrated_once_and_keeps_its_choice():
+    """A batch that grows past a power of two calibrates again (the size that wins at 4
+    sequences need not at 8); a size seen before keeps its choice, also when the batch moves
+    between sizes while one of them is calibrating."""
+    cal = MicroBatchCalibration()
+    while not cal.chosen:
+        step(cal, 4, slow={1, 4})                         # 2 wins at 3-4 sequences
+    assert cal.chosen == 2 and cal.choices == {4: 2}
+    tried = {step(cal, 7, slow={1, 2, 7}) for _ in range(3)}   # 5-8 sequences: calibrating
+    assert cal.chosen == 0 and tried <= {1, 2, 4, 7}
+    assert step(cal, 3) == 2 and cal.chosen == 2         # back to 3-4: its choice, no sampling
+    while 8 not in cal.choices:
+        step(cal, 7, slow={1, 2, 7})
+    assert cal.chosen == 4 and cal.choices == {4: 2, 8: 4}
+    assert step(cal, 4) == 2 and step(cal, 8) == 4 and step(cal, 8, decode_only=False) == 4
+    assert step(cal, 1) == 4                              # one sequence: nothing to split
+
+
+def test_a_prefill_step_of_a_new_size_runs_whole_and_is_not_sampled():
+    cal = MicroBatchCalibration()
+    while not cal.chosen:
+        step(cal, 2, slow={2})
+    assert step(cal, 6, decode_only=False) == 0 and cal.chosen == 0
+    assert step(cal, 2) == 1
