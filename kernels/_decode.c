@@ -248,9 +248,9 @@ typedef void (*row_fn)(const float *, const char *, int, int64_t, int64_t, int64
 static PyObject *sparse_decode(PyObject *self, PyObject *args) {
     unsigned long long q, pool, row_ptr, slots, last, out, lse;
     int bf16, kvh, ps, d, g, carry, simd = 1;
-    Py_ssize_t rows, n_slots = -1;
+    Py_ssize_t rows, n_slots;
     float scale;
-    if (!PyArg_ParseTuple(args, "KKiiiiiKKKnfKKp|np", &q, &pool, &bf16, &kvh, &ps, &d, &g,
+    if (!PyArg_ParseTuple(args, "KKiiiiiKKKnfKKpn|p", &q, &pool, &bf16, &kvh, &ps, &d, &g,
                           &row_ptr, &slots, &last, &rows, &scale, &out, &lse, &carry, &n_slots,
                           &simd))
         return NULL;
@@ -266,21 +266,19 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
     const int64_t *rp = (const int64_t *)(uintptr_t)row_ptr;
     const int64_t *sl = (const int64_t *)(uintptr_t)slots;
     const int32_t *ll = (const int32_t *)(uintptr_t)last;
-    if (n_slots >= 0) {
-        /* the table must stay inside the pool: the rows read what it lists */
-        for (Py_ssize_t r = 0; r < rows; r++)
-            if (ll[r] > ps || (rp[r + 1] > rp[r] && ll[r] < 0)) {
-                PyErr_Format(PyExc_ValueError, "page table outside the pool (last page length "
-                             "%d of %d)", ll[r], ps);
-                return NULL;
-            }
-        for (int64_t i = 0; i < rp[rows]; i++)
-            if (sl[i] < 0 || sl[i] >= n_slots) {
-                PyErr_Format(PyExc_ValueError, "page table outside the pool (slot %lld in "
-                             "a pool of %zd)", (long long)sl[i], n_slots);
-                return NULL;
-            }
-    }
+    /* the table must stay inside the pool: the rows read what it lists */
+    for (Py_ssize_t r = 0; r < rows; r++)
+        if (ll[r] > ps || (rp[r + 1] > rp[r] && ll[r] < 0)) {
+            PyErr_Format(PyExc_ValueError, "page table outside the pool (last page length %d "
+                         "of %d)", ll[r], ps);
+            return NULL;
+        }
+    for (int64_t i = 0; i < rp[rows]; i++)
+        if (sl[i] < 0 || sl[i] >= n_slots) {
+            PyErr_Format(PyExc_ValueError, "page table outside the pool (slot %lld in a pool "
+                         "of %zd)", (long long)sl[i], n_slots);
+            return NULL;
+        }
     row_fn fn = attend_row;
 #ifdef HAVE_AVX512_PATH
     if (simd && d % 16 == 0 && __builtin_cpu_supports("avx512f"))
@@ -301,10 +299,10 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"sparse_decode", sparse_decode, METH_VARARGS,
      "sparse_decode(q, pool, bf16, kvh, page_size, head_dim, group, row_ptr, slots, last_len, "
-     "rows, scale, out, lse, carry[, n_slots, simd]): addresses of contiguous buffers "
+     "rows, scale, out, lse, carry, n_slots[, simd]): addresses of contiguous buffers "
      "(q/out float32 [rows, group, D], row_ptr/slots int64, last_len int32, lse float32 [rows, "
-     "group]; with carry, out/lse hold a first half's result to go on from); n_slots >= 0: "
-     "ValueError unless every slot is below it and every last_len at most page_size; simd: "
+     "group]; with carry, out/lse hold a first half's result to go on from); ValueError unless "
+     "every slot is below n_slots and every last_len at most page_size; simd: "
      "the AVX-512 rows where the CPU has them; without the GIL"},
     {NULL, NULL, 0, NULL},
 };

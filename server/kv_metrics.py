@@ -33,7 +33,7 @@ def kv_families(stats):
         cap.add_metric([tier], c)
     yield used
     yield cap
-    mb = getattr(stats, "pipeline_micro_batch", -1)
+    mb = stats.pipeline_micro_batch
     if mb >= 0:
         yield GaugeMetricFamily("strata_pipeline_micro_batch", "Sequences per micro-batch of "
                                 "--pipeline sfc (0 while the start-up calibration runs).",
