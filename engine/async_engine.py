@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import AsyncIterator
@@ -51,9 +50,11 @@ class AsyncEngine:
         import torch
 
         from engine.llm_engine import LLMEngine
-        torch.set_num_threads(self.args.threads or os.cpu_count() or 1)
+        prefill, decode = self.args.torch_threads()
+        torch.set_num_threads(prefill)          # the model loads (and converts) on every core
         try:
             self.engine = LLMEngine(self.args)
+            self.engine.use_threads(prefill, decode)
         except Exception as exc:
             self._dead = f"model failed to load: {exc}"
             logger.exception("model failed to load")

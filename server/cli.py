@@ -95,7 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="require 'Authorization: Bearer KEY' on /v1 (env STRATA_API_KEY)")
     serve.add_argument("--log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"))
-    serve.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all)")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="torch CPU threads for the model (default: all cores)")
+    serve.add_argument("--decode-threads", type=int, default=None,
+                       help="torch CPU threads for steps that only decode (default: --threads; "
+                            "one fewer with --pipeline sfc or layer-ahead, whose stage threads "
+                            "use that core)")
     prepare = commands.add_parser("prepare-model",
                                   help="convert a .gguf model once into the cached HF folder")
     _add_model_flags(prepare)
@@ -137,7 +142,8 @@ def engine_args(args: argparse.Namespace, served_model_name: str):
               "sparse_obs_reduce": args.sparse_obs_reduce,
               "pipeline": args.pipeline, "micro_batch": args.micro_batch,
               "residency": args.residency,
-              "threads": args.threads, "cache_dir": args.cache_dir}
+              "threads": args.threads, "decode_threads": args.decode_threads,
+              "cache_dir": args.cache_dir}
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     return EngineArgs(**{k: v for k, v in values.items() if k in known and v is not None})
 

@@ -184,6 +184,14 @@ def test_entrypoint_passes_strata_args_and_command_arguments_to_strata_serve(tmp
     assert env["STRATA_API_KEY"] == "k"
 
 
+def test_thread_flags_reach_the_engine():
+    _, engine = serve_argv(["serve", "--pipeline", "sfc", "--threads", "2"])
+    assert engine.torch_threads() == (2, 1), "sfc's decode leaves its stage threads a core"
+    _, engine = serve_argv(["serve", "--pipeline", "sfc", "--threads", "2",
+                            "--decode-threads", "2"])
+    assert engine.torch_threads() == (2, 2)
+
+
 # --- docker-compose.yml -------------------------------------------------------------------------
 
 def test_compose_services_volumes_and_ports():

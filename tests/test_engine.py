@@ -87,3 +87,47 @@ def test_preemption_recomputes_and_keeps_greedy_output(folder, prompt_ids, hf_gr
     assert run_all(engine, prompt_ids) == hf_greedy
     assert engine.num_preemptions > 0
     assert engine.allocator.num_used_pages == 0
+
+
+def test_each_step_runs_on_the_threads_of_its_kind(folder, prompt_ids, hf_greedy):
+    """use_threads (the server turns it on): a step with prompt tokens runs on the prefill
+    threads, a step that only decodes on the decode threads; greedy output is unchanged."""
+    engine = LLMEngine(EngineArgs(model=str(folder), dtype="fp32", max_num_batched_tokens=24,
+                                  kv_device_gb=0.05))
+    engine.use_threads(2, 1)
+    seen = []
+    execute = engine.runner.execute
+
+    def recording(batch, requests):
+        seen.append((batch.num_tokens == len(batch.requests), torch.get_num_threads()))
+        return execute(batch, requests)
+
+    engine.runner.execute = recording
+    before = torch.get_num_threads()
+    try:
+        assert run_all(engine, prompt_ids) == hf_greedy
+    finally:
+        torch.set_num_threads(before)
+    assert {n for decode_only, n in seen if not decode_only} == {2}
+    assert {n for decode_only, n in seen if decode_only} == {1}
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        engine.use_threads(2, 0)
+
+
+@pytest.mark.parametrize("pipeline,threads,decode,want", [
+    ("sequential", 2, 0, (2, 2)),
+    ("sfc", 2, 0, (2, 1)),           # decode leaves the stage threads a core
+    ("layer-ahead", 4, 0, (4, 3)),
+    ("sfc", 1, 0, (1, 1)),
+    ("sfc", 2, 2, (2, 2)),           # --decode-threads wins
+])
+def test_decode_threads_default_leaves_the_pipeline_stages_a_core(pipeline, threads, decode, want):
+    assert EngineArgs(pipeline=pipeline, threads=threads,
+                      decode_threads=decode).torch_threads() == want
+
+
+def test_negative_thread_counts_are_refused():
+    with pytest.raises(ValueError, match="--decode-threads must be >= 0"):
+        EngineArgs(decode_threads=-1)
+    with pytest.raises(ValueError, match="--threads must be >= 0"):
+        EngineArgs(threads=-2)
