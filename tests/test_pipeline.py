@@ -12,6 +12,7 @@ import pytest
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
+from kvstore.ahead import ReuseAhead
 from kvstore.calibration import CALIBRATION_CANDIDATES
 from kvstore.fetcher import Fetcher
 from kvstore.pipeline import Pipeline
@@ -191,6 +192,34 @@ def test_sfc_evicts_for_the_next_layer_while_a_layer_computes(smollm2_dir, promp
     got, errors = run(engine, prompts)
     assert not errors and got == sequential[0]
     assert evicted["strata-resolve"] > 3 * evicted[threading.main_thread().name]
+
+
+@pytest.mark.parametrize("force_tier", ["none", "host"])
+def test_sfc_fetches_ahead_only_while_pages_leave_the_device(smollm2_dir, prompts, sequential,
+                                                             tmp_path, monkeypatch, force_tier):
+    """With every page resident the fetch ahead finds nothing to fetch; once it has seen that,
+    and the layer missed nothing, no layer hands the stage threads a job (their hand-offs only
+    cost the decode). Pages evicted after every step (--kv-force-tier host) keep it on."""
+    jobs = [0]
+    issue = ReuseAhead.issue
+
+    def counting(self, *args, **kwargs):
+        issue(self, *args, **kwargs)
+        jobs[-1] += self.job is not None
+
+    monkeypatch.setattr(ReuseAhead, "issue", counting)
+    engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2, kv_device_gb=0.2,
+                  kv_force_tier=force_tier)
+    ids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, greedy(STEPS))
+    got, errors = drive(engine, ids, on_step=lambda _: jobs.append(0))
+    assert not errors and got == sequential[0]
+    late = jobs[len(jobs) // 2:-1]
+    if force_tier == "none":
+        assert sum(jobs[:len(jobs) // 2]) > 0 and sum(late) == 0
+    else:
+        assert min(late) > 0
 
 
 def test_sfc_reserves_no_room_for_a_dense_layers_misses(smollm2_dir, prompts, sequential,
