@@ -98,8 +98,8 @@ class EngineArgs:
         compute and takes every core (--threads); decode reads weights and KV. With a pipelined
         --pipeline (sfc, layer-ahead) the select/resolve/fetch stages run on threads beside the
         decode, so decode leaves them a core unless --decode-threads says otherwise (2 cores,
-        8 x 7K tokens, sfc: 240 against 272 ms a step with the KV resident, 364 against 381 with
-        most of it on disk; sequential, resident: 2 threads faster, 203 against 221)."""
+        bench/throughput.py at 8 x 7K tokens: sfc 224 against 274 ms a step with 2 decode
+        threads; sequential 206 against 204 with 1, so it keeps every core)."""
         full = self.threads or os.cpu_count() or 1
         if self.decode_threads:
             return full, self.decode_threads

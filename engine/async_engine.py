@@ -64,7 +64,8 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self._thread.start()
         self._ready.set()
-        logger.info("engine ready: %s, max_model_len %d", self.model_name, self.max_model_len)
+        logger.info("engine ready: %s, max_model_len %d, torch threads %d (prefill) / %d (decode)",
+                    self.model_name, self.max_model_len, prefill, decode)
 
     def shutdown(self) -> None:
         with self._lock:

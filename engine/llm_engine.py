@@ -55,6 +55,12 @@ class LLMEngine:
             raise ValueError(f"torch threads must be >= 1, got {prefill} and {decode}")
         self._threads = (prefill, decode)
 
+    @property
+    def threads(self) -> tuple[int, int] | None:
+        """(prefill, decode-only) torch threads of each step (`use_threads`); None: the
+        caller's."""
+        return self._threads
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull or ValueError (can never fit)."""
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)

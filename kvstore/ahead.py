@@ -19,7 +19,8 @@ in C now, kvstore/native_evict.py).
 
 A layer whose pages all stay on the device (its last fetch ahead found every page there, and it
 missed none since) gets no job while the reserve is free: with the KV resident the jobs only
-cost the decode their hand-offs. A miss in that layer turns its fetch ahead back on.
+cost the decode their hand-offs. A miss in that layer turns its fetch ahead back on. The recall
+(`observe_lookahead`) counts the layers fetched ahead: a layer that got no job adds nothing.
 
 `prefetch_predicted` (layer-ahead): the pages selected with the model's prediction of the next
 layer's queries.
@@ -127,8 +128,10 @@ class ReuseAhead:
         # fetch ahead found them all there, and it missed none since) and the reserve is
         # free: a job would only cost the decode its hand-offs (1 sequence, 4K tokens, all
         # resident: 110 against 94 ms a step). A miss in that layer turns it back on.
+        # NOTE: with resolve_thread this layer's resolves may still be queued on the resolve
+        # thread, so num_free is read only without it
         if (last is None or (self.idle.get(target) and self.misses.get(target) == 0)) and \
-                store.device_tier.num_free >= reserve:
+                not pipe.resolve_thread and store.device_tier.num_free >= reserve:
             observe()
             return
         working = sum(p.keys.numel() for p in parts) + step.t_pid.numel()

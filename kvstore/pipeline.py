@@ -296,8 +296,11 @@ class Pipeline:
         parts = []
         if dense_idx:
             parts.append(LayerPart(dense_idx, None, dense_keys, res.slots[:n]))
-        if sparse_idx:
-            parts.append(LayerPart(sparse_idx, sel, keys[n:], res.slots[n:], reused=reused))
+        if sparse_idx:       # its misses turn sfc's fetch ahead of this layer on
+            fetched = torch.cat([res.host_dst, res.disk_dst])
+            misses = int(torch.isin(res.slots[n:].long(), fetched).sum()) if res.misses else 0
+            parts.append(LayerPart(sparse_idx, sel, keys[n:], res.slots[n:], misses,
+                                   reused=reused))
         return parts
 
     def _run_sfc(self, stages, dense_idx, sparse_idx, protect_keys, mb):

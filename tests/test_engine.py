@@ -114,6 +114,20 @@ def test_each_step_runs_on_the_threads_of_its_kind(folder, prompt_ids, hf_greedy
         engine.use_threads(2, 0)
 
 
+def test_the_server_engine_runs_steps_on_the_threads_its_args_ask_for(folder):
+    """AsyncEngine (what `strata serve` runs) turns use_threads on with EngineArgs.torch_threads."""
+    from engine.async_engine import AsyncEngine
+    before = torch.get_num_threads()
+    server = AsyncEngine(EngineArgs(model=str(folder), dtype="fp32", kv_device_gb=0.05,
+                                    pipeline="sfc", threads=2))
+    try:
+        server.start()
+        assert server.engine.threads == (2, 1)
+    finally:
+        server.shutdown()
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("pipeline,threads,decode,want", [
     ("sequential", 2, 0, (2, 2)),
     ("sfc", 2, 0, (2, 1)),           # decode leaves the stage threads a core

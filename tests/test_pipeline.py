@@ -5,6 +5,7 @@ request when the fetch runs on the stage threads."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 
@@ -194,12 +195,14 @@ def test_sfc_evicts_for_the_next_layer_while_a_layer_computes(smollm2_dir, promp
     assert evicted["strata-resolve"] > 3 * evicted[threading.main_thread().name]
 
 
-@pytest.mark.parametrize("force_tier", ["none", "host"])
+@pytest.mark.parametrize("n", [1, 4])
 def test_sfc_fetches_ahead_only_while_pages_leave_the_device(smollm2_dir, prompts, sequential,
-                                                             tmp_path, monkeypatch, force_tier):
+                                                             tmp_path, monkeypatch, n):
     """With every page resident the fetch ahead finds nothing to fetch; once it has seen that,
     and the layer missed nothing, no layer hands the stage threads a job (their hand-offs only
-    cost the decode). Pages evicted after every step (--kv-force-tier host) keep it on."""
+    cost the decode). Once pages leave the device after every step (--kv-force-tier host from
+    mid-run), the misses turn it back on: for one sequence (a layer resolves it in one part) as
+    for micro-batches."""
     jobs = [0]
     issue = ReuseAhead.issue
 
@@ -208,18 +211,23 @@ def test_sfc_fetches_ahead_only_while_pages_leave_the_device(smollm2_dir, prompt
         jobs[-1] += self.job is not None
 
     monkeypatch.setattr(ReuseAhead, "issue", counting)
-    engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2, kv_device_gb=0.2,
-                  kv_force_tier=force_tier)
-    ids = [f"r{i}" for i in range(len(prompts))]
+    engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2, kv_device_gb=0.2)
+    half = STEPS // 2
+
+    def on_step(_):
+        jobs.append(0)              # jobs[k]: those of the k-th step
+        if len(jobs) == half:
+            engine.store.cfg = dataclasses.replace(engine.store.cfg, force_tier="host")
+
+    ids = [f"r{i}" for i in range(n)]
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, greedy(STEPS))
-    got, errors = drive(engine, ids, on_step=lambda _: jobs.append(0))
-    assert not errors and got == sequential[0]
-    late = jobs[len(jobs) // 2:-1]
-    if force_tier == "none":
-        assert sum(jobs[:len(jobs) // 2]) > 0 and sum(late) == 0
-    else:
-        assert min(late) > 0
+    got, errors = drive(engine, ids, on_step)
+    assert not errors
+    if n == len(prompts):
+        assert got == sequential[0]
+    assert sum(jobs[:3]) > 0 and sum(jobs[half - 5:half - 1]) == 0, jobs
+    assert min(jobs[half + 1:-2]) > 0, jobs
 
 
 def test_sfc_reserves_no_room_for_a_dense_layers_misses(smollm2_dir, prompts, sequential,
