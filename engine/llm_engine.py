@@ -44,8 +44,8 @@ class LLMEngine:
         self._emitted: dict[str, int] = {}
         self._pending_logprobs: dict[str, list] = {}
         self.num_preemptions = 0
-        # (prefill, decode-only) torch threads, set per step when `use_threads` turned it on
-        self._threads: tuple[int, int] | None = None
+        # (prefill, decode-only) torch threads of each step (`use_threads`); None: the caller's
+        self.threads: tuple[int, int] | None = None
 
     def use_threads(self, prefill: int, decode: int) -> None:
         """Run each step on `decode` torch threads when it only decodes, else on `prefill`
@@ -53,13 +53,7 @@ class LLMEngine:
         threads themselves (benches) keep them."""
         if prefill < 1 or decode < 1:
             raise ValueError(f"torch threads must be >= 1, got {prefill} and {decode}")
-        self._threads = (prefill, decode)
-
-    @property
-    def threads(self) -> tuple[int, int] | None:
-        """(prefill, decode-only) torch threads of each step (`use_threads`); None: the
-        caller's."""
-        return self._threads
+        self.threads = (prefill, decode)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull or ValueError (can never fit)."""
@@ -88,9 +82,8 @@ class LLMEngine:
         self.num_preemptions += len(batch.preempted_ids)
         if batch.is_empty:
             return []
-        if self._threads is not None:
-            decode_only = batch.num_tokens == len(batch.requests)
-            n = self._threads[1 if decode_only else 0]
+        if self.threads is not None:
+            n = self.threads[1 if batch.decode_only else 0]
             if torch.get_num_threads() != n:
                 torch.set_num_threads(n)
         requests = {r.request_id: self.scheduler.get_request(r.request_id) for r in batch.requests}

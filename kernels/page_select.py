@@ -14,8 +14,8 @@ Shapes:
 `Selector.select` scores and selects in one call: in C without the GIL on the CPU
 (kernels/_select.c: 0.58-0.59 ms a layer for 8 x 438 pages with its AVX-512 scoring, 0.72-0.73
 with its portable one, against ~0.71 for the torch path, bench/results/sparse_ops.txt; the torch
-path also takes the GIL between its ~35 ops, which the pipeline's stage threads want), else select_pages
-over `score`.
+path also takes the GIL between its ~35 ops, which the pipeline's stage threads want), else
+select_pages over `score`.
 
 Leaf module: imports only torch and kernels.*.
 """

@@ -147,9 +147,9 @@ class NativeSparseDecode:
     NOTE (measured, 1 thread, SmolLM2 shapes, bf16 pool, 24 rows x 64 pages of 16 tokens,
     medians): with its AVX-512 rows 0.78-0.79 ms per call in bench/sparse_ops.py, which cycles
     layers through cold memory, against 2.2 with its portable rows (`simd = False`; here their
-    AVX-512-compiled clone, where a CPU without AVX-512 runs the AVX2 or generic one) and ~1.6 for TorchSparseDecode (gather, upcast, SDPA); in the
-    decode step (bench/pipeline.py's 8 x 7K tokens, same-process A/B) sequential 407 against
-    448 ms, sfc 372 against 407.
+    AVX-512-compiled clone, where a CPU without AVX-512 runs the AVX2 or generic one) and ~1.6
+    for TorchSparseDecode (gather, upcast, SDPA); in the decode step (bench/pipeline.py's 8 x
+    7K tokens, same-process A/B) sequential 407 against 448 ms, sfc 372 against 407.
     """
 
     simd = True     # False: the portable rows even where the CPU has AVX-512 (tests, bench)

@@ -39,6 +39,10 @@ class Resolution:
     def misses(self) -> int:
         return self.host_src.numel() + self.disk_keys.numel()
 
+    def fills(self, slots: torch.Tensor) -> torch.Tensor:
+        """bool per device slot of `slots`: whether this resolution's fill writes it (a miss)."""
+        return torch.isin(slots.long(), torch.cat([self.host_dst, self.disk_dst]))
+
 
 _NONE = torch.empty(0, dtype=torch.int64)
 

@@ -296,9 +296,9 @@ class Pipeline:
         parts = []
         if dense_idx:
             parts.append(LayerPart(dense_idx, None, dense_keys, res.slots[:n]))
-        if sparse_idx:       # its misses turn sfc's fetch ahead of this layer on
-            fetched = torch.cat([res.host_dst, res.disk_dst])
-            misses = int(torch.isin(res.slots[n:].long(), fetched).sum()) if res.misses else 0
+        if sparse_idx:       # sfc's fetch ahead turns on by its misses (sequential: unread)
+            misses = int(res.fills(res.slots[n:]).sum()) \
+                if res.misses and self.ahead is not None else 0
             parts.append(LayerPart(sparse_idx, sel, keys[n:], res.slots[n:], misses,
                                    reused=reused))
         return parts

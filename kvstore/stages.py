@@ -97,8 +97,7 @@ class LayerPart:
         """Its pages' slots; `early` unless a reused page is still to be fetched."""
         self.slots, self.misses = res.slots, res.misses
         if self.reused is not None and res.misses and bool(self.reused.any()):
-            pending = torch.cat([res.host_dst, res.disk_dst])
-            self.early = not bool(torch.isin(res.slots[self.reused].long(), pending).any())
+            self.early = not bool(res.fills(res.slots[self.reused]).any())
 
 
 def filled(res: Resolution | None, exc: BaseException | None) -> Future:

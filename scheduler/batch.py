@@ -25,3 +25,8 @@ class ScheduledBatch:
     @property
     def is_empty(self) -> bool:
         return not self.requests
+
+    @property
+    def decode_only(self) -> bool:
+        """Every request computes one token (no prompt chunk)."""
+        return self.num_tokens == len(self.requests)
