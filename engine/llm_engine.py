@@ -32,7 +32,7 @@ class LLMEngine:
         gguf = gguf_source(args.model)
         native = native_format(gguf) if gguf is not None else None
         self.weight_plan = plan_weights(cfg, args.dtype, args.weights, native,
-                                        args.torch_threads())
+                                        args.torch_threads(), args.device)
         # NOTE: a GGUF model's weights come from the file itself (quantized blocks as they
         # are, dequantized exactly in float32); the converted folder gives config and tokenizer
         self.runner = ModelRunner(self.model_folder, cfg, self.weight_plan,

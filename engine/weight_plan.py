@@ -102,13 +102,19 @@ def _candidates(weights: str, dtype: str, native: str | None) -> list[str]:
 
 
 def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
-                 threads: tuple[int, int]) -> WeightPlan:
+                 threads: tuple[int, int], device: str = "cpu") -> WeightPlan:
     """Resolve --dtype and --weights for this model on this CPU (timed where there is a
-    choice). threads: torch threads of (prefill, decode) steps."""
+    choice). threads: torch threads of (prefill, decode) steps. On a GPU the weights are
+    dense (the packed kernels are CPU kernels) and `auto` means bf16."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"--dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"--weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
+    if torch.device(device).type != "cpu":
+        if weights in ("int8", "int4"):
+            raise ValueError(f"--weights {weights} runs on the CPU only (device {device})")
+        act = "bf16" if dtype == "auto" else dtype
+        return WeightPlan(act, act, act, 0)
     shapes = layer_shapes(cfg)
     prefill_t, decode_t = threads
     act = dtype

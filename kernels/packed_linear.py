@@ -85,17 +85,21 @@ class PackedWeight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float -> [M, N] in x's dtype."""
+        # NOTE: dtype checks before each conversion: a no-op `.to` still costs a dispatch,
+        # and a decode step makes ~120 of these calls
         if self.fmt in DENSE:
             w, = self._data
+            if x.dtype == w.dtype:
+                return F.linear(x, w)
             return F.linear(x.to(w.dtype), w).to(x.dtype)
-        xb = x.to(torch.bfloat16)
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if self.fmt == "int8":
             codes, scale = self._data
             y = torch.ops.aten._weight_int8pack_mm(xb, codes, scale)
         else:
             packed, scale_zero = self._data
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scale_zero)
-        return y.to(x.dtype)
+        return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -161,4 +165,4 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weight_for(x.shape[0]).mm(x)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
+        return y if self.bias is None else y + self.bias

@@ -2,7 +2,8 @@
 command line for N slots, the token counter on both servers' chunk shapes, and the skip message
 naming `make peers`. With the binary built (`make peers`, or $LLAMA_SERVER): a real llama-server
 with two slots serves two concurrent streamed chat requests through the `openai` client, and the
-bench counts every token of them and times a ramp of 1 then 2 requests."""
+bench counts every token of them, times a ramp of 1 then 2 requests, and a burst of 2 sent at
+once without its prompt cache."""
 from __future__ import annotations
 
 import asyncio
@@ -134,3 +135,16 @@ def test_the_ramp_times_llama_server_at_one_then_two_in_flight(llama_server, smo
     for r in rows:
         assert r["timed_tokens"] >= 3 * r["concurrency"]
         assert r["decode_tokens_per_s"] > 0 and r["ttft_s"]["mean"] > 0
+
+
+@needs_binary
+def test_a_burst_of_two_on_llama_server_without_its_prompt_cache(llama_server, smollm2_dir):
+    tok = Tokenizer.from_folder(smollm2_dir)
+    texts = throughput.make_texts(tok, 2, 300)
+    lens = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in texts]
+    body = {**llamacpp.REQUEST, "cache_prompt": False}
+    row = asyncio.run(throughput.burst(llama_server.base, llamacpp.MODEL_NAME, texts, lens, 2, 4,
+                                       extra_body=body))
+    assert row["mode"] == "burst" and row["concurrency"] == 2 and row["burst_tokens"] == 4
+    assert row["wall_s"] >= row["ttft_s"]["max"] > 0
+    assert row["decode_tokens_per_s"] > 0 and row["window_tokens"] > 0

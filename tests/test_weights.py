@@ -97,6 +97,10 @@ def test_plan_takes_explicit_choices_and_times_only_real_choices(caplog):
     assert "--dtype auto" in caplog.text and "--weights auto" in caplog.text
     with pytest.raises(ValueError, match="--weights"):
         plan_weights(cfg, "auto", "int3", None, (1, 1))
+    # a GPU runs dense weights: no CPU probe, no packed CPU kernels
+    assert plan_weights(cfg, "auto", "auto", "int4", (1, 1), "cuda").decode_format == "bf16"
+    with pytest.raises(ValueError, match="CPU only"):
+        plan_weights(cfg, "auto", "int4", None, (1, 1), "cuda")
 
 
 # ---------------------------------------------------------------- the bundled model (slow)

@@ -1,4 +1,5 @@
-"""llama.cpp's native `llama-server` as a benchmark peer (bench/throughput.py's `llama.cpp`).
+"""llama.cpp's native `llama-server` as a benchmark peer (bench/throughput.py's `llama.cpp`;
+run() drives it through the bench's ramp and bursts).
 
 `make peers` builds the binary once into .tools/llama.cpp/bin/llama-server (from the llama.cpp
 tree vendored in the pinned llama-cpp-python sdist; see bench/peers/build_llamacpp.sh) and
@@ -22,6 +23,7 @@ Its stream differs from Strata's in two ways the bench adapts to (see REQUEST):
 """
 from __future__ import annotations
 
+import asyncio
 import os
 import shlex
 import subprocess
@@ -111,3 +113,38 @@ def start(log: Path, slots: int, model_len: int, threads: int | None = None,
     base = f"http://127.0.0.1:{port}"
     wait_ready(proc, base + "/health", log)
     return LlamaServer(proc, base, cmd, version(binary))
+
+
+def run(texts: dict[int, list[str]], lens: dict[int, list[int]], levels: list[int], steps: int,
+        bar, logs: Path, bursts: list[int] = (), burst_tokens: int = 64) -> tuple[list, dict]:
+    """The peer through bench/throughput.py's ramp: one llama-server per context (a fresh prompt
+    cache) with -np = the largest level; then each burst of N on a fresh -np N server, with
+    `cache_prompt: false` too. Cells, and its version and command lines."""
+    from bench import throughput as tp
+    cells: list[dict] = []
+    burst_request = {**REQUEST, "cache_prompt": False}
+    info: dict = {"weights": "bundled GGUF, Q4_1", "request": REQUEST,
+                  "burst_request": burst_request, "commands": {}}
+    runs = [("ramp", max(levels))] + [(f"burst {n}", n) for n in bursts]
+    for context, ts in texts.items():
+        for what, slots in runs:
+            bar.set_description(f"llama.cpp {context // 1000}K {what} (starting)")
+            tail = "" if what == "ramp" else f"-burst{slots}"
+            srv = start(logs / f"throughput-llama.cpp-{context}{tail}.log", slots, tp.MODEL_LEN,
+                        wait_ready=tp.wait_ready)
+            info["version"] = srv.version
+            info["commands"][str(context) + ("" if what == "ramp" else f" {what}")] = srv.cmd
+            try:
+                if what == "ramp":
+                    cells += tp.run_server_cells("llama.cpp", srv.base, MODEL_NAME, {context: ts},
+                                                 lens, levels, steps, bar, metrics=False,
+                                                 extra_body=REQUEST)
+                    continue
+                bar.set_description(f"llama.cpp {context // 1000}K {what}")
+                row = asyncio.run(tp.burst(srv.base, MODEL_NAME, ts, lens[context], slots,
+                                           burst_tokens, extra_body=burst_request))
+                cells.append({"engine": "llama.cpp", "context": context, **row})
+                bar.update(1)
+            finally:
+                tp.stop(srv.proc)
+    return cells, info
