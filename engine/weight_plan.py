@@ -104,7 +104,8 @@ def _candidates(weights: str, dtype: str, native: str | None) -> list[str]:
 def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
                  threads: tuple[int, int], device: str = "cpu") -> WeightPlan:
     """Resolve --dtype and --weights for this model on this CPU (timed where there is a
-    choice). threads: torch threads of (prefill, decode) steps. On a GPU the weights are
+    choice). threads: torch threads of (prefill, decode) steps (the probes run on the
+    first). On a GPU the weights are
     dense (the packed kernels are CPU kernels) and `auto` means bf16."""
     if dtype not in DTYPE_CHOICES:
         raise ValueError(f"--dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
@@ -116,7 +117,10 @@ def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
         act = "bf16" if dtype == "auto" else dtype
         return WeightPlan(act, act, act, 0)
     shapes = layer_shapes(cfg)
-    prefill_t, decode_t = threads
+    # NOTE: every probe runs on the prefill threads (every core unless --threads): a choice
+    # that hung on --decode-threads would differ between pipeline modes, whose outputs must
+    # agree token for token
+    prefill_t = decode_t = threads[0]
     act = dtype
     if dtype == "auto":
         times = {d: _sweep_s(d, shapes[:2], PREFILL_PROBE_ROWS, prefill_t) for d in DENSE}
