@@ -99,15 +99,17 @@ class EngineArgs:
 
     def torch_threads(self) -> tuple[int, int]:
         """Torch threads of (steps with prompt tokens, decode-only steps). Prefill is bound by
-        compute and takes every core (--threads); decode reads weights and KV. With a pipelined
-        --pipeline (sfc, layer-ahead) the select/resolve/fetch stages run on threads beside the
-        decode, so decode leaves them a core unless --decode-threads says otherwise (2 cores,
-        bench/throughput.py at 8 x 7K tokens: sfc 224 against 274 ms a step with 2 decode
-        threads; sequential 206 against 204 with 1, so it keeps every core)."""
+        compute and takes every core (--threads). Decode leaves a core to the threads beside
+        it unless --decode-threads says otherwise: the pipelined modes' select/resolve/fetch
+        stages, and in every mode the server's HTTP and streaming threads, whose wake-ups stall
+        every torch thread at its next barrier when all cores are torch's (2-core AMD EPYC,
+        AVX2, 1 x 1K tokens: 47-56 ms a step on one decode thread against 54-84 on two,
+        in-process; 100 ms in the server on two; bench/throughput.py at 8 x 7K tokens: sfc 224
+        against 274 ms a step, sequential 204 against 206)."""
         full = self.threads or os.cpu_count() or 1
         if self.decode_threads:
             return full, self.decode_threads
-        return full, (max(1, full - 1) if self.pipeline != "sequential" else full)
+        return full, max(1, full - 1)
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -144,12 +144,15 @@ class LlamaForCausalLM(nn.Module):
     def pack(self, fmt: str | None, prefill_rows: int = 0) -> None:
         """Give every matmul a `fmt` form for steps of fewer than `prefill_rows` rows (decode),
         keeping the dense parameters for longer steps (None: dense only). Quantized weights
-        that load_weights received (GGUF blocks) are packed from their own codes."""
+        that load_weights received (GGUF blocks) are packed from their own codes, which are
+        then let go (2 bytes a weight; a later `pack` quantizes the dense values)."""
         for i, layer in enumerate(self.layers):
             layer.pack({name: q for (j, name), q in self._quant.items() if j == i}, fmt,
                        prefill_rows)
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         self.head = make_linear(head, None, self._quant.get((-1, "head")), fmt, prefill_rows)
+        if fmt is not None:
+            self._quant = {}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,
