@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # converted models live beside the checkout, so serve, test and bench share one conversion
 export STRATA_CACHE_DIR ?= $(CURDIR)/.cache/models
 
-.PHONY: setup model prometheus serve test bench bench-suite clean
+.PHONY: setup model prometheus peers serve test bench bench-suite clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,15 @@ model: setup
 # the monitoring tests run the real Prometheus: Debian's package, from PATH or unpacked into .tools/
 prometheus:
 	sh deploy/prometheus/install-prometheus.sh
+
+# bench peers: llama.cpp's native llama-server, built once from the llama.cpp tree vendored in the
+# pinned llama-cpp-python sdist (PyPI) into .tools/llama.cpp/bin (GGML_NATIVE, Release; ~13 min
+# on 2 cores); bench/throughput.py runs it as the `llama.cpp` peer. Only pip is needed (the venv's
+# when there is one), so this does not reinstall Strata
+LLAMA_CPP_PYTHON_VERSION ?= 0.3.36
+peers:
+	LLAMA_CPP_PYTHON_VERSION=$(LLAMA_CPP_PYTHON_VERSION) \
+		PIP="$(if $(wildcard $(PY)),$(PY),$(PYTHON)) -m pip" sh bench/peers/build_llamacpp.sh
 
 serve: model
 	$(VENV)/bin/strata serve $(ARGS)

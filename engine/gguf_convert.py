@@ -52,6 +52,14 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "strata" / "models"
 
 
+def gguf_source(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file `model` names (None or "bundled": the bundled one), else None."""
+    if model is None or str(model) == BUNDLED_ALIAS:
+        return bundled_gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def is_hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 

@@ -16,7 +16,10 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
+from kernels.packed_linear import DENSE, GroupQuant, Linear, PackedWeight
 from kvstore.kv_cache import KVCache
+
+_WEIGHTS = ("qkv", "o", "gate_up", "down")      # a layer's matmuls: <name>_proj, <name>_bias
 
 
 def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -32,6 +35,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> [T, dim]; float32 statistics as in HF."""
+        if x.dtype == torch.float32:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -57,29 +62,56 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * cfg.intermediate_size, **p) if cfg.mlp_bias else None
         self.down_proj = _param(h, cfg.intermediate_size, **p)
         self.down_bias = _param(h, **p) if cfg.mlp_bias else None
+        self.pack({}, None, 0)
+
+    def pack(self, quant: dict[str, GroupQuant], fmt: str | None, prefill_rows: int) -> None:
+        """Build the layer's matmuls: each weight in `fmt` for steps of fewer than
+        `prefill_rows` rows (from the file's own codes where `quant` has them), and as the
+        dense parameter for longer steps (fmt None: the dense parameter only)."""
+        for name in _WEIGHTS:
+            setattr(self, name, make_linear(getattr(self, f"{name}_proj"),
+                                            getattr(self, f"{name}_bias"), quant.get(name),
+                                            fmt, prefill_rows))
 
     def predict_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """This layer's queries [n, H, D] computed from x [n, hidden] (another layer's input:
         the layer-ahead guess of which KV pages this layer will want)."""
-        w = self.qkv_proj[:self.q_size]
-        b = self.qkv_bias[:self.q_size] if self.qkv_bias is not None else None
-        q = F.linear(self.input_layernorm(x), w, b).view(x.shape[0], self.num_heads, self.head_dim)
+        q = self.qkv(self.input_layernorm(x))[:, :self.q_size]
+        q = q.reshape(x.shape[0], self.num_heads, self.head_dim)
         return RotaryEmbedding.apply(q, cos, sin)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; rope = (cos, sin) [T, 1, head_dim] of the step."""
         t = x.shape[0]
-        qkv = F.linear(self.input_layernorm(x), self.qkv_proj, self.qkv_bias)  # [T, q+2kv]
+        qkv = self.qkv(self.input_layernorm(x))                              # [T, q+2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         cos, sin = rope
         q = RotaryEmbedding.apply(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = RotaryEmbedding.apply(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         o = kv.attend(self.index, q, k, v, self.scale)                       # [T, H, D]
-        x = x + F.linear(o.reshape(t, self.q_size), self.o_proj, self.o_bias)
-        gate_up = F.linear(self.post_attention_layernorm(x), self.gate_up_proj, self.gate_up_bias)
+        x = x + self.o(o.reshape(t, self.q_size))
+        gate_up = self.gate_up(self.post_attention_layernorm(x))
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down_proj, self.down_bias)
+        return x + self.down(F.silu(gate) * up)
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,
+                fmt: str | None, prefill_rows: int) -> Linear:
+    """A Linear over the dense parameter `weight`, plus a `fmt` form for short steps (packed
+    from the file's codes `quant` when given, else from the dense values). fmt "native":
+    the file's codes at their own width (4 bits: int4, 8: int8), float tensors dense."""
+    dense = PackedWeight(next(k for k, v in DENSE.items() if v == weight.dtype),
+                         tuple(weight.shape), (weight.detach(),))
+    if fmt == "native":
+        fmt = None if quant is None else "int4" if quant.bits == 4 else "int8"
+    if fmt is None or fmt == dense.fmt:
+        return Linear(dense, bias)
+    if quant is not None and (fmt == "int4") == (quant.bits == 4):
+        packed = PackedWeight.from_quant(quant)
+    else:
+        packed = PackedWeight.from_dense(weight.detach(), fmt)
+    return Linear(packed, bias, prefill=dense, prefill_rows=prefill_rows)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -106,6 +138,21 @@ class LlamaForCausalLM(nn.Module):
                         else _param(config.vocab_size, config.hidden_size, **p))
         self.rope = RotaryEmbedding(config.head_dim, max_len, config.rope_theta,
                                     config.rope_scaling, config.max_position_embeddings).to(device)
+        self._quant: dict[tuple[int, str], GroupQuant] = {}    # the file's codes, by layer
+        self.pack(None)
+
+    def pack(self, fmt: str | None, prefill_rows: int = 0) -> None:
+        """Give every matmul a `fmt` form for steps of fewer than `prefill_rows` rows (decode),
+        keeping the dense parameters for longer steps (None: dense only). Quantized weights
+        that load_weights received (GGUF blocks) are packed from their own codes, which are
+        then let go (2 bytes a weight; a later `pack` quantizes the dense values)."""
+        for i, layer in enumerate(self.layers):
+            layer.pack({name: q for (j, name), q in self._quant.items() if j == i}, fmt,
+                       prefill_rows)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        self.head = make_linear(head, None, self._quant.get((-1, "head")), fmt, prefill_rows)
+        if fmt is not None:
+            self._quant = {}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,
@@ -126,8 +173,7 @@ class LlamaForCausalLM(nn.Module):
                 kv.lookahead(i + 1, self.layers[i + 1].predict_q(x[ahead], *ahead_rope))
             x = layer(x, rope, kv)
         x = self.norm(x[logits_indices])                                     # [S, hidden]
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        return self.head(x).float()
 
     def make_kv_cache(self, num_pages: int, page_size: int,
                       dtype: torch.dtype | None = None) -> KVCache:
@@ -138,9 +184,11 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights ---------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GroupQuant]]) -> None:
         """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...) into the fused
-        parameters; raises if a parameter was left unfilled or a name is unknown."""
+        parameters; raises if a parameter was left unfilled or a name is unknown. A
+        GroupQuant (a GGUF file's blocks) fills its parameter dequantized and keeps its codes
+        for `pack`."""
         cfg = self.config
         q, kv, inter = cfg.num_attention_heads * cfg.head_dim, \
             cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
@@ -148,13 +196,18 @@ class LlamaForCausalLM(nn.Module):
                  "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter)}
         plain = {"o_proj": "o", "down_proj": "down"}
         filled: dict[int, int] = {}
+        parts: dict[tuple[int, str], dict[int, GroupQuant]] = {}
 
-        def put(param: torch.Tensor | None, tensor: torch.Tensor, name: str, start=0, size=None):
+        def put(param: torch.Tensor | None, tensor, name: str, start=0, size=None, key=None):
             if param is None:
                 raise ValueError(f"checkpoint has {name} but the config says it has no such "
                                  "parameter (check attention_bias / mlp_bias)")
             dst = param if size is None else param.narrow(0, start, size)
-            if dst.shape != tensor.shape:
+            if isinstance(tensor, GroupQuant):
+                if key is not None:
+                    parts.setdefault(key, {})[start] = tensor
+                tensor = tensor.dequantize()
+            if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
                                  f"model expects {tuple(dst.shape)}")
             with torch.no_grad():
@@ -165,10 +218,11 @@ class LlamaForCausalLM(nn.Module):
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name == "model.embed_tokens.weight":
-                put(self.embed_tokens, tensor, name)
+                put(self.embed_tokens, tensor, name,
+                    key=(-1, "head") if self.lm_head is None else None)
             elif name == "lm_head.weight":
                 if self.lm_head is not None:   # tied checkpoints may still carry a copy
-                    put(self.lm_head, tensor, name)
+                    put(self.lm_head, tensor, name, key=(-1, "head"))
             elif name == "model.norm.weight":
                 put(self.norm.weight, tensor, name)
             elif name.startswith("model.layers."):
@@ -181,10 +235,12 @@ class LlamaForCausalLM(nn.Module):
                 elif leaf in fused:
                     group, start, size = fused[leaf]
                     attr = f"{group}_proj" if kind == "weight" else f"{group}_bias"
-                    put(getattr(layer, attr), tensor, name, start, size)
+                    put(getattr(layer, attr), tensor, name, start, size,
+                        key=(int(idx), group) if kind == "weight" else None)
                 elif leaf in plain:
                     attr = f"{leaf}" if kind == "weight" else f"{plain[leaf]}_bias"
-                    put(getattr(layer, attr), tensor, name)
+                    put(getattr(layer, attr), tensor, name,
+                        key=(int(idx), plain[leaf]) if kind == "weight" else None)
                 else:
                     raise ValueError(f"unexpected checkpoint tensor {name}")
             else:
@@ -193,3 +249,8 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
+        # a fused weight keeps the file's codes only when all its parts came quantized alike
+        expected = {"qkv": 3, "gate_up": 2}
+        self._quant = {key: GroupQuant.cat([p[s] for s in sorted(p)]) for key, p in parts.items()
+                       if len(p) == expected.get(key[1], 1) and len({q.bits for q in p.values()})
+                       == 1}

@@ -6,10 +6,12 @@ import logging
 import torch
 
 from engine.args import EngineArgs
-from engine.gguf_convert import ensure_hf_folder
+from engine.gguf_convert import ensure_hf_folder, gguf_source
+from engine.gguf_weights import native_format
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.weight_plan import plan_weights
 from kvstore.store import RequestKVError
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
@@ -27,8 +29,15 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions")
-        self.runner = ModelRunner(self.model_folder, cfg, args.dtype, args.kv_store_config(),
-                                  self.max_model_len, device=args.device)
+        gguf = gguf_source(args.model)
+        native = native_format(gguf) if gguf is not None else None
+        self.weight_plan = plan_weights(cfg, args.dtype, args.weights, native,
+                                        args.torch_threads(), args.device)
+        # NOTE: a GGUF model's weights come from the file itself (quantized blocks as they
+        # are, dequantized exactly in float32); the converted folder gives config and tokenizer
+        self.runner = ModelRunner(self.model_folder, cfg, self.weight_plan,
+                                  args.kv_store_config(), self.max_model_len,
+                                  device=args.device, gguf=gguf)
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.store = self.runner.store
         # NOTE: the scheduler allocates through the store, so freed pages leave every tier

@@ -43,19 +43,29 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(path: str | Path, config: ModelConfig | None = None,
                dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
-               max_model_len: int | None = None) -> LlamaForCausalLM:
-    """Our model with the weights of the HF folder `path`, in `dtype` on `device`, in eval mode.
+               max_model_len: int | None = None, gguf: Path | None = None,
+               decode_format: str | None = None, prefill_rows: int = 0) -> LlamaForCausalLM:
+    """Our model with the weights of the HF folder `path` (or, given `gguf`, of that GGUF
+    file, its quantized tensors kept as they are), in `dtype` on `device`, in eval mode.
 
     config: ModelConfig.from_hf(path) when not given.
     max_model_len: longest sequence to serve (default: the config's max_position_embeddings);
     it sizes the RoPE tables and is checked against a sliding window.
+    decode_format: a kernels.packed_linear format for steps of fewer than `prefill_rows`
+    rows (None: the dense `dtype` weights for every step).
     """
     t0 = time.monotonic()
     folder = Path(path)
     config = config or ModelConfig.from_hf(folder)
     model = LlamaForCausalLM(config, dtype=dtype, device=device, max_model_len=max_model_len)
-    model.load_weights(iter_safetensors(folder))
+    if gguf is not None:
+        from engine.gguf_weights import iter_gguf_weights
+        model.load_weights(iter_gguf_weights(gguf, config))
+    else:
+        model.load_weights(iter_safetensors(folder))
+    model.pack(decode_format, prefill_rows)
     model.eval()
-    logger.info("loaded %s (%s, %d layers, %s) in %.2f s", folder.name, config.architecture,
-                config.num_hidden_layers, dtype, time.monotonic() - t0)
+    logger.info("loaded %s (%s, %d layers, %s%s) in %.2f s", (gguf or folder).name,
+                config.architecture, config.num_hidden_layers, dtype,
+                f", {decode_format} for decode" if decode_format else "", time.monotonic() - t0)
     return model

@@ -15,6 +15,8 @@ from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, make_generator
+from engine.weight_plan import WeightPlan
+from kernels.packed_linear import DENSE
 from kvstore.config import KVStoreConfig
 from kvstore.step import SeqKV
 from kvstore.store import TieredKVStore
@@ -23,7 +25,6 @@ from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # a step of this many tokens (a prefill chunk) frees hundreds of MB of activations
 _TRIM_AFTER_TOKENS = 1024
 
@@ -55,15 +56,19 @@ class SampledToken:
 
 
 class ModelRunner:
-    def __init__(self, folder: Path, config: ModelConfig, dtype: str, kv: KVStoreConfig,
-                 max_model_len: int, device: str = "cpu"):
+    def __init__(self, folder: Path, config: ModelConfig, plan: WeightPlan, kv: KVStoreConfig,
+                 max_model_len: int, device: str = "cpu", gguf: Path | None = None):
+        """plan: the dtypes and weight formats (engine.weight_plan); gguf: load the weights
+        from this GGUF file, quantized blocks as they are (else from the HF folder)."""
         self.device = torch.device(device)
-        self.dtype = _DTYPES[dtype]
+        self.dtype = plan.torch_dtype
         self.config = config
         self.model = load_model(folder, config, dtype=self.dtype, device=self.device,
-                                max_model_len=max_model_len)
+                                max_model_len=max_model_len, gguf=gguf,
+                                decode_format=plan.decode_format if plan.two_forms else None,
+                                prefill_rows=plan.prefill_rows)
         self.store = TieredKVStore(kv, config.num_hidden_layers, config.num_key_value_heads,
-                                   config.head_dim, self.dtype, self.device)
+                                   config.head_dim, DENSE[plan.kv_dtype], self.device)
         self.page_size = kv.page_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}

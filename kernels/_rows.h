@@ -57,6 +57,45 @@ static inline AVX512 __m512 hsum16x16(const float *p) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
                          _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
+
+/* AVX2 helpers, for functions compiled for it (AVX2) and run where the CPU has AVX2 and FMA */
+#define HAVE_AVX2_PATH 1
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* 8 values of a row, bf16 or float32, as float32 */
+static inline AVX2 __m256 load8f(const char *p, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_loadu_ps((const float *)p);
+}
+
+/* lane t = the sum of the 8 values at p + 8 t, for t < 8 (p 32-byte aligned): horizontal adds
+ * and one swap of halves, each lane's sum one fixed tree (the same bits whatever the batch) */
+static inline AVX2 __m256 hsum8x8(const float *p) {
+    __m256 a[4], b[2];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_hadd_ps(_mm256_load_ps(p + 16 * i), _mm256_load_ps(p + 16 * i + 8));
+    for (int i = 0; i < 2; i++)
+        b[i] = _mm256_hadd_ps(a[2 * i], a[2 * i + 1]);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20),
+                         _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+
+/* the max and the sum of 8 lanes, each one fixed tree */
+static inline AVX2 float hmax8(__m256 v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+static inline AVX2 float hadd8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
 #endif
 
 #endif

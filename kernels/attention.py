@@ -210,7 +210,12 @@ class TorchPagedAttention:
     def _forward_seq(self, q: torch.Tensor, kv_layer: torch.Tensor, s: _SeqPlan,
                      scale: float) -> torch.Tensor:
         kvh, d = kv_layer.shape[2], kv_layer.shape[4]
-        kv = self._gather(kv_layer, _head_run_rows(s.pages, kvh)).view(2, 1, kvh, -1, d)
+        kv = self._gather(kv_layer, _head_run_rows(s.pages, kvh))
+        if kv.is_cpu and q.dtype == torch.float32 and upcast_wins(kv.dtype):
+            # float32 activations over a bf16 cache, on a CPU whose bf16 SDPA is the slow
+            # path (decode's probe): attend in float32 (a prefill chunk's K/V is small)
+            kv = self._upcast(kv)
+        kv = kv.view(2, 1, kvh, -1, d)
         k, v = kv[:, :, :, :s.kv_len]                           # [1, KVH, L, D] (views)
         qh = q.to(k.dtype).transpose(0, 1)[None]                # [1, H, q_len, D]
         if s.mask is not None and s.q_len > 1 and _FLASH_CPU is not None and qh.is_cpu:

@@ -152,7 +152,12 @@ class NativeSparseDecode:
     7K tokens, same-process A/B) sequential 407 against 448 ms, sfc 372 against 407.
     """
 
-    simd = True     # False: the portable rows even where the CPU has AVX-512 (tests, bench)
+    # 2: the AVX-512 rows where the CPU has them, else AVX2; 1: AVX2 at most; 0: the portable
+    # rows (tests and benches run each path the CPU has)
+    simd = 2
+    # threads splitting a call's rows (whole rows each, so the bits do not change); 0: torch's
+    # intra-op thread count at the call (--threads / --decode-threads)
+    threads = 0
 
     def __init__(self) -> None:
         self._torch = TorchSparseDecode()
@@ -204,7 +209,8 @@ class NativeSparseDecode:
                               int(kv_pool.dtype == torch.bfloat16), kvh, ps, d, group,
                               indptr.data_ptr(), slots.data_ptr(), last.data_ptr(), rows, scale,
                               out.data_ptr(), lse.data_ptr(), carry is not None,
-                              kv_pool.shape[0], self.simd)   # checks the table against the pool
+                              kv_pool.shape[0], int(self.simd),
+                              self.threads or torch.get_num_threads())   # checks the table against the pool
         return out, lse
 
 

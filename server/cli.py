@@ -35,7 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "model, else the folder or file name)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    serve.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                       help="activations and the weights of prefill steps; auto: whichever "
+                            "this CPU multiplies faster, timed at start-up (the KV cache is "
+                            "bf16 unless fp32 is given)")
+    serve.add_argument("--weights", choices=("auto", "native", "fp32", "bf16", "int8", "int4"),
+                       default="auto",
+                       help="weight format of decode steps: native (a GGUF file's Q4_0/Q4_1 "
+                            "blocks as int4, Q8_0 as int8; a float checkpoint's dtype), a "
+                            "dense dtype, or int8/int4 (a float checkpoint quantized at load); "
+                            "auto: the fastest on this CPU of native and the dense dtypes, "
+                            "timed at start-up")
     serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="prompt + completion tokens (default: the model's positions)")
@@ -126,6 +136,7 @@ def engine_args(args: argparse.Namespace, served_model_name: str):
     Raises ValueError for invalid values, before anything is loaded."""
     from engine.args import EngineArgs                 # plain dataclass: no torch
     values = {"model": args.model, "served_model_name": served_model_name, "dtype": args.dtype,
+              "weights": args.weights,
               "page_size": args.page_size, "max_model_len": args.max_model_len,
               "max_num_seqs": args.max_num_seqs,
               "max_num_batched_tokens": args.max_num_batched_tokens,

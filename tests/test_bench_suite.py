@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from bench import report, roofline, ruler, suite, throughput
+from bench import report, roofline, ruler, suite, throughput, throughput_report
 from server.tokenizer import Tokenizer
 from tests.conftest_server import REPO, running_server
 
@@ -48,6 +48,70 @@ def test_ramp_times_every_level_over_http_and_cancels_the_requests(tokenizer, tm
         assert r["stage_busy_s_per_step"]["compute"] > 0
         assert r["kv_bytes_per_step"]["disk->device"] > 0    # every page comes from disk
     assert rows[1]["prompt_tokens"] == pytest.approx(sum(lens[1:]) / 2)
+
+
+def test_a_burst_after_the_ramp_sends_every_request_at_once_on_the_same_server(tokenizer):
+    from tqdm import tqdm
+    texts = throughput.make_texts(tokenizer, 2, 300)
+    lens = [len(tokenizer.encode_chat([{"role": "user", "content": t}])) for t in texts]
+    with running_server("--max-num-seqs", "4") as srv:
+        # what the bench records about the server's --dtype auto / --weights auto choice
+        lines = throughput.weight_lines(srv.log_path)
+        assert any(line.startswith("--dtype auto: ") for line in lines), srv.log_tail()
+        cells = throughput.run_server_cells(
+            "dense", srv.url, "SmolLM2-135M-Instruct", {300: texts}, {300: lens}, [1], steps=2,
+            bar=tqdm(disable=True), metrics=True, bursts=[2], burst_tokens=4)
+        assert srv.metric("strata_requests_running") == 0
+        assert srv.metric("strata_request_success_total", 'finished_reason="abort"') == 1
+        assert srv.metric("strata_request_success_total", 'finished_reason="length"') == 2
+    assert [(c["mode"], c["concurrency"]) for c in cells] == [("ramp", 1), ("burst", 2)]
+    b = cells[1]
+    assert b["engine"] == "dense" and b["context"] == 300 and b["burst_tokens"] == 4
+    assert b["wall_s"] >= b["ttft_s"]["max"] >= b["ttft_s"]["mean"] >= b["ttft_s"]["min"] > 0
+    assert b["wall_s"] >= b["first_finish_s"] > b["ttft_s"]["max"]
+    assert b["decode_tokens_per_s"] > 0 and 0 < b["window_tokens"] <= 2 * 3
+    assert b["output_tokens_per_s"] == pytest.approx(2 * 4 / b["wall_s"])
+    assert b["prompt_tokens"] == pytest.approx(sum(lens) / 2)
+
+
+def test_burst_row_counts_only_the_window_while_every_request_decodes():
+    # sent at 0; A's tokens at 1, 2, 3, 4 (its last at 4), B's first at 2.5 and then 3.5, 4.5, 5.5
+    row = throughput_report.burst_row([[1, 2, 3, 4], [2.5, 3.5, 4.5, 5.5]], [4.1, 5.6], 0.0,
+                                      4, 300.0)
+    assert row["mode"] == "burst" and row["concurrency"] == 2
+    assert row["wall_s"] == pytest.approx(5.6) and row["first_finish_s"] == 4
+    assert row["ttft_s"]["min"] == 1 and row["ttft_s"]["max"] == 2.5
+    # window (2.5, 4]: A's 3 and 4, B's 3.5: 3 tokens in 1.5 s
+    assert row["window_s"] == pytest.approx(1.5) and row["window_tokens"] == 3
+    assert row["decode_tokens_per_s"] == pytest.approx(2.0)
+    assert row["output_tokens_per_s"] == pytest.approx(8 / 5.6)
+    # A done before B starts: no window, no rate (and not a crash)
+    row = throughput_report.burst_row([[1, 2], [3, 4]], [2, 4], 0.0, 2, 10.0)
+    assert row["decode_tokens_per_s"] is None and row["window_s"] == 0
+    with pytest.raises(RuntimeError, match="expected 4 tokens"):
+        throughput_report.burst_row([[1, 2, 3]], [3], 0.0, 4, 10.0)
+
+
+def test_weight_lines_are_read_from_a_strata_log(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("INFO:strata.cli:loading\n"
+                   "INFO:engine.weight_plan:--dtype auto: fp32 (a 64-row block: fp32 1.0 ms)\n"
+                   "INFO:engine.weight_plan:--weights auto: native for decode (1+8 rows)\n"
+                   "INFO:uvicorn:ready\n")
+    assert throughput.weight_lines(log) == ["--dtype auto: fp32 (a 64-row block: fp32 1.0 ms)",
+                                            "--weights auto: native for decode (1+8 rows)"]
+    assert throughput.weight_lines(tmp_path / "missing.log") == []
+
+
+def test_peers_default_to_llama_cpp_and_transformers_fp32():
+    args = throughput.build_parser().parse_args([])
+    assert args.peers == ["llama.cpp", "transformers-fp32"] and args.burst == []
+    args = throughput.build_parser().parse_args(["--peers", "transformers", "transformers-fp32",
+                                                 "--burst", "8", "--burst-tokens", "32"])
+    assert args.peers == ["transformers", "transformers-fp32"]
+    assert args.burst == [8] and args.burst_tokens == 32
+    from bench.peers import hf_transformers
+    assert hf_transformers.DTYPES == {"transformers": "bfloat16", "transformers-fp32": "float32"}
 
 
 def _throughput_report() -> dict:
@@ -97,6 +161,37 @@ def test_report_tables_name_the_machine_and_compare_against_dense(tmp_path):
     assert text.startswith(report.BEGIN) and text.endswith(report.END)
 
 
+def test_burst_rows_get_their_own_table_and_leave_the_ramp_tables_alone(tmp_path):
+    rep = _throughput_report()
+    burst = {"mode": "burst", "context": 4000, "concurrency": 8, "burst_tokens": 64,
+             "ttft_s": {"mean": 20.0, "p50": 20.0, "min": 5.0, "max": 40.0},
+             "first_finish_s": 45.0, "window_s": 4.0, "window_tokens": 200, "step_s": 0.16,
+             "itl_s": None, "prompt_tokens": 4000}
+    rep["cells"] += [
+        {**burst, "engine": "dense", "wall_s": 120.0, "decode_tokens_per_s": 20.0,
+         "output_tokens_per_s": 4.3},
+        {**burst, "engine": "sparse-tiered", "wall_s": 50.0, "decode_tokens_per_s": 60.0,
+         "output_tokens_per_s": 10.2},
+        {**burst, "engine": "llama.cpp", "wall_s": 100.0, "decode_tokens_per_s": 30.0,
+         "output_tokens_per_s": 5.1}]
+    rep["settings"]["strata_weights"] = {"dense": ["--dtype auto: fp32 (x)"], "sparse-tiered": []}
+    (tmp_path / "throughput.json").write_text(json.dumps(rep))
+    text = report.render(tmp_path)
+    assert "| 4K | 8 | 10.0 | 25.0 (2.50x) | 5.0 (0.50x) |" in text      # the ramp's, as before
+    assert "| 4K | 8 | sparse-tiered | 50.0 (0.50x llama.cpp) | 20.0 / 40.0 | " \
+           "60.0 (2.00x llama.cpp, 3.00x dense) | 10.2 |" in text
+    assert "| 4K | 8 | llama.cpp | 100.0 | 20.0 / 40.0 | 30.0 (1.50x dense) | 5.1 |" in text
+    assert "**dense** `--dtype auto: fp32 (x)`" in text
+    printed = throughput.table(rep)
+    assert printed.count("\n") == len(rep["cells"]) + 3 and "burst" in printed
+    throughput_report.plot(rep, tmp_path / "t.png")                   # ramp cells only
+    assert (tmp_path / "t.png").exists() and (tmp_path / "t_stages.png").exists()
+    labels = [throughput_report.label(rep, e) for e in ("dense", "sparse-tiered", "llama.cpp",
+                                                        "transformers", "transformers-fp32")]
+    assert labels == ["dense (fp32, ? decode)", "sparse-tiered", "llama.cpp (Q4_1)",
+                      "transformers (bf16)", "transformers-fp32"]
+
+
 def test_report_replaces_only_the_marked_section(tmp_path):
     readme = f"# Title\n\nbefore\n\n{report.BEGIN}\nold results\n{report.END}\n\nafter\n"
     new = report.splice(readme, f"{report.BEGIN}\nnew\n{report.END}")
@@ -120,3 +215,5 @@ def test_suite_presets_pass_options_each_part_accepts(preset):
         assert cmd[0] == f"bench/{name}.py"
         args = modules[name].build_parser().parse_args(cmd[1:])
         assert args.out.endswith(f"{name}_quick.json" if preset == "quick" else f"{name}.json")
+        if name == "throughput" and preset != "quick":
+            assert args.burst == [8] and args.peer_concurrency is None   # peers at every level

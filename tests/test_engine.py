@@ -129,7 +129,7 @@ def test_the_server_engine_runs_steps_on_the_threads_its_args_ask_for(folder):
 
 
 @pytest.mark.parametrize("pipeline,threads,decode,want", [
-    ("sequential", 2, 0, (2, 2)),
+    ("sequential", 2, 0, (2, 1)),    # and the server's HTTP threads
     ("sfc", 2, 0, (2, 1)),           # decode leaves the stage threads a core
     ("layer-ahead", 4, 0, (4, 3)),
     ("sfc", 1, 0, (1, 1)),

@@ -175,6 +175,8 @@ def _reference_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> se
     order = logits.argsort(descending=True).tolist()
     if 0 < top_k < len(order):
         order = order[:top_k]
+    if top_p >= 1.0:            # off (a float64 running sum can reach 1.0 before the end)
+        return set(order)
     probs = torch.softmax(logits[order].double(), -1).tolist()
     kept, mass = [], 0.0
     for t, p in zip(order, probs):

@@ -65,10 +65,10 @@ def test_sparse_equals_dense_when_every_row_lists_every_page(page_size, group, d
         assert getattr(per_head, field).tolist() == getattr(table, field).tolist()
 
 
-@pytest.fixture(params=[True, False], ids=["simd", "portable"])
+@pytest.fixture(params=[2, 1, 0], ids=["avx512", "avx2", "portable"])
 def kernel(request):
-    """The C kernel with its AVX-512 rows (where this CPU has them) and with its portable
-    rows: both paths are tested on any machine that has both."""
+    """The C kernel with its AVX-512 rows, its AVX2 rows, and its portable rows: every path
+    this CPU has is tested (a path the CPU lacks falls back to the next)."""
     k = NativeSparseDecode()
     k.simd = request.param
     return k
@@ -216,13 +216,14 @@ def test_c_kernel_rows_for_other_shapes(head_dim, page_size, group, q_scale):
         atol *= 1 if q_scale == 1 else 5        # a sharper softmax: more of float32's rounding
         ref = reference_sparse_decode_attention(q, pool, table, group, 0.125)
         outs = []
-        for simd in (True, False):
+        for simd in (2, 1, 0):
             k = NativeSparseDecode()
             k.simd = simd
             out, lse = k.forward_partial(q, pool, table, group, 0.125)
             torch.testing.assert_close(out, ref, atol=atol, rtol=0)
             outs.append((out, lse))
-        torch.testing.assert_close(outs[0][1], outs[1][1], atol=1e-5, rtol=1e-6)
+        for other in outs[1:]:
+            torch.testing.assert_close(outs[0][1], other[1], atol=1e-5, rtol=1e-6)
 
 
 def test_c_kernel_rejects_tables_outside_the_pool_and_defers_other_dtypes():
@@ -387,3 +388,16 @@ def test_c_kernel_reads_no_token_past_a_rows_last(kernel):
     got = kernel.forward(q, pool, table, group, 0.125)
     assert bool(torch.isfinite(got).all())
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 7])
+def test_c_kernel_rows_split_over_threads_give_the_same_bits(kernel, threads):
+    """Rows spread over threads by their pages (each row whole on one thread): every split,
+    including more threads than rows, gives the one-thread bits."""
+    _, table, pool, q = _random_case(8, 3, torch.bfloat16, budget=80, seed=5)   # ~300 pages
+    one = NativeSparseDecode()
+    one.simd, one.threads = kernel.simd, 1
+    want = one.forward_partial(q, pool, table, 3, 0.125)
+    kernel.threads = threads
+    got = kernel.forward_partial(q, pool, table, 3, 0.125)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -36,7 +36,7 @@ def run(engine: LLMEngine, prompts, steps=STEPS, ids=None) -> dict[str, list[int
 def make(folder, tmp_path=None, **kw) -> LLMEngine:
     if "kv_disk_gb" in kw:
         kw.setdefault("kv_disk_path", tmp_path / "kv")
-    return LLMEngine(EngineArgs(model=str(folder), dtype="bf16", page_size=16, **kw))
+    return LLMEngine(EngineArgs(model=str(folder), dtype="auto", page_size=16, **kw))
 
 
 @pytest.fixture(scope="module")

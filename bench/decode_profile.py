@@ -1,0 +1,121 @@
+"""Where a decode step's time goes: weights, attention, selection, and everything else.
+
+    .venv/bin/python bench/decode_profile.py --context 7000 --batch 1 8
+    .venv/bin/python bench/decode_profile.py --context 7000 --batch 8 --sparse-budget 1024
+
+One engine in this process (the server's defaults: --dtype auto --weights auto), `--batch`
+random-token prompts of `--context` tokens prefilled, then `--steps` decode steps timed under
+cProfile. Each step's time is split by the functions that own it:
+  weights     the packed and dense matmuls (int4 / int8 / F.linear)
+  attention   the C decode attention (kernels/_decode.c)
+  selection   the C page selection (kernels/_select.c), sparse decode only
+  other       the rest: the model's small ops (norms, RoPE, SiLU, casts) and the KV store's
+              per-layer bookkeeping (slots, page tables, residency), in Python and torch
+Also the step's wall time without the profiler. Prints a table and writes JSON
+(bench/results/decode_profile.json unless --out).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
+
+from bench.throughput_report import machine  # noqa: E402
+
+OWNERS = {
+    "weights": ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm", "<built-in method "
+                "torch._C._nn.linear>"),
+    "attention": ("sparse_decode",),
+    "selection": ("native_select", "select_pages"),
+}
+
+
+def _owner(name: str) -> str | None:
+    for owner, keys in OWNERS.items():
+        if any(k in name for k in keys):
+            return owner
+    return None
+
+
+def profile(context: int, batch: int, steps: int, extra: dict) -> dict:
+    import torch
+    from engine.args import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from scheduler.sampling_params import SamplingParams
+
+    args = EngineArgs(max_model_len=max(8192, context + steps + 8), **extra)
+    prefill_threads, decode_threads = args.torch_threads()
+    engine = LLMEngine(args)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(100, 40000, (context,), generator=gen).tolist()
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=3 * steps + 8,
+                                                        temperature=0, ignore_eos=True))
+    torch.set_num_threads(prefill_threads)
+    t0 = time.perf_counter()
+    while not all(engine.scheduler.get_request(f"r{i}").output_token_ids for i in range(batch)):
+        engine.step()
+    prefill_s = time.perf_counter() - t0
+    torch.set_num_threads(decode_threads)
+    for _ in range(3):
+        engine.step()
+    walls = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    prof.disable()
+    profiled = (time.perf_counter() - t0) / steps
+    split = {k: 0.0 for k in OWNERS}
+    for (_, _, name), (_, _, tottime, _, _) in pstats.Stats(prof).stats.items():
+        owner = _owner(name)
+        if owner:
+            split[owner] += tottime / steps
+    split["other"] = max(0.0, profiled - sum(split.values()))
+    walls.sort()
+    plan = engine.weight_plan
+    return {"context": context, "batch": batch, "flags": extra, "prefill_s": prefill_s,
+            "step_s": walls[len(walls) // 2], "profiled_step_s": profiled, "split_s": split,
+            "weights": f"{plan.dtype} prefill, {plan.decode_format} decode, KV {plan.kv_dtype}",
+            "threads": [prefill_threads, decode_threads]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--context", type=int, default=7000)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--sparse-budget", type=int, default=0)
+    ap.add_argument("--kv-device-gb", type=float, default=2.0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_profile.json"))
+    args = ap.parse_args(argv)
+    extra = {"kv_device_gb": args.kv_device_gb, "sparse_budget": args.sparse_budget}
+    rows = [profile(args.context, b, args.steps, extra) for b in args.batch]
+    print(f"{machine()['cpu']} ({', '.join(machine()['cpu_flags'])}), {os.cpu_count()} cores")
+    print("| context x batch | weights | step ms | weights | attention | selection | other |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        s = {k: f"{1e3 * v:.1f}" for k, v in r["split_s"].items()}
+        print(f"| {r['context']} x {r['batch']} | {r['weights']} | {1e3 * r['step_s']:.1f} | "
+              f"{s['weights']} | {s['attention']} | {s['selection']} | {s['other']} |")
+    Path(args.out).write_text(json.dumps({"bench": "decode_profile", "machine": machine(),
+                                          "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""A GGUF file's tensors under their Hugging Face names, quantized tensors as they are stored.
+
+`iter_gguf_weights` yields (HF name, tensor) pairs for LlamaForCausalLM.load_weights: float
+tensors (F32, F16, BF16) as torch tensors, and Q4_0, Q4_1 and Q8_0 tensors as GroupQuant (their
+codes, and per block of 32 a scale and a zero point), so that the model can run them through
+packed int4 / int8 matmuls without requantizing. Other quantized types are dequantized to
+float32 by the `gguf` package.
+
+llama.cpp's converter permutes the rows of Llama's q and k projections (its RoPE pairs
+neighbouring dims; HF's pairs halves); the permutation is undone here, on whole rows, so
+codes and block scales move with their rows.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from engine.model_config import ModelConfig
+from kernels.packed_linear import GROUP, GroupQuant
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+# bytes per block of 32 weights
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# float tensors as numpy views (BF16 as its raw 16 bits, widened on read)
+_FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    kind: str                   # GGML type name: F32, Q4_1, ...
+    shape: tuple[int, ...]      # numpy order (rows first): [N, K] for a matrix
+    data: np.ndarray            # the file's bytes as a view: [N, K / block * block bytes] uint8
+                                # for block types, the values for float types
+
+
+class GGUFFile:
+    """The header and tensors of a GGUF file (v2/v3), the tensors as views of one memory map.
+
+    NOTE: gguf's GGUFReader parses every metadata value into numpy views, ~5 s for the
+    bundled file's 49K-token vocabulary (read three times it made a server start 20 s); the
+    weights need two metadata values, so the rest is skipped over."""
+
+    _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                10: "<Q", 11: "<q", 12: "<d"}
+
+    def __init__(self, path: Path):
+        import struct
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+        self._buf = buf = np.memmap(path, dtype=np.uint8, mode="r")
+        raw = memoryview(buf)
+        if bytes(raw[:4]) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", raw, 4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported")
+        self._raw, self._pos, self.fields = raw, 24, {}
+        for _ in range(n_kv):
+            key = self._string()
+            value = self._value(struct.unpack_from("<I", raw, self._take(4))[0])
+            if key in ("general.architecture", "general.alignment"):
+                self.fields[key] = value
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            n_dims = struct.unpack_from("<I", raw, self._take(4))[0]
+            dims = struct.unpack_from(f"<{n_dims}Q", raw, self._take(8 * n_dims))
+            kind, offset = struct.unpack_from("<IQ", raw, self._take(12))
+            infos.append((name, dims, GGMLQuantizationType(kind), offset))
+        align = int(self.fields.get("general.alignment", 32))
+        start = -(-self._pos // align) * align
+        self.tensors = []
+        for name, dims, kind, offset in infos:
+            block, size = GGML_QUANT_SIZES[kind]
+            shape = tuple(int(d) for d in reversed(dims))
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            nbytes = rows * shape[-1] // block * size
+            data = buf[start + offset:start + offset + nbytes]
+            if kind.name in _FLOAT_DTYPES:
+                data = data.view(_FLOAT_DTYPES[kind.name]).reshape(shape)
+            else:
+                data = data.reshape(rows, -1)
+            self.tensors.append(GGUFTensor(name, kind.name, shape, data))
+
+    @property
+    def architecture(self) -> str:
+        return str(self.fields["general.architecture"])
+
+    def _take(self, n: int) -> int:
+        at, self._pos = self._pos, self._pos + n
+        return at
+
+    def _string(self) -> str:
+        import struct
+        n = struct.unpack_from("<Q", self._raw, self._take(8))[0]
+        at = self._take(n)
+        return bytes(self._raw[at:at + n]).decode("utf-8", errors="replace")
+
+    def _value(self, vtype: int):
+        import struct
+        if vtype == 8:
+            return self._string()
+        if vtype == 9:                                   # array: skipped, strings one by one
+            etype, count = struct.unpack_from("<IQ", self._raw, self._take(12))
+            if etype in self._SCALARS:
+                self._take(count * struct.calcsize(self._SCALARS[etype]))
+            else:
+                for _ in range(count):
+                    self._value(etype)
+            return None
+        fmt = self._SCALARS[vtype]
+        return struct.unpack_from(fmt, self._raw, self._take(struct.calcsize(fmt)))[0]
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF checkpoint name of a GGUF tensor name (None for tensors the model does not use,
+    such as rope_freqs)."""
+    m = _BLOCK.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            return None
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    stem, _, kind = gguf_name.rpartition(".")
+    return f"{_TOP_NAMES[stem]}.{kind}" if stem in _TOP_NAMES else None
+
+
+def native_format(path: Path) -> str | None:
+    """The packed format that runs a GGUF file's matmul weights as stored: int4 for Q4_0 /
+    Q4_1 blocks, int8 for Q8_0, None for float files (and types we dequantize)."""
+    kinds = {t.kind for t in GGUFFile(path).tensors
+             if len(t.shape) == 2 and t.name.startswith("blk.")}
+    if kinds & {"Q4_0", "Q4_1"}:
+        return "int4"
+    return "int8" if "Q8_0" in kinds else None
+
+
+def decode_blocks(kind: str, raw: np.ndarray) -> GroupQuant:
+    """Blocks of one tensor, raw uint8 [N, K / 32 * block bytes] -> GroupQuant [N, K]."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, _BLOCK_BYTES[kind])
+    scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if kind == "Q8_0":
+        codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).astype(np.int16))
+        return GroupQuant(codes.reshape(n, -1), scale, torch.zeros_like(scale), 8)
+    start = 4 if kind == "Q4_1" else 2
+    qs = blocks[..., start:start + GROUP // 2]
+    # a block's byte j holds weight j in its low nibble and weight j + 16 in its high one
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
+    if kind == "Q4_1":
+        zero = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]
+                                .astype(np.float32))
+    else:                                    # Q4_0: w = d * (q - 8)
+        zero = -8 * scale
+    return GroupQuant(torch.from_numpy(codes).reshape(n, -1), scale, zero, 4)
+
+
+def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """Row order undoing llama.cpp's q/k permutation (transformers' reverse_permute)."""
+    dim = n_rows // n_head // 2
+    return torch.arange(n_rows).view(n_head, dim, 2).transpose(1, 2).reshape(-1)
+
+
+def iter_gguf_weights(path: Path, config: ModelConfig
+                      ) -> Iterator[tuple[str, torch.Tensor | GroupQuant]]:
+    """(HF name, tensor or GroupQuant) for every tensor of the GGUF file the model uses."""
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+    file = GGUFFile(path)
+    for t in file.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        if t.kind in _BLOCK_BYTES:
+            value: torch.Tensor | GroupQuant = decode_blocks(t.kind, t.data)
+        elif t.kind == "BF16":
+            value = torch.from_numpy(t.data.astype(np.int32) << 16).view(torch.float32)
+        elif t.kind in _FLOAT_DTYPES:
+            value = torch.from_numpy(t.data.astype(np.float32))
+        else:
+            value = torch.from_numpy(dequantize(np.asarray(t.data), GGMLQuantizationType[t.kind])
+                                     .astype(np.float32).reshape(t.shape))
+        if file.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = config.num_attention_heads if ".q_proj." in name \
+                else config.num_key_value_heads
+            order = _unpermute_rows(value.shape[0], heads)
+            value = value.permute_rows(order) if isinstance(value, GroupQuant) else value[order]
+        yield name, value

@@ -1,0 +1,152 @@
+"""Which weight format and dtype each phase runs, chosen at start-up by timing this CPU.
+
+A prefill chunk multiplies thousands of rows by each weight: it is bound by compute, and a
+CPU's fastest GEMM decides (float32 on an AVX2-only CPU, where torch's bf16 matmul is emulated
+and 5-9x slower; bf16 where the CPU has AVX512_BF16 or AMX). A decode step multiplies a few
+rows: it is bound by the bytes of the weights, and the packed int4 / int8 kernels read 4-8x
+fewer than float32. So `--dtype auto` (activations, dense prefill weights) and
+`--weights auto` (the decode form) are picked by timing the candidates on matmuls of the
+model's own shapes, once per process, and logged:
+
+  --dtype auto      float32 or bf16, whichever multiplies a prefill-sized block faster; the KV
+                    cache is bf16 (attention is bound by its bytes; the kernels read bf16
+                    into float32)
+  --weights auto    the fastest over 1- and 8-row steps of the forms that keep the file's
+                    values: its own (a GGUF file's Q4_0 / Q4_1 blocks as int4, Q8_0 as int8)
+                    and the dense dtypes --dtype allows; a float checkpoint is never
+                    quantized unless asked (--weights int8 | int4)
+
+A step of at least `prefill_rows` rows uses the dense prefill form, fewer rows the decode
+form; when both are the same, one copy is kept.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.model_config import ModelConfig
+from kernels.packed_linear import DENSE, FORMATS, PackedWeight
+
+logger = logging.getLogger(__name__)
+
+DTYPE_CHOICES = ("auto", "bf16", "fp32")
+WEIGHT_CHOICES = ("auto", "native") + FORMATS
+PROBE_LAYERS = 6            # distinct layers a probe sweeps, so weights stream from memory
+DECODE_ROWS = (1, 8)
+PREFILL_PROBE_ROWS = 128
+CROSSOVER_ROWS = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    dtype: str              # activations and the dense prefill weights: bf16 | fp32
+    kv_dtype: str           # the KV cache: bf16 | fp32
+    decode_format: str      # one of FORMATS, or "native": each tensor as the file stores it
+    prefill_rows: int       # steps with this many rows or more use the dense form
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DENSE[self.dtype]
+
+    @property
+    def two_forms(self) -> bool:
+        return self.decode_format != self.dtype
+
+
+def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """[out, in] of one decoder layer's matmuls (fused q|k|v, o, gate|up, down)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    return [(q + 2 * kv, h), (h, q), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+
+
+_PROBES: dict[tuple, float] = {}
+
+
+def _sweep_s(fmt: str, shapes: list[tuple[int, int]], rows: int, threads: int) -> float:
+    """Best of 3 sweeps of rows x every weight of PROBE_LAYERS layers in `fmt` (cached)."""
+    key = (fmt, tuple(shapes), rows, threads)
+    if key not in _PROBES:
+        gen = torch.Generator().manual_seed(0)
+        weights = [PackedWeight.from_dense(torch.randn(n, k, generator=gen) * 0.02, fmt)
+                   for _ in range(PROBE_LAYERS) for n, k in shapes]
+        xs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            best = float("inf")
+            for i in range(4):
+                t0 = time.perf_counter()
+                for w in weights:
+                    w.mm(xs[w.shape[1]])
+                if i:                                   # the first sweep warms up
+                    best = min(best, time.perf_counter() - t0)
+        finally:
+            torch.set_num_threads(before)
+        _PROBES[key] = best
+    return _PROBES[key]
+
+
+def _candidates(weights: str, dtype: str, native: str | None) -> list[str]:
+    """Decode forms `--weights` allows (native: the file's own format, None for a float
+    checkpoint, whose own values any dense dtype holds)."""
+    if weights not in ("auto", "native"):
+        return [weights]
+    dense = ["fp32", "bf16"] if dtype == "auto" else [dtype]
+    if weights == "native":
+        return ["native"] if native else dense[:1]
+    return (["native"] if native else []) + dense
+
+
+def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
+                 threads: tuple[int, int], device: str = "cpu") -> WeightPlan:
+    """Resolve --dtype and --weights for this model on this CPU (timed where there is a
+    choice). threads: torch threads of (prefill, decode) steps (the probes run on the
+    first). On a GPU the weights are
+    dense (the packed kernels are CPU kernels) and `auto` means bf16."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"--dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"--weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
+    if torch.device(device).type != "cpu":
+        if weights in ("int8", "int4"):
+            raise ValueError(f"--weights {weights} runs on the CPU only (device {device})")
+        act = "bf16" if dtype == "auto" else dtype
+        return WeightPlan(act, act, act, 0)
+    shapes = layer_shapes(cfg)
+    # NOTE: every probe runs on the prefill threads (every core unless --threads): a choice
+    # that hung on --decode-threads would differ between pipeline modes, whose outputs must
+    # agree token for token
+    prefill_t = decode_t = threads[0]
+    act = dtype
+    if dtype == "auto":
+        times = {d: _sweep_s(d, shapes[:2], PREFILL_PROBE_ROWS, prefill_t) for d in DENSE}
+        act = min(times, key=times.get)
+        logger.info("--dtype auto: %s (a %d-row block: %s)", act, PREFILL_PROBE_ROWS,
+                    ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in times.items()))
+    def real(c: str) -> str:
+        return native if c == "native" else c
+
+    cands = [c for c in _candidates(weights, dtype, native)
+             if all(PackedWeight.supports(real(c), s) for s in shapes)] or [act]
+    fmt = cands[0]
+    if len(cands) > 1:
+        times = {c: sum(_sweep_s(real(c), shapes, r, decode_t) for r in DECODE_ROWS)
+                 for c in cands}
+        fmt = min(times, key=times.get)
+        logger.info("--weights %s: %s for decode (%s rows x %d layers: %s)", weights, fmt,
+                    "+".join(map(str, DECODE_ROWS)), PROBE_LAYERS,
+                    ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in times.items()))
+    rows = 0
+    if fmt != act:
+        rows = next((r for r in CROSSOVER_ROWS
+                     if _sweep_s(act, shapes, r, prefill_t) <= _sweep_s(real(fmt), shapes, r,
+                                                                             decode_t)),
+                    2 * CROSSOVER_ROWS[-1])
+        logger.info("steps of %d rows or more multiply by %s weights, fewer by %s", rows, act,
+                    fmt)
+    kv = "fp32" if dtype == "fp32" else "bf16"
+    return WeightPlan(act, kv, fmt, rows)

@@ -1,0 +1,168 @@
+"""Linear-layer weights in the formats a CPU runs fastest, and their matmuls.
+
+A weight [N out, K in] is held in one of these formats:
+  fp32, bf16   dense; `F.linear`
+  int8         one int8 code per weight and one scale per output row (w = scale[n] * q);
+               torch's packed CPU kernel `_weight_int8pack_mm`
+  int4         4-bit codes in groups of 32 along K, a scale and a zero point per group
+               (w = scale * (q - 8) + zero: GGUF's Q4_0 and Q4_1 blocks map onto it with no
+               new rounding of the codes); torch's packed CPU kernel
+               `_weight_int4pack_mm_for_cpu`
+The packed kernels take bf16 activations (their float32 path runs 20-40x slower, measured on
+an AMD EPYC with AVX2: 1536 x 576, 8 rows, 22 ms against 0.37 ms) and bf16 scales, so a packed
+matmul rounds its input to bf16 and returns float32 accumulations rounded to bf16, then to the
+caller's dtype.
+
+`GroupQuant` is a quantized tensor as a file stores it (GGUF's blocks, or our own quantization
+of a dense weight at load): integer codes, and per group of 32 a scale and a zero point.
+
+Leaf module: imports only torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FORMATS = ("fp32", "bf16", "int8", "int4")
+DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GROUP = 32
+_INT4_TILE_N = 16           # int4pack tiles N by 16 on the CPU
+
+
+@dataclass(frozen=True)
+class GroupQuant:
+    """Codes [N, K] (int16: Q4 codes in 0..15, Q8 codes in -128..127) with w = scale * q +
+    zero per group of GROUP along K; scale and zero [N, K / GROUP] float32."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [N, K] in float32, as llama.cpp computes it (scale * q + zero in float)."""
+        n, k = self.codes.shape
+        q = self.codes.view(n, k // GROUP, GROUP).float()
+        return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list["GroupQuant"]) -> "GroupQuant":
+        """Rows of several tensors stacked (fused projections such as q|k|v)."""
+        if len({p.bits for p in parts}) != 1:
+            raise ValueError("cannot fuse tensors quantized to different widths")
+        return GroupQuant(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.zero for p in parts]), parts[0].bits)
+
+    def permute_rows(self, order: torch.Tensor) -> "GroupQuant":
+        return GroupQuant(self.codes[order], self.scale[order], self.zero[order], self.bits)
+
+
+def quantize_int4(w: torch.Tensor) -> GroupQuant:
+    """Asymmetric 4-bit codes per group of 32 (min and step per group, as Q4_1 does)."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((g - lo[..., None]) / safe[..., None]).clamp_(0, 15)
+    return GroupQuant(q.view(n, k).to(torch.int16), scale, lo, 4)
+
+
+class PackedWeight:
+    """One weight [N, K] in one format, with its matmul `mm(x) -> x @ w.T`."""
+
+    def __init__(self, fmt: str, shape: tuple[int, int], data: tuple[torch.Tensor, ...]):
+        self.fmt, self.shape, self._data = fmt, shape, data
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._data)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float -> [M, N] in x's dtype."""
+        # NOTE: dtype checks before each conversion: a no-op `.to` still costs a dispatch,
+        # and a decode step makes ~120 of these calls
+        if self.fmt in DENSE:
+            w, = self._data
+            if x.dtype == w.dtype:
+                return F.linear(x, w)
+            return F.linear(x.to(w.dtype), w).to(x.dtype)
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
+        if self.fmt == "int8":
+            codes, scale = self._data
+            y = torch.ops.aten._weight_int8pack_mm(xb, codes, scale)
+        else:
+            packed, scale_zero = self._data
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scale_zero)
+        return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+
+    # ---- construction --------------------------------------------------------------------
+    @classmethod
+    def supports(cls, fmt: str, shape: tuple[int, int]) -> bool:
+        """Can a weight of this shape take this format? (int4 tiles N by 16, K by 32)"""
+        n, k = shape
+        if fmt == "int4":
+            return n % _INT4_TILE_N == 0 and k % GROUP == 0
+        return fmt in FORMATS
+
+    @classmethod
+    def from_dense(cls, w: torch.Tensor, fmt: str) -> "PackedWeight":
+        """Pack a dense weight, quantizing it for int8 (per row, symmetric) and int4."""
+        shape = tuple(w.shape)
+        if fmt in DENSE:
+            return cls(fmt, shape, (w.to(DENSE[fmt]).contiguous(),))
+        if fmt == "int8":
+            wf = w.float()
+            scale = wf.abs().amax(1).clamp_min(1e-12) / 127
+            codes = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+            return cls(fmt, shape, (codes.contiguous(), scale.to(torch.bfloat16)))
+        if fmt == "int4":
+            return cls.from_quant(quantize_int4(w))
+        raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
+
+    @classmethod
+    def from_quant(cls, q: GroupQuant) -> "PackedWeight":
+        """A file's 4-bit groups as int4 with their codes as they are (scale * (c - 8) + zero
+        = scale * c + file zero); 8-bit groups are re-expressed per row as int8 (torch's
+        kernel has one scale per row)."""
+        n, k = q.shape
+        if q.bits != 4:
+            return cls.from_dense(q.dequantize(), "int8")
+        if not cls.supports("int4", (n, k)):
+            raise ValueError(f"int4 needs N % {_INT4_TILE_N} == 0 and K % {GROUP} == 0, "
+                             f"got {n} x {k}")
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.codes.to(torch.int32).contiguous(), 1)
+        zero = q.zero + 8 * q.scale
+        scale_zero = torch.stack([q.scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+        return cls("int4", (n, k), (packed, scale_zero))
+
+
+class Linear:
+    """y = x @ w.T + bias, with the weight in a `decode` form for steps of few rows and,
+    optionally, a dense `prefill` form for steps of `prefill_rows` rows or more (a prefill
+    chunk is bound by compute, where a CPU's float32 GEMM can beat its packed kernels; a
+    decode step is bound by the bytes of the weights)."""
+
+    def __init__(self, decode: PackedWeight, bias: torch.Tensor | None = None,
+                 prefill: PackedWeight | None = None, prefill_rows: int = 0):
+        self.decode, self.prefill, self.bias = decode, prefill, bias
+        self.prefill_rows = prefill_rows
+
+    @property
+    def out_features(self) -> int:
+        return self.decode.shape[0]
+
+    def weight_for(self, rows: int) -> PackedWeight:
+        if self.prefill is not None and rows >= self.prefill_rows:
+            return self.prefill
+        return self.decode
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.weight_for(x.shape[0]).mm(x)
+        return y if self.bias is None else y + self.bias
