@@ -63,6 +63,12 @@ class LLMEngine:
         if prefill < 1 or decode < 1:
             raise ValueError(f"torch threads must be >= 1, got {prefill} and {decode}")
         self.threads = (prefill, decode)
+        # the C decode attention splits its rows over threads of its own, while torch's
+        # wait: in sequential mode nothing else computes then, so it takes every core
+        # (pipelined modes' stage threads run beside it: the decode count)
+        kernel = self.store.sparse_attention
+        if hasattr(kernel, "threads"):
+            kernel.threads = prefill if self.args.pipeline == "sequential" else decode
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull or ValueError (can never fit)."""

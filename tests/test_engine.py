@@ -2,6 +2,8 @@
 through chunked prefill and preemption."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -123,6 +125,11 @@ def test_the_server_engine_runs_steps_on_the_threads_its_args_ask_for(folder):
     try:
         server.start()
         assert server.engine.threads == (2, 1)
+        # sfc's stage threads run beside the attention kernel: it keeps to the decode count
+        assert server.engine.store.sparse_attention.threads == 1
+        server.engine.args = dataclasses.replace(server.engine.args, pipeline="sequential")
+        server.engine.use_threads(2, 1)      # sequential: nothing computes beside attention
+        assert server.engine.store.sparse_attention.threads == 2
     finally:
         server.shutdown()
         torch.set_num_threads(before)
