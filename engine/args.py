@@ -10,7 +10,7 @@ if TYPE_CHECKING:
     from kvstore.config import KVStoreConfig
 
 DTYPES = ("auto", "bf16", "fp32")
-WEIGHTS = ("auto", "native", "fp32", "bf16", "int8", "int4")
+WEIGHTS = ("auto", "native", "fp32", "bf16", "int8", "int4")  # kernels.packed_linear.FORMATS
 BUNDLED_ALIAS = "bundled"
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 

@@ -12,6 +12,7 @@ codes and block scales move with their rows.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -138,10 +139,22 @@ def hf_name(gguf_name: str) -> str | None:
     return f"{_TOP_NAMES[stem]}.{kind}" if stem in _TOP_NAMES else None
 
 
+@functools.lru_cache(maxsize=2)
+def _open(path: Path, size: int, mtime_ns: int) -> GGUFFile:
+    return GGUFFile(path)
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    """The parsed file, once per process while it is unchanged (start-up asks for its format,
+    then for its tensors)."""
+    st = Path(path).stat()
+    return _open(Path(path).resolve(), st.st_size, st.st_mtime_ns)
+
+
 def native_format(path: Path) -> str | None:
     """The packed format that runs a GGUF file's matmul weights as stored: int4 for Q4_0 /
     Q4_1 blocks, int8 for Q8_0, None for float files (and types we dequantize)."""
-    kinds = {t.kind for t in GGUFFile(path).tensors
+    kinds = {t.kind for t in open_gguf(path).tensors
              if len(t.shape) == 2 and t.name.startswith("blk.")}
     if kinds & {"Q4_0", "Q4_1"}:
         return "int4"
@@ -179,7 +192,7 @@ def iter_gguf_weights(path: Path, config: ModelConfig
     """(HF name, tensor or GroupQuant) for every tensor of the GGUF file the model uses."""
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
-    file = GGUFFile(path)
+    file = open_gguf(path)
     for t in file.tensors:
         name = hf_name(t.name)
         if name is None:

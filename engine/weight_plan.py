@@ -27,13 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.args import DTYPES, WEIGHTS
 from engine.model_config import ModelConfig
-from kernels.packed_linear import DENSE, FORMATS, PackedWeight
+from kernels.packed_linear import DENSE, PackedWeight
 
 logger = logging.getLogger(__name__)
 
-DTYPE_CHOICES = ("auto", "bf16", "fp32")
-WEIGHT_CHOICES = ("auto", "native") + FORMATS
 PROBE_LAYERS = 6            # distinct layers a probe sweeps, so weights stream from memory
 DECODE_ROWS = (1, 8)
 PREFILL_PROBE_ROWS = 128
@@ -44,7 +43,7 @@ CROSSOVER_ROWS = (16, 32, 64, 128)
 class WeightPlan:
     dtype: str              # activations and the dense prefill weights: bf16 | fp32
     kv_dtype: str           # the KV cache: bf16 | fp32
-    decode_format: str      # one of FORMATS, or "native": each tensor as the file stores it
+    decode_format: str      # a packed_linear format, or "native": each tensor as stored
     prefill_rows: int       # steps with this many rows or more use the dense form
 
     @property
@@ -107,10 +106,10 @@ def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
     choice). threads: torch threads of (prefill, decode) steps (the probes run on the
     first). On a GPU the weights are
     dense (the packed kernels are CPU kernels) and `auto` means bf16."""
-    if dtype not in DTYPE_CHOICES:
-        raise ValueError(f"--dtype must be one of {DTYPE_CHOICES}, got {dtype!r}")
-    if weights not in WEIGHT_CHOICES:
-        raise ValueError(f"--weights must be one of {WEIGHT_CHOICES}, got {weights!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
+    if weights not in WEIGHTS:
+        raise ValueError(f"--weights must be one of {WEIGHTS}, got {weights!r}")
     if torch.device(device).type != "cpu":
         if weights in ("int8", "int4"):
             raise ValueError(f"--weights {weights} runs on the CPU only (device {device})")

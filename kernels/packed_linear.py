@@ -79,10 +79,6 @@ class PackedWeight:
     def __init__(self, fmt: str, shape: tuple[int, int], data: tuple[torch.Tensor, ...]):
         self.fmt, self.shape, self._data = fmt, shape, data
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._data)
-
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float -> [M, N] in x's dtype."""
         # NOTE: dtype checks before each conversion: a no-op `.to` still costs a dispatch,
@@ -153,10 +149,6 @@ class Linear:
                  prefill: PackedWeight | None = None, prefill_rows: int = 0):
         self.decode, self.prefill, self.bias = decode, prefill, bias
         self.prefill_rows = prefill_rows
-
-    @property
-    def out_features(self) -> int:
-        return self.decode.shape[0]
 
     def weight_for(self, rows: int) -> PackedWeight:
         if self.prefill is not None and rows >= self.prefill_rows:

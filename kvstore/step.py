@@ -89,8 +89,8 @@ class StepKV:
         self.pipe.begin_step(len(self.sparse_idx), all(s.q_len == 1 for s in seqs))
         self._q_pred: dict[int, torch.Tensor] = {}
         self._sparse_pages: torch.Tensor | None = None
-        # per tuple of sequences: their query rows; ("heads", ...): their dense head table
-        self._rows: dict[tuple, torch.Tensor | slice | PageTable] = {}
+        self._rows: dict[tuple[int, ...], torch.Tensor | slice] = {}
+        self._head_tables: dict[tuple[int, ...], PageTable] = {}    # _dense_head_table's
         self.selected: list[torch.Tensor] = []     # keys the sparse decodes selected
         if cfg.sparse_budget > 0:
             st, L = store.stats, store.num_layers
@@ -304,12 +304,12 @@ class StepKV:
         """The dense decodes' per-(sequence, KV head) table over device slots (slots in page
         order): its shape is the same in every layer of the step, built once; a layer only
         maps its slots through it."""
-        key = ("heads",) + tuple(idx)
-        plan = self._rows.get(key)
+        key = tuple(idx)
+        plan = self._head_tables.get(key)
         if plan is None:
             table = self._dense_batch(idx, torch.arange(sum(self.n_pages[i] for i in idx)))
             heads = table.page_table.per_head(self.store.page_shape.num_kv_heads)
-            plan = self._rows[key] = PageTable(heads.indptr, heads.indices.long(),
+            plan = self._head_tables[key] = PageTable(heads.indptr, heads.indices.long(),
                                                heads.last_page_len, heads.page_size)
         return PageTable(plan.indptr, slots[plan.indices].to(torch.int32), plan.last_page_len,
                          plan.page_size)

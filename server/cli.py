@@ -35,12 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "model, else the folder or file name)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+    from engine.args import DTYPES, WEIGHTS            # plain module: no torch
+    serve.add_argument("--dtype", choices=DTYPES, default="auto",
                        help="activations and the weights of prefill steps; auto: whichever "
                             "this CPU multiplies faster, timed at start-up (the KV cache is "
                             "bf16 unless fp32 is given)")
-    serve.add_argument("--weights", choices=("auto", "native", "fp32", "bf16", "int8", "int4"),
-                       default="auto",
+    serve.add_argument("--weights", choices=WEIGHTS, default="auto",
                        help="weight format of decode steps: native (a GGUF file's Q4_0/Q4_1 "
                             "blocks as int4, Q8_0 as int8; a float checkpoint's dtype), a "
                             "dense dtype, or int8/int4 (a float checkpoint quantized at load); "
