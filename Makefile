@@ -13,10 +13,11 @@ export STRATA_CACHE_DIR ?= $(CURDIR)/.cache/models
 setup: $(STAMP)
 
 # setup.py builds kvstore/tiers/_pageio.c (page I/O, checksums and copies without the GIL),
-# kvstore/_evict.c (eviction passes), kernels/_decode.c (sparse decode attention) and
-# kernels/_select.c (page selection) in place
+# kvstore/_evict.c (eviction passes), kernels/_decode.c (sparse decode attention),
+# kernels/_select.c (page selection) and kernels/_qmatmul.c (quantized matmuls) in place
 $(STAMP): pyproject.toml setup.py kvstore/tiers/_pageio.c kvstore/tiers/_pageio_ring.h \
-		kvstore/_evict.c kernels/_decode.c kernels/_select.c kernels/_rows.h Makefile
+		kvstore/_evict.c kernels/_decode.c kernels/_select.c kernels/_rows.h \
+		kernels/_qmatmul.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build

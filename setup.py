@@ -1,7 +1,8 @@
 """Build of the C extensions, all without the GIL: kvstore/tiers/_pageio.c (the disk tier's
 page I/O and checksums, and page copies between the memory tiers), kvstore/_evict.c (the
 device tier's eviction pass with host admission), kernels/_decode.c
-(sparse decode attention on the CPU) and kernels/_select.c (page selection on the CPU);
+(sparse decode attention on the CPU) and kernels/_select.c (page selection on the CPU) and kernels/_qmatmul.c (matmuls by
+4- and 8-bit weights);
 everything else is in pyproject.toml."""
 from setuptools import Extension, setup
 
@@ -13,6 +14,9 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                    # NOTE: Python's CFLAGS carry -fwrapv, which halves the speed of this
                    # kernel's vectorized loops (measured 2.5 against 1.3 ms per call)
                    Extension("kernels._decode", ["kernels/_decode.c"], depends=["kernels/_rows.h"],
+                             extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"],
+                             extra_link_args=["-pthread"]),
+                   Extension("kernels._qmatmul", ["kernels/_qmatmul.c"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"],
                              extra_link_args=["-pthread"]),
                    Extension("kernels._select", ["kernels/_select.c"], depends=["kernels/_rows.h"],

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
-from kernels.packed_linear import DENSE, GroupQuant, Linear, PackedWeight
+from kernels.packed_linear import BITS, DENSE, GroupQuant, Linear, PackedWeight
 from kvstore.kv_cache import KVCache
 
 _WEIGHTS = ("qkv", "o", "gate_up", "down")      # a layer's matmuls: <name>_proj, <name>_bias
@@ -96,19 +96,23 @@ class DecoderLayer(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
+NATIVE = {"native": {4: "q4", 8: "q8"}, "native-torch": {4: "int4", 8: "int8"}}
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,
                 fmt: str | None, prefill_rows: int) -> Linear:
     """A Linear over the dense parameter `weight`, plus a `fmt` form for short steps (packed
     from the file's codes `quant` when given, else from the dense values). fmt "native":
-    the file's codes at their own width (4 bits: int4, 8: int8), float tensors dense."""
+    the file's codes at their own width in our kernels' formats (4 bits: q4, 8: q8),
+    "native-torch" in torch's (int4, int8); float tensors dense."""
     dense = PackedWeight(next(k for k, v in DENSE.items() if v == weight.dtype),
                          tuple(weight.shape), (weight.detach(),))
-    if fmt == "native":
-        fmt = None if quant is None else "int4" if quant.bits == 4 else "int8"
+    if fmt in NATIVE:
+        fmt = None if quant is None else NATIVE[fmt][quant.bits]
     if fmt is None or fmt == dense.fmt:
         return Linear(dense, bias)
-    if quant is not None and (fmt == "int4") == (quant.bits == 4):
-        packed = PackedWeight.from_quant(quant)
+    if quant is not None and BITS.get(fmt) == quant.bits:
+        packed = PackedWeight.from_quant(quant, fmt)
     else:
         packed = PackedWeight.from_dense(weight.detach(), fmt)
     return Linear(packed, bias, prefill=dense, prefill_rows=prefill_rows)

@@ -12,9 +12,13 @@ model's own shapes, once per process, and logged:
                     cache is bf16 (attention is bound by its bytes; the kernels read bf16
                     into float32)
   --weights auto    the fastest over 1- and 8-row steps of the forms that keep the file's
-                    values: its own (a GGUF file's Q4_0 / Q4_1 blocks as int4, Q8_0 as int8)
-                    and the dense dtypes --dtype allows; a float checkpoint is never
-                    quantized unless asked (--weights int8 | int4)
+                    values: its own (a GGUF file's Q4_0 / Q4_1 blocks as 4-bit, Q8_0 as
+                    8-bit groups) and the dense dtypes --dtype allows; a float checkpoint is
+                    never quantized unless asked (--weights int8 | int4)
+
+A width has two kernels, timed against each other too: our own (kernels/_qmatmul.c, formats
+q4 / q8; "native" is the file's widths in them) and torch's packed ones (int4 / int8;
+"native-torch").
 
 A step of at least `prefill_rows` rows uses the dense prefill form, fewer rows the decode
 form; when both are the same, one copy is kept.
@@ -43,7 +47,8 @@ CROSSOVER_ROWS = (16, 32, 64, 128)
 class WeightPlan:
     dtype: str              # activations and the dense prefill weights: bf16 | fp32
     kv_dtype: str           # the KV cache: bf16 | fp32
-    decode_format: str      # a packed_linear format, or "native": each tensor as stored
+    decode_format: str      # a packed_linear format, or "native" / "native-torch": each
+                            # tensor at its stored width, in our kernels or torch's
     prefill_rows: int       # steps with this many rows or more use the dense form
 
     @property
@@ -65,39 +70,54 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
 _PROBES: dict[tuple, float] = {}
 
 
-def _sweep_s(fmt: str, shapes: list[tuple[int, int]], rows: int, threads: int) -> float:
-    """Best of 3 sweeps of rows x every weight of PROBE_LAYERS layers in `fmt` (cached)."""
-    key = (fmt, tuple(shapes), rows, threads)
-    if key not in _PROBES:
+SWEEPS = 5
+
+
+def _sweeps(fmts: list[str], shapes: list[tuple[int, int]], rows: int,
+            threads: int) -> dict[str, float]:
+    """Seconds of the best sweep of rows x every weight of PROBE_LAYERS layers, per format
+    (cached). The formats take turns, SWEEPS rounds after a warm-up one: noise from the
+    machine, or a kernel's threads still spinning after its turn, falls on all of them."""
+    todo = [f for f in dict.fromkeys(fmts) if (f, tuple(shapes), rows, threads) not in _PROBES]
+    if todo:
         gen = torch.Generator().manual_seed(0)
-        weights = [PackedWeight.from_dense(torch.randn(n, k, generator=gen) * 0.02, fmt)
-                   for _ in range(PROBE_LAYERS) for n, k in shapes]
+        weights = {f: [PackedWeight.from_dense(torch.randn(n, k, generator=gen) * 0.02, f)
+                       for _ in range(PROBE_LAYERS) for n, k in shapes] for f in todo}
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
+        best = dict.fromkeys(todo, float("inf"))
         try:
-            best = float("inf")
-            for i in range(4):
-                t0 = time.perf_counter()
-                for w in weights:
-                    w.mm(xs[w.shape[1]])
-                if i:                                   # the first sweep warms up
-                    best = min(best, time.perf_counter() - t0)
+            for i in range(SWEEPS + 1):
+                for f in todo:
+                    t0 = time.perf_counter()
+                    for w in weights[f]:
+                        w.mm(xs[w.shape[1]])
+                    if i:                               # the first round warms up
+                        best[f] = min(best[f], time.perf_counter() - t0)
         finally:
             torch.set_num_threads(before)
-        _PROBES[key] = best
-    return _PROBES[key]
+        _PROBES.update({(f, tuple(shapes), rows, threads): t for f, t in best.items()})
+    return {f: _PROBES[(f, tuple(shapes), rows, threads)] for f in fmts}
+
+
+KERNELS = {"int4": ["q4", "int4"], "int8": ["q8", "int8"]}     # a width: ours, torch's
+NATIVE_FORMS = {"native": {"int4": "q4", "int8": "q8"}, "native-torch": {"int4": "int4",
+                                                                         "int8": "int8"}}
 
 
 def _candidates(weights: str, dtype: str, native: str | None) -> list[str]:
-    """Decode forms `--weights` allows (native: the file's own format, None for a float
+    """Decode forms `--weights` allows (native: the file's own width, None for a float
     checkpoint, whose own values any dense dtype holds)."""
+    if weights in KERNELS:
+        return KERNELS[weights]
     if weights not in ("auto", "native"):
         return [weights]
     dense = ["fp32", "bf16"] if dtype == "auto" else [dtype]
+    ours = list(NATIVE_FORMS) if native else []
     if weights == "native":
-        return ["native"] if native else dense[:1]
-    return (["native"] if native else []) + dense
+        return ours or dense[:1]
+    return ours + dense
 
 
 def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
@@ -116,35 +136,38 @@ def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
         act = "bf16" if dtype == "auto" else dtype
         return WeightPlan(act, act, act, 0)
     shapes = layer_shapes(cfg)
-    # NOTE: every probe runs on the prefill threads (every core unless --threads): a choice
-    # that hung on --decode-threads would differ between pipeline modes, whose outputs must
-    # agree token for token
-    prefill_t = decode_t = threads[0]
+    # NOTE: the dtype probe runs on the prefill threads (every core unless --threads); the
+    # weight formats are timed on one thread. A choice that hung on --decode-threads would
+    # differ between pipeline modes, whose outputs must agree token for token; and two
+    # kernels' thread pools timed in turns on a small machine measure each other's spinning
+    # threads (measured: our kernel 6 or 11 ms a sweep at 2 threads, by the turn it ran in)
+    prefill_t, decode_t = threads[0], 1
     act = dtype
     if dtype == "auto":
-        times = {d: _sweep_s(d, shapes[:2], PREFILL_PROBE_ROWS, prefill_t) for d in DENSE}
+        times = _sweeps(list(DENSE), shapes[:2], PREFILL_PROBE_ROWS, prefill_t)
         act = min(times, key=times.get)
         logger.info("--dtype auto: %s (a %d-row block: %s)", act, PREFILL_PROBE_ROWS,
                     ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in times.items()))
     def real(c: str) -> str:
-        return native if c == "native" else c
+        return NATIVE_FORMS[c][native] if c in NATIVE_FORMS else c
 
     cands = [c for c in _candidates(weights, dtype, native)
              if all(PackedWeight.supports(real(c), s) for s in shapes)] or [act]
     fmt = cands[0]
     if len(cands) > 1:
-        times = {c: sum(_sweep_s(real(c), shapes, r, decode_t) for r in DECODE_ROWS)
-                 for c in cands}
+        per_rows = [_sweeps([real(c) for c in cands], shapes, r, decode_t) for r in DECODE_ROWS]
+        times = {c: sum(t[real(c)] for t in per_rows) for c in cands}
         fmt = min(times, key=times.get)
         logger.info("--weights %s: %s for decode (%s rows x %d layers: %s)", weights, fmt,
                     "+".join(map(str, DECODE_ROWS)), PROBE_LAYERS,
                     ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in times.items()))
     rows = 0
     if fmt != act:
-        rows = next((r for r in CROSSOVER_ROWS
-                     if _sweep_s(act, shapes, r, prefill_t) <= _sweep_s(real(fmt), shapes, r,
-                                                                             decode_t)),
-                    2 * CROSSOVER_ROWS[-1])
+        def dense_wins(r: int) -> bool:
+            t = _sweeps([act, real(fmt)], shapes, r, decode_t)
+            return t[act] <= t[real(fmt)]
+
+        rows = next((r for r in CROSSOVER_ROWS if dense_wins(r)), 2 * CROSSOVER_ROWS[-1])
         logger.info("steps of %d rows or more multiply by %s weights, fewer by %s", rows, act,
                     fmt)
     kv = "fp32" if dtype == "fp32" else "bf16"

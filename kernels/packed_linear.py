@@ -8,7 +8,11 @@ A weight [N out, K in] is held in one of these formats:
                (w = scale * (q - 8) + zero: GGUF's Q4_0 and Q4_1 blocks map onto it with no
                new rounding of the codes); torch's packed CPU kernel
                `_weight_int4pack_mm_for_cpu`
-The packed kernels take bf16 activations (their float32 path runs 20-40x slower, measured on
+  q4, q8       the same 4-bit groups (w = scale * q + zero), or signed 8-bit codes per group of
+               32 (w = scale * q: GGUF's Q8_0), through our own kernel (kernels/_qmatmul.c):
+               float32 activations quantized to int8 per group of 32 as llama.cpp does, integer
+               dot products (AVX2 where the CPU has it); float16 scales and zeros
+The torch packed kernels take bf16 activations (their float32 path runs 20-40x slower, measured on
 an AMD EPYC with AVX2: 1536 x 576, 8 rows, 22 ms against 0.37 ms) and bf16 scales, so a packed
 matmul rounds its input to bf16 and returns float32 accumulations rounded to bf16, then to the
 caller's dtype.
@@ -16,7 +20,7 @@ caller's dtype.
 `GroupQuant` is a quantized tensor as a file stores it (GGUF's blocks, or our own quantization
 of a dense weight at load): integer codes, and per group of 32 a scale and a zero point.
 
-Leaf module: imports only torch.
+Leaf module: imports only torch and its own C kernel.
 """
 from __future__ import annotations
 
@@ -25,7 +29,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-FORMATS = ("fp32", "bf16", "int8", "int4")
+try:
+    from kernels import _qmatmul
+except ImportError:                     # not built: torch's packed kernels only
+    _qmatmul = None
+
+FORMATS = ("fp32", "bf16", "int8", "int4", "q8", "q4")
+BITS = {"int4": 4, "q4": 4, "int8": 8, "q8": 8}
+OURS = ("q4", "q8")
 DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUP = 32
 _INT4_TILE_N = 16           # int4pack tiles N by 16 on the CPU
@@ -78,6 +89,7 @@ class PackedWeight:
 
     def __init__(self, fmt: str, shape: tuple[int, int], data: tuple[torch.Tensor, ...]):
         self.fmt, self.shape, self._data = fmt, shape, data
+        self.xbits = 16         # q4 / q8: x rounded to 16-bit integers, or 8-bit (llama.cpp's)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float -> [M, N] in x's dtype."""
@@ -88,6 +100,8 @@ class PackedWeight:
             if x.dtype == w.dtype:
                 return F.linear(x, w)
             return F.linear(x.to(w.dtype), w).to(x.dtype)
+        if self.fmt in OURS:
+            return self._qmm(x)
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if self.fmt == "int8":
             codes, scale = self._data
@@ -97,6 +111,16 @@ class PackedWeight:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scale_zero)
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
+    def _qmm(self, x: torch.Tensor) -> torch.Tensor:
+        codes, scale, zero = self._data
+        xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+        m, (n, k) = xf.shape[0], self.shape
+        out = torch.empty(m, n)
+        _qmatmul.qmm(xf.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
+                     0 if zero is None else zero.data_ptr(), n, BITS[self.fmt], out.data_ptr(),
+                     1, torch.get_num_threads(), self.xbits)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
     # ---- construction --------------------------------------------------------------------
     @classmethod
     def supports(cls, fmt: str, shape: tuple[int, int]) -> bool:
@@ -104,11 +128,14 @@ class PackedWeight:
         n, k = shape
         if fmt == "int4":
             return n % _INT4_TILE_N == 0 and k % GROUP == 0
+        if fmt in OURS:
+            return _qmatmul is not None and k % GROUP == 0
         return fmt in FORMATS
 
     @classmethod
     def from_dense(cls, w: torch.Tensor, fmt: str) -> "PackedWeight":
-        """Pack a dense weight, quantizing it for int8 (per row, symmetric) and int4."""
+        """Pack a dense weight, quantizing it for int8 (per row, symmetric), q8 (per group,
+        symmetric), int4 and q4."""
         shape = tuple(w.shape)
         if fmt in DENSE:
             return cls(fmt, shape, (w.to(DENSE[fmt]).contiguous(),))
@@ -117,16 +144,23 @@ class PackedWeight:
             scale = wf.abs().amax(1).clamp_min(1e-12) / 127
             codes = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
             return cls(fmt, shape, (codes.contiguous(), scale.to(torch.bfloat16)))
-        if fmt == "int4":
-            return cls.from_quant(quantize_int4(w))
+        if fmt in ("int4", "q4"):
+            return cls.from_quant(quantize_int4(w), fmt)
+        if fmt == "q8":
+            return cls.from_quant(quantize_int8(w), fmt)
         raise ValueError(f"unknown weight format {fmt!r}; expected one of {FORMATS}")
 
     @classmethod
-    def from_quant(cls, q: GroupQuant) -> "PackedWeight":
-        """A file's 4-bit groups as int4 with their codes as they are (scale * (c - 8) + zero
-        = scale * c + file zero); 8-bit groups are re-expressed per row as int8 (torch's
-        kernel has one scale per row)."""
+    def from_quant(cls, q: GroupQuant, fmt: str = "int4") -> "PackedWeight":
+        """A file's groups in a packed format of their width, with their codes as they are;
+        8-bit groups asked for as torch's int8 are re-expressed per row (its kernel has one
+        scale per row), and 4-bit ones as int4 need N % 16 == 0."""
         n, k = q.shape
+        if fmt in OURS:
+            if not cls.supports(fmt, (n, k)) or BITS[fmt] != q.bits:
+                raise ValueError(f"{fmt} takes {BITS[fmt]}-bit groups with K % {GROUP} == 0 "
+                                 f"(and kernels/_qmatmul built), got {q.bits}-bit {n} x {k}")
+            return cls(fmt, (n, k), _our_layout(q))
         if q.bits != 4:
             return cls.from_dense(q.dequantize(), "int8")
         if not cls.supports("int4", (n, k)):
@@ -137,6 +171,29 @@ class PackedWeight:
         zero = q.zero + 8 * q.scale
         scale_zero = torch.stack([q.scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
         return cls("int4", (n, k), (packed, scale_zero))
+
+
+def quantize_int8(w: torch.Tensor) -> GroupQuant:
+    """Symmetric 8-bit codes per group of 32 (one step per group, as Q8_0 does)."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    scale = g.abs().amax(-1) / 127
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(g / safe[..., None]).clamp_(-127, 127)
+    return GroupQuant(q.view(n, k).to(torch.int16), scale, torch.zeros_like(scale), 8)
+
+
+def _our_layout(q: GroupQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """kernels/_qmatmul.c's buffers: codes (4-bit: byte j of a group holds elements j and
+    j + 16, GGUF's order), float16 scale and zero (None where every zero is 0)."""
+    n, k = q.shape
+    if q.bits == 4:
+        c = q.codes.view(n, k // GROUP, 2, GROUP // 2).to(torch.uint8)
+        codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
+    else:
+        codes = q.codes.to(torch.int8)
+    zero = None if not q.zero.any() else q.zero.half().contiguous()
+    return codes.contiguous(), q.scale.half().contiguous(), zero
 
 
 class Linear:

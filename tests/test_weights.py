@@ -42,12 +42,12 @@ def test_gguf_blocks_decode_as_the_gguf_package_dequantizes_them(kind):
     assert torch.equal(got.dequantize(), torch.from_numpy(want))
 
 
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "q8", "q4"])
 def test_packed_matmul_matches_its_dequantized_weight(fmt):
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(48, 96, generator=gen) * 0.05
     packed = PackedWeight.from_dense(w, fmt)
-    ref_w = quantize_int4(w).dequantize() if fmt == "int4" else w
+    ref_w = quantize_int4(w).dequantize() if fmt in ("int4", "q4") else w
     tol = 0 if fmt == "fp32" else 2e-2
     for rows in ROWS:
         x = torch.randn(rows, 96, generator=gen)
@@ -58,11 +58,13 @@ def test_packed_matmul_matches_its_dequantized_weight(fmt):
         assert err <= tol + 1e-6, (fmt, rows, float(err))
 
 
-def test_int4_keeps_a_q4_1_files_codes():
-    q = decode_blocks("Q4_1", _blocks("Q4_1", 32, 64, seed=3))
+@pytest.mark.parametrize("kind,fmt", [("Q4_1", "int4"), ("Q4_1", "q4"), ("Q4_0", "q4"),
+                                      ("Q8_0", "q8"), ("Q8_0", "int8")])
+def test_packed_formats_keep_a_gguf_files_codes(kind, fmt):
+    q = decode_blocks(kind, _blocks(kind, 32, 64, seed=3))
     x = torch.randn(5, 64)
     want = x @ q.dequantize().T
-    err = (PackedWeight.from_quant(q).mm(x) - want).abs().max() / want.abs().max()
+    err = (PackedWeight.from_quant(q, fmt).mm(x) - want).abs().max() / want.abs().max()
     assert err < 1e-2
 
 
@@ -88,12 +90,14 @@ def test_plan_takes_explicit_choices_and_times_only_real_choices(caplog):
     assert (plan.dtype, plan.kv_dtype, plan.decode_format, plan.two_forms) == \
         ("fp32", "fp32", "fp32", False)
     plan = plan_weights(cfg, "bf16", "int4", None, (1, 1))
-    assert (plan.dtype, plan.decode_format, plan.two_forms) == ("bf16", "int4", True)
+    assert (plan.dtype, plan.two_forms) == ("bf16", True)
+    assert plan.decode_format in ("q4", "int4")             # our kernel or torch's, timed
     assert plan.prefill_rows > 1
     plan = plan_weights(cfg, "auto", "native", "int4", (1, 1))
-    assert plan.decode_format == "native" and plan.kv_dtype == "bf16"
+    assert plan.decode_format in ("native", "native-torch") and plan.kv_dtype == "bf16"
     plan = plan_weights(cfg, "auto", "auto", "int4", (1, 1))
-    assert plan.decode_format in ("native", "fp32", "bf16") and plan.dtype in ("fp32", "bf16")
+    assert plan.decode_format in ("native", "native-torch", "fp32", "bf16")
+    assert plan.dtype in ("fp32", "bf16")
     assert "--dtype auto" in caplog.text and "--weights auto" in caplog.text
     with pytest.raises(ValueError, match="--weights"):
         plan_weights(cfg, "auto", "int3", None, (1, 1))
@@ -135,17 +139,21 @@ def _forced_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_bundled_model_in_int4_tracks_its_float32_reference(smollm2_dir, bundled):
-    """Decode steps in the file's own Q4_1 codes (int4) stay as close to the dequantized
-    float32 model as bf16 weights were (the old default): measured top-1 agreement 0.94-1.0
-    and max |logit error| / logit std 0.20-0.24 for both."""
+@pytest.mark.parametrize("native,formats,tol,agreement", [
+    ("native", ("q4", "q8"), 0.01, 1.0), ("native-torch", ("int4", "int8"), 0.4, 0.9)])
+def test_bundled_model_in_int4_tracks_its_float32_reference(smollm2_dir, bundled, native,
+                                                            formats, tol, agreement):
+    """Decode steps in the file's own Q4_1 codes stay close to the dequantized float32 model:
+    our kernels (16-bit x) to ~1e-3 logit standard deviations, with the same greedy tokens;
+    torch's int4 (bf16 x) as close as bf16 weights were (the old default): measured top-1
+    agreement 0.94-1.0 and max |logit error| / logit std 0.20-0.26 for both."""
     from transformers import AutoTokenizer
     path, _ = bundled
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     ref = load_model(smollm2_dir, dtype=torch.float32, max_model_len=512, gguf=path)
     q4 = load_model(smollm2_dir, dtype=torch.float32, max_model_len=512, gguf=path,
-                    decode_format="native", prefill_rows=64)
-    assert q4.layers[0].qkv.decode.fmt == "int4" and q4.head.decode.fmt == "int8"
+                    decode_format=native, prefill_rows=64)
+    assert (q4.layers[0].qkv.decode.fmt, q4.head.decode.fmt) == formats
     agree = steps = 0
     for i, text in enumerate(["What is the capital of France?", "Name three planets.",
                               "Write a haiku about disks."]):
@@ -153,10 +161,10 @@ def test_bundled_model_in_int4_tracks_its_float32_reference(smollm2_dir, bundled
                                       add_generation_prompt=True, return_dict=False)
         want = greedy(ref, ref.make_kv_cache(32, 16), ids, 16, page_pool(32, seed=i))
         r, q = _forced_logits(ref, ids, want), _forced_logits(q4, ids, want)
-        assert ((q - r).abs().amax(-1) / r.std(-1)).max() < 0.4
+        assert ((q - r).abs().amax(-1) / r.std(-1)).max() < tol
         agree += int((q.argmax(-1) == r.argmax(-1)).sum())
         steps += len(want)
         if i == 0:
             assert "Paris" in tok.decode(greedy(q4, q4.make_kv_cache(32, 16), ids, 12,
                                                 page_pool(32)))
-    assert agree >= 0.9 * steps, (agree, steps)
+    assert agree >= agreement * steps, (agree, steps)
