@@ -74,6 +74,10 @@ class Tokenizer:
         self.eos_token = eos_token
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        # the longest token's UTF-8 length (byte-level pieces count 1-2 bytes a byte: an
+        # overestimate, so `min_tokens` stays a lower bound)
+        self.max_token_bytes = max((len(p.encode("utf-8")) for p in backend.get_vocab(True)),
+                                   default=1)
         decoder = json.loads(backend.to_str()).get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel" or any(
             d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
@@ -97,6 +101,11 @@ class Tokenizer:
     # ------------------------------------------------------------------ text <-> ids
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of `text`, without tokenizing it (a prompt far over the
+        context is refused at once: tokenizing 10 MB takes seconds and holds the GIL)."""
+        return -(-len(text.encode("utf-8")) // self.max_token_bytes)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

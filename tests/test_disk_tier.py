@@ -182,6 +182,7 @@ def test_injected_enospc_fails_only_the_faulty_request_and_leaves_its_keys_absen
     with pytest.raises(TierIOError) as info:
         disk.put(b, pages)
     assert info.value.errno == errno.ENOSPC and sorted(info.value.keys.tolist()) == b.tolist()
+    assert "disk full" in str(info.value)
     assert disk.contains(torch.cat([a, b])).tolist() == [True] * 4 + [False] * 4
 
 
@@ -337,3 +338,25 @@ def test_ring_reads_match_preadv_reads_including_errors(tmp_path):
             assert np.array_equal(outs[1][i], data[offsets[i]:offsets[i] + 8000])
     finally:
         os.close(fd)
+
+
+def test_a_second_tier_on_a_held_path_is_refused_until_the_first_closes(tmp_path):
+    """Two servers on one --kv-disk-path truncated each other's request files: a path has
+    one owner."""
+    from kvstore.tiers.disk_layout import DiskPathInUse
+    first = make_disk(SHAPES["fp32"], tmp_path / "kv")
+    with pytest.raises(DiskPathInUse, match=f"in use by another Strata server \\(pid {os.getpid()}"):
+        make_disk(SHAPES["fp32"], tmp_path / "kv")
+    first.close()
+    make_disk(SHAPES["fp32"], tmp_path / "kv").close()
+
+
+def test_leftovers_that_are_not_request_files_are_left_alone(tmp_path):
+    root = tmp_path / "kv"
+    (root / "req-99.kv").mkdir(parents=True)          # crashed start-up (IsADirectoryError)
+    (root / "req-7.kv").write_bytes(b"stale")
+    (root / "notes.txt").write_text("mine")
+    tier = make_disk(SHAPES["fp32"], root)
+    assert (root / "req-99.kv").is_dir() and (root / "notes.txt").exists()
+    assert not (root / "req-7.kv").exists()
+    tier.close()
