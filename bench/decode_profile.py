@@ -6,7 +6,7 @@
 One engine in this process (the server's defaults: --dtype auto --weights auto), `--batch`
 random-token prompts of `--context` tokens prefilled, then `--steps` decode steps timed under
 cProfile. Each step's time is split by the functions that own it:
-  weights     the packed and dense matmuls (int4 / int8 / F.linear)
+  weights     the packed and dense matmuls (our q4 / q8 kernel, torch's int4 / int8, F.linear)
   attention   the C decode attention (kernels/_decode.c)
   selection   the C page selection (kernels/_select.c), sparse decode only
   other       the rest: the model's small ops (norms, RoPE, SiLU, casts) and the KV store's
@@ -34,7 +34,7 @@ from bench.throughput_report import machine  # noqa: E402
 
 OWNERS = {
     "weights": ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm", "<built-in method "
-                "torch._C._nn.linear>"),
+                "torch._C._nn.linear>", "kernels._qmatmul.qmm"),
     "attention": ("sparse_decode",),
     "selection": ("native_select", "select_pages"),
 }
