@@ -26,15 +26,25 @@ class BodyLimit:
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             return await too_large(self.max_bytes).response()(scope, receive, send)
-        seen = 0
+        seen, over, answered = 0, False, False
 
         async def counted():
-            nonlocal seen
+            nonlocal seen, over
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise too_large(self.max_bytes)     # the app's APIError handler answers
+                    over = True
+                    raise too_large(self.max_bytes)     # stops the app reading
             return message
 
-        await self.app(scope, counted, send)
+        async def guarded(message):
+            # the app turns a failed body read into its own error: answer 413 instead
+            nonlocal answered
+            if not over:
+                return await send(message)
+            if message["type"] == "http.response.start" and not answered:
+                answered = True
+                await too_large(self.max_bytes).response()(scope, receive, send)
+
+        await self.app(scope, counted, guarded)

@@ -74,13 +74,15 @@ class Tokenizer:
         self.eos_token = eos_token
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
-        # the longest token's UTF-8 length (byte-level pieces count 1-2 bytes a byte: an
-        # overestimate, so `min_tokens` stays a lower bound)
-        self.max_token_bytes = max((len(p.encode("utf-8")) for p in backend.get_vocab(True)),
-                                   default=1)
         decoder = json.loads(backend.to_str()).get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel" or any(
             d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
+        # the longest token in bytes (a byte-level piece has one character a byte; added tokens
+        # and other vocabularies count their UTF-8, an overestimate at worst): `min_tokens`
+        # is a lower bound
+        self.max_token_bytes = max((len(p) if self._byte_level and i not in self._added_ids
+                                    else len(p.encode("utf-8"))
+                                    for p, i in backend.get_vocab(True).items()), default=1)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":

@@ -12,9 +12,9 @@ Layout v1, "request files, layer-major":
 - a page's bytes are the page tensor's, in the cache's page layout (HND, base.py), opaque here.
   Pages do not outlive the process in v1, so a layout change needs no file format version.
 
-One process owns `root`: `lock` takes an exclusive advisory lock on `root/.strata.lock` (two
-servers on one path would truncate each other's request files), released when the process
-exits, however it exits.
+One process owns `root`: `lock` takes an exclusive advisory lock (flock) on the directory
+itself (two servers on one path would truncate each other's request files), released when the
+process exits, however it exits; no file is added to the folder.
 
 The layout only does arithmetic over numpy arrays; the disk tier owns files and bookkeeping.
 Another layout (e.g. content-addressed pages for prefix reuse) can replace this class.
@@ -33,7 +33,6 @@ from kvstore.tiers.base import PageShape
 
 logger = logging.getLogger(__name__)
 _FILE_RE = re.compile(r"^req-(-?\d+)\.kv$")
-LOCK_NAME = ".strata.lock"
 
 
 class DiskPathInUse(RuntimeError):
@@ -55,20 +54,16 @@ class DiskLayout:
         return self.root / f"req-{int(handle)}.kv"
 
     def lock(self) -> int:
-        """Take root for this process (an exclusive flock on root/.strata.lock, which holds
-        the owner's pid); returns the descriptor to keep open. Raises DiskPathInUse when
-        another process holds it."""
-        fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        """Take root for this process (an exclusive flock on the directory); returns the
+        descriptor to keep open. Raises DiskPathInUse when another process holds it."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            owner = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise DiskPathInUse(f"the KV disk path {self.root} is in use by another Strata "
-                                f"server (pid {owner}); give each server its own "
+                                "server (it holds the folder's lock); give each server its own "
                                 "--kv-disk-path") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
         return fd
 
     def clear_stale_files(self) -> int:
