@@ -113,13 +113,17 @@ class LLMEngine:
             logger.exception("step failed; failing its %d requests", len(batch.requests))
             return [o for r in batch.requests
                     if (o := self._fail(r.request_id, f"internal error: {exc}")) is not None]
+        failed = dict(write_failures)
+        # requests that should have sampled and did not (their sampling failed) end first:
+        # the scheduler's update then skips them
+        unsampled = {r.request_id for r in batch.requests if r.sample} - sampled.keys()
+        outputs = [o for rid in unsampled if rid in failed
+                   and (o := self._fail(rid, failed.pop(rid))) is not None]
         for rid, tok in sampled.items():
             if tok.logprobs is not None:
                 self._pending_logprobs[rid].append(tok.logprobs)
         finished = {r.request_id for r in
                     self.scheduler.update(batch, {rid: t.token_id for rid, t in sampled.items()})}
-        outputs = []
-        failed = dict(write_failures)
         for rid in sampled:
             req = requests[rid]
             if rid in finished:

@@ -82,7 +82,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, requests: dict[str, Request]
                 ) -> tuple[dict[str, SampledToken], list[tuple[str, str]]]:
         """Run one step. Returns the sampled token of every request whose chunk ends its known
-        tokens, and (request_id, error) for requests whose KV write to the backing store failed.
+        tokens, and (request_id, error) for requests whose KV write to the backing store failed
+        or whose sampling failed (those have no sampled token).
         Raises kvstore.store.RequestKVError when pages of some requests were lost."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -105,26 +106,49 @@ class ModelRunner:
                             torch.tensor(positions, dtype=torch.int64, device=dev), step,
                             torch.tensor(logits_rows, dtype=torch.int64, device=dev))
         write_failures = self.store.end_step(step, prefilled)
-        sampled = self._sample(batch, requests, logits)
+        sampled, sample_failures = self._sample(batch, requests, logits)
         if len(input_ids) >= _TRIM_AFTER_TOKENS:
             release_free_heap()
-        return sampled, write_failures
+        return sampled, write_failures + sample_failures
 
-    def _sample(self, batch: ScheduledBatch, requests: dict[str, Request],
-                logits: torch.Tensor) -> dict[str, SampledToken]:
-        sampled_reqs = [requests[r.request_id] for r in batch.requests if r.sample]
-        if not sampled_reqs:
-            return {}
-        params = [q.sampling_params for q in sampled_reqs]
-        banned = [self._banned(q) for q in sampled_reqs]
-        gens = [self._generator(q) for q in sampled_reqs]
-        out = self.sampler.sample(logits, params, [q.output_token_ids for q in sampled_reqs], gens,
-                                  banned_token_ids=banned)
+    def _sample(self, batch: ScheduledBatch, requests: dict[str, Request], logits: torch.Tensor
+                ) -> tuple[dict[str, SampledToken], list[tuple[str, str]]]:
+        """The sampled token of each request that samples this step, and (request_id, error)
+        for those whose sampling failed: one request's failure (its generator, its values)
+        ends that request alone; the others' draws are the ones they would make without it."""
+        rows = [(i, requests[r.request_id])
+                for i, r in enumerate(r for r in batch.requests if r.sample)]
+        failed: list[tuple[str, str]] = []
+        ready = []
+        for i, q in rows:
+            try:
+                ready.append((i, q, self._generator(q), self._banned(q)))
+            except Exception as exc:  # noqa: BLE001 - this request's values, no one else's
+                failed.append((q.request_id, f"sampling failed: {exc}"))
+        try:
+            return self._sample_rows(logits, ready), failed
+        except Exception:  # noqa: BLE001 - find the row at fault, sample the rest
+            logger.exception("sampling %d rows failed; sampling them one by one", len(ready))
         result = {}
-        for i, q in enumerate(sampled_reqs):
-            lp = out.logprobs[i] if out.logprobs is not None else None
-            result[q.request_id] = SampledToken(out.token_ids[i], lp)
-        return result
+        for row in ready:
+            try:
+                result.update(self._sample_rows(logits, [row]))
+            except Exception as exc:  # noqa: BLE001
+                failed.append((row[1].request_id, f"sampling failed: {exc}"))
+        return result, failed
+
+    def _sample_rows(self, logits: torch.Tensor, rows: list) -> dict[str, SampledToken]:
+        """rows: (logits row, request, generator, banned ids) -> sampled tokens by id."""
+        if not rows:
+            return {}
+        reqs = [q for _, q, _, _ in rows]
+        out = self.sampler.sample(logits[[i for i, _, _, _ in rows]],
+                                  [q.sampling_params for q in reqs],
+                                  [q.output_token_ids for q in reqs], [g for _, _, g, _ in rows],
+                                  banned_token_ids=[b for _, _, _, b in rows])
+        return {q.request_id: SampledToken(out.token_ids[k],
+                                           out.logprobs[k] if out.logprobs is not None else None)
+                for k, q in enumerate(reqs)}
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.request_id not in self._generators:

@@ -48,6 +48,7 @@ class EngineStats:
 class EngineClient(Protocol):
     model_name: str             # the id served at /v1/models
     max_model_len: int          # prompt + completion tokens, at most
+    max_waiting: int            # requests waiting at most (QueueFullError beyond)
 
     @property
     def is_ready(self) -> bool: ...

@@ -26,12 +26,13 @@ RowLogprobs = tuple[TokenLogprob, tuple[TokenLogprob, ...]]   # (sampled token, 
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:
-    """A generator seeded with `seed`, or from OS entropy when seed is None."""
+    """A generator seeded with `seed` (any integer, taken modulo 2^64: the OpenAI edge allows
+    64-bit signed seeds and adds the choice index), or from OS entropy when seed is None."""
     g = torch.Generator(device=device)
     if seed is None:
         g.seed()
     else:
-        g.manual_seed(seed)
+        g.manual_seed(seed % 2 ** 64)
     return g
 
 

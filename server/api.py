@@ -3,26 +3,64 @@
 ``build_app`` takes any :class:`EngineClient`; the tokenizer may be given directly or as a loader
 called once the engine is ready. With an API key, every /v1 route needs
 ``Authorization: Bearer <key>`` (401); /health and /metrics stay open. While the engine is not
-ready, /v1 routes answer 503 (after the key check, before body validation).
+ready, /v1 routes answer 503 (after the key check, before body validation). A body over
+``max_request_bytes`` is refused with 413 before it is parsed (server/limits.py).
 """
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
-from starlette.responses import JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.protocol import EngineClient
 from server.context import ServerContext, TokenizerSource
 from server.errors import APIError, install_error_handlers
-from server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                             CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from server.serving import json_response
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+# what the OpenAPI document declares: the statuses each route can answer, in the OpenAI error
+# shape (never FastAPI's 422: validation errors are 400s here)
+_ERROR = {"model": ErrorResponse}
+_V1_ERRORS = {401: {**_ERROR, "description": "Missing or wrong API key"},
+              503: {**_ERROR, "description": "The model is loading, or the engine stopped"}}
+_GENERATE_ERRORS = {**_V1_ERRORS,
+                    400: {**_ERROR, "description": "Invalid request, or it can never fit"},
+                    404: {**_ERROR, "description": "Unknown model"},
+                    413: {**_ERROR, "description": "Request body over --max-request-bytes"},
+                    429: {**_ERROR, "description": "Queue full: retry after Retry-After"},
+                    500: {**_ERROR, "description": "The request failed in the engine"}}
+_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _generate_doc(body: type) -> dict:
+    """A generation route's 200: the JSON body, or server-sent events with `stream`."""
+    return {200: {"model": body, "content": _STREAM,
+                  "description": "The completion (JSON), or its chunks as server-sent events"},
+            **_GENERATE_ERRORS}
+
+
+def _openapi_without_422(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary,
+                             routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
 
 def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_name: str,
-              api_key: str | None = None, model_aliases: tuple[str, ...] = ()) -> FastAPI:
+              api_key: str | None = None, model_aliases: tuple[str, ...] = (),
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     ctx = ServerContext(engine, tokenizer, served_model_name=served_model_name,
                         model_aliases=model_aliases, api_key=api_key)
     chat = ChatServing(ctx)
@@ -36,25 +74,29 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize), Depends(ready)])
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=_generate_doc(ChatCompletionResponse))
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
         return await chat.create(request, raw)
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=_generate_doc(CompletionResponse))
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
         return await completions.create(request, raw)
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=ModelList, responses=_V1_ERRORS)
     async def list_models() -> Response:
         card = ModelCard(id=served_model_name, max_model_len=ctx.max_model_len)
         return json_response(ModelList(data=[card]))
 
     app = FastAPI(title="Strata", summary="OpenAI-compatible inference server")
+    app.openapi = lambda: _openapi_without_422(app)
     app.state.ctx = ctx
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"content": {"application/json": {"schema": {
+        "type": "object", "properties": {"status": {"type": "string"}}}}}},
+        503: {**_ERROR, "description": "The engine is not ready"}})
     async def health() -> Response:
         if ctx.is_ready:
             return JSONResponse({"status": "ok"})
@@ -62,7 +104,9 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
                          type="service_unavailable", code="not_ready")
         return error.response()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {
+        "content": {METRICS_CONTENT_TYPE: {"schema": {"type": "string"}}},
+        "description": "Prometheus text exposition"}})
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 

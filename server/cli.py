@@ -19,6 +19,7 @@ import uvicorn
 
 from server.api import build_app
 from server.engine_slot import EngineSlot
+from server.limits import DEFAULT_MAX_REQUEST_BYTES
 from server.tokenizer import Tokenizer
 
 logger = logging.getLogger("strata.cli")
@@ -53,7 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="tokens per engine step at most")
     serve.add_argument("--max-waiting", type=int, default=256,
-                       help="waiting requests at most; more get HTTP 429")
+                       help="waiting requests at most; more get HTTP 429 (a request whose "
+                            "n x prompts exceeds it, 400)")
+    serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help="request bodies above this size get HTTP 413 before they are "
+                            "parsed (0: no limit)")
     serve.add_argument("--kv-device-gb", type=float, default=1.0,
                        help="device KV tier (GPU memory; a preallocated RAM pool on CPU)")
     serve.add_argument("--kv-host-gb", type=float, default=0.0, help="host DRAM KV tier (0: none)")
@@ -215,7 +220,7 @@ def serve(args: argparse.Namespace) -> int:
     aliases = tuple(a for a in {args.model} if a and a != name)
     app = build_app(slot, slot.tokenizer, served_model_name=name,
                     api_key=args.api_key or os.environ.get("STRATA_API_KEY") or None,
-                    model_aliases=aliases)
+                    model_aliases=aliases, max_request_bytes=args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)

@@ -45,6 +45,10 @@ class ServerContext:
     def max_model_len(self) -> int:
         return int(self.engine.max_model_len)
 
+    @property
+    def max_waiting(self) -> int:
+        return int(self.engine.max_waiting)
+
     def require_ready(self) -> Tokenizer:
         """The tokenizer, or 503 while the model is loading (or the engine is gone)."""
         if not self.is_ready:

@@ -50,6 +50,10 @@ class EngineSlot:
         return self._engine.max_model_len if self._engine is not None else 0
 
     @property
+    def max_waiting(self) -> int:
+        return self._engine.max_waiting if self._engine is not None else 0
+
+    @property
     def is_ready(self) -> bool:
         return self._engine is not None and self._engine.is_ready
 

@@ -50,18 +50,20 @@ def invalid_request(message: str, param: str | None = None, code: str | None = N
     return APIError(400, message, type="invalid_request_error", param=param, code=code)
 
 
-def context_length_exceeded(max_model_len: int, prompt_tokens: int,
-                            max_tokens: int | None) -> APIError:
-    if max_tokens is None:
+def context_length_exceeded(max_model_len: int, prompt_tokens: int | str,
+                            max_tokens: int | None, param: str = "messages") -> APIError:
+    """prompt_tokens: a count, or a bound such as "at least 327680" (a prompt too long to be
+    worth tokenizing); param: "messages" (chat) or "prompt" (completions)."""
+    if max_tokens is None or not isinstance(prompt_tokens, int):
         message = (f"This model's maximum context length is {max_model_len} tokens. However, your "
-                   f"messages resulted in {prompt_tokens} tokens. Please reduce the length of the "
-                   "messages.")
+                   f"{param} resulted in {prompt_tokens} tokens. Please reduce the length of the "
+                   f"{param}.")
     else:
         message = (f"This model's maximum context length is {max_model_len} tokens. However, you "
                    f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
-                   f"messages, {max_tokens} in the completion). Please reduce the length of the "
-                   "messages or completion.")
-    return invalid_request(message, param="messages", code="context_length_exceeded")
+                   f"{param}, {max_tokens} in the completion). Please reduce the length of the "
+                   f"{param} or completion.")
+    return invalid_request(message, param=param, code="context_length_exceeded")
 
 
 def invalid_api_key() -> APIError:
@@ -120,6 +122,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "json_invalid":
         return invalid_request("The request body is not valid JSON.")
     if first.get("type") == "missing":
+        if param is None:
+            return invalid_request("The request body is missing: send a JSON object.")
         return invalid_request(f"Missing required parameter: '{param}'.", param=param)
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     where = f" for '{param}'" if param else ""

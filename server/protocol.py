@@ -3,28 +3,47 @@
 Fields follow the order of the OpenAI API reference; the vLLM extensions (top_k, ignore_eos,
 min_tokens, stop_token_ids) come last. Unknown request fields are accepted and ignored.
 Constraints live in the shared ``Annotated`` aliases so both request models check the same way.
+Integers and booleans are strict (``"2"`` is not 2, ``"yes"`` and ``1`` are not true); every
+string must be encodable as UTF-8 (a lone UTF-16 surrogate such as ``"\ud800"`` is a 400); a
+seed is a 64-bit signed integer, as in vLLM.
 """
 from __future__ import annotations
 
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt,
+                      field_validator, model_serializer)
 
 MAX_N = 16                 # choices per request (each choice is one engine request)
 MAX_STOP_STRINGS = 4
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1
+
+
+def _utf8(value: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text is not valid Unicode (a lone UTF-16 surrogate?)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
 Temperature = Annotated[float | None, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float | None, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float | None, Field(ge=-2.0, le=2.0)]
-NumChoices = Annotated[int | None, Field(ge=1, le=MAX_N)]
-MaxTokens = Annotated[int | None, Field(ge=1)]
-Stop = str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None
-TopK = Annotated[int | None, Field(ge=-1)]
-MinTokens = Annotated[int | None, Field(ge=0)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(default=None)]
+NumChoices = Annotated[StrictInt | None, Field(ge=1, le=MAX_N)]
+MaxTokens = Annotated[StrictInt | None, Field(ge=1)]
+Stop = Text | Annotated[list[Text], Field(max_length=MAX_STOP_STRINGS)] | None
+TopK = Annotated[StrictInt | None, Field(ge=-1)]
+MinTokens = Annotated[StrictInt | None, Field(ge=0)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+TokenIds = Annotated[list[TokenId] | None, Field(default=None)]
+Seed = Annotated[StrictInt | None, Field(ge=SEED_MIN, le=SEED_MAX)]
+Flag = StrictBool | None
 
 
 class _Request(BaseModel):
@@ -36,18 +55,18 @@ class _Wire(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool | None = False
+    include_usage: Flag = False
 
 
 class TextContentPart(_Request):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
+    content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         """The message content as one string (text parts joined by newlines, as vLLM does)."""
@@ -65,25 +84,25 @@ def _check_top_logprobs(value: int | None, logprobs: bool | None) -> int | None:
 
 
 class ChatCompletionRequest(_Request):
-    model: str | None = None
+    model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     frequency_penalty: Penalty = 0.0
-    logprobs: bool | None = False
+    logprobs: Flag = False
     max_completion_tokens: MaxTokens = None
     max_tokens: MaxTokens = None
     n: NumChoices = 1
     presence_penalty: Penalty = 0.0
-    seed: int | None = None
+    seed: Seed = None
     stop: Stop = None
-    stream: bool | None = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     temperature: Temperature = None
-    top_logprobs: Annotated[int | None, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] = None
+    top_logprobs: Annotated[StrictInt | None, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] = None
     top_p: TopP = None
-    user: str | None = None
+    user: Text | None = None
     # extensions (vLLM)
     top_k: TopK = None
-    ignore_eos: bool | None = False
+    ignore_eos: Flag = False
     min_tokens: MinTokens = 0
     stop_token_ids: TokenIds = None
 
@@ -101,28 +120,28 @@ class ChatCompletionRequest(_Request):
 
 
 # A prompt is text, a batch of texts, one token-id list or a batch of token-id lists.
-Prompt = str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+Prompt = Text | list[Text] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(_Request):
-    model: str | None = None
+    model: Text | None = None
     prompt: Prompt
-    echo: bool | None = False
+    echo: Flag = False
     frequency_penalty: Penalty = 0.0
-    logprobs: Annotated[int | None, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] = None
+    logprobs: Annotated[StrictInt | None, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] = None
     max_tokens: MaxTokens = 16            # the legacy API defaults to 16
     n: NumChoices = 1
     presence_penalty: Penalty = 0.0
-    seed: int | None = None
+    seed: Seed = None
     stop: Stop = None
-    stream: bool | None = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     temperature: Temperature = None
     top_p: TopP = None
-    user: str | None = None
+    user: Text | None = None
     # extensions (vLLM)
     top_k: TopK = None
-    ignore_eos: bool | None = False
+    ignore_eos: Flag = False
     min_tokens: MinTokens = 0
     stop_token_ids: TokenIds = None
 

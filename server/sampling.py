@@ -6,20 +6,24 @@ from server.errors import context_length_exceeded, invalid_request
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
 Request = ChatCompletionRequest | CompletionRequest
+# a temperature below this samples greedily (as vLLM's _SAMPLING_EPS): dividing logits by
+# 1e-300 overflows them, and no one asks for that much sharpening on purpose
+GREEDY_BELOW = 1e-5
 
 
-def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int) -> int:
+def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int,
+                       param: str = "messages") -> int:
     """Tokens to generate at most; the rest of the context when the request does not say.
 
     Raises the 400 ``context_length_exceeded`` error when the prompt (plus the requested
     completion) does not fit in ``max_model_len``.
     """
     if prompt_tokens >= max_model_len:
-        raise context_length_exceeded(max_model_len, prompt_tokens, requested)
+        raise context_length_exceeded(max_model_len, prompt_tokens, requested, param)
     if requested is None:
         return max_model_len - prompt_tokens
     if prompt_tokens + requested > max_model_len:
-        raise context_length_exceeded(max_model_len, prompt_tokens, requested)
+        raise context_length_exceeded(max_model_len, prompt_tokens, requested, param)
     return requested
 
 
@@ -47,9 +51,10 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
     if vocab_size is not None:
         check_token_ids(list(stop_ids), vocab_size, "stop_token_ids")
     top_k = request.top_k or 0
+    temperature = 1.0 if request.temperature is None else request.temperature
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=1.0 if request.temperature is None else request.temperature,
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=0 if top_k < 0 else top_k,
         seed=None if request.seed is None else request.seed + seed_offset,

@@ -19,7 +19,8 @@ from engine.protocol import EngineError
 from server.choice_stream import ChoiceSpec, ChoiceStream, RequestFailed
 from server.context import ServerContext
 from server.disconnect import ClientDisconnected, run_until_disconnected
-from server.errors import APIError, from_engine_error, internal_error, invalid_request, request_failed
+from server.errors import (APIError, context_length_exceeded, from_engine_error, internal_error,
+                           invalid_request, request_failed)
 from server.generation import ChoiceResult, Generation
 from server.sampling import Request as SamplingRequest
 from server.sampling import build_sampling_params, resolve_max_tokens, stop_strings
@@ -54,12 +55,31 @@ class OpenAIServing:
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
 
+    def check_prompt_text(self, texts: list[str], param: str) -> None:
+        """400 at once, before tokenizing, for a text that cannot fit the context whatever its
+        tokens (its bytes over the longest token's)."""
+        ctx = self.ctx
+        bound = max((ctx.tokenizer.min_tokens(t) for t in texts), default=0)
+        if bound >= ctx.max_model_len:
+            ctx.metrics.record_rejection("context_length")
+            raise context_length_exceeded(ctx.max_model_len, f"at least {bound}", None, param)
+
+    def check_admissible(self, choices: int) -> None:
+        """400 for a request that could never be admitted (its choices, each an engine
+        request, all wait together): 429 means "not now", this means "never"."""
+        if choices > self.ctx.max_waiting:
+            raise invalid_request(f"The request makes {choices} generations (n x prompts) but "
+                                  f"this server queues at most {self.ctx.max_waiting} "
+                                  "(--max-waiting); send fewer at a time.", param="n",
+                                  code="too_many_choices")
+
     def generation(self, request: SamplingRequest, prompts: list[list[int]],
                    request_id: str, prompt_param: str) -> Generation:
         """One engine request per (prompt, choice): ids f"{request_id}-{index}", seed + i."""
         ctx = self.ctx
         tokenizer = ctx.tokenizer
         n = request.n or 1
+        self.check_admissible(n * len(prompts))
         stops = stop_strings(request)
         streams = []
         for prompt_index, prompt_ids in enumerate(prompts):
@@ -68,7 +88,7 @@ class OpenAIServing:
                                       param=prompt_param)
             try:
                 max_tokens = resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids),
-                                                ctx.max_model_len)
+                                                ctx.max_model_len, prompt_param)
             except APIError:
                 ctx.metrics.record_rejection("context_length")
                 raise

@@ -29,6 +29,7 @@ class ChatServing(OpenAIServing):
         tokenizer = self.ctx.require_ready()
         messages = [{"role": _TEMPLATE_ROLES.get(m.role, m.role), "content": m.text()}
                     for m in request.messages]
+        self.check_prompt_text(["".join(m["content"] for m in messages)], "messages")
         try:
             prompt_ids = await anyio.to_thread.run_sync(tokenizer.encode_chat, messages)
         except TemplateError as exc:

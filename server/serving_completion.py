@@ -37,6 +37,10 @@ class CompletionServing(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
         self.ctx.check_model(request.model)
         tokenizer = self.ctx.require_ready()
+        texts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        if texts and isinstance(texts[0], str):
+            self.check_admissible(len(texts) * (request.n or 1))
+            self.check_prompt_text(texts, "prompt")
         prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt, tokenizer)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())

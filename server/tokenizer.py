@@ -77,6 +77,12 @@ class Tokenizer:
         decoder = json.loads(backend.to_str()).get("decoder") or {}
         self._byte_level = decoder.get("type") == "ByteLevel" or any(
             d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
+        # the longest token in bytes (a byte-level piece has one character a byte; added tokens
+        # and other vocabularies count their UTF-8, an overestimate at worst): `min_tokens`
+        # is a lower bound
+        self.max_token_bytes = max((len(p) if self._byte_level and i not in self._added_ids
+                                    else len(p.encode("utf-8"))
+                                    for p, i in backend.get_vocab(True).items()), default=1)
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
@@ -97,6 +103,11 @@ class Tokenizer:
     # ------------------------------------------------------------------ text <-> ids
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of `text`, without tokenizing it (a prompt far over the
+        context is refused at once: tokenizing 10 MB takes seconds and holds the GIL)."""
+        return -(-len(text.encode("utf-8")) // self.max_token_bytes)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

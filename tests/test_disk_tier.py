@@ -135,12 +135,12 @@ def test_thousand_request_cycles_leak_no_files_or_fds(disk):
     assert disk.used_bytes == 0 and disk.num_pages == 0
     disk.close()                   # the I/O threads exit: their rings go with them
     # (fds0 counts the ring of the thread that checked for io_uring; a ring is closed when its
-    # thread's exit runs its destructor, just after the join returns)
+    # thread's exit runs its destructor, just after the join returns; and the folder's lock)
+    left = fds0 - bool(disk._io.ring_depth) - 1
     deadline = time.monotonic() + 5
-    while len(os.listdir("/proc/self/fd")) > fds0 - bool(disk._io.ring_depth) \
-            and time.monotonic() < deadline:
+    while len(os.listdir("/proc/self/fd")) > left and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(os.listdir("/proc/self/fd")) == fds0 - bool(disk._io.ring_depth)
+    assert len(os.listdir("/proc/self/fd")) == left
 
 
 def test_flipped_byte_on_disk_is_detected_as_corruption_of_that_page(disk):
@@ -182,6 +182,7 @@ def test_injected_enospc_fails_only_the_faulty_request_and_leaves_its_keys_absen
     with pytest.raises(TierIOError) as info:
         disk.put(b, pages)
     assert info.value.errno == errno.ENOSPC and sorted(info.value.keys.tolist()) == b.tolist()
+    assert "disk full" in str(info.value)
     assert disk.contains(torch.cat([a, b])).tolist() == [True] * 4 + [False] * 4
 
 
@@ -337,3 +338,25 @@ def test_ring_reads_match_preadv_reads_including_errors(tmp_path):
             assert np.array_equal(outs[1][i], data[offsets[i]:offsets[i] + 8000])
     finally:
         os.close(fd)
+
+
+def test_a_second_tier_on_a_held_path_is_refused_until_the_first_closes(tmp_path):
+    """Two servers on one --kv-disk-path truncated each other's request files: a path has
+    one owner."""
+    from kvstore.tiers.disk_layout import DiskPathInUse
+    first = make_disk(SHAPES["fp32"], tmp_path / "kv")
+    with pytest.raises(DiskPathInUse, match="in use by another Strata server"):
+        make_disk(SHAPES["fp32"], tmp_path / "kv")
+    first.close()
+    make_disk(SHAPES["fp32"], tmp_path / "kv").close()
+
+
+def test_leftovers_that_are_not_request_files_are_left_alone(tmp_path):
+    root = tmp_path / "kv"
+    (root / "req-99.kv").mkdir(parents=True)          # crashed start-up (IsADirectoryError)
+    (root / "req-7.kv").write_bytes(b"stale")
+    (root / "notes.txt").write_text("mine")
+    tier = make_disk(SHAPES["fp32"], root)
+    assert (root / "req-99.kv").is_dir() and (root / "notes.txt").exists()
+    assert not (root / "req-7.kv").exists()
+    tier.close()

@@ -39,6 +39,20 @@ def error_for(model, body: dict) -> APIError:
     ({}, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    # a seed is a 64-bit signed integer (2^64 used to overflow inside the engine step)
+    ({"messages": HELLO, "seed": 2 ** 64}, "seed"),
+    ({"messages": HELLO, "seed": 10 ** 30}, "seed"),
+    ({"messages": HELLO, "seed": -2 ** 63 - 1}, "seed"),
+    # integers and booleans are strict
+    ({"messages": HELLO, "max_tokens": "2"}, "max_tokens"),
+    ({"messages": HELLO, "n": "2"}, "n"),
+    ({"messages": HELLO, "stream": "yes"}, "stream"),
+    ({"messages": HELLO, "logprobs": 1}, "logprobs"),
+    ({"messages": HELLO, "seed": 1.5}, "seed"),
+    # lone surrogates are not text
+    ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
+    ({"messages": HELLO, "model": "m\udfff"}, "model"),
+    ({"messages": HELLO, "stop": ["\ud800"]}, "stop"),
 ])
 def test_invalid_chat_values_name_the_param(body, param):
     error = error_for(ChatCompletionRequest, body)
@@ -51,9 +65,40 @@ def test_invalid_chat_values_name_the_param(body, param):
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "a\ud800"}, "prompt"),
+    ({"prompt": "x", "seed": 2 ** 63}, "seed"),
 ])
 def test_invalid_completion_values_name_the_param(body, param):
     assert error_for(CompletionRequest, body).param == param
+
+
+def test_seed_range_edges_are_accepted_and_choice_seeds_wrap():
+    from engine.sampler import make_generator
+    top = chat(seed=2 ** 63 - 1, n=2)
+    params = build_sampling_params(top, max_tokens=4, seed_offset=1)
+    assert params.seed == 2 ** 63
+    make_generator(params.seed)                     # past int64: taken modulo 2^64
+    make_generator(chat(seed=-2 ** 63).seed)
+
+
+def test_tiny_temperature_is_greedy():
+    assert build_sampling_params(chat(temperature=1e-300), max_tokens=4).temperature == 0.0
+    assert build_sampling_params(chat(temperature=1e-3), max_tokens=4).temperature == 1e-3
+
+
+def test_an_empty_body_says_so():
+    # what FastAPI reports for a POST without a body
+    error = validation_error(RequestValidationError(
+        [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]))
+    assert error.status == 400 and "body" in error.message and "None" not in error.message
+
+
+def test_completion_length_errors_talk_about_the_prompt():
+    with pytest.raises(APIError) as info:
+        resolve_max_tokens(10, 4096, 4096, "prompt")
+    assert info.value.param == "prompt" and "prompt" in info.value.message
+    assert "messages" not in info.value.message
 
 
 def test_unknown_fields_are_ignored_and_text_parts_are_joined():
@@ -136,3 +181,22 @@ def test_stream_deltas_carry_only_set_keys():
     assert dumped["choices"][0]["delta"] == {} and dumped["choices"][0]["finish_reason"] is None
     assert DeltaMessage(role="assistant", content="").model_dump() == {"role": "assistant",
                                                                        "content": ""}
+
+
+def test_openapi_declares_the_statuses_we_send_and_no_422():
+    from server.api import build_app
+    from server.engine_slot import EngineSlot
+    doc = build_app(EngineSlot("m"), lambda: None, served_model_name="m").openapi()
+    for route in ("/v1/chat/completions", "/v1/completions"):
+        responses = doc["paths"][route]["post"]["responses"]
+        assert {"200", "400", "401", "404", "413", "429", "503"} <= responses.keys()
+        assert "422" not in responses
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "/ErrorResponse")
+        assert responses["200"]["content"]["application/json"]["schema"]["$ref"].endswith(
+            "Response") and "text/event-stream" in responses["200"]["content"]
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    metrics = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert all(kind.startswith("text/plain") for kind in metrics)
+    assert doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"][
+        "application/json"]["schema"]["$ref"].endswith("/ModelList")

@@ -17,7 +17,9 @@ hides it until the new write completes. Do not `get` keys whose `put_async` is i
 """
 from __future__ import annotations
 
+import logging
 import os
+import shutil
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -32,6 +34,8 @@ from kvstore.tiers.direct_io import probe_direct_io
 from kvstore.tiers.disk_layout import DiskLayout
 from kvstore.tiers.errors import PageMissing, TierFull
 from kvstore.tiers.extent_io import ExtentIO, ExtentJob, plan_extents
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,7 +62,13 @@ class DiskTier(Tier):
         self.max_keys, self.max_pages = int(max_keys), int(max_pages)
         self.layout = DiskLayout(path, page_shape, num_layers)
         self.layout.root.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self.layout.lock()          # held while the process lives
         self._capacity_bytes = int(capacity_bytes)
+        free = shutil.disk_usage(self.layout.root).free
+        if free < self._capacity_bytes:
+            logger.warning("disk tier: --kv-disk-gb asks for %.2f GB but %s has %.2f GB free: "
+                           "requests that spill past the free space will fail (disk full)",
+                           self._capacity_bytes / 1e9, self.layout.root, free / 1e9)
         self.fault = fault
         # NOTE: a read extent may span up to this many absent pages (read and dropped): one
         # syscall costs 10-30 us of CPU, about what reading 3 extra 12 KB pages costs
@@ -176,6 +186,9 @@ class DiskTier(Tier):
         for handle in list(self._handles):
             self.release_request(handle)
         self._io.close()
+        if self._lock_fd is not None:          # the path is free for another server
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     # -- Tier interface ---------------------------------------------------------------------
 

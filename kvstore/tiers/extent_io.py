@@ -24,6 +24,7 @@ Errors are collected per extent and raised once per batch through the batch's Fu
 """
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -148,6 +149,9 @@ class _Batch:
         elif self.io_errors:
             keys = np.concatenate([k for k, _, _ in self.io_errors])
             _, code, msg = self.io_errors[0]
+            if code == errno.ENOSPC:
+                msg = f"disk full: {msg}"
+                logger.error("disk tier: %s (%d pages not written)", msg, len(keys))
             self.future.set_exception(TierIOError("disk", keys, code, msg))
         elif self.corrupt:
             self.future.set_exception(PageCorrupted("disk", np.concatenate(self.corrupt)))

@@ -1,0 +1,73 @@
+"""One request's failure inside an engine step ends that request only: the others in the same
+step go on and produce exactly the tokens they produce alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.model_runner as model_runner
+from engine.args import EngineArgs
+from engine.llm_engine import LLMEngine
+from scheduler.sampling_params import SamplingParams
+from tests.engine_helpers import drive
+
+BAD_SEED = 666
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=2, bos_token_id=1)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+def sampled(seed: int) -> SamplingParams:
+    return SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+
+
+PROMPTS = {"a": ([5, 6, 7, 8, 9], 1), "b": ([10, 11, 12], 2), "c": ([13, 14, 15, 16], 3)}
+
+
+def run(folder, requests: dict) -> tuple[dict, dict]:
+    engine = LLMEngine(EngineArgs(model=str(folder), dtype="fp32", kv_device_gb=0.01))
+    for rid, (prompt, seed) in requests.items():
+        engine.add_request(rid, prompt, sampled(seed))
+    return drive(engine, list(requests))
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_folder):
+    return {rid: run(tiny_folder, {rid: req})[0][rid] for rid, req in PROMPTS.items()}
+
+
+def test_a_failing_generator_ends_its_request_alone(tiny_folder, alone, monkeypatch):
+    real = model_runner.make_generator
+
+    def make_generator(seed, *a, **kw):
+        if seed == BAD_SEED:
+            raise OverflowError("Overflow when unpacking long long")
+        return real(seed, *a, **kw)
+
+    monkeypatch.setattr(model_runner, "make_generator", make_generator)
+    got, errors = run(tiny_folder, {**PROMPTS, "bad": ([20, 21, 22], BAD_SEED)})
+    assert set(errors) == {"bad"} and "Overflow" in errors["bad"]
+    assert {rid: got[rid] for rid in PROMPTS} == alone
+
+
+def test_a_row_that_breaks_the_batch_sampler_ends_alone(tiny_folder, alone, monkeypatch):
+    real = model_runner.Sampler.sample
+
+    def sample(self, logits, params, *a, **kw):
+        if any(p.seed == BAD_SEED for p in params):
+            raise RuntimeError("bad row")
+        return real(self, logits, params, *a, **kw)
+
+    monkeypatch.setattr(model_runner.Sampler, "sample", sample)
+    got, errors = run(tiny_folder, {**PROMPTS, "bad": ([20, 21, 22], BAD_SEED)})
+    assert set(errors) == {"bad"} and "bad row" in errors["bad"]
+    assert {rid: got[rid] for rid in PROMPTS} == alone
