@@ -4,8 +4,9 @@
     .venv/bin/python bench/report.py --suffix _quick --stdout   # the --quick suite's results
     .venv/bin/python bench/report.py --check          # exit 1 if README.md is out of date
 
-Reads bench/results/throughput{suffix}.json, ruler{suffix}.json and roofline{suffix}.json
+Reads bench/results/throughput{suffix}.json, ruler{suffix}.json, roofline{suffix}.json
 (bench/throughput.py, bench/ruler.py, bench/roofline.py; bench/suite.py runs all three) and
+soak{suffix}.json (bench/soak.py), and
 replaces the text between the RESULTS_BEGIN and RESULTS_END markers of README.md. A missing JSON
 leaves its subsection out, with a line saying which command produces it.
 """
@@ -204,14 +205,35 @@ def roofline_section(rep: dict, png: str) -> list[str]:
     return out
 
 
+def soak_section(rep: dict, png: str) -> list[str]:
+    flat = rep.get("flat", {})
+
+    def trend(key: str, unit: str) -> str:
+        f = flat.get(key)
+        return "-" if f is None else (f"{f['after_warmup']:.0f} -> {f['end']:.0f}{unit} "
+                                      f"(max {f['max']:.0f})")
+
+    return ["### Soak", "",
+            f"`.venv/bin/python bench/soak.py --clients {rep['clients']} --minutes "
+            f"{rep['minutes']:g}`: {rep['clients']} clients against a server spilling to disk "
+            f"(`{rep['server_args']}`), {rep['disconnect']:.0%} of requests hanging up "
+            "mid-stream.", "", f"![soak]({png})", "",
+            "| requests | hung up on purpose | failed | latency p50 / p99 s | RSS after warm-up "
+            "-> end | open files after warm-up -> end |", "|---|---|---|---|---|---|",
+            f"| {rep['requests']} | {rep['hang_ups']} | {rep['failed']} | "
+            f"{_fmt(rep['latency_s']['p50'], 2)} / {_fmt(rep['latency_s']['p99'], 2)} | "
+            f"{trend('rss_mb', ' MB')} | {trend('open_files', '')} |", ""]
+
+
 def render(results: Path = RESULTS, suffix: str = "") -> str:
-    names = {k: results / f"{k}{suffix}.json" for k in ("throughput", "ruler", "roofline")}
+    names = {k: results / f"{k}{suffix}.json" for k in ("throughput", "ruler", "roofline",
+                                                         "soak")}
     reps = {k: _load(p) for k, p in names.items()}
     lines = [BEGIN, "", machine_line(*reps.values()), code_line(*reps.values()),
              "Regenerate with `.venv/bin/python bench/suite.py` (all three, ~11 min; `--quick` "
              "~5 min) or the single commands below, then `.venv/bin/python bench/report.py`.", ""]
     sections = (("throughput", throughput_section), ("ruler", ruler_section),
-                ("roofline", roofline_section))
+                ("roofline", roofline_section), ("soak", soak_section))
     for key, fn in sections:
         if reps[key] is None:
             lines += [f"_{key}: no `{_rel(names[key])}` yet; run `bench/{key}.py`._", ""]

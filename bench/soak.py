@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
 from bench.serving import pct, start_server  # noqa: E402
+from bench.sparse_decode import code_version  # noqa: E402
 from bench.throughput_report import machine  # noqa: E402
 
 SERVER_ARGS = ("--kv-device-gb 0.1 --kv-host-gb 0.05 --kv-disk-gb 2 --max-num-seqs 8 "
@@ -120,7 +121,8 @@ def report(run: dict, args) -> dict:
         if warm and key in warm[0]:
             flat[key] = {"after_warmup": warm[0][key], "end": samples[-1][key],
                          "max": max(s[key] for s in warm)}
-    return {"bench": "soak", "machine": machine(), "clients": args.clients,
+    return {"bench": "soak", "code_version": code_version(), "machine": machine(),
+            "clients": args.clients,
             "minutes": args.minutes, "disconnect": args.disconnect,
             "server_args": args.server_args, "requests": len(results),
             "hang_ups": sum(r["kind"] == "hang-up" for r in results),

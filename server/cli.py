@@ -43,10 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "bf16 unless fp32 is given)")
     serve.add_argument("--weights", choices=WEIGHTS, default="auto",
                        help="weight format of decode steps: native (a GGUF file's Q4_0/Q4_1 "
-                            "blocks as int4, Q8_0 as int8; a float checkpoint's dtype), a "
-                            "dense dtype, or int8/int4 (a float checkpoint quantized at load); "
-                            "auto: the fastest on this CPU of native and the dense dtypes, "
-                            "timed at start-up")
+                            "and Q8_0 blocks as stored, through our kernel or torch's packed "
+                            "ones; a float checkpoint's dtype), a dense dtype, or int8/int4 (a "
+                            "float checkpoint quantized at load); auto: the fastest on this CPU "
+                            "of native and the dense dtypes, timed at start-up")
     serve.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     serve.add_argument("--max-model-len", type=int, default=None,
                        help="prompt + completion tokens (default: the model's positions)")

@@ -25,3 +25,18 @@ def smollm2_dir() -> Path:
     # NOTE: no skip when the bundled model is missing: `make test` installs it, and a broken
     # install step must fail the suite
     return ensure_hf_folder("bundled", Path(os.environ["STRATA_CACHE_DIR"]))
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A tiny random-weight Llama (2 layers, 256 tokens) saved as an HF folder: engines over
+    it build in a second."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=2, bos_token_id=1)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder

@@ -217,3 +217,15 @@ def test_suite_presets_pass_options_each_part_accepts(preset):
         assert args.out.endswith(f"{name}_quick.json" if preset == "quick" else f"{name}.json")
         if name == "throughput" and preset != "quick":
             assert args.burst == [8] and args.peer_concurrency is None   # peers at every level
+
+
+def test_report_has_a_soak_section_when_the_soak_ran(tmp_path):
+    soak = {"bench": "soak", "clients": 32, "minutes": 10.0, "disconnect": 0.1,
+            "server_args": "--kv-disk-gb 2", "requests": 900, "hang_ups": 90, "failed": 0,
+            "latency_s": {"p50": 1.5, "p99": 9.25},
+            "flat": {"rss_mb": {"after_warmup": 900.0, "end": 910.0, "max": 930.0},
+                     "open_files": {"after_warmup": 40, "end": 40, "max": 44}}}
+    (tmp_path / "soak.json").write_text(json.dumps(soak))
+    text = report.render(tmp_path)
+    assert "### Soak" in text and "bench/soak.py --clients 32 --minutes 10`" in text
+    assert "| 900 | 90 | 0 | 1.50 / 9.25 | 900 -> 910 MB (max 930) | 40 -> 40 (max 44) |" in text

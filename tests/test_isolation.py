@@ -3,7 +3,6 @@ step go on and produce exactly the tokens they produce alone."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import engine.model_runner as model_runner
 from engine.args import EngineArgs
@@ -12,18 +11,6 @@ from scheduler.sampling_params import SamplingParams
 from tests.engine_helpers import drive
 
 BAD_SEED = 666
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      eos_token_id=2, bos_token_id=1)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    return folder
 
 
 def sampled(seed: int) -> SamplingParams:
