@@ -17,6 +17,7 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"],
                              extra_link_args=["-pthread"]),
                    Extension("kernels._qmatmul", ["kernels/_qmatmul.c"],
+                             depends=["kernels/_pool.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"],
                              extra_link_args=["-pthread"]),
                    Extension("kernels._select", ["kernels/_select.c"], depends=["kernels/_rows.h"],

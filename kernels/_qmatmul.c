@@ -19,7 +19,7 @@
  *
  * Each output is a function of its own row of x and its own row of w, computed in one fixed
  * order: the result of a row does not depend on the batch it is in, nor on the threads.
- * Output rows split over `threads` threads of a pool kept between calls.
+ * Output rows split over `threads` threads of a pool kept between calls (kernels/_pool.h).
  * Paths: AVX2 where the CPU has AVX2, FMA and F16C, portable C elsewhere; `simd` 0 forces
  * the portable one. Runs without the GIL. */
 #define PY_SSIZE_T_CLEAN
@@ -30,8 +30,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_pool.h"
+
 #define GROUP 32
-#define MAX_THREADS 64
+#define MAX_THREADS POOL_MAX
 #define MIN_N_PER_THREAD 64
 
 static float f16_to_f32(uint16_t h) {
@@ -305,108 +307,31 @@ typedef struct {
     job_t job;
 } task_t;
 
-/* ---- a pool of threads kept between calls ------------------------------------------------
- * A decode step makes ~150 of these calls of 0.05-0.5 ms each: starting threads per call
- * would cost as much as the work. Workers wait for a new generation of tasks, spinning
- * briefly (the next call of a step comes within microseconds) and then sleeping; one call at
- * a time uses the pool (another concurrent call runs on its own thread). */
-#define SPIN 4000
-
-static struct {
-    pthread_mutex_t busy, mu;
-    pthread_cond_t wake, done;
-    int size;
-    pthread_t tid[MAX_THREADS];
-    task_t tasks[MAX_THREADS];
-    /* atomics (__atomic builtins): the generation and its task count in one word (a worker
-     * reads both at once: worker i takes part in a generation when i < its count, and the
-     * caller waits for exactly those), and how many of them are still running */
-    uint64_t word, start[MAX_THREADS];
-    int remaining;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER, 0};
-
-static inline void relax(void) {
-#if defined(__x86_64__)
-    __builtin_ia32_pause();
-#endif
+static void run_task(void *arg) {
+    task_t *t = (task_t *)arg;
+    t->fn(&t->job);
 }
 
-/* arg: the worker's index; it starts from the generation current when it was created (read
- * by its creator, which holds the pool: a read here could already see the next one) */
-static void *worker(void *arg) {
-    const uint64_t idx = (uint64_t)(intptr_t)arg;
-    uint64_t seen = pool.start[idx];
-    for (;;) {
-        uint64_t w = seen;
-        for (int i = 0; i < SPIN && (w = __atomic_load_n(&pool.word, __ATOMIC_ACQUIRE)) == seen;
-             i++)
-            relax();
-        if (w == seen) {
-            pthread_mutex_lock(&pool.mu);
-            while ((w = __atomic_load_n(&pool.word, __ATOMIC_ACQUIRE)) == seen)
-                pthread_cond_wait(&pool.wake, &pool.mu);
-            pthread_mutex_unlock(&pool.mu);
-        }
-        seen = w;
-        if (idx >= (w & 0xff))
-            continue;
-        pool.tasks[idx].fn(&pool.tasks[idx].job);
-        if (__atomic_sub_fetch(&pool.remaining, 1, __ATOMIC_ACQ_REL) == 0) {
-            pthread_mutex_lock(&pool.mu);
-            pthread_cond_signal(&pool.done);
-            pthread_mutex_unlock(&pool.mu);
-        }
-    }
-    return NULL;
-}
-
-/* a forked child has the parent's pool state but none of its threads */
-static void pool_after_fork(void) {
-    pthread_mutex_init(&pool.busy, NULL);
-    pthread_mutex_init(&pool.mu, NULL);
-    pthread_cond_init(&pool.wake, NULL);
-    pthread_cond_init(&pool.done, NULL);
-    pool.size = 0;
-}
-
-/* output rows split into `threads` tasks, task 0 on the calling thread */
+/* output rows split into `threads` tasks over the pool, task 0 on the calling thread */
 static void run_parallel(run_fn fn, const job_t *base, int threads) {
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
     if (threads > base->n / MIN_N_PER_THREAD)
         threads = (int)(base->n / MIN_N_PER_THREAD);
-    if (threads < 2 || pthread_mutex_trylock(&pool.busy) != 0) {
+    if (threads < 2) {
         fn(base);
         return;
     }
-    while (pool.size < threads - 1 &&
-           (pool.start[pool.size + 1] = __atomic_load_n(&pool.word, __ATOMIC_ACQUIRE), 1) &&
-           pthread_create(&pool.tid[pool.size + 1], NULL, worker,
-                          (void *)(intptr_t)(pool.size + 1)) == 0)
-        pool.size++;
-    if (threads > pool.size + 1)
-        threads = pool.size + 1;
+    task_t tasks[MAX_THREADS];
+    void *args[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        pool.tasks[t].fn = fn;
-        pool.tasks[t].job = *base;
-        pool.tasks[t].job.n0 = base->n * t / threads;
-        pool.tasks[t].job.n1 = base->n * (t + 1) / threads;
+        tasks[t].fn = fn;
+        tasks[t].job = *base;
+        tasks[t].job.n0 = base->n * t / threads;
+        tasks[t].job.n1 = base->n * (t + 1) / threads;
+        args[t] = &tasks[t];
     }
-    __atomic_store_n(&pool.remaining, threads - 1, __ATOMIC_RELEASE);
-    const uint64_t gen = (__atomic_load_n(&pool.word, __ATOMIC_ACQUIRE) >> 8) + 1;
-    pthread_mutex_lock(&pool.mu);
-    __atomic_store_n(&pool.word, gen << 8 | (uint64_t)threads, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&pool.wake);
-    pthread_mutex_unlock(&pool.mu);
-    fn(&pool.tasks[0].job);
-    for (int i = 0; i < SPIN && __atomic_load_n(&pool.remaining, __ATOMIC_ACQUIRE); i++)
-        relax();
-    pthread_mutex_lock(&pool.mu);
-    while (__atomic_load_n(&pool.remaining, __ATOMIC_ACQUIRE))
-        pthread_cond_wait(&pool.done, &pool.mu);
-    pthread_mutex_unlock(&pool.mu);
-    pthread_mutex_unlock(&pool.busy);
+    pool_run(run_task, args, threads);
 }
 
 static PyObject *qmm(PyObject *self, PyObject *args) {
@@ -462,6 +387,6 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmatmul", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__qmatmul(void) {
-    pthread_atfork(NULL, NULL, pool_after_fork);
+    pool_init();
     return PyModule_Create(&module);
 }

@@ -102,3 +102,17 @@ def test_rejects_shapes_it_cannot_run():
         _qmatmul.qmm(x.data_ptr(), 1, 32, 0, 0, 0, 4, 5, 0, 1, 1)
     with pytest.raises(ValueError, match="8 or 16"):
         _qmatmul.qmm(x.data_ptr(), 1, 32, 0, 0, 0, 4, 4, 0, 1, 1, 12)
+
+
+def test_a_forked_child_runs_the_threaded_kernel():
+    """The kept thread pool does not survive fork(): the child starts its own (a child that
+    waited on the parent's workers would hang)."""
+    import os
+    packed = PackedWeight.from_dense(torch.randn(640, 64), "q4")
+    x = torch.randn(3, 64)
+    before = _qmm(packed, x, 1, threads=4)
+    pid = os.fork()
+    if pid == 0:                                                 # the child: exit code only
+        os._exit(0 if torch.equal(_qmm(packed, x, 1, threads=4), before) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
