@@ -95,8 +95,9 @@ def test_a_prompt_far_over_the_context_is_refused_at_once_and_health_stays_fast(
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and "at least" in error["message"]
-    assert elapsed < 5, elapsed
-    assert max(latencies) < 1.0, latencies
+    # loose bounds (a shared CI machine): a stall would be tens of seconds
+    assert elapsed < 15, elapsed
+    assert max(latencies) < 5.0, latencies
 
 
 @pytest.mark.parametrize("raw", [
