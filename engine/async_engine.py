@@ -15,10 +15,10 @@ from typing import AsyncIterator
 
 from engine.args import EngineArgs, default_served_name
 from engine.outputs import RequestOutput
-from engine.protocol import (EngineDeadError, EngineNotReadyError, EngineStats, QueueFullError,
-                             RequestTooLargeError)
-from kvstore.store import KVFull
-from scheduler.errors import QueueFull
+from engine.protocol import (EngineDeadError, EngineError, EngineNotReadyError, EngineStats,
+                             QueueFullError, RequestTooLargeError)
+from kvstore.store import KVFull, KVNeverFits
+from scheduler.errors import QueueFull, RequestTooLarge
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -158,8 +158,11 @@ class AsyncEngine:
                 e.add_request(rid, prompt, params)
             except (QueueFull, KVFull) as exc:
                 self._deliver(rid, QueueFullError(str(exc)))
-            except ValueError as exc:
+            except (RequestTooLarge, KVNeverFits) as exc:
                 self._deliver(rid, RequestTooLargeError(str(exc)))
+            except Exception as exc:  # noqa: BLE001 - a duplicate id, a bad value: this one only
+                logger.error("request %s refused: %s", rid, exc)
+                self._deliver(rid, EngineError(f"request refused: {exc}"))
         for rid in aborts:
             out = e.abort(rid)
             if out is not None:

@@ -20,6 +20,13 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 
+class DuplicateRequestId(KeyError):
+    """An id that a running or waiting request already has."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
@@ -71,7 +78,11 @@ class LLMEngine:
             kernel.threads = prefill if self.args.pipeline == "sequential" else decode
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises scheduler QueueFull or ValueError (can never fit)."""
+        """Queue a request. Raises scheduler QueueFull, KVFull, a ValueError when it can never
+        fit (RequestTooLarge, KVNeverFits), DuplicateRequestId when the id is in use (before
+        anything is touched: the request that has the id goes on unharmed)."""
+        if request_id in self._emitted:
+            raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
         total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
         self.store.add_request(request_id, total)       # KVFull / KVNeverFits

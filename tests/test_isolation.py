@@ -58,3 +58,17 @@ def test_a_row_that_breaks_the_batch_sampler_ends_alone(tiny_folder, alone, monk
     got, errors = run(tiny_folder, {**PROMPTS, "bad": ([20, 21, 22], BAD_SEED)})
     assert set(errors) == {"bad"} and "bad row" in errors["bad"]
     assert {rid: got[rid] for rid in PROMPTS} == alone
+
+
+def test_a_duplicate_id_is_refused_and_the_request_holding_it_goes_on(tiny_folder, alone):
+    """A second request with a running request's id used to overwrite its KV record and then
+    free its pages (and was reported as "too large")."""
+    from engine.llm_engine import DuplicateRequestId
+    engine = LLMEngine(EngineArgs(model=str(tiny_folder), dtype="fp32", kv_device_gb=0.01))
+    prompt, seed = PROMPTS["a"]
+    engine.add_request("a", prompt, sampled(seed))
+    first = [t for out in engine.step() for t in out.new_token_ids]
+    with pytest.raises(DuplicateRequestId, match="already in use"):
+        engine.add_request("a", [1, 2, 3], sampled(9))
+    got, errors = drive(engine, ["a"])
+    assert not errors and first + got["a"] == alone["a"]
