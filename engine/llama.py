@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
-from kernels.packed_linear import BITS, DENSE, GroupQuant, Linear, PackedWeight
+from kernels.packed_linear import BITS, DENSE, NATIVE, GroupQuant, Linear, PackedWeight
 from kvstore.kv_cache import KVCache
 
 _WEIGHTS = ("qkv", "o", "gate_up", "down")      # a layer's matmuls: <name>_proj, <name>_bias
@@ -94,9 +94,6 @@ class DecoderLayer(nn.Module):
         gate_up = self.gate_up(self.post_attention_layernorm(x))
         gate, up = gate_up.chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
-
-
-NATIVE = {"native": {4: "q4", 8: "q8"}, "native-torch": {4: "int4", 8: "int8"}}
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,

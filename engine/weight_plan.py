@@ -33,7 +33,7 @@ import torch
 
 from engine.args import DTYPES, WEIGHTS
 from engine.model_config import ModelConfig
-from kernels.packed_linear import DENSE, PackedWeight
+from kernels.packed_linear import BITS, DENSE, NATIVE, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -101,20 +101,15 @@ def _sweeps(fmts: list[str], shapes: list[tuple[int, int]], rows: int,
     return {f: _PROBES[(f, tuple(shapes), rows, threads)] for f in fmts}
 
 
-KERNELS = {"int4": ["q4", "int4"], "int8": ["q8", "int8"]}     # a width: ours, torch's
-NATIVE_FORMS = {"native": {"int4": "q4", "int8": "q8"}, "native-torch": {"int4": "int4",
-                                                                         "int8": "int8"}}
-
-
 def _candidates(weights: str, dtype: str, native: str | None) -> list[str]:
     """Decode forms `--weights` allows (native: the file's own width, None for a float
     checkpoint, whose own values any dense dtype holds)."""
-    if weights in KERNELS:
-        return KERNELS[weights]
+    if weights in BITS:                         # a width: our kernel's form and torch's
+        return [forms[BITS[weights]] for forms in NATIVE.values()]
     if weights not in ("auto", "native"):
         return [weights]
     dense = ["fp32", "bf16"] if dtype == "auto" else [dtype]
-    ours = list(NATIVE_FORMS) if native else []
+    ours = list(NATIVE) if native else []
     if weights == "native":
         return ours or dense[:1]
     return ours + dense
@@ -149,7 +144,7 @@ def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
         logger.info("--dtype auto: %s (a %d-row block: %s)", act, PREFILL_PROBE_ROWS,
                     ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in times.items()))
     def real(c: str) -> str:
-        return NATIVE_FORMS[c][native] if c in NATIVE_FORMS else c
+        return NATIVE[c][BITS[native]] if c in NATIVE else c
 
     cands = [c for c in _candidates(weights, dtype, native)
              if all(PackedWeight.supports(real(c), s) for s in shapes)] or [act]

@@ -10,8 +10,8 @@ A weight [N out, K in] is held in one of these formats:
                `_weight_int4pack_mm_for_cpu`
   q4, q8       the same 4-bit groups (w = scale * q + zero), or signed 8-bit codes per group of
                32 (w = scale * q: GGUF's Q8_0), through our own kernel (kernels/_qmatmul.c):
-               float32 activations quantized to int8 per group of 32 as llama.cpp does, integer
-               dot products (AVX2 where the CPU has it); float16 scales and zeros
+               float32 activations rounded to 16-bit integers per group of 32, integer dot
+               products (AVX2 where the CPU has it); float16 scales and zeros
 The torch packed kernels take bf16 activations (their float32 path runs 20-40x slower, measured on
 an AMD EPYC with AVX2: 1536 x 576, 8 rows, 22 ms against 0.37 ms) and bf16 scales, so a packed
 matmul rounds its input to bf16 and returns float32 accumulations rounded to bf16, then to the
@@ -37,6 +37,8 @@ except ImportError:                     # not built: torch's packed kernels only
 FORMATS = ("fp32", "bf16", "int8", "int4", "q8", "q4")
 BITS = {"int4": 4, "q4": 4, "int8": 8, "q8": 8}
 OURS = ("q4", "q8")
+# a file's codes at their own width, in our kernel's formats or torch's
+NATIVE = {"native": {4: "q4", 8: "q8"}, "native-torch": {4: "int4", 8: "int8"}}
 DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUP = 32
 _INT4_TILE_N = 16           # int4pack tiles N by 16 on the CPU
