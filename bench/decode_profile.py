@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/decode_profile.py --context 7000 --batch 1 8
     .venv/bin/python bench/decode_profile.py --context 7000 --batch 8 --sparse-budget 1024
+    .venv/bin/python bench/decode_profile.py --batch 8 --sparse-budget 1024 --kv-device-gb 0.5 \
+        --set kv_host_gb=1 kv_disk_gb=8 kv_host_pool=separate     # any EngineArgs field
 
 One engine in this process (the server's defaults: --dtype auto --weights auto), `--batch`
 random-token prompts of `--context` tokens prefilled, then `--steps` decode steps timed under
@@ -102,9 +104,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--sparse-budget", type=int, default=0)
     ap.add_argument("--kv-device-gb", type=float, default=2.0)
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="more EngineArgs fields (numbers as numbers), e.g. kv_disk_gb=8")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_profile.json"))
     args = ap.parse_args(argv)
     extra = {"kv_device_gb": args.kv_device_gb, "sparse_budget": args.sparse_budget}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        try:
+            extra[name] = json.loads(value)
+        except ValueError:
+            extra[name] = value
     rows = [profile(args.context, b, args.steps, extra) for b in args.batch]
     print(f"{machine()['cpu']} ({', '.join(machine()['cpu_flags'])}), {os.cpu_count()} cores")
     print("| context x batch | weights | step ms | weights | attention | selection | other |")

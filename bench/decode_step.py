@@ -8,13 +8,20 @@ transformers: one forward of [B, 1] tokens with a DynamicCache of `context - 1` 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from engine.gguf_convert import ensure_hf_folder
-from engine.model_loader import load_model
-from kernels.attention import AttentionBatch
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from engine.gguf_convert import ensure_hf_folder  # noqa: E402 - after the path above
+from engine.model_loader import load_model  # noqa: E402
+from kernels.attention import AttentionBatch  # noqa: E402
+from tests.kv_cache import make_kv_cache  # noqa: E402 - the harness's dense KV cache
 
 
 def _time(fn, steps: int) -> float:
@@ -27,7 +34,7 @@ def _time(fn, steps: int) -> float:
 
 def ours_step_s(model, batch_size: int, context: int, page_size: int, steps: int) -> float:
     per_seq = -(-context // page_size)
-    cache = model.make_kv_cache(batch_size * per_seq + 1, page_size)
+    cache = make_kv_cache(model, batch_size * per_seq + 1, page_size)
     ids = torch.randperm(cache.num_pages)[:batch_size * per_seq].view(batch_size, per_seq)
     batch = AttentionBatch.build(ids.tolist(), [context] * batch_size, [1] * batch_size,
                                  page_size)

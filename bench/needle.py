@@ -196,14 +196,12 @@ def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str])
 
 def decode_child(engine: LLMEngine, name: str, first: dict[str, list[int]], path: str) -> None:
     """In a forked child: set the config, decode to the end, write {rid: tokens} to `path`."""
-    from kernels.page_select import make_selector
     torch.set_num_threads(1)          # the parent's OpenMP pool does not survive fork
     store = engine.store
     selector = config_selector(name, store.cfg.selector)
-    store.cfg = dataclasses.replace(store.cfg, sparse_budget=config_budget(name),
-                                    head_pages=config_head_pages(name), selector=selector,
-                                    prior_share=config_prior_share(name, store.cfg.prior_share))
-    store.selector = make_selector(selector)      # built once at start-up in the store
+    store.reconfigure(sparse_budget=config_budget(name), head_pages=config_head_pages(name),
+                      selector=selector,
+                      prior_share=config_prior_share(name, store.cfg.prior_share))
     outs = {rid: list(t) for rid, t in first.items()}
     errors: dict[str, str] = {}
     t0 = time.perf_counter()

@@ -85,7 +85,7 @@ def main() -> None:
 
     store = engine.store
     records: list[dict] = []
-    orig_score = store.selector.score
+    orig_score = store.selection.selector.score
     captured = {}
 
     def score(q, summaries, num_pages, group):
@@ -93,8 +93,8 @@ def main() -> None:
         captured["scores"] = s
         return s
 
-    store.selector.score = score
-    store.selector.native = False          # the torch path, which calls `score`
+    store.selection.selector.score = score
+    store.selection.selector.native = False          # the torch path, which calls `score`
     orig_select = step_mod.StepKV.select
 
     def select(self, layer, qd, idx, observe=True):
@@ -104,7 +104,7 @@ def main() -> None:
         s = captured["scores"][0]                                    # [KVH, P]
         kvh = s.shape[0]
         n = s.shape[1]
-        prior = store.requests["r"].prior
+        prior = store.request("r").prior
         row = {"layer": layer, "kept": [], "rank": [], "prior_rank": []}
         for h in range(kvh):
             chosen = set(sel.row(0, h).tolist())

@@ -28,7 +28,6 @@ thread; the stage threads use the second core. Results: bench/results/pipeline.j
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -54,7 +53,6 @@ def run(args) -> dict:
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from kvstore.calibration import CALIBRATION_CANDIDATES, CALIBRATION_STEPS
-    from kvstore.pipeline import Pipeline
     from scheduler.sampling_params import SamplingParams
     from server.tokenizer import Tokenizer
     from tqdm import tqdm
@@ -123,8 +121,7 @@ def run(args) -> dict:
             import io
             import pstats
             m = args.profile
-            store.pipeline.close()
-            store.pipeline = Pipeline(store, m, calibrated if m == "sfc" else 0)
+            store.use_pipeline(m, calibrated if m == "sfc" else 0)
             step()
             prof = cProfile.Profile()
             t0 = time.perf_counter()
@@ -150,14 +147,11 @@ def run(args) -> dict:
             for m, mb, b in runs:
                 rec = per_mode[key[m, mb, b]]
                 set_budget(store, b)
-                set_residency(store, "lru" if m == "sequential-lru" else "cycle")
-                store.pipeline.close()
-                store.pipeline = Pipeline(store, "sfc" if m.startswith("sfc") else
-                                          m.removesuffix("-lru"), mb,
-                                          resolve_thread=m == "sfc-3threads",
-                                          whole_batch_compute=m == "sfc-whole",
-                                          reuse_ahead={"sfc-no-ahead": 0,
-                                                       "sfc-ahead2": 2}.get(m, 1))
+                store.tiers.use_residency("lru" if m == "sequential-lru" else "cycle")
+                store.use_pipeline("sfc" if m.startswith("sfc") else m.removesuffix("-lru"), mb,
+                                   resolve_thread=m == "sfc-3threads",
+                                   whole_batch_compute=m == "sfc-whole",
+                                   reuse_ahead={"sfc-no-ahead": 0, "sfc-ahead2": 2}.get(m, 1))
                 for _ in range(args.warmup):        # the tiers settle to the mode: not timed
                     step()
                 before = store.stats.snapshot()
@@ -225,17 +219,7 @@ def run(args) -> dict:
 
 def set_budget(store, budget: int) -> None:
     """Swap the store's --sparse-budget (read at each decode step; prefill is dense)."""
-    store.cfg = dataclasses.replace(store.cfg, sparse_budget=budget)
-
-
-def set_residency(store, name: str) -> None:
-    """Swap the device and host tiers' residency policy (the same stamps carry over)."""
-    from kvstore.residency import make_residency
-    for attr in ("residency", "host_residency"):
-        old = getattr(store, attr)
-        new = make_residency(name, 0, store.num_layers)
-        new.last_used = old.last_used
-        setattr(store, attr, new)
+    store.reconfigure(sparse_budget=budget)
 
 
 def print_table(res: dict) -> None:

@@ -205,7 +205,7 @@ def worker(args) -> dict:
         status = proc_status()
         load_after = os.getloadavg()
         summaries = sum(r.summaries.numel() * r.summaries.element_size()
-                        for r in store.requests.values())
+                        for r in map(store.request, store.request_ids()))
         for rid in rids:
             engine.abort(rid)
     finally:
