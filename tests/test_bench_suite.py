@@ -13,7 +13,7 @@ import pytest
 
 from bench import report, roofline, ruler, suite, throughput, throughput_report
 from server.tokenizer import Tokenizer
-from tests.conftest_server import REPO, running_server
+from tests.server_helpers import REPO, running_server
 
 
 @pytest.fixture(scope="module")
