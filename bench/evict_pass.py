@@ -11,7 +11,6 @@ pass evicts `--want` pages (the batch `Fetcher._make_room` evicts: capacity / 32
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -20,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import parser  # noqa: E402
 from kvstore.config import KVStoreConfig  # noqa: E402 - after the path above
 from kvstore.fetcher import Fetcher  # noqa: E402
 from kvstore.store import TieredKVStore  # noqa: E402
@@ -61,7 +59,7 @@ def snapshot(store: TieredKVStore) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--kv-device-gb", type=float, default=0.064)
     ap.add_argument("--kv-host-gb", type=float, default=0.256)
     ap.add_argument("--residency", default="cycle")

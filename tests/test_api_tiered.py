@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest_server import (MODEL, REQUEST_TIMEOUT_S, read_metric, running_server,
+from tests.server_helpers import (MODEL, REQUEST_TIMEOUT_S, read_metric, running_server,
                                    sse_payloads)
 
 pytestmark = pytest.mark.slow

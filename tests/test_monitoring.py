@@ -14,7 +14,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest_server import (MODEL, REQUEST_TIMEOUT_S, free_port, running_server,
+from tests.server_helpers import (MODEL, REQUEST_TIMEOUT_S, free_port, running_server,
                                    sse_payloads)
 from tests.deploy_helpers import (dashboard_metric_names, dashboards, panel_queries,
                                   prometheus_tool)

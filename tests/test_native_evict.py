@@ -13,7 +13,7 @@ import torch
 from kvstore.config import KVStoreConfig
 from kvstore.fetcher import DeviceTierTooSmall, Fetcher
 from kvstore.store import TieredKVStore
-from tests.conftest_server import REPO
+from tests.server_helpers import REPO
 
 PAGE = 1024                     # bytes: 16 tokens x 1 head x 8 dims x fp32 x K and V
 
