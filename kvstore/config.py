@@ -77,6 +77,14 @@ class KVStoreConfig:
         """The lowest tier with a budget: it holds every full page; faster tiers cache."""
         return "disk" if self.disk_bytes else ("host" if self.host_bytes else "device")
 
+    def budgets(self, device_type: str) -> dict[str, int]:
+        """Bytes per tier as built on `device_type`: on a CPU (with merge_host) the host budget
+        joins the device pool, the same DRAM."""
+        if self.merge_host and device_type == "cpu":
+            return {"device": self.device_bytes + self.host_bytes, "host": 0,
+                    "disk": self.disk_bytes}
+        return {"device": self.device_bytes, "host": self.host_bytes, "disk": self.disk_bytes}
+
     def pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

@@ -53,8 +53,8 @@ class TieredKVStore:
         self.page_shape = PageShape(cfg.page_size, num_kv_heads, head_dim, dtype)
         device = torch.device(device)
         layer_bytes = self.page_shape.nbytes * num_layers
-        backing_bytes = {"device": cfg.device_bytes, "host": cfg.host_bytes,
-                         "disk": cfg.disk_bytes}[cfg.backing]
+        budgets = cfg.budgets(device.type)
+        backing_bytes = next(budgets[t] for t in ("disk", "host", "device") if budgets[t])
         max_pages = backing_bytes // layer_bytes
         if max_pages < 1:
             raise ValueError(f"the {cfg.backing} tier ({backing_bytes / 2**30:.3f} GB) holds no "
@@ -179,7 +179,8 @@ class TieredKVStore:
         pages safe in the backing tier can be shared: no write of theirs is in flight."""
         page_ids = [int(p) for p in page_ids]
         keys = self._tiers.keys_of(torch.tensor(page_ids, dtype=torch.int64))
-        if self.cfg.backing != "device" and not bool(self._tiers.is_clean(keys).all()):
+        backs = self._tiers.backing is not self._tiers.device_tier
+        if backs and not bool(self._tiers.is_clean(keys).all()):
             raise ValueError("only pages already in the backing tier can be shared")
         self._allocator.share(request_id, page_ids)
 

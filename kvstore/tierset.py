@@ -48,11 +48,10 @@ class TierSet:
         self.stats = stats
         self._owners = owners               # page ids -> the requests that hold them
         max_keys = max_pages * num_layers
-        device_bytes, host_bytes = cfg.device_bytes, cfg.host_bytes
-        if cfg.merge_host and device.type == "cpu":
-            # NOTE: on a CPU both pools are the same DRAM: one pool that attention reads in
-            # place, instead of a host pool whose hits are copies into another (docs/kvstore.md)
-            device_bytes, host_bytes = device_bytes + host_bytes, 0
+        # NOTE: on a CPU both pools are the same DRAM: one pool that attention reads in place,
+        # instead of a host pool whose hits are copies into another (cfg.budgets)
+        budgets = cfg.budgets(device.type)
+        device_bytes, host_bytes = budgets["device"], budgets["host"]
         self.device_tier = DeviceTier(page_shape, device_bytes, max_keys, device)
         self.host_tier = HostTier(page_shape, host_bytes, max_keys) if host_bytes else None
         self.disk_tier = (DiskTier(page_shape, cfg.disk_bytes, cfg.disk_path, max_keys,

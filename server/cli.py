@@ -136,7 +136,8 @@ def prepare_model(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+    level = getattr(args, "log_level", None) or ServerSettings.log_level
+    logging.basicConfig(level=level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "prepare-model":
         return prepare_model(args)

@@ -2,6 +2,7 @@
 interface that never blocks the scheduler on disk I/O."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -110,3 +111,17 @@ def test_free_returns_at_once_while_the_requests_disk_writes_are_in_flight(tmp_p
     assert fut.done() and not any(p.suffix == ".kv" for p in (tmp_path / "kv").iterdir())
     assert not bool(store.tiers.is_clean(keys).any())  # a retired write marks nothing clean
     store.close()
+
+
+def test_on_a_cpu_the_host_budget_joins_the_device_pool(tmp_path):
+    cfg = KVStoreConfig(page_size=16, device_bytes=8 * PAGE * LAYERS,
+                        host_bytes=24 * PAGE * LAYERS)
+    merged = TieredKVStore(cfg, LAYERS, 1, 8, torch.float32)
+    assert set(merged.tier_usage()) == {"device"} and merged.num_pages == 32
+    assert merged.tier_usage()["device"][1] == 32 * PAGE * LAYERS
+    merged.add_request("a", 64)
+    assert merged.allocate("a", 32)
+    merged.share("b", merged.pages("a"))         # the device pool backs it: nothing to wait for
+    separate = TieredKVStore(dataclasses.replace(cfg, merge_host=False), LAYERS, 1, 8,
+                             torch.float32)
+    assert set(separate.tier_usage()) == {"device", "host"} and separate.num_pages == 24
