@@ -15,23 +15,27 @@ The checks run on the caller's thread before a request is queued (`check_choices
 `Admission.check`), so a refusal costs the engine nothing. The scheduler and the KV store
 enforce their own limits again when the engine thread takes the request (a race with other
 requests, or the disk filling up); `refusal` maps their errors into the same vocabulary.
-Plain Python: the server imports this.
+Plain Python: the server imports this (the KV store's and scheduler's errors only in
+`refusal`).
 """
 from __future__ import annotations
 
 from engine.protocol import (EngineError, QueueFullError, RequestTooLargeError,
                              TooManyChoicesError)
-from kvstore.errors import KVFull, KVNeverFits
-from scheduler.errors import QueueFull, RequestTooLarge
 
-# the lower layers' refusals, in the engine's vocabulary
-_REFUSALS = ((QueueFull, QueueFullError), (KVFull, QueueFullError),
-             (RequestTooLarge, RequestTooLargeError), (KVNeverFits, RequestTooLargeError))
+
+def _refusals() -> tuple:
+    """The lower layers' refusals, in the engine's vocabulary (imported here: the server
+    imports this module and must import neither the KV store nor the scheduler)."""
+    from kvstore.errors import KVFull, KVNeverFits
+    from scheduler.errors import QueueFull, RequestTooLarge
+    return ((QueueFull, QueueFullError), (KVFull, QueueFullError),
+            (RequestTooLarge, RequestTooLargeError), (KVNeverFits, RequestTooLargeError))
 
 
 def refusal(exc: Exception) -> EngineError:
     """The engine error for a request the scheduler or the KV store refused."""
-    for kind, error in _REFUSALS:
+    for kind, error in _refusals():
         if isinstance(exc, kind):
             return error(str(exc))
     return EngineError(f"request refused: {exc}")

@@ -31,7 +31,8 @@ TIERS = {"device", "host", "disk"}
 @pytest.fixture(scope="module")
 def tiered(tmp_path_factory):
     disk = tmp_path_factory.mktemp("kv")
-    with running_server("--kv-device-gb", "0.05", "--kv-host-gb", "0.05", "--kv-disk-gb", "0.1",
+    with running_server("--kv-device-gb", "0.05", "--kv-host-gb", "0.05", "--kv-host-pool",
+                        "separate", "--kv-disk-gb", "0.1",
                         "--kv-disk-path", str(disk), "--sparse-budget", "64",
                         "--sparse-local-tokens", "32") as proc:
         yield proc
