@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/decode_profile.py --context 7000 --batch 1 8
     .venv/bin/python bench/decode_profile.py --context 7000 --batch 8 --sparse-budget 1024
+    .venv/bin/python bench/decode_profile.py --batch 8 --sparse-budget 1024 --kv-device-gb 0.5 \
+        --set kv_host_gb=1 kv_disk_gb=8 kv_host_pool=separate     # any EngineArgs field
 
 One engine in this process (the server's defaults: --dtype auto --weights auto), `--batch`
 random-token prompts of `--context` tokens prefilled, then `--steps` decode steps timed under
@@ -16,7 +18,6 @@ Also the step's wall time without the profiler. Prints a table and writes JSON
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import json
 import os
@@ -25,12 +26,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (add_out_arg, cpu_line, machine, parser, time_calls,  # noqa: E402
+                          use_checkout_cache, write_json)
 
-from bench.throughput_report import machine  # noqa: E402
+use_checkout_cache()
 
 OWNERS = {
     "weights": ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm", "<built-in method "
@@ -67,13 +68,7 @@ def profile(context: int, batch: int, steps: int, extra: dict) -> dict:
         engine.step()
     prefill_s = time.perf_counter() - t0
     torch.set_num_threads(decode_threads)
-    for _ in range(3):
-        engine.step()
-    walls = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        walls.append(time.perf_counter() - t0)
+    walls = time_calls(engine.step, steps, warmup=3)
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
@@ -96,25 +91,33 @@ def profile(context: int, batch: int, steps: int, extra: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--context", type=int, default=7000)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--sparse-budget", type=int, default=0)
     ap.add_argument("--kv-device-gb", type=float, default=2.0)
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "decode_profile.json"))
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE",
+                    help="more EngineArgs fields (numbers as numbers), e.g. kv_disk_gb=8")
+    add_out_arg(ap, "decode_profile")
     args = ap.parse_args(argv)
     extra = {"kv_device_gb": args.kv_device_gb, "sparse_budget": args.sparse_budget}
+    for item in args.set:
+        name, _, value = item.partition("=")
+        try:
+            extra[name] = json.loads(value)
+        except ValueError:
+            extra[name] = value
     rows = [profile(args.context, b, args.steps, extra) for b in args.batch]
-    print(f"{machine()['cpu']} ({', '.join(machine()['cpu_flags'])}), {os.cpu_count()} cores")
+    m = machine()
+    print(f"{cpu_line(m)}, {os.cpu_count()} cores")
     print("| context x batch | weights | step ms | weights | attention | selection | other |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         s = {k: f"{1e3 * v:.1f}" for k, v in r["split_s"].items()}
         print(f"| {r['context']} x {r['batch']} | {r['weights']} | {1e3 * r['step_s']:.1f} | "
               f"{s['weights']} | {s['attention']} | {s['selection']} | {s['other']} |")
-    Path(args.out).write_text(json.dumps({"bench": "decode_profile", "machine": machine(),
-                                          "rows": rows}, indent=1))
+    write_json(args.out, {"bench": "decode_profile", "machine": m, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -7,34 +7,32 @@ transformers: one forward of [B, 1] tokens with a DynamicCache of `context - 1` 
 """
 from __future__ import annotations
 
-import argparse
+import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from engine.gguf_convert import ensure_hf_folder
-from engine.model_loader import load_model
-from kernels.attention import AttentionBatch
-
-
-def _time(fn, steps: int) -> float:
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - t0) / steps
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import parser, time_calls  # noqa: E402
+from engine.gguf_convert import ensure_hf_folder  # noqa: E402
+from engine.model_loader import load_model  # noqa: E402
+from kernels.attention import AttentionBatch  # noqa: E402
+from tests.kv_cache import make_kv_cache  # noqa: E402 - the harness's dense KV cache
 
 
 def ours_step_s(model, batch_size: int, context: int, page_size: int, steps: int) -> float:
     per_seq = -(-context // page_size)
-    cache = model.make_kv_cache(batch_size * per_seq + 1, page_size)
+    cache = make_kv_cache(model, batch_size * per_seq + 1, page_size)
     ids = torch.randperm(cache.num_pages)[:batch_size * per_seq].view(batch_size, per_seq)
     batch = AttentionBatch.build(ids.tolist(), [context] * batch_size, [1] * batch_size,
                                  page_size)
     tokens = torch.randint(0, model.config.vocab_size, (batch_size,))
     positions = torch.full((batch_size,), context - 1, dtype=torch.int64)
     rows = torch.arange(batch_size)
-    return _time(lambda: model(tokens, positions, batch, cache, rows), steps)
+    return statistics.fmean(time_calls(lambda: model(tokens, positions, batch, cache, rows), steps))
 
 
 def hf_step_s(folder, dtype, batch_size: int, context: int, steps: int) -> float:
@@ -62,7 +60,7 @@ def hf_step_s(folder, dtype, batch_size: int, context: int, steps: int) -> float
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--model", default="bundled")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)

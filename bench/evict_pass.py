@@ -11,7 +11,6 @@ pass evicts `--want` pages (the batch `Fetcher._make_room` evicts: capacity / 32
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -20,10 +19,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import parser  # noqa: E402
 from kvstore.config import KVStoreConfig  # noqa: E402 - after the path above
 from kvstore.fetcher import Fetcher  # noqa: E402
 from kvstore.store import TieredKVStore  # noqa: E402
@@ -34,34 +32,34 @@ LAYERS = 30
 def make_store(args, root: Path) -> TieredKVStore:
     cfg = KVStoreConfig(page_size=16, device_bytes=int(args.kv_device_gb * 2**30),
                         host_bytes=int(args.kv_host_gb * 2**30), disk_bytes=4 << 30,
-                        disk_path=root, residency=args.residency)
+                        merge_host=False, disk_path=root, residency=args.residency)
     store = TieredKVStore(cfg, LAYERS, 3, 64, torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    dev, host = store.device_tier, store.host_tier
-    keys = torch.randperm(store.clean.numel(), generator=g)
+    dev, host = store.tiers.device_tier, store.tiers.host_tier
+    keys = torch.randperm(store.tiers.clean.numel(), generator=g)
     dev.alloc_slots(keys[:dev.num_slots])
     both = dev.num_slots // 3
     host.alloc_slots(torch.cat([keys[:both], keys[dev.num_slots:dev.num_slots + host.num_slots
                                                    - both]]))
-    store.clean[:] = torch.rand(store.clean.numel(), generator=g) < 0.95
+    store.tiers.clean[:] = torch.rand(store.tiers.clean.numel(), generator=g) < 0.95
     now = 50 * LAYERS
-    store.clock_now = now
-    for pol, n in ((store.residency, dev.num_slots), (store.host_residency, host.num_slots)):
+    store.tiers.clock_now = now
+    for pol, n in ((store.tiers.residency, dev.num_slots), (store.tiers.host_residency, host.num_slots)):
         pol.last_used[:] = now - torch.randint(0, 2 * LAYERS, (n,), generator=g)
-    store.device_pinned[:] = torch.rand(dev.num_slots, generator=g) < 0.02
+    store.tiers.device_pinned[:] = torch.rand(dev.num_slots, generator=g) < 0.02
     return store
 
 
 def snapshot(store: TieredKVStore) -> list[tuple[torch.Tensor, torch.Tensor]]:
     tensors = []
-    for tier in (store.device_tier, store.host_tier):
+    for tier in (store.tiers.device_tier, store.tiers.host_tier):
         tensors += [tier._slot_of, tier._key_of, tier._free]
-    tensors += [store.residency.last_used, store.host_residency.last_used]
+    tensors += [store.tiers.residency.last_used, store.tiers.host_residency.last_used]
     return [(t, t.clone()) for t in tensors]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--kv-device-gb", type=float, default=0.064)
     ap.add_argument("--kv-host-gb", type=float, default=0.256)
     ap.add_argument("--residency", default="cycle")
@@ -72,27 +70,27 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         store = make_store(args, Path(tmp))
-        dev = store.device_tier
+        dev = store.tiers.device_tier
         want = args.want or dev.num_slots // 32
         protect = dev.keys()[torch.randperm(dev.num_pages)[:args.protect]]
         saved = snapshot(store)
-        free = (dev.num_free, store.host_tier.num_free)
+        free = (dev.num_free, store.tiers.host_tier.num_free)
         results = {}
         for native in (False, True, False, True):
-            fetcher = Fetcher(store)
+            fetcher = Fetcher(store.tiers)
             fetcher.native = native
             times = []
             for _ in range(args.repeats):
                 for t, copy in saved:
                     t.copy_(copy)
                 dev.set_num_free(free[0])
-                store.host_tier.set_num_free(free[1])
-                store.demotions.clear()
+                store.tiers.host_tier.set_num_free(free[1])
+                store.tiers.demotions.clear()
                 t0 = time.perf_counter()
                 fetcher._evict(want, protect)
                 times.append(time.perf_counter() - t0)
             results.setdefault(native, []).extend(times)
-    print(f"device {dev.num_slots} slots, host {store.host_tier.num_slots} slots, "
+    print(f"device {dev.num_slots} slots, host {store.tiers.host_tier.num_slots} slots, "
           f"{args.residency}; a pass evicts {want} pages outside {args.protect} protected")
     for native, name in ((False, "torch (Fetcher._evictable, victims, evict_device)"),
                          (True, "C (kvstore/_evict.c)")):

@@ -10,12 +10,11 @@ The plan is built once outside the timed loop (forward only), as in bench/sparse
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 
 import torch
 
+from bench.common import add_shape_args, parser, time_calls
 from kernels.attention import AttentionBatch, TorchPagedAttention
 from kernels.page_table import PageTable
 from kernels.sparse_attention import TorchSparseDecode
@@ -23,25 +22,16 @@ from kvstore.tiers.base import PageShape
 
 
 def _median_ms(fn, repeats: int) -> tuple[float, float]:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
+    times = time_calls(fn, repeats, warmup=3)
     return statistics.median(times) * 1e3, min(times) * 1e3
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--slots", type=int, default=4000)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--heads", type=int, default=9)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
+    add_shape_args(ap)
     ap.add_argument("--sparse-pages", type=int, default=64, help="pages per (sequence, KV head)")
     ap.add_argument("--dense-pages", type=int, default=440, help="pages per sequence")
     ap.add_argument("--repeats", type=int, default=50)

@@ -9,7 +9,6 @@ Same shapes as bench/kv_layout.py. The NHD pool holds the same K/V as the HND po
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import statistics
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import parser
 from kernels.attention import AttentionBatch, TorchPagedAttention
 from kernels.page_table import PageTable
 from kernels.sparse_attention import TorchSparseDecode
@@ -32,7 +32,7 @@ def _load(root: Path, name: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("nhd_root", type=Path, help="checkout with the NHD kernels")
     ap.add_argument("--slots", type=int, default=4000)
     ap.add_argument("--rounds", type=int, default=30)

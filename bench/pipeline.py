@@ -27,24 +27,20 @@ thread; the stage threads use the second core. Results: bench/results/pipeline.j
 """
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import json
-import os
 import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (KV_TMP, RESULTS, EngineSteps, add_out_arg,  # noqa: E402
+                          add_replot_arg, add_thread_args, code_version, counter_delta,
+                          essay_prompts, parser, profile_text, pyplot, read_json, result_path,
+                          save_figure, use_checkout_cache, write_json)
 
-from bench.sparse_decode import code_version, make_prompts  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
+use_checkout_cache()
 STAGES = ("select", "resolve", "fetch", "compute")
 
 
@@ -54,7 +50,6 @@ def run(args) -> dict:
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from kvstore.calibration import CALIBRATION_CANDIDATES, CALIBRATION_STEPS
-    from kvstore.pipeline import Pipeline
     from scheduler.sampling_params import SamplingParams
     from server.tokenizer import Tokenizer
     from tqdm import tqdm
@@ -83,27 +78,14 @@ def run(args) -> dict:
         engine = LLMEngine(eargs)
         store = engine.store
         tok = Tokenizer.from_folder(engine.model_folder)
-        prompts = make_prompts(tok, args.requests, args.context)
+        prompts = essay_prompts(tok, args.requests, args.context)
         params = SamplingParams(max_tokens=total_steps, temperature=0.0, ignore_eos=True)
         rids = [f"r{i}" for i in range(len(prompts))]
-        produced = {rid: 0 for rid in rids}
-        errors: dict[str, str] = {}
-
-        def step() -> list:
-            outs = engine.step()
-            for o in outs:
-                produced[o.request_id] += len(o.new_token_ids)
-                if o.error:
-                    errors[o.request_id] = o.error
-            if errors:
-                raise RuntimeError(f"requests failed: {errors}")
-            return outs
+        driver = EngineSteps(engine, raise_errors=True)  # a failed request fails the bench
+        step = driver.step
 
         t0 = time.perf_counter()
-        for rid, p in tqdm(list(zip(rids, prompts)), desc="prefill", leave=False):
-            engine.add_request(rid, p, params)
-            while produced[rid] == 0:
-                step()
+        driver.prefill_one_by_one(dict(zip(rids, prompts)), params, "prefill")
         prefill_s = time.perf_counter() - t0
         torch.set_num_threads(args.decode_threads)
         # calibration of the SFC micro-batch (the engine was built with --micro-batch 0)
@@ -120,11 +102,8 @@ def run(args) -> dict:
                     for (m, mb, b), k in key.items()}
         if args.profile:
             import cProfile
-            import io
-            import pstats
             m = args.profile
-            store.pipeline.close()
-            store.pipeline = Pipeline(store, m, calibrated if m == "sfc" else 0)
+            store.use_pipeline(m, calibrated if m == "sfc" else 0)
             step()
             prof = cProfile.Profile()
             t0 = time.perf_counter()
@@ -133,12 +112,10 @@ def run(args) -> dict:
                 step()
             prof.disable()
             ms = 1e3 * (time.perf_counter() - t0) / args.steps
-            ps = pstats.Stats(prof, stream=(out := io.StringIO()))
-            ps.sort_stats("tottime").print_stats(30).sort_stats("cumtime").print_stats(40)
             (RESULTS / f"pipeline_profile_{m}.txt").write_text(
                 f"cProfile of {args.steps} decode steps, --pipeline {m}, {args.requests} x "
                 f"~{args.context} tokens; {ms:.0f} ms/step under the profiler (engine thread "
-                f"only; stage threads are not profiled)\n" + out.getvalue())
+                f"only; stage threads are not profiled)\n" + profile_text(prof))
             print(f"wrote {RESULTS / f'pipeline_profile_{m}.txt'}")
             return None
         bar = tqdm(total=args.rounds * (len(modes) + 2 * len(sweep)) * args.steps,
@@ -150,14 +127,11 @@ def run(args) -> dict:
             for m, mb, b in runs:
                 rec = per_mode[key[m, mb, b]]
                 set_budget(store, b)
-                set_residency(store, "lru" if m == "sequential-lru" else "cycle")
-                store.pipeline.close()
-                store.pipeline = Pipeline(store, "sfc" if m.startswith("sfc") else
-                                          m.removesuffix("-lru"), mb,
-                                          resolve_thread=m == "sfc-3threads",
-                                          whole_batch_compute=m == "sfc-whole",
-                                          reuse_ahead={"sfc-no-ahead": 0,
-                                                       "sfc-ahead2": 2}.get(m, 1))
+                store.tiers.use_residency("lru" if m == "sequential-lru" else "cycle")
+                store.use_pipeline("sfc" if m.startswith("sfc") else m.removesuffix("-lru"), mb,
+                                   resolve_thread=m == "sfc-3threads",
+                                   whole_batch_compute=m == "sfc-whole",
+                                   reuse_ahead={"sfc-no-ahead": 0, "sfc-ahead2": 2}.get(m, 1))
                 for _ in range(args.warmup):        # the tiers settle to the mode: not timed
                     step()
                 before = store.stats.snapshot()
@@ -175,12 +149,11 @@ def run(args) -> dict:
     finally:
         shutil.rmtree(disk_path, ignore_errors=True)
 
-    def delta(pairs, field):
+    def delta(pairs, field):                  # summed over the rounds
         out: dict = {}
         for a, b in pairs:
-            da, db = getattr(a, field), getattr(b, field)
-            for k in set(da) | set(db):
-                out[k] = out.get(k, 0) + db.get(k, 0) - da.get(k, 0)
+            for k, v in counter_delta(getattr(a, field), getattr(b, field)).items():
+                out[k] = out.get(k, 0) + v
         return out
 
     results = {}
@@ -225,17 +198,7 @@ def run(args) -> dict:
 
 def set_budget(store, budget: int) -> None:
     """Swap the store's --sparse-budget (read at each decode step; prefill is dense)."""
-    store.cfg = dataclasses.replace(store.cfg, sparse_budget=budget)
-
-
-def set_residency(store, name: str) -> None:
-    """Swap the device and host tiers' residency policy (the same stamps carry over)."""
-    from kvstore.residency import make_residency
-    for attr in ("residency", "host_residency"):
-        old = getattr(store, attr)
-        new = make_residency(name, 0, store.num_layers)
-        new.last_used = old.last_used
-        setattr(store, attr, new)
+    store.reconfigure(sparse_budget=budget)
 
 
 def print_table(res: dict) -> None:
@@ -285,13 +248,9 @@ def budget_sweep(res: dict) -> dict:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [n for n in res["modes"] if "@" not in n]
     sweep = budget_sweep(res)
-    fig, axes = plt.subplots(1, 3 if len(sweep) > 1 else 2,
+    fig, axes = pyplot().subplots(1, 3 if len(sweep) > 1 else 2,
                              figsize=(16 if len(sweep) > 1 else 11, 4))
     ax, ax2 = axes[:2]
     steps = [res["modes"][n]["step_ms_median"] for n in names]
@@ -340,12 +299,11 @@ def plot(res: dict, path: Path) -> None:
     fig.suptitle(f"{res['requests']} x ~{statistics.mean(res['prompt_tokens']):.0f} tokens, "
                  f"KV device {res['kv_device_gb']} GB / host {res['kv_host_gb']} GB / disk, "
                  f"budget {res['sparse_budget']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--context", type=int, default=7000)
     ap.add_argument("--budget", type=int, default=1024, help="sparse budget of every mode")
@@ -360,10 +318,9 @@ def main() -> None:
                          "the mode: with 2, sfc's first 2 timed steps ran 3-7%% slower)")
     ap.add_argument("--micro-batches", type=int, nargs="*", default=[],
                     help="extra fixed SFC micro-batch sizes to time")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads for prefill")
-    ap.add_argument("--decode-threads", type=int, default=1)
+    add_thread_args(ap)
     ap.add_argument("--prefill-tokens", type=int, default=8192)
-    ap.add_argument("--kv-disk-path", default=str(RESULTS / "kv-tmp"))
+    ap.add_argument("--kv-disk-path", default=str(KV_TMP))
     ap.add_argument("--with-resolve-thread", action="store_true",
                     help="also time SFC with resolution on its own thread (3 stage threads)")
     ap.add_argument("--switch-interval", type=float, default=None,
@@ -371,11 +328,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--profile", choices=("sequential", "sfc", "layer-ahead"), default=None,
                     help="instead of the rounds: cProfile --steps steps of this mode")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--replot", default=None)
+    add_out_arg(ap, "pipeline", quick=True)
+    add_replot_arg(ap, "plot (and tables)")
     args = ap.parse_args()
     if args.replot:
-        res = json.loads(Path(args.replot).read_text())
+        res = read_json(args.replot)
         print_table(res)
         plot(res, Path(args.replot).with_suffix(".png"))
         return
@@ -383,12 +340,11 @@ def main() -> None:
         sys.setswitchinterval(args.switch_interval)
     if args.quick:
         args.requests, args.context, args.rounds, args.steps = 4, 4000, 2, 4
-    out = Path(args.out) if args.out else RESULTS / ("pipeline_quick.json" if args.quick
-                                                     else "pipeline.json")
+    out = result_path(args.out, "pipeline", args.quick)
     res = run(args)
     if res is None:
         return
-    out.write_text(json.dumps(res, indent=1))
+    write_json(out, res)
     print_table(res)
     plot(res, out.with_suffix(".png"))
     print(f"\nwrote {out} and {out.with_suffix('.png')}")

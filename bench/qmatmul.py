@@ -9,19 +9,15 @@ Prints a table and writes bench/results/qmatmul.json (the CPU named).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.throughput_report import machine  # noqa: E402
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import add_out_arg, cpu_line, machine, parser, write_json  # noqa: E402
 from kernels.packed_linear import PackedWeight  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -56,21 +52,20 @@ def run(threads: int, rows: int, sweeps: int = 5) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "qmatmul.json"))
+    add_out_arg(ap, "qmatmul")
     args = ap.parse_args(argv)
     rows = [{"threads": t, "rows": r, "ms": {k: 1e3 * v for k, v in run(t, r).items()}}
             for t in args.threads for r in (1, 8)]
     m = machine()
-    print(f"{m['cpu']} ({', '.join(m['cpu_flags'])})")
+    print(cpu_line(m))
     print("| threads | rows | " + " | ".join(CASES) + " |")
     print("|---|---|" + "---|" * len(CASES))
     for r in rows:
         print(f"| {r['threads']} | {r['rows']} | " +
               " | ".join(f"{r['ms'][k]:.1f}" for k in CASES) + " |")
-    Path(args.out).write_text(json.dumps({"bench": "qmatmul", "machine": m, "rows": rows},
-                                         indent=1))
+    write_json(args.out, {"bench": "qmatmul", "machine": m, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Results: bench/results/roofline.json and .png.
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import sys
@@ -33,12 +32,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (KV_TMP, RESULTS, ROOT, add_out_arg, add_replot_arg,  # noqa: E402
+                          model_folder, parser, pyplot, read_json, result_header, result_path,
+                          save_figure, use_checkout_cache, write_json)
 
-RESULTS = ROOT / "bench" / "results"
+use_checkout_cache()
 KIB = 1024
 
 
@@ -124,9 +124,7 @@ def measure_disk(folder: Path, gib: float, seconds: float, blocks: list[int],
 # ------------------------------------------------------------------------------ achieved
 def model_bytes() -> dict:
     """bf16 bytes of the bundled model's weights and of one token's KV in one layer."""
-    from engine.args import default_cache_dir
-    from engine.gguf_convert import ensure_hf_folder
-    cfg = json.loads((ensure_hf_folder(None, default_cache_dir()) / "config.json").read_text())
+    cfg = read_json(model_folder() / "config.json")
     h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     heads, kvh = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d = cfg.get("head_dim") or h // heads
@@ -169,11 +167,8 @@ def achieved(throughput: dict, dram_gbps: float, disk_gbps: float,
 
 
 def plot(report: dict, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     rows = report.get("achieved", [])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 3.8))
     dram = report["dram"]["read_gbps"]
     disk = report["disk"]
     ax = axes[0]
@@ -208,33 +203,29 @@ def plot(report: dict, png: Path) -> None:
     ax.legend(fontsize=7)
     m = report.get("machine", {})
     fig.suptitle(f"Roofline ({m.get('cores', '?')} cores, {m.get('cpu', '')})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, dpi=110)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, paragraph=True)
     ap.add_argument("--dram-gib", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--path", default=str(RESULTS / "kv-tmp"))
+    ap.add_argument("--path", default=str(KV_TMP))
     ap.add_argument("--disk-gib", type=float, default=2.0)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--blocks-kib", type=int, nargs="+", default=[64, 256, 1024])
     ap.add_argument("--throughput", default=str(RESULTS / "throughput.json"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--replot", default=None)
+    add_out_arg(ap, "roofline", quick=True)
+    add_replot_arg(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.throughput import machine
-    from bench.sparse_decode import code_version
     args = build_parser().parse_args(argv)
     if args.replot:
-        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        plot(read_json(args.replot), Path(args.replot).with_suffix(".png"))
         return
     if args.quick:
         args.dram_gib, args.repeats, args.disk_gib, args.seconds = 0.25, 3, 0.5, 0.5
@@ -247,15 +238,14 @@ def main(argv: list[str] | None = None) -> None:
                         [b * KIB for b in args.blocks_kib], args.threads)
     bar.update(1)
     bar.close()
-    report = {"bench": "roofline", "code_version": code_version(), "machine": machine(),
-              "dram": dram, "disk": disk, "achieved": [], "throughput": None}
+    report = {**result_header("roofline"), "dram": dram, "disk": disk, "achieved": [],
+              "throughput": None}
     tp = Path(args.throughput)
     if tp.exists():
         report["throughput"] = str(tp.relative_to(ROOT) if tp.is_relative_to(ROOT) else tp)
-        report["achieved"] = achieved(json.loads(tp.read_text()), max(dram["read_gbps"].values()),
+        report["achieved"] = achieved(read_json(tp), max(dram["read_gbps"].values()),
                                       disk["best_gbps"])
-    out = Path(args.out or RESULTS / ("roofline_quick.json" if args.quick else "roofline.json"))
-    out.write_text(json.dumps(report, indent=1))
+    out = write_json(result_path(args.out, "roofline", args.quick), report)
     plot(report, out.with_suffix(".png"))
     for k, v in dram["read_gbps"].items():
         print(f"DRAM read, {k}: {v:.1f} GB/s")

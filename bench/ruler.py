@@ -40,7 +40,7 @@ the mean over tasks. Greedy decoding (temperature 0), max_tokens per task in MAX
 Configs: `dense` (no sparse flags) and `sparse-N` (--sparse-budget N; otherwise the server's
 defaults, every page on the device tier); suffixes as in bench/needle.py: `-union`
 (--sparse-head-pages union), `-mean` (--selector mean), `-pS` (--sparse-prior-share S). Each config
-starts one server (bench/serving.py's start_server), gets every sample (the same ones), and is
+starts one server (bench/common.py's start_server), gets every sample (the same ones), and is
 stopped. Cost on a 2-core CPU: prefill runs ~200-500 tokens/s (4 requests in flight, shared box),
 so each config takes about total prompt tokens / 400 s: ~3-4 min for the default 16 samples
 (88K tokens; ~15-20 min for the 5 configs), 40-90 s for --quick (16K tokens; 133 s in all).
@@ -56,24 +56,23 @@ import importlib.util
 import itertools
 import json
 import os
-import platform
 import random
 import re
 import string
-import subprocess
 import sys
 import time
 from functools import lru_cache
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
-
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (add_out_arg, add_replot_arg, async_openai,  # noqa: E402
+                          code_version, cpu_name, model_folder, parser, plot_by_budget,
+                          read_json, result_path, server_or_url, use_checkout_cache,
+                          write_json)
 from server.tokenizer import Tokenizer  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
+use_checkout_cache()
 MAX_POSITIONS = 8192                       # SmolLM2-135M's max_position_embeddings
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt")
 # tokens generated per task: the longest full-sentence answers ("The special magic number for
@@ -325,20 +324,14 @@ def config_flags(name: str) -> list[str]:
     return flags
 
 
-def config_budget(name: str) -> int:
-    return 0 if name == "dense" else int(name.split("-")[1])
-
-
 # ------------------------------------------------------------------------------ running
 async def query_all(url: str, model: str | None, samples: list[dict], concurrency: int,
                     desc: str) -> list[dict]:
     """Every sample through /v1/chat/completions (greedy), `concurrency` in flight
     -> [{prediction, server_tokens, error}] in the samples' order."""
-    from openai import AsyncOpenAI
     from tqdm import tqdm
 
-    client = AsyncOpenAI(base_url=url, api_key=os.environ.get("STRATA_API_KEY", "none"),
-                         timeout=3600, max_retries=0)
+    client = async_openai(url, timeout=3600)
     if model is None:
         model = (await client.models.list()).data[0].id
     sem = asyncio.Semaphore(concurrency)
@@ -366,20 +359,8 @@ async def query_all(url: str, model: str | None, samples: list[dict], concurrenc
 
 def run_config(name: str, samples: list[dict], args) -> list[dict]:
     """Start a server for the config (unless --url), send every sample, stop it."""
-    from bench.serving import start_server
-    proc, url = None, args.url
-    if url is None:
-        proc, url = start_server(config_flags(name) + args.server_args.split())
-    try:
+    with server_or_url(args.url, config_flags(name) + args.server_args.split()) as (_, url):
         outs = asyncio.run(query_all(url, args.model, samples, args.concurrency, name))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
     rows = []
     for s, o in zip(samples, outs):
         pred = postprocess(o["prediction"])
@@ -425,56 +406,16 @@ def print_table(report: dict) -> None:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     summ = {(r["config"], r["length"]): r["score"] for r in report["summary"]}
-    configs = report["settings"]["configs"]
-    lengths = report["settings"]["lengths"]
-    variants: dict[str, list[str]] = {}
-    for c in configs:
-        if c != "dense":
-            variants.setdefault("-".join(c.split("-")[2:]), []).append(c)
-    fig, ax = plt.subplots(figsize=(8.5, 4))
-    styles = [("-", "o"), (":", "x"), ("-.", "s"), ("--", "^"), (":", "v")]
-    for k, n in enumerate(lengths):
-        for v, (ls, mk) in zip(sorted(variants), styles):
-            cs = sorted(variants[v], key=config_budget)
-            ax.plot([config_budget(c) for c in cs], [summ.get((c, n)) for c in cs], ls=ls,
-                    marker=mk, ms=7, color=f"C{k}",
-                    label=f"sparse{' ' + v if v else ''}, ~{n} tokens")
-        if ("dense", n) in summ:
-            ax.axhline(summ[("dense", n)], ls="--", color=f"C{k}", label=f"dense, ~{n} tokens")
-    xs = sorted({config_budget(c) for c in configs if c != "dense"})
-    if xs:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel("sparse budget (tokens per request, layer, KV head)")
-    ax.set_ylabel("RULER accuracy, mean over tasks (%)")
-    ax.set_ylim(-5, 105)
     s = report["settings"]
-    ax.set_title(f"RULER ({', '.join(s['tasks'])}), SmolLM2-135M, greedy, "
-                 f"samples per task and length: {s['per_task']}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    plot_by_budget(lambda c, n: summ.get((c, n)), s["configs"], s["lengths"], path,
+                   "RULER accuracy, mean over tasks (%)",
+                   f"RULER ({', '.join(s['tasks'])}), SmolLM2-135M, greedy, "
+                   f"samples per task and length: {s['per_task']}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=None,
                     help="target prompt lengths in tokens (default 4000 7000; --quick 4000)")
     ap.add_argument("--per-task", type=int, default=None,
@@ -491,9 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     ap.add_argument("--server-args", default="", help="extra flags for every started server")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/ruler.json, "
-                                                "ruler_quick.json with --quick)")
-    ap.add_argument("--replot", default=None, metavar="JSON", help="only redraw this JSON's plot")
+    add_out_arg(ap, "ruler", quick=True)
+    add_replot_arg(ap)
     return ap
 
 
@@ -502,7 +442,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.replot:
         path = Path(args.replot)
-        plot(json.loads(path.read_text()), path.with_suffix(".png"))
+        plot(read_json(path), path.with_suffix(".png"))
         print(f"wrote {path.with_suffix('.png')}")
         return
     lengths = args.lengths or ([4000] if args.quick else [4000, 7000])
@@ -516,14 +456,10 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(str(exc))
     if args.url and len(configs) != 1:
         ap.error("--url runs one config: name it with a single --configs value")
-    out = Path(args.out) if args.out else RESULTS / ("ruler_quick.json" if args.quick
-                                                     else "ruler.json")
+    out = result_path(args.out, "ruler", args.quick)
     t_all = time.perf_counter()
 
-    from bench.sparse_decode import code_version
-    from engine.args import default_cache_dir
-    from engine.gguf_convert import ensure_hf_folder
-    folder = ensure_hf_folder(None, default_cache_dir())
+    folder = model_folder()
     tok = Tokenizer.from_folder(folder)
     t0 = time.perf_counter()
     samples = generate(tok, args.tasks, lengths, per_task, args.seed)
@@ -564,8 +500,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"WARNING: {len(mismatched)} prompts counted differently by the server, e.g. "
               f"{mismatched[0]['tokens']} here against {mismatched[0]['server_tokens']}")
     print_table(report)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    write_json(out, report)
     png = out.with_suffix(".png")
     plot(report, png)
     print(f"\nwrote {out} and {png}; wall time {wall:.0f} s")

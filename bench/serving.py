@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 from openai import AsyncOpenAI
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script from a checkout
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (add_out_arg, async_openai, model_folder, pct,  # noqa: E402
+                          server_or_url, write_json)
+
 TOPICS = ["the water cycle", "how a compiler works", "the history of the printing press",
           "why the sky is blue", "how vaccines train the immune system", "the rules of chess",
           "photosynthesis", "how bridges carry load", "the causes of inflation", "plate tectonics",
@@ -38,42 +37,9 @@ def prompts(n: int) -> list[str]:
             f"(request {i})." for i in range(n)]
 
 
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))
-    return xs[k]
-
-
 def summary(xs: list[float]) -> dict:
     return {"mean": statistics.fmean(xs) if xs else float("nan"),
             "p50": pct(xs, 50), "p90": pct(xs, 90), "p99": pct(xs, 99)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(extra: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port), *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url + "/v1"
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not become ready")
 
 
 async def one(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> dict:
@@ -97,8 +63,7 @@ async def one(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> 
 
 
 async def run_clients(url: str, model: str, ps: list[str], concurrency: int, max_tokens: int) -> dict:
-    client = AsyncOpenAI(base_url=url, api_key=os.environ.get("STRATA_API_KEY", "none"),
-                         timeout=3600)
+    client = async_openai(url, timeout=3600, max_retries=2)     # the SDK's default retries
     sem = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(ps), desc=f"strata c={concurrency}", unit="req")
 
@@ -153,26 +118,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--server-args", default="", help="extra flags for the started server")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "serving.json"))
+    add_out_arg(ap, "serving")
     a = ap.parse_args()
 
     ps = prompts(a.num_prompts)
     result = {"config": vars(a), "machine": {"cpus": os.cpu_count(), "platform": sys.platform}}
-    proc = None
-    url = a.url
-    if url is None:
-        proc, url = start_server(["--dtype", a.dtype, *a.server_args.split()])
-    try:
+    with server_or_url(a.url, ["--dtype", a.dtype, *a.server_args.split()]) as (_, url):
         result["strata"] = asyncio.run(run_clients(url, a.model, ps, a.concurrency, a.max_tokens))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
     if not a.skip_transformers:
-        from engine.args import default_cache_dir
-        from engine.gguf_convert import ensure_hf_folder
-        folder = ensure_hf_folder(None, default_cache_dir())
-        result["transformers"] = run_transformers(folder, ps, a.concurrency, a.max_tokens, a.dtype)
+        result["transformers"] = run_transformers(model_folder(), ps, a.concurrency,
+                                                  a.max_tokens, a.dtype)
 
     s = result["strata"]
     print(f"\nstrata       c={a.concurrency}: {s['requests_per_s']:.2f} req/s, "
@@ -184,8 +139,7 @@ def main() -> None:
         print(f"transformers b={a.concurrency}: {t['requests_per_s']:.2f} req/s, "
               f"{t['output_tokens_per_s']:.1f} output tok/s  "
               f"(strata/transformers = {s['output_tokens_per_s'] / t['output_tokens_per_s']:.2f}x)")
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    write_json(a.out, result, indent=2)
     print(f"wrote {a.out}")
 
 

@@ -13,7 +13,6 @@ percentiles, and RSS / open files after the warm-up against the end; writes JSON
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -26,12 +25,10 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run as a script from a checkout
-
-from bench.serving import pct, start_server  # noqa: E402
-from bench.sparse_decode import code_version  # noqa: E402
-from bench.throughput_report import machine  # noqa: E402
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (add_out_arg, parser, pct, proc_memory, pyplot,  # noqa: E402
+                          result_header, save_figure, server_or_url, write_json)
 
 SERVER_ARGS = ("--kv-device-gb 0.1 --kv-host-gb 0.05 --kv-disk-gb 2 --max-num-seqs 8 "
                "--max-waiting 512")
@@ -76,9 +73,8 @@ async def one(http: httpx.AsyncClient, rng: random.Random, disconnect: float) ->
 def sample(pid: int | None) -> dict:
     if pid is None:
         return {}
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS"))
-    return {"rss_mb": rss / 1024, "open_files": len(os.listdir(f"/proc/{pid}/fd"))}
+    return {"rss_mb": proc_memory(pid)["VmRSS"] / 2**20,
+            "open_files": len(os.listdir(f"/proc/{pid}/fd"))}
 
 
 async def soak(base: str, pid: int | None, clients: int, seconds: float,
@@ -121,8 +117,7 @@ def report(run: dict, args) -> dict:
         if warm and key in warm[0]:
             flat[key] = {"after_warmup": warm[0][key], "end": samples[-1][key],
                          "max": max(s[key] for s in warm)}
-    return {"bench": "soak", "code_version": code_version(), "machine": machine(),
-            "clients": args.clients,
+    return {**result_header("soak"), "clients": args.clients,
             "minutes": args.minutes, "disconnect": args.disconnect,
             "server_args": args.server_args, "requests": len(results),
             "hang_ups": sum(r["kind"] == "hang-up" for r in results),
@@ -132,13 +127,10 @@ def report(run: dict, args) -> dict:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     samples = [s for s in summary["samples"] if "rss_mb" in s]
     if not samples:
         return
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = pyplot().subplots(figsize=(7, 3.2))
     t = [s["t"] / 60 for s in samples]
     ax.plot(t, [s["rss_mb"] for s in samples], label="RSS (MB)")
     ax2 = ax.twinx()
@@ -149,12 +141,11 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_title(f"soak: {summary['clients']} clients, {summary['requests']} requests, "
                  f"{summary['failed']} failed")
     fig.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--disconnect", type=float, default=0.1,
@@ -163,22 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default=None, help="an already running server (no RSS sampling)")
     ap.add_argument("--server-args", default=SERVER_ARGS,
                     help="flags of the server it starts, one string (--server-args='...')")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "soak.json"))
+    add_out_arg(ap, "soak")
     args = ap.parse_args(argv)
-    proc, base = None, args.url
-    if base is None:
-        proc, url = start_server(shlex.split(args.server_args))
-        base = url.removesuffix("/v1")
-    try:
+    with server_or_url(args.url, shlex.split(args.server_args), api="") as (proc, base):
         run = asyncio.run(soak(base, proc.pid if proc else None, args.clients,
                                args.minutes * 60, args.disconnect, args.seed))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
     summary = report(run, args)
-    out = Path(args.out)
-    out.write_text(json.dumps(summary, indent=1))
+    out = write_json(args.out, summary)
     plot(summary, out.with_suffix(".png"))
     print(f"{summary['requests']} requests ({summary['hang_ups']} hung up on purpose), "
           f"{summary['failed']} failed; latency p50 {summary['latency_s']['p50']:.2f} s, "

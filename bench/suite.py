@@ -30,14 +30,14 @@ report goes to bench/results/report<suffix>.md). The wall time of each part is p
 """
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results"
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import RESULTS, ROOT, parser  # noqa: E402
 
 PRESETS = {
     "quick": {
@@ -75,7 +75,7 @@ def commands(preset: str, suffix: str | None = None) -> list[tuple[str, list[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, paragraph=True)
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true")
     g.add_argument("--full", action="store_true")

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import statistics
@@ -51,18 +50,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("STRATA_CACHE_DIR", str(ROOT / ".cache" / "models"))
-
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import (KV_TMP, LOGS, add_out_arg, add_replot_arg, async_openai,  # noqa: E402
+                          essay_texts, parser, pct, read_json, result_header, result_path,
+                          start_server, stop, tokenizer, use_checkout_cache, write_json)
 from bench.peers import hf_transformers, llamacpp  # noqa: E402
-from bench.serving import free_port, pct  # noqa: E402
-from bench.sparse_decode import code_version, essay_ids  # noqa: E402
-from bench.throughput_report import (burst_row, machine, plot, table,  # noqa: E402,F401
-                                     weight_lines)
+from bench.throughput_report import burst_row, plot, table, weight_lines  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
+use_checkout_cache()
 MODEL_LEN = 8192
 MAX_SEQS = 16           # Strata's --max-num-seqs: the largest level or burst
 CONFIGS: dict[str, list[str]] = {
@@ -75,65 +71,13 @@ CONFIGS: dict[str, list[str]] = {
 }
 PEERS = ("llama.cpp", "transformers-fp32", "transformers")
 DEFAULT_PEERS = ["llama.cpp", "transformers-fp32"]
-QUESTION = "\n\nSummarize the text above in a few sentences."
 CALIBRATION_WAIT = 40   # decode steps at most before timing, for sfc's micro-batch calibration
 
 
-# ------------------------------------------------------------------------------ prompts
-def make_texts(tok, n: int, context: int) -> list[str]:
-    """n user messages whose chat-formatted prompt is ~`context` tokens: essay text (a different
-    start for each) and a question."""
-    ids = essay_ids(tok)
-    overhead = len(tok.encode_chat([{"role": "user", "content": QUESTION}]))
-    texts = []
-    for i in range(n):
-        start = (i * 17_011) % (len(ids) - context)
-        texts.append(tok.decode(ids[start:start + context - overhead - 4]) + QUESTION)
-    return texts
-
-
-def tokenizer():
-    from engine.args import default_cache_dir
-    from engine.gguf_convert import ensure_hf_folder
-    from server.tokenizer import Tokenizer
-    return Tokenizer.from_folder(ensure_hf_folder(None, default_cache_dir()))
-
-
 # ------------------------------------------------------------------------------ servers
-def wait_ready(proc: subprocess.Popen, url: str, log: Path, timeout: float = 900) -> None:
-    import httpx
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; log: {log}\n"
-                               + log.read_text()[-3000:])
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"server did not become ready; log: {log}")
-
-
 def start_strata(config: str, disk_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "server", "serve", "--port", str(port),
-           "--max-model-len", str(MODEL_LEN), "--max-num-seqs", str(MAX_SEQS),
-           "--kv-disk-path", str(disk_dir), *CONFIGS[config]]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    wait_ready(proc, f"http://127.0.0.1:{port}/health", log)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return start_server(["--max-model-len", str(MODEL_LEN), "--max-num-seqs", str(MAX_SEQS),
+                         "--kv-disk-path", str(disk_dir), *CONFIGS[config]], log)
 
 
 def scrape(base: str) -> dict[str, float]:
@@ -221,19 +165,13 @@ async def _wait(pred, streams: list[Stream], timeout: float, poll: float = 0.005
         await asyncio.sleep(poll)
 
 
-def _client(base: str, timeout: float):
-    from openai import AsyncOpenAI
-    return AsyncOpenAI(base_url=base + "/v1", api_key=os.environ.get("STRATA_API_KEY", "none"),
-                       timeout=timeout, max_retries=0)
-
-
 async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int],
                levels: list[int], steps: int, bar=None, metrics: bool = True,
                timeout: float = 1800, extra_body: dict | None = None) -> list[dict]:
     """Grow the number of requests in flight through `levels`; time `steps` decode steps at
     each level (see the module docstring). One row per level. `extra_body`: the request's
     extra fields (default {"ignore_eos": True})."""
-    client = _client(base, timeout)
+    client = async_openai(base + "/v1", timeout)
     streams: list[Stream] = []
     tasks: list[asyncio.Task] = []
     rows = []
@@ -315,7 +253,7 @@ async def burst(base: str, model: str, texts: list[str], prompt_tokens: list[int
                 tokens: int, timeout: float = 1800, extra_body: dict | None = None) -> dict:
     """Send n requests at once (the first n texts), `tokens` tokens each, and wait for all of
     them; one "mode": "burst" row (see the module docstring)."""
-    client = _client(base, timeout)
+    client = async_openai(base + "/v1", timeout)
     streams = [Stream() for _ in range(n)]
     t0 = time.perf_counter()
     tasks = []
@@ -366,7 +304,7 @@ def run(args) -> dict:
     bursts = list(getattr(args, "burst", None) or [])
     burst_tokens = getattr(args, "burst_tokens", 64)
     max_level = max(args.concurrency + args.peer_concurrency + bursts)
-    texts = {c: make_texts(tok, max_level, c) for c in args.contexts}
+    texts = {c: essay_texts(tok, max_level, c) for c in args.contexts}
     ids_by_ctx = {c: [tok.encode_chat([{"role": "user", "content": t}]) for t in ts]
                   for c, ts in texts.items()}
     lens = {c: [len(i) for i in ids] for c, ids in ids_by_ctx.items()}
@@ -410,7 +348,7 @@ def run(args) -> dict:
         torch.set_num_threads(os.cpu_count() or 1)
         cells += hf_transformers.run(name, ids_by_ctx, args.peer_concurrency, args.steps, bar)
     bar.close()
-    return {"bench": "throughput", "code_version": code_version(), "machine": machine(),
+    return {**result_header("throughput"),
             "settings": {"contexts": args.contexts, "concurrency": args.concurrency,
                          "peer_concurrency": args.peer_concurrency, "steps": args.steps,
                          "burst": bursts, "burst_tokens": burst_tokens,
@@ -422,7 +360,7 @@ def run(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, paragraph=True)
     ap.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=list(CONFIGS),
                     help="Strata configurations (none: `--configs` alone, peers only)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000, 7000])
@@ -438,12 +376,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "llama.cpp), for each N given")
     ap.add_argument("--burst-tokens", type=int, default=64,
                     help="output tokens of each burst request")
-    ap.add_argument("--kv-disk-path", default=str(RESULTS / "kv-tmp"))
-    ap.add_argument("--log-dir", default=str(RESULTS / "logs"))
+    ap.add_argument("--kv-disk-path", default=str(KV_TMP))
+    ap.add_argument("--log-dir", default=str(LOGS))
     ap.add_argument("--quick", action="store_true",
                     help="1K context, 1 and 4 in flight, dense and sparse-tiered, transformers")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--replot", default=None)
+    add_out_arg(ap, "throughput", quick=True)
+    add_replot_arg(ap, "plots")
     return ap
 
 
@@ -451,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = build_parser()
     args = ap.parse_args(argv)
     if args.replot:
-        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_suffix(".png"))
+        plot(read_json(args.replot), Path(args.replot).with_suffix(".png"))
         return
     if args.quick:
         args.configs, args.contexts, args.concurrency = ["dense", "sparse-tiered"], [1000], [1, 4]
@@ -464,11 +402,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--burst: between 1 and {MAX_SEQS} requests (the servers' --max-num-seqs)")
     if args.burst_tokens < 2:
         ap.error("--burst-tokens: at least 2 (a decode window needs a token after the first)")
-    out = Path(args.out or RESULTS / ("throughput_quick.json" if args.quick
-                                       else "throughput.json"))
+    out = result_path(args.out, "throughput", args.quick)
     report = run(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1))
+    write_json(out, report)
     plot(report, out.with_suffix(".png"))
     print(table(report))
     print(f"wrote {out} and {out.with_suffix('.png')} ({report['wall_s'] / 60:.1f} min)")

@@ -1,6 +1,6 @@
-"""bench/throughput.py's report: the machine it ran on, the weight formats each Strata server
-chose, a burst's row from its token timestamps, the plots (decode tokens/s against context; time
-per stage) and the text table.
+"""bench/throughput.py's report: the weight formats each Strata server chose, a burst's row from
+its token timestamps, the plots (decode tokens/s against context; time per stage) and the text
+table. (The machine it ran on: bench/common.py's machine().)
 
     .venv/bin/python bench/throughput.py --replot bench/results/throughput.json
 
@@ -8,40 +8,16 @@ Reports written before the burst existed have no "mode" on their cells: those ar
 """
 from __future__ import annotations
 
-import os
 import re
 import statistics
 from pathlib import Path
 
+from bench.common import pct, pyplot, save_figure
+
 STAGES = ("select", "resolve", "fetch", "compute")      # the decode stages, in pipeline order
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16",
-             "amx_int8")
 # what `--dtype auto` / `--weights auto` log at start-up (engine/weight_plan.py), e.g.
 # "--dtype auto: fp32 (a 64-row block: ...)", "--weights auto: native for decode (...)"
 WEIGHT_LINE = re.compile(r"--(dtype|weights) \w+: .*")
-
-
-def machine() -> dict:
-    import platform
-    cpu, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not cpu:
-                cpu = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    cpu = cpu or platform.processor() or ""
-    mem = 0
-    try:
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) / 2**20
-    except (OSError, ValueError, IndexError):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gib": round(mem, 1),
-            "cpu_flags": [f for f in CPU_FLAGS if f in flags],
-            "gpu": "none", "python": platform.python_version()}
 
 
 def weight_lines(log: Path) -> list[str]:
@@ -61,7 +37,6 @@ def burst_row(times: list[list[float]], ends: list[float], t0: float, tokens: in
     times: wall time to the last end, TTFT, and the decode rate over the window while all of
     them decode: tokens streamed after the last request's first token, up to and including the
     first request's last token, over that time (None when the windows do not overlap)."""
-    from bench.serving import pct
     n = len(times)
     counts = [len(ts) for ts in times]
     if counts != [tokens] * n:
@@ -114,14 +89,11 @@ def label(report: dict, engine: str) -> str:
 
 
 def plot(report: dict, png: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     cells = ramp_cells(report)
     configs = report.get("settings", {}).get("configs", {})
     levels = sorted({c["concurrency"] for c in cells})
     engines = list(dict.fromkeys(c["engine"] for c in cells))
-    fig, axes = plt.subplots(1, max(1, len(levels)), figsize=(4 * max(1, len(levels)), 3.6),
+    fig, axes = pyplot().subplots(1, max(1, len(levels)), figsize=(4 * max(1, len(levels)), 3.6),
                              squeeze=False, sharey=False)
     for ax, level in zip(axes[0], levels):
         for eng in engines:
@@ -138,18 +110,13 @@ def plot(report: dict, png: Path) -> None:
     m = report.get("machine", {})
     fig.suptitle(f"Decode throughput, SmolLM2-135M ({m.get('cores', '?')} cores, "
                  f"{m.get('cpu', '')})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, dpi=110)
     plot_stages(report, png.with_name(png.stem + "_stages.png"))
 
 
 def plot_stages(report: dict, png: Path) -> None:
     """Busy ms per decode step of each stage, stacked, per configuration and context, at the
     largest number of requests in flight."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     rows = [c for c in ramp_cells(report) if c.get("stage_busy_s_per_step")]
     if not rows:
         return
@@ -158,7 +125,7 @@ def plot_stages(report: dict, png: Path) -> None:
     seen = {k for c in rows for k in c["stage_busy_s_per_step"]}
     stages = [st for st in STAGES if st in seen] + sorted(seen - set(STAGES))
     labels = [f"{c['engine']}\n{c['context'] // 1000}K" for c in rows]
-    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(rows)), 3.8))
+    fig, ax = pyplot().subplots(figsize=(max(5, 1.1 * len(rows)), 3.8))
     bottom = [0.0] * len(rows)
     for st in stages:
         vals = [c["stage_busy_s_per_step"].get(st, 0.0) * 1e3 for c in rows]
@@ -171,9 +138,7 @@ def plot_stages(report: dict, png: Path) -> None:
                  "under sfc)", fontsize=9)
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, dpi=110)
 
 
 def _f(x: float | None, fmt: str, scale: float = 1.0) -> str:

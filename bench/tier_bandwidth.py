@@ -12,13 +12,13 @@ Every read verifies the XXH64 checksum of each page, as the tier always does.
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import parser
 from kvstore.tiers.base import PageShape
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.disk import DiskTier
@@ -101,7 +101,7 @@ def host_to_device_gbps(n: int, rounds: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--path", type=Path, default=Path("/tmp/strata-tier-bench"))
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--requests", type=int, default=8)

@@ -4,10 +4,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from kvstore.config import KVStoreConfig
+from engine.settings import check_choices, setting
+from kvstore.config import (FORCE_TIERS, HEAD_PAGES, OBS_REDUCE, PIPELINES, RESIDENCY_POLICIES,
+                            SELECTORS, KVStoreConfig)
+from scheduler.scheduler import SchedulerConfig
 
 DTYPES = ("auto", "bf16", "fp32")
 WEIGHTS = ("auto", "native", "fp32", "bf16", "int8", "int4")  # kernels.packed_linear.FORMATS
@@ -27,44 +28,94 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("STRATA_CACHE_DIR", Path.home() / ".cache" / "strata" / "models"))
 
 
+_KV, _SCHED = KVStoreConfig, SchedulerConfig    # their defaults are the flags' defaults
+_GB = 2**30
+
+
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str | None = None              # HF folder or .gguf file; None: the bundled SmolLM2 GGUF
-    served_model_name: str | None = None  # id at /v1/models; default: derived from the model
-    dtype: str = "auto"                   # activations, prefill weights (and KV unless auto)
-    weights: str = "auto"                 # decode weight format (engine.weight_plan)
-    page_size: int = 16                   # tokens per KV page
-    max_model_len: int | None = None      # prompt + completion; default: the model's positions
-    max_num_seqs: int = 16                # running requests at most
-    max_num_batched_tokens: int = 2048    # per-step token budget (chunked prefill)
-    max_waiting: int = 256                # queued requests at most (429 beyond)
-    kv_device_gb: float = 1.0             # KV pool in device memory (a RAM pool on CPU)
-    kv_host_gb: float = 0.0               # DRAM tier below the device (0: none)
-    kv_disk_gb: float = 0.0               # disk tier, the backing store when set (0: none)
-    kv_disk_path: Path | None = None      # where the disk tier's files go
-    sparse_budget: int = 0                # tokens attended per request/layer/KV head; 0: dense
-    sparse_sink_tokens: int = 16          # first tokens always attended in sparse decode
-    sparse_local_tokens: int = 64         # last tokens always attended in sparse decode
-    dense_layers: int = 2                 # the first layers always run dense
-    selector: str = "quest"               # page selector: quest | mean
-    sparse_head_pages: str = "per-head"   # per-head | union: which selected pages each KV head attends
-    sparse_obs_window: int = 32           # last prompt tokens whose attention ranks pages at prefill; 0: off
-    sparse_obs_reduce: str = "max"        # sum | max: how the window's queries and a group's heads combine
-    sparse_prior_share: float = 0.25      # share of the selected pages kept for the prompt's top pages
-    pipeline: str = "sequential"          # sparse decode stages: sequential | sfc | layer-ahead
-    residency: str = "cycle"              # which pages the device and host tiers evict: cycle | lru
-    micro_batch: int = 0                  # sequences per SFC micro-batch; 0: calibrate
-    kv_force_tier: str = "none"           # tests/diagnostics: evict down to host or disk every step
-    threads: int = 0                      # torch intra-op threads; 0: all cores
-    decode_threads: int = 0               # torch threads of decode-only steps; 0: see torch_threads
-    cache_dir: Path | None = None         # converted-model cache; default STRATA_CACHE_DIR or ~/.cache/strata/models
+    """Every engine setting (model, scheduler, KV store): `strata serve`'s flags are generated
+    from these fields (engine/settings.py). Sizes and policies default to the layer's own
+    config (SchedulerConfig, KVStoreConfig), so each default is written once."""
+    model: str | None = setting(None, "HF model folder or .gguf file (default: the bundled "
+                                "SmolLM2-135M-Instruct GGUF, also named 'bundled')", group="model")
+    served_model_name: str | None = setting(
+        None, "model id in the API (default: SmolLM2-135M-Instruct for the bundled model, else "
+        "the folder or file name)", group="model")
+    cache_dir: Path | None = setting(None, "where converted models are cached (default: "
+                                     "$STRATA_CACHE_DIR or ~/.cache/strata/models)",
+                                     group="model")
+    dtype: str = setting("auto", "activations and the weights of prefill steps; auto: whichever "
+                         "this CPU multiplies faster, timed at start-up (the KV cache is bf16 "
+                         "unless fp32 is given)", DTYPES, group="model")
+    weights: str = setting("auto", "weight format of decode steps: native (a GGUF file's "
+                           "Q4_0/Q4_1 and Q8_0 blocks as stored, through our kernel or torch's "
+                           "packed ones), a dense dtype, or int8/int4 (a float checkpoint "
+                           "quantized at load); auto: the fastest on this CPU, timed at "
+                           "start-up", WEIGHTS, group="model")
+    threads: int = setting(0, "torch CPU threads for the model (0: all cores)", group="model")
+    decode_threads: int = setting(0, "torch CPU threads for steps that only decode (0: "
+                                  "--threads, one fewer when stage threads or the server "
+                                  "need a core)", group="model")
+    max_model_len: int | None = setting(None, "prompt + completion tokens (default: the "
+                                        "model's positions)", group="scheduler")
+    max_num_seqs: int = setting(_SCHED.max_num_seqs, "running requests at most",
+                                group="scheduler")
+    max_num_batched_tokens: int = setting(_SCHED.max_num_batched_tokens,
+                                          "tokens per engine step at most", group="scheduler")
+    max_waiting: int = setting(_SCHED.max_waiting, "waiting requests at most; more get HTTP "
+                               "429 (a request whose n x prompts exceeds it, 400)",
+                               group="scheduler")
+    page_size: int = setting(_KV.page_size, "tokens per KV page (a power of two)", group="kv")
+    kv_device_gb: float = setting(_KV.device_bytes / _GB, "device KV tier: GPU memory, a "
+                                  "preallocated RAM pool on a CPU", group="kv")
+    kv_host_gb: float = setting(_KV.host_bytes / _GB, "host DRAM KV tier (0: none)",
+                                group="kv")
+    kv_host_pool: str = setting("auto", "auto: on a CPU the host tier joins the device pool "
+                                "(the same DRAM, read in place); separate: the GPU-shaped "
+                                "three tiers (tests, A/B)", ("auto", "separate"), group="kv")
+    kv_disk_gb: float = setting(_KV.disk_bytes / _GB, "disk KV tier, the backing store when "
+                                "set (0: none)", group="kv")
+    kv_disk_path: Path | None = setting(None, "folder for the disk tier's files (default: "
+                                        "beside the model cache)", group="kv")
+    sparse_budget: int = setting(_KV.sparse_budget, "KV tokens attended per request, layer "
+                                 "and KV head in decode (0: dense attention)", group="sparse")
+    sparse_sink_tokens: int = setting(_KV.sink_tokens, "first tokens always attended in "
+                                      "sparse decode", group="sparse")
+    sparse_local_tokens: int = setting(_KV.local_tokens, "most recent tokens always attended "
+                                       "in sparse decode", group="sparse")
+    dense_layers: int = setting(_KV.dense_layers, "the first layers always attend densely",
+                                group="sparse")
+    selector: str = setting(_KV.selector, "page scoring: Quest's min/max bound or the mean "
+                            "key", SELECTORS, group="sparse")
+    sparse_head_pages: str = setting(_KV.head_pages, "each KV head attends to its own "
+                                     "selected pages, or to the union of all heads' pages",
+                                     HEAD_PAGES, group="sparse")
+    sparse_obs_window: int = setting(_KV.obs_window, "the last N prompt tokens' attention, "
+                                     "computed once at the end of prefill, ranks each page "
+                                     "(SnapKV's observation window; 0: off)", group="sparse")
+    sparse_obs_reduce: str = setting(_KV.obs_reduce, "how a page's attention from the "
+                                     "window's queries and a GQA group's heads combine: "
+                                     "summed (SnapKV) or the largest", OBS_REDUCE,
+                                     group="sparse")
+    sparse_prior_share: float = setting(_KV.prior_share, "share of the selected pages (after "
+                                        "sink and local pages) kept for the pages the "
+                                        "observation window attended most", group="sparse")
+    pipeline: str = setting(_KV.pipeline, "how sparse decode schedules selection, fetch and "
+                            "compute per layer: one after another; SFC micro-batches; or "
+                            "layer-ahead prefetch of the next layer's predicted pages",
+                            PIPELINES, group="pipeline")
+    micro_batch: int = setting(_KV.micro_batch, "sequences per SFC micro-batch (0: calibrate "
+                               "on the first decode steps)", group="pipeline")
+    residency: str = setting(_KV.residency, "which pages the device and host tiers evict: "
+                             "cycle (a fixed share of a step's layers stays) or lru",
+                             RESIDENCY_POLICIES, group="pipeline")
+    kv_force_tier: str = setting(_KV.force_tier, "diagnostics: evict pages down to this tier "
+                                 "after every step", FORCE_TIERS, group="pipeline")
     device: str = "cpu"
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"--weights must be one of {WEIGHTS}, got {self.weights!r}")
+        check_choices(self)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--page-size must be a power of two, got {self.page_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -72,22 +123,20 @@ class EngineArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
         if self.max_waiting < 0:
             raise ValueError("--max-waiting must be >= 0")
-        if self.kv_device_gb <= 0:
-            raise ValueError("--kv-device-gb must be > 0")
         for name in ("threads", "decode_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: the default)")
         self.kv_store_config()          # validates the KV store flags at start-up
 
-    def kv_store_config(self) -> "KVStoreConfig":
-        from kvstore.config import KVStoreConfig
-        gb = 2**30
+    def kv_store_config(self) -> KVStoreConfig:
+        gb = _GB
         disk_path = self.kv_disk_path
         if self.kv_disk_gb and disk_path is None:
             disk_path = self.resolved_cache_dir.parent / "kv"
         return KVStoreConfig(
             page_size=self.page_size, device_bytes=int(self.kv_device_gb * gb),
-            host_bytes=int(self.kv_host_gb * gb), disk_bytes=int(self.kv_disk_gb * gb),
+            host_bytes=int(self.kv_host_gb * gb), merge_host=self.kv_host_pool == "auto",
+            disk_bytes=int(self.kv_disk_gb * gb),
             disk_path=Path(disk_path) if disk_path else None, sparse_budget=self.sparse_budget,
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,

@@ -13,12 +13,10 @@ import threading
 from pathlib import Path
 from typing import AsyncIterator
 
+from engine.admission import Admission, refusal
 from engine.args import EngineArgs, default_served_name
 from engine.outputs import RequestOutput
-from engine.protocol import (EngineDeadError, EngineError, EngineNotReadyError, EngineStats,
-                             QueueFullError, RequestTooLargeError)
-from kvstore.store import KVFull, KVNeverFits
-from scheduler.errors import QueueFull, RequestTooLarge
+from engine.protocol import EngineDeadError, EngineError, EngineNotReadyError, EngineStats
 from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -61,6 +59,9 @@ class AsyncEngine:
             logger.exception("model failed to load")
             raise
         self.max_model_len = self.engine.max_model_len
+        store = self.engine.store
+        self.admission = Admission(self.max_model_len, store.capacity_tokens(), store.cfg.backing,
+                                   self.args.max_waiting)
         self.tokenizer_path = self.engine.model_folder
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self._thread.start()
@@ -96,17 +97,11 @@ class AsyncEngine:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         e = self.engine
-        capacity = e.store.capacity_tokens()
-        need = len(prompt_token_ids) + params.max_tokens
-        if need > capacity:
-            raise RequestTooLargeError(
-                f"request needs KV for {need} tokens but the KV store holds {capacity}; "
-                f"raise --kv-{e.store.cfg.backing}-gb or lower max_tokens")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
-            if e.scheduler.num_waiting + len(self._new) >= self.args.max_waiting:
-                raise QueueFullError(f"{self.args.max_waiting} requests are already waiting; retry later")
+            self.admission.check(len(prompt_token_ids), params.max_tokens,
+                                 e.scheduler.num_waiting + len(self._new))
             self._queues[request_id] = (loop, queue)
             self._new.append((request_id, list(prompt_token_ids), params))
             self._wake.notify()
@@ -156,13 +151,11 @@ class AsyncEngine:
         for rid, prompt, params in new:
             try:
                 e.add_request(rid, prompt, params)
-            except (QueueFull, KVFull) as exc:
-                self._deliver(rid, QueueFullError(str(exc)))
-            except (RequestTooLarge, KVNeverFits) as exc:
-                self._deliver(rid, RequestTooLargeError(str(exc)))
-            except Exception as exc:  # noqa: BLE001 - a duplicate id, a bad value: this one only
-                logger.error("request %s refused: %s", rid, exc)
-                self._deliver(rid, EngineError(f"request refused: {exc}"))
+            except Exception as exc:  # noqa: BLE001 - this request only (engine/admission.py)
+                error = refusal(exc)
+                if type(error) is EngineError:      # not a limit: a duplicate id, a bad value
+                    logger.error("request %s refused: %s", rid, exc)
+                self._deliver(rid, error)
         for rid in aborts:
             out = e.abort(rid)
             if out is not None:

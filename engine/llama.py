@@ -17,7 +17,6 @@ from torch import nn
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 from kernels.packed_linear import BITS, DENSE, NATIVE, GroupQuant, Linear, PackedWeight
-from kvstore.kv_cache import KVCache
 
 _WEIGHTS = ("qkv", "o", "gate_up", "down")      # a layer's matmuls: <name>_proj, <name>_bias
 
@@ -161,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids [T] int64, positions [T] int64 -> logits [S, vocab] float32 for the rows
         `logits_indices` [S] int64 (the last token of each sequence that samples).
         kv: the step's KV access (`attend(layer, q, k, v, scale) -> o`): writes this step's
-        K/V and attends (kvstore.step.StepKV, or kvstore.kv_cache.DenseStep)."""
+        K/V and attends (kvstore.step.StepKV, or tests/kv_cache.py's DenseStep)."""
         x = F.embedding(input_ids, self.embed_tokens)                        # [T, hidden]
         rope = self.rope.cos_sin(positions, self.dtype)                      # [T, 1, head_dim]
         # layer-ahead prefetch: the KV store wants layer i+1's queries guessed from layer i's
@@ -175,13 +174,6 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv)
         x = self.norm(x[logits_indices])                                     # [S, hidden]
         return self.head(x).float()
-
-    def make_kv_cache(self, num_pages: int, page_size: int,
-                      dtype: torch.dtype | None = None) -> KVCache:
-        """A KVCache shaped for this model, on its device."""
-        cfg = self.config
-        return KVCache(cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads,
-                       cfg.head_dim, dtype or self.dtype, self.embed_tokens.device)
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.weight_plan import plan_weights
-from kvstore.store import RequestKVError
+from kvstore.errors import RequestKVError
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig

@@ -102,9 +102,13 @@ class ModelRunner:
                 prefilled.append(r.request_id)
         dev = self.device
         step = self.store.begin_step(seqs)
-        logits = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                            torch.tensor(positions, dtype=torch.int64, device=dev), step,
-                            torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+        try:
+            logits = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                                torch.tensor(positions, dtype=torch.int64, device=dev), step,
+                                torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+        except BaseException:
+            self.store.abort_step()     # no stage thread may outlive the failed step
+            raise
         write_failures = self.store.end_step(step, prefilled)
         sampled, sample_failures = self._sample(batch, requests, logits)
         if len(input_ids) >= _TRIM_AFTER_TOKENS:

@@ -32,6 +32,10 @@ class RequestTooLargeError(EngineError):
     """The request can never fit (HTTP 400)."""
 
 
+class TooManyChoicesError(EngineError):
+    """n x prompts above the waiting queue's size: the request could never be queued (400)."""
+
+
 @dataclass(frozen=True)
 class EngineStats:
     num_running: int

@@ -9,12 +9,10 @@ Conventions for one step over B sequences and T = sum(q_len_i) query tokens:
   the last q_len_i of its kv_len_i positions: query j sees kv positions <= kv_len_i - q_len_i + j.
 GQA: H = KVH * group; query head h reads kv head h // group.
 
-Leaf module: imports only torch and kernels.page_table (flashinfer lazily, in the factory).
+Leaf module: imports only torch and kernels (the backend for a device: kernels/backends.py).
 """
 from __future__ import annotations
 
-import importlib.util
-import logging
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -24,7 +22,6 @@ import torch.nn.functional as F
 from kernels.decode_upcast import Upcast, upcast_wins
 from kernels.page_table import PageTable, build_page_table
 
-logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AttentionBatch:
@@ -282,22 +279,3 @@ def reference_paged_attention(q: torch.Tensor, kv_layer: torch.Tensor, batch: At
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[q0:q1] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
     return out
-
-
-def make_attention_backend(device: torch.device | str):
-    """The paged-attention backend for `device`, chosen once at start-up: FlashInfer on CUDA
-    when it is installed, TorchPagedAttention otherwise.
-
-    Both expose `plan(batch, num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, scale)`
-    (once per step) and `forward(q, kv_layer, batch, scale)` (per layer).
-    """
-    device = torch.device(device)
-    if device.type == "cuda":
-        if importlib.util.find_spec("flashinfer") is not None:
-            # NOTE: imported here so this module stays a leaf (flashinfer_attention imports us)
-            from kernels.flashinfer_attention import FlashInferPagedAttention
-            logger.info("attention backend: FlashInfer on %s", device)
-            return FlashInferPagedAttention(device)
-        logger.warning("flashinfer is not installed; using torch attention on %s "
-                       "(install the 'gpu' extra for FlashInfer)", device)
-    return TorchPagedAttention()

@@ -30,15 +30,12 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvstore.fetcher import DeviceTierTooSmall
 from kvstore.stages import LayerPart, LayerStages, filled
 
-if TYPE_CHECKING:
-    from kvstore.pipeline import Pipeline
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +43,9 @@ logger = logging.getLogger(__name__)
 class ReuseAhead:
     """The fetches ahead of one Pipeline, `layers` layers ahead."""
 
-    def __init__(self, pipeline: "Pipeline", layers: int):
+    def __init__(self, pipeline, layers: int):
+        """pipeline: the kvstore.pipeline.Pipeline that owns this (not imported: it imports
+        this module)."""
         self.pipe, self.layers = pipeline, layers
         self.reused: dict[int, torch.Tensor] = {}       # layer -> keys the last step selected
         self.misses: dict[int, int] = {}                # layer -> its sparse misses last step
@@ -97,7 +96,7 @@ class ReuseAhead:
         of this step's sparse decodes). `ahead_keys`, this layer's pages fetched so, give the
         recall (exact-selected pages fetched ahead). The engine thread only hands the job
         over: choosing the pages, resolving and reading them run on the resolve thread."""
-        pipe, store = self.pipe, self.pipe.store
+        pipe, tiers = self.pipe, self.pipe.tiers
         step, layer = stages.step, stages.layer
         sparse = [p for p in parts if p.sel is not None]     # none in the dense first layers
         exact = torch.cat([p.keys for p in sparse]) if sparse else None
@@ -116,14 +115,8 @@ class ReuseAhead:
         if sparse:
             self.misses[layer] = sum(p.misses for p in sparse)
             expect = self.misses.get(layer + 1, self.misses[layer])
-        reserve = 3 * expect // 2 + step.t_pid.numel()
-
-        def observe() -> None:
-            """Recall: this layer's exact pages that were fetched ahead."""
-            if exact is not None and ahead_keys is not None:
-                pipe.stats.observe_lookahead(int(torch.isin(exact, ahead_keys).sum()),
-                                             exact.numel())
-
+        job = _FetchAhead(self, stages, target, last, exact, ahead_keys,
+                          reserve=3 * expect // 2 + step.t_pid.numel())
         # nothing to fetch (no layer there, or every page of it stayed on the device: its last
         # fetch ahead found them all there, and it missed none since) and the reserve is
         # free: a job would only cost the decode its hand-offs (1 sequence, 4K tokens, all
@@ -131,77 +124,99 @@ class ReuseAhead:
         # NOTE: with resolve_thread this layer's resolves may still be queued on the resolve
         # thread, so num_free is read only without it
         if (last is None or (self.idle.get(target) and self.misses.get(target) == 0)) and \
-                not pipe.resolve_thread and store.device_tier.num_free >= reserve:
-            observe()
+                not pipe.resolve_thread and tiers.device_free >= job.reserve:
+            job.observe()
             return
         working = sum(p.keys.numel() for p in parts) + step.t_pid.numel()
         # NOTE: no resolve job is left here: `drain` collected it before this layer ran
         held = sum(k.numel() for k in self.held())
-        cap = store.device_tier.capacity_pages
-        room = min(cap // 2, cap - 2 * working) - held
-        nxt = LayerStages(step, target, None)
-        protect = torch.cat([p.keys for p in parts] + [protect])
-        resolver, fetcher = pipe.threads()
-
-        def fetch() -> tuple[torch.Tensor, Future] | None:
-            """Pick the reused pages, resolve them, start their disk reads, and queue their
-            fill behind this layer's: (keys, fill job), or None when nothing is fetched."""
-            if last is None:
-                return None
-            # NOTE: only pages safely in the backing store (clean), of this step's sparse
-            # decodes, and none written this step: a page id freed and reused since the last
-            # step may be a page its new owner is writing, in no tier yet
-            keys = last[torch.isin(last, step.sparse_keys(target)) & store.clean[last]
-                        & ~torch.isin(last, target * store.max_pages + step.t_pid)]
-            if keys.numel() == 0 or keys.numel() > room:
-                return None
-            # one eviction for these pages' misses and the next layer's reserve together: a
-            # pass over the tiers' slots (victims, host admission) costs the same whatever it
-            # evicts (torch: ~1.4 ms; README: two passes a layer were 2-12% slower then)
-            keep = torch.cat([protect, keys])
-            make_room(keep, int((store.device_tier.slots(keys) < 0).sum()))
-            t0 = time.perf_counter()
-            try:
-                res = nxt.resolve(keys, keep, count=False)
-            except DeviceTierTooSmall:
-                return None
-            self.idle[target] = res.misses == 0
-            try:
-                # their last use: the last step selected them (`protect` keeps them resident
-                # until their layer; if it does not select them again, they go first)
-                store.residency.touch(res.slots, store.clock_of(keys, step.now - 1))
-                nxt.start_reads(res)
-                pipe.stats.observe_stage("resolve", time.perf_counter() - t0)
-                if res.misses == 0:
-                    return keys, filled(res, None)
-                return keys, fetcher.submit(pipe.fill_job, nxt, res)
-            except BaseException:   # no fill will run: its pins and slots must not leak
-                step.fetcher.abandon(res)
-                raise
-
-        def make_room(keep: torch.Tensor, incoming: int = 0) -> None:
-            """Evict ahead of need: the reserve free once `incoming` misses are resolved
-            (their demotion copies made); what is short, the resolves evict."""
-            t0 = time.perf_counter()
-            try:
-                step.fetcher.reserve(reserve, keep, incoming)
-            except Exception as exc:   # noqa: BLE001 - the engine thread evicts instead
-                logger.warning("evicting ahead failed: %s", exc)
-            pipe.stats.add_busy("resolve", time.perf_counter() - t0)
-
-        def resolve_job() -> tuple[torch.Tensor, Future] | None:
-            """On the resolve thread, while this layer computes: the fetch ahead, then room
-            for the next layer (evictions and their demotion copies, off the engine thread)."""
-            observe()
-            got = fetch()
-            if got is None:         # else its eviction left the reserve free
-                make_room(protect)
-            return got
-
-        self.job = (target, resolver.submit(resolve_job))
+        cap = tiers.device_capacity
+        job.room = min(cap // 2, cap - 2 * working) - held
+        job.protect = torch.cat([p.keys for p in parts] + [protect])
+        resolver, _ = pipe.threads()
+        self.job = (target, resolver.submit(job.run))
 
 
-def prefetch_predicted(pipe: "Pipeline", stages: LayerStages, q_pred: torch.Tensor,
+class _FetchAhead:
+    """One fetch ahead (`ReuseAhead.issue`), run on the resolve thread while a layer computes:
+    the recall of the layer's own fetch ahead, then the fetch of layer `target`'s reused pages
+    and room for the next layer."""
+
+    def __init__(self, ahead: ReuseAhead, stages: LayerStages, target: int,
+                 last: torch.Tensor | None, exact: torch.Tensor | None,
+                 ahead_keys: torch.Tensor | None, reserve: int):
+        self.ahead, self.pipe, self.tiers = ahead, ahead.pipe, ahead.pipe.tiers
+        self.step, self.target, self.last = stages.step, target, last
+        self.exact, self.ahead_keys, self.reserve = exact, ahead_keys, reserve
+        self.nxt = LayerStages(stages.step, target, None)
+        self.room = 0
+        self.protect = torch.empty(0, dtype=torch.int64)
+
+    def run(self) -> tuple[torch.Tensor, Future] | None:
+        """The fetch ahead, then room for the next layer (evictions and their demotion
+        copies, off the engine thread)."""
+        self.observe()
+        got = self.fetch()
+        if got is None:         # else its eviction left the reserve free
+            self.make_room(self.protect)
+        return got
+
+    def observe(self) -> None:
+        """Recall: this layer's exact pages that were fetched ahead."""
+        if self.exact is not None and self.ahead_keys is not None:
+            self.pipe.stats.observe_lookahead(int(torch.isin(self.exact, self.ahead_keys).sum()),
+                                              self.exact.numel())
+
+    def fetch(self) -> tuple[torch.Tensor, Future] | None:
+        """Pick the reused pages, resolve them, start their disk reads, and queue their fill
+        behind this layer's: (keys, fill job), or None when nothing is fetched."""
+        last, step, tiers, target = self.last, self.step, self.tiers, self.target
+        if last is None:
+            return None
+        # NOTE: only pages safely in the backing store (clean), of this step's sparse
+        # decodes, and none written this step: a page id freed and reused since the last
+        # step may be a page its new owner is writing, in no tier yet
+        keys = last[torch.isin(last, step.sparse_keys(target)) & tiers.is_clean(last)
+                    & ~torch.isin(last, target * tiers.max_pages + step.t_pid)]
+        if keys.numel() == 0 or keys.numel() > self.room:
+            return None
+        # one eviction for these pages' misses and the next layer's reserve together: a
+        # pass over the tiers' slots (victims, host admission) costs the same whatever it
+        # evicts (torch: ~1.4 ms; README: two passes a layer were 2-12% slower then)
+        keep = torch.cat([self.protect, keys])
+        self.make_room(keep, int((tiers.device_slots(keys) < 0).sum()))
+        t0 = time.perf_counter()
+        try:
+            res = self.nxt.resolve(keys, keep, count=False)
+        except DeviceTierTooSmall:
+            return None
+        self.ahead.idle[target] = res.misses == 0
+        try:
+            # their last use: the last step selected them (`protect` keeps them resident
+            # until their layer; if it does not select them again, they go first)
+            tiers.touch(res.slots, tiers.clock_of(keys, step.now - 1))
+            self.nxt.start_reads(res)
+            self.pipe.stats.observe_stage("resolve", time.perf_counter() - t0)
+            if res.misses == 0:
+                return keys, filled(res, None)
+            _, fetcher = self.pipe.threads()
+            return keys, fetcher.submit(self.pipe.fill_job, self.nxt, res)
+        except BaseException:   # no fill will run: its pins and slots must not leak
+            step.fetcher.abandon(res)
+            raise
+
+    def make_room(self, keep: torch.Tensor, incoming: int = 0) -> None:
+        """Evict ahead of need: the reserve free once `incoming` misses are resolved (their
+        demotion copies made); what is short, the resolves evict."""
+        t0 = time.perf_counter()
+        try:
+            self.step.fetcher.reserve(self.reserve, keep, incoming)
+        except Exception as exc:   # noqa: BLE001 - the engine thread evicts instead
+            logger.warning("evicting ahead failed: %s", exc)
+        self.pipe.stats.add_busy("resolve", time.perf_counter() - t0)
+
+
+def prefetch_predicted(pipe, stages: LayerStages, q_pred: torch.Tensor,
                        sparse_idx: list[int], protect: torch.Tensor) -> Future:
     """Layer-ahead: select layer `stages.layer`'s pages with the predicted queries `q_pred`,
     resolve them on the resolve thread and fill them on the fetch thread (`protect`: the pages

@@ -8,6 +8,8 @@ FORCE_TIERS = ("none", "host", "disk")
 HEAD_PAGES = ("per-head", "union")
 PIPELINES = ("sequential", "sfc", "layer-ahead")
 RESIDENCY_POLICIES = ("cycle", "lru")       # kvstore/residency.py
+OBS_REDUCE = ("sum", "max")
+SELECTORS = ("quest", "mean")               # kernels/page_select.py (a test checks they match)
 
 
 @dataclass(frozen=True)
@@ -15,6 +17,9 @@ class KVStoreConfig:
     page_size: int = 16
     device_bytes: int = 1 << 30          # --kv-device-gb: the pool attention reads from
     host_bytes: int = 0                  # --kv-host-gb: DRAM cache below the device
+    # on a CPU the device and host tiers are the same DRAM: one pool attention reads in place
+    # (False: a separate host pool, the GPU-shaped three tiers, for tests)
+    merge_host: bool = True
     disk_bytes: int = 0                  # --kv-disk-gb: files under disk_path (the backing store)
     disk_path: Path | None = None        # --kv-disk-path
     disk_threads: int = 8
@@ -56,10 +61,13 @@ class KVStoreConfig:
             raise ValueError(f"--micro-batch must be >= 0 (0: calibrate), got {self.micro_batch}")
         if self.obs_window < 0:
             raise ValueError(f"--sparse-obs-window must be >= 0 (0: off), got {self.obs_window}")
-        if self.obs_reduce not in ("sum", "max"):
+        if self.obs_reduce not in OBS_REDUCE:
             raise ValueError(f"--sparse-obs-reduce must be sum or max, got {self.obs_reduce!r}")
         if not 0.0 <= self.prior_share <= 1.0:
             raise ValueError(f"--sparse-prior-share must be in [0, 1], got {self.prior_share}")
+        if self.selector not in SELECTORS:
+            raise ValueError(f"--selector must be one of {', '.join(SELECTORS)}, "
+                             f"got {self.selector!r}")
         if self.residency not in RESIDENCY_POLICIES:
             raise ValueError(f"--residency must be one of {', '.join(RESIDENCY_POLICIES)}, "
                              f"got {self.residency!r}")
@@ -68,6 +76,14 @@ class KVStoreConfig:
     def backing(self) -> str:
         """The lowest tier with a budget: it holds every full page; faster tiers cache."""
         return "disk" if self.disk_bytes else ("host" if self.host_bytes else "device")
+
+    def budgets(self, device_type: str) -> dict[str, int]:
+        """Bytes per tier as built on `device_type`: on a CPU (with merge_host) the host budget
+        joins the device pool, the same DRAM."""
+        if self.merge_host and device_type == "cpu":
+            return {"device": self.device_bytes + self.host_bytes, "host": 0,
+                    "disk": self.disk_bytes}
+        return {"device": self.device_bytes, "host": self.host_bytes, "disk": self.disk_bytes}
 
     def pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

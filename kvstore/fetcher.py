@@ -56,8 +56,9 @@ class Fetcher:
 
     native = True       # False: always the torch eviction pass (the reference)
 
-    def __init__(self, store):
-        self.store = store
+    def __init__(self, tiers):
+        self.tiers = tiers
+        self._native = None     # kvstore.native_evict.NativeEviction, made on first use
 
     # ---------------------------------------------------------------- device residency
     def ensure(self, keys: torch.Tensor, protect: torch.Tensor, fill: bool) -> torch.Tensor:
@@ -73,30 +74,30 @@ class Fetcher:
         """Device slots for keys [n] (unique): hits keep their slot, misses get a reserved one
         (evicting unprotected clean pages if needed); with `locate`, misses are looked up in
         the host tier (found slots are pinned until `fill`) and the rest go to disk."""
-        store, dev = self.store, self.store.device_tier
+        tiers, dev = self.tiers, self.tiers.device_tier
         slots = dev.slots(keys)
         miss_mask = slots < 0
         n_miss = int(miss_mask.sum())
         if count:
-            store.stats.count("lookups", "device", keys.numel())
-            store.stats.count("hits", "device", keys.numel() - n_miss)
+            tiers.stats.count("lookups", "device", keys.numel())
+            tiers.stats.count("hits", "device", keys.numel() - n_miss)
         if n_miss == 0:
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count, keys=keys)
         miss = keys[miss_mask]
-        host = store.host_tier if locate else None
+        host = tiers.host_tier if locate else None
         in_host = hslots = None
         if host is not None:
             # NOTE: located (and pinned) before making room: the demotions that making room
             # causes evict host pages, and must not evict the ones this call is about to copy
             hslots = host.slots(miss)
             in_host = hslots >= 0
-            store.host_pinned[hslots[in_host].long()] = True
+            tiers.host_pinned[hslots[in_host].long()] = True
         try:
             self._make_room(miss.numel(), protect)
             new_slots = dev.alloc_slots(miss).long()
         except BaseException:
             if host is not None:
-                store.host_pinned[hslots[in_host].long()] = False
+                tiers.host_pinned[hslots[in_host].long()] = False
             raise
         slots = dev.slots(keys)
         if not locate:
@@ -107,24 +108,24 @@ class Fetcher:
         if host is not None:
             n = int(in_host.sum())
             if count:
-                store.stats.count("lookups", "host", miss.numel())
-                store.stats.count("hits", "host", n)
+                tiers.stats.count("lookups", "host", miss.numel())
+                tiers.stats.count("hits", "host", n)
             if n:
                 host_src, host_dst = hslots[in_host].long(), new_slots[in_host]
-                store.host_residency.touch(host_src, store.clock_of(miss[in_host]))
+                tiers.host_residency.touch(host_src, tiers.clock_of(miss[in_host]))
             rest_keys, rest_slots = miss[~in_host], new_slots[~in_host]
         if rest_keys.numel():
-            if store.disk_tier is None:
+            if tiers.disk_tier is None:
                 raise RuntimeError(f"{rest_keys.numel()} KV pages are in no tier (store bug)")
             if count:
-                store.stats.count("lookups", "disk", rest_keys.numel())
+                tiers.stats.count("lookups", "disk", rest_keys.numel())
         # NOTE: never evicted until `fill` has written them (or `forget` dropped them): a fill
         # may still run on the fetch stage when a later resolve makes room
-        store.device_pinned[new_slots] = True
+        tiers.device_pinned[new_slots] = True
         return Resolution(slots, host_src, host_dst, rest_keys, rest_slots, count, keys=keys)
 
     def _make_room(self, n: int, protect: torch.Tensor) -> None:
-        store, dev = self.store, self.store.device_tier
+        tiers, dev = self.tiers, self.tiers.device_tier
         short = n - dev.num_free
         if short <= 0:
             return
@@ -133,8 +134,7 @@ class Fetcher:
             if self._evict(want, protect, need=short):
                 return
             # pages still being written to the backing tier cannot go yet: wait for them
-            for rkv in store.requests.values():
-                store.wait_writes(rkv)
+            tiers.wait_writes()
         raise DeviceTierTooSmall(
             f"the device tier ({dev.capacity_pages} pages) cannot hold this step's working "
             f"set: raise --kv-device-gb, or lower --max-num-seqs, --max-num-batched-tokens "
@@ -147,11 +147,11 @@ class Fetcher:
         next layer's resolves on the engine thread find free slots. `incoming`: misses about
         to be resolved, which take free slots first (one eviction for both, a batch as
         `_make_room` evicts)."""
-        short = n + incoming - self.store.device_tier.num_free
+        short = n + incoming - self.tiers.device_tier.num_free
         if short <= 0:
             return
         self._evict(self._batch(short) if incoming > 0 else short, protect)
-        if self.store.demotions:
+        if self.tiers.demotions:
             self.demote()
 
     def _evict(self, want: int, protect: torch.Tensor, need: int = 0) -> bool:
@@ -159,12 +159,12 @@ class Fetcher:
         residency policy gives up first, demoting them to the host tier when it is a cache
         (the copies deferred to `demote`). Evicts nothing and returns False when fewer than
         `need` can go. In C for the stock policies (kvstore/native_evict.py)."""
-        store = self.store
-        if self.native and native_evict.serves(store):
-            if store.native_eviction is None:
-                store.native_eviction = native_evict.NativeEviction(store)
-            return store.native_eviction.evict(want, protect, need)
-        victims = store.residency.victims(want, self._evictable(protect), store.clock_now)
+        tiers = self.tiers
+        if self.native and native_evict.serves(tiers):
+            if self._native is None:
+                self._native = native_evict.NativeEviction(tiers)
+            return self._native.evict(want, protect, need)
+        victims = tiers.residency.victims(want, self._evictable(protect), tiers.clock_now)
         if victims.numel() < need:
             return False
         self.evict_device(victims, defer=True)
@@ -174,13 +174,13 @@ class Fetcher:
         """How many pages to evict for resolves `short` slots short: a batch beyond the
         shortfall, so that the scan over every slot runs once per several layers instead of
         once per layer."""
-        return max(short, self.store.device_tier.capacity_pages // 32)
+        return max(short, self.tiers.device_tier.capacity_pages // 32)
 
     def _evictable(self, protect: torch.Tensor) -> torch.Tensor:
         """bool [device slots]: clean, unpinned pages outside `protect`."""
-        store, dev = self.store, self.store.device_tier
+        tiers, dev = self.tiers, self.tiers.device_tier
         key_of = dev.slot_keys
-        evictable = (key_of >= 0) & store.clean[key_of.clamp(min=0)] & ~store.device_pinned
+        evictable = (key_of >= 0) & tiers.clean[key_of.clamp(min=0)] & ~tiers.device_pinned
         if protect.numel():
             ps = dev.slots(protect)
             evictable[ps[ps >= 0].long()] = False
@@ -191,25 +191,25 @@ class Fetcher:
         cache. With `defer` (resolve, whose fill follows on the fetch stage) the demotion
         copies are only recorded, and `demote` makes them before the fill writes into any
         slot; otherwise they are made now."""
-        store, dev = self.store, self.store.device_tier
+        tiers, dev = self.tiers, self.tiers.device_tier
         if slots.numel() == 0:
             return
         keys = dev.slot_keys[slots]
-        host = store.host_tier
-        if host is not None and store.backing is not host:
+        host = tiers.host_tier
+        if host is not None and tiers.backing is not host:
             absent = ~host.contains(keys)
             if bool(absent.any()):
                 hk, ds = keys[absent], slots[absent].long()
-                admit, stamps = self._make_host_room(store.residency.last_used[ds])
+                admit, stamps = self._make_host_room(tiers.residency.last_used[ds])
                 k = min(stamps.numel(), host.num_free)
                 if k:
                     hk, ds = hk[admit][:k], ds[admit][:k]
                     hslots = host.alloc_slots(hk).long()
-                    store.demotions.append((ds, hslots))
-                    store.host_residency.touch(hslots, stamps[:k])
-                    store.stats.add_transfer("device", "host", k * store.page_shape.nbytes)
+                    tiers.demotions.append((ds, hslots))
+                    tiers.host_residency.touch(hslots, stamps[:k])
+                    tiers.stats.add_transfer("device", "host", k * tiers.page_shape.nbytes)
         dev.delete(keys)
-        store.stats.count("evictions", "device", keys.numel())
+        tiers.stats.count("evictions", "device", keys.numel())
         if not defer:
             self.demote()
 
@@ -219,17 +219,17 @@ class Fetcher:
         pool can follow an eviction: at the start of every fill (the fetch stage: a slot freed
         by a resolve is only written by its fill or a later one, and a host slot is only read
         by a later fill), and by whatever evicts outside resolve."""
-        store = self.store
+        tiers = self.tiers
         # NOTE: the lock makes a caller wait for copies another thread has taken, not only
         # for the ones left in the queue
-        with store.demote_lock:
-            while store.demotions:
-                src, dst = store.demotions.popleft()
-                dev, host = store.device_tier.pool, store.host_tier.pool
+        with tiers.demote_lock:
+            while tiers.demotions:
+                src, dst = tiers.demotions.popleft()
+                dev, host = tiers.device_tier.pool, tiers.host_tier.pool
                 if dev.device.type == "cpu":
                     copy_pages(host, dst, dev, src)
                 else:
-                    buf = store.staging(src.numel(), "demote")
+                    buf = tiers.staging(src.numel(), "demote")
                     buf.copy_(dev[src.to(dev.device)])
                     page_rows(host).index_copy_(0, dst, page_rows(buf))
 
@@ -237,27 +237,36 @@ class Fetcher:
         """Room in the host tier for pages demoted from the device, last used at clocks `used`
         [k]: evicts what the host policy gives up for them. Returns (bool [k] which to admit,
         their host stamps)."""
-        store, host, dev = self.store, self.store.host_tier, self.store.device_tier
+        tiers, host, dev = self.tiers, self.tiers.host_tier, self.tiers.device_tier
         key_of = host.slot_keys
         # NOTE: pinned slots are the sources of fills not done yet (pipelined fetch)
-        evictable = (key_of >= 0) & ~store.host_pinned
+        evictable = (key_of >= 0) & ~tiers.host_pinned
         # pages the device tier holds too (a host hit leaves its copy): the device copy serves
         # them, and the host gets them back if the device evicts them first
         spare = evictable & (dev.slots(key_of.clamp(min=0)) >= 0)
-        victims, admit, stamps = store.host_residency.admit(used, evictable, spare,
-                                                            host.num_free, store.clock_now)
+        victims, admit, stamps = tiers.host_residency.admit(used, evictable, spare,
+                                                            host.num_free, tiers.clock_now)
         if victims.numel():
             host.delete(key_of[victims])
-            store.stats.count("evictions", "host", victims.numel())
+            tiers.stats.count("evictions", "host", victims.numel())
         return admit, stamps
 
+    def evict_clean(self, to_disk: bool) -> None:
+        """Evict every clean device page, and with `to_disk` every host page too
+        (--kv-force-tier: tests and diagnostics)."""
+        key_of = self.tiers.device_tier.slot_keys
+        evictable = (key_of >= 0) & self.tiers.clean[key_of.clamp(min=0)]
+        self.evict_device(evictable.nonzero().squeeze(1))
+        if to_disk and self.tiers.host_tier is not None:
+            self.evict_host(self.tiers.host_tier.keys())
+
     def evict_host(self, keys: torch.Tensor) -> None:
-        store, host = self.store, self.store.host_tier
-        if host is None or store.backing is host:
+        tiers, host = self.tiers, self.tiers.host_tier
+        if host is None or tiers.backing is host:
             return
         present = host.contains(keys)
         host.delete(keys[present])
-        store.stats.count("evictions", "host", int(present.sum()))
+        tiers.stats.count("evictions", "host", int(present.sum()))
 
     # ---------------------------------------------------------------- fills
     def start_reads(self, res: Resolution) -> None:
@@ -266,12 +275,12 @@ class Fetcher:
         resolves the next micro-batch; `fill` then copies the host pages and waits for them.
         The demotions recorded so far are made first: the reads overwrite evicted slots. An
         error is kept in `res.reads` and raised by `fill`."""
-        pool = self.store.device_tier.pool
+        pool = self.tiers.device_tier.pool
         if res.reads is not None or res.disk_keys.numel() == 0 or pool.device.type != "cpu":
             return
         try:
             self.demote()
-            res.reads = self.store.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
+            res.reads = self.tiers.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
         except Exception as exc:   # noqa: BLE001 - raised by fill, which handles its errors
             res.reads = Future()
             res.reads.set_exception(exc)
@@ -282,10 +291,10 @@ class Fetcher:
         `start_reads` did) and run on the disk threads while this thread copies the host
         pages. Unpins the host slots even when a disk read fails (RequestKVError names the
         owners)."""
-        store = self.store
+        tiers = self.tiers
         self.demote()       # evictions of this resolve (and earlier ones) free the slots
-        pool = store.device_tier.pool
-        nbytes = store.page_shape.nbytes
+        pool = tiers.device_tier.pool
+        nbytes = tiers.page_shape.nbytes
         n = res.disk_keys.numel()
         on_cpu = pool.device.type == "cpu"
         try:
@@ -293,43 +302,43 @@ class Fetcher:
             reads = res.reads
             try:
                 if res.host_src.numel():
-                    host = store.host_tier.pool
+                    host = tiers.host_tier.pool
                     if on_cpu:
                         copy_pages(pool, res.host_dst, host, res.host_src)
                     else:
                         # NOTE: through a reused buffer: a fresh [n, page] temporary
                         # page-faults
-                        buf = store.staging(res.host_src.numel(), "fill")
+                        buf = tiers.staging(res.host_src.numel(), "fill")
                         torch.index_select(page_rows(host), 0, res.host_src, out=page_rows(buf))
                         pool.index_copy_(0, res.host_dst.to(pool.device),
                                          buf.to(pool.device, non_blocking=True))
-                    store.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
+                    tiers.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
             finally:
                 if reads is not None:    # never return with reads still landing in the pool
                     reads.result()
             if n and not on_cpu:
-                staging = store.staging(n)
-                store.disk_tier.get(res.disk_keys, staging)
+                staging = tiers.staging(n)
+                tiers.disk_tier.get(res.disk_keys, staging)
                 pool.index_copy_(0, res.disk_dst, staging.to(pool.device, non_blocking=True))
         except TierError as exc:
-            raise store.request_error(exc.keys, str(exc)) from exc
+            raise tiers.lost(exc.keys, str(exc)) from exc
         finally:
-            store.host_pinned[res.host_src] = False
+            tiers.host_pinned[res.host_src] = False
         # NOTE: after a failure the slots stay pinned until `forget` drops them
-        store.device_pinned[res.host_dst] = False
-        store.device_pinned[res.disk_dst] = False
+        tiers.device_pinned[res.host_dst] = False
+        tiers.device_pinned[res.disk_dst] = False
         if n == 0:
             return
         if res.counted:
-            store.stats.count("hits", "disk", n)
-        store.stats.add_transfer("disk", "device", n * nbytes)
+            tiers.stats.count("hits", "disk", n)
+        tiers.stats.add_transfer("disk", "device", n * nbytes)
 
     def abandon(self, res: Resolution) -> None:
         """A resolution whose fill will never run (the job handing it over failed): wait
         for its disk reads, if issued, unpin its host pages and drop its slots (`forget`)."""
         if res.reads is not None:
             wait([res.reads])            # no read may land in a slot given to another page
-        self.store.host_pinned[res.host_src] = False
+        self.tiers.host_pinned[res.host_src] = False
         self.forget(res)
 
     def forget(self, res: Resolution | None) -> None:
@@ -339,24 +348,24 @@ class Fetcher:
         The owners of unreadable pages fail through the error; other pages are fetched again."""
         if res is None or res.misses == 0:
             return
-        dev = self.store.device_tier
+        dev = self.tiers.device_tier
         slots = torch.cat([res.host_dst, res.disk_dst])
         dev.delete(dev.slot_keys[slots])
-        self.store.device_pinned[slots] = False
+        self.tiers.device_pinned[slots] = False
 
     # ---------------------------------------------------------------- write-back
     def write_back(self, keys: torch.Tensor, slots: torch.Tensor, request_ids: list[str]) -> None:
         """Pages that became full: copy them to the backing tier once."""
-        store = self.store
-        backing = store.backing
-        if backing is store.device_tier:
+        tiers = self.tiers
+        backing = tiers.backing
+        if backing is tiers.device_tier:
             return          # device-only store: pages live (and stay) on the device
-        pages = store.device_tier.pool[slots.long()]          # a copy the writer can own
-        nbytes = store.page_shape.nbytes
-        if backing is store.host_tier:
+        pages = tiers.device_tier.pool[slots.long()]          # a copy the writer can own
+        nbytes = tiers.page_shape.nbytes
+        if backing is tiers.host_tier:
             backing.put(keys, pages)
-            store.clean[keys] = True
-            store.stats.add_transfer("device", "host", keys.numel() * nbytes)
+            tiers.clean[keys] = True
+            tiers.stats.add_transfer("device", "host", keys.numel() * nbytes)
             return
         by_req: dict[str, list[int]] = {}
         for u, rid in enumerate(request_ids):
@@ -364,5 +373,5 @@ class Fetcher:
         for rid, rows in by_req.items():
             idx = torch.tensor(rows, dtype=torch.int64)
             k, p = keys[idx], pages[idx]
-            # NOTE: the store keeps `p` alive with the future until the write is applied
-            store.requests[rid].written.append((backing.put_async(k, p), k, p))
+            # NOTE: the tier set keeps `p` alive with the future until the write is applied
+            tiers.track_write(rid, backing.put_async(k, p), k, p)

@@ -18,11 +18,11 @@ from kvstore.residency import CycleResidency, LRUResidency
 _KINDS = {CycleResidency: 1, LRUResidency: 0}
 
 
-def serves(store) -> bool:
-    """Whether the C pass implements the store's residency policies."""
-    host = store.host_tier
-    return type(store.residency) in _KINDS and (
-        host is None or store.backing is host or type(store.host_residency) in _KINDS)
+def serves(tiers) -> bool:
+    """Whether the C pass implements the tier set's residency policies."""
+    host = tiers.host_tier
+    return type(tiers.residency) in _KINDS and (
+        host is None or tiers.backing is host or type(tiers.host_residency) in _KINDS)
 
 
 def _tier(tier, pinned: torch.Tensor, policy) -> tuple:
@@ -37,37 +37,37 @@ def _tier(tier, pinned: torch.Tensor, policy) -> tuple:
 
 
 class NativeEviction:
-    """The C pass over one store's tiers (its scratch allocated once)."""
+    """The C pass over one tier set's tiers (its scratch allocated once)."""
 
-    def __init__(self, store):
-        self.store = store
-        dev, host = store.device_tier, store.host_tier
+    def __init__(self, tiers):
+        self.tiers = tiers
+        dev, host = tiers.device_tier, tiers.host_tier
         words = _evict.scratch_words(dev.num_slots, host.num_slots if host else 0)
         self.scratch = torch.zeros(words, dtype=torch.int64).numpy()
 
     def evict(self, want: int, protect: torch.Tensor, need: int = 0) -> bool:
         """Fetcher._evict in C (`serves` must hold). Only the thread that resolves calls it."""
-        store = self.store
-        dev, host = store.device_tier, store.host_tier
-        cache = host is not None and store.backing is not host
+        tiers = self.tiers
+        dev, host = tiers.device_tier, tiers.host_tier
+        cache = host is not None and tiers.backing is not host
         keys = torch.as_tensor(protect).to("cpu", torch.int64).contiguous()
-        if store.clean.dtype != torch.bool or store.clean.numel() != dev.max_keys:
-            raise ValueError("the store's clean mask does not match the tiers' keys")
+        if tiers.clean.dtype != torch.bool or tiers.clean.numel() != dev.max_keys:
+            raise ValueError("the tier set's clean mask does not match the tiers' keys")
         out = torch.empty(2 * max(want, 1), dtype=torch.int64)
         n_dev, dev_free, n_host, host_free, k = _evict.evict_pass(
-            _tier(dev, store.device_pinned, store.residency),
-            _tier(host, store.host_pinned, store.host_residency) if cache else None,
-            store.clean.data_ptr(), store.clean.numel(), keys.numpy(), want, need,
-            store.clock_now, out.numpy(), self.scratch)
+            _tier(dev, tiers.device_pinned, tiers.residency),
+            _tier(host, tiers.host_pinned, tiers.host_residency) if cache else None,
+            tiers.clean.data_ptr(), tiers.clean.numel(), keys.numpy(), want, need,
+            tiers.clock_now, out.numpy(), self.scratch)
         if n_dev == 0:
             return need == 0
         dev.set_num_free(dev_free)
         if cache:
             host.set_num_free(host_free)
             if n_host:
-                store.stats.count("evictions", "host", n_host)
+                tiers.stats.count("evictions", "host", n_host)
             if k:
-                store.demotions.append((out[:k], out[want:want + k]))
-                store.stats.add_transfer("device", "host", k * store.page_shape.nbytes)
-        store.stats.count("evictions", "device", n_dev)
+                tiers.demotions.append((out[:k], out[want:want + k]))
+                tiers.stats.add_transfer("device", "host", k * tiers.page_shape.nbytes)
+        tiers.stats.count("evictions", "device", n_dev)
         return True

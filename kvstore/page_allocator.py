@@ -1,8 +1,11 @@
-"""PageAllocator: which KV pages (of the device pool) belong to which request.
+"""PageAllocator: which logical KV pages each request holds, with reference counts.
 
-Pure bookkeeping over integer page ids; the KV tensors live elsewhere (kvstore/kv_cache.py).
-Invariants: every page id in [0, num_pages) is either free or owned by exactly one request;
-a request's pages are listed in token order (page i holds tokens [i * page_size, (i+1) * page_size)).
+Pure bookkeeping over integer page ids; the KV data lives in the tiers (kvstore/tierset.py).
+Invariants: every page id in [0, num_pages) is either free (count 0) or held by the requests
+that list it (count = how many); a request's pages are listed in token order (page i holds
+tokens [i * page_size, (i+1) * page_size)). A page held by several requests is shared (a
+common prefix): `share` adds references to pages in use, `free` drops a request's references
+and returns to the free list only the pages nobody holds any more.
 Not thread-safe: only the engine's step loop calls it.
 """
 from __future__ import annotations
@@ -20,6 +23,7 @@ class PageAllocator:
         self.page_size = page_size
         self._free: deque[int] = deque(range(num_pages))
         self._owned: dict[str, list[int]] = {}
+        self._refs = [0] * num_pages
 
     @property
     def num_pages(self) -> int:
@@ -53,18 +57,53 @@ class PageAllocator:
             return False
         if need:
             pages = self._owned.setdefault(request_id, [])
-            pages.extend(self._free.popleft() for _ in range(need))
+            for _ in range(need):
+                page = self._free.popleft()
+                self._refs[page] = 1
+                pages.append(page)
         return True
+
+    def share(self, request_id: str, page_ids) -> None:
+        """The request starts with pages other requests hold (a shared prefix, in token
+        order): one more reference each. Only for a request that holds no pages yet."""
+        if self._owned.get(request_id):
+            raise ValueError(f"request {request_id!r} already holds pages")
+        pages = [int(p) for p in page_ids]
+        if any(not 0 <= p < self._num_pages or self._refs[p] < 1 for p in pages):
+            raise ValueError("only pages in use can be shared")
+        if len(set(pages)) != len(pages):
+            raise ValueError("a request cannot hold a page twice")
+        for p in pages:
+            self._refs[p] += 1
+        if pages:
+            self._owned[request_id] = pages
+
+    def refs(self, page_id: int) -> int:
+        """How many requests hold the page (0: free)."""
+        return self._refs[page_id]
+
+    def holders(self, page_ids: set[int]) -> list[str]:
+        """The requests that hold any of `page_ids`."""
+        return [rid for rid, pages in self._owned.items() if page_ids.intersection(pages)]
 
     def pages(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._owned.get(request_id, ()))
 
     def free(self, request_id: str) -> int:
-        """Return all of the request's pages to the free list. Idempotent; returns how many."""
+        """Drop the request's references. Idempotent; returns how many pages became free."""
+        return len(self.release(request_id))
+
+    def release(self, request_id: str) -> list[int]:
+        """Drop the request's references; returns the pages nobody holds any more (now free)."""
         pages = self._owned.pop(request_id, None)
         if not pages:
-            return 0
+            return []
+        gone = []
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                gone.append(p)
         # NOTE: most recently freed pages are reused last, so a page is not reused in the same step
         # it was freed in unless the pool is nearly exhausted.
-        self._free.extend(pages)
-        return len(pages)
+        self._free.extend(gone)
+        return gone

@@ -61,8 +61,6 @@ from kvstore.stages import ComputeFn, LayerPart, LayerStages, filled, merge_spar
 logger = logging.getLogger(__name__)
 
 _I64 = dict(dtype=torch.int64)
-
-
 _THREAD_MODE = threading.local()
 
 
@@ -76,15 +74,17 @@ def _enter_inference_mode() -> None:
 class Pipeline:
     """Schedules the stages of each layer (module docstring). One per KV store."""
 
-    def __init__(self, store, mode: str = "sequential", micro_batch: int = 0,
+    def __init__(self, tiers, fetcher: Fetcher, stats, mode: str = "sequential",
+                 micro_batch: int = 0,
                  resolve_thread: bool = False, whole_batch_compute: bool = False,
                  reuse_ahead: int = 1):
         if mode not in PIPELINES:
             raise ValueError(f"--pipeline must be one of {', '.join(PIPELINES)} (got {mode!r})")
         if micro_batch < 0:
             raise ValueError(f"--micro-batch must be >= 0 (0: calibrate), got {micro_batch}")
-        self.store = store
-        self.stats = store.stats
+        self.tiers = tiers                  # kvstore.tierset.TierSet (its public methods)
+        self.fetcher = fetcher
+        self.stats = stats
         self.mode = mode
         self.calibration = MicroBatchCalibration(micro_batch)
         # sfc: resolve on its own thread (three concurrent stages), or on the engine thread
@@ -143,7 +143,7 @@ class Pipeline:
                 self._gate = None
         # NOTE: demotions a failed resolve recorded but no fill made (the engine thread may
         # write into the freed slots next)
-        Fetcher(self.store).demote()
+        self.fetcher.demote()
         predicted = None
         if self._predicted is not None:
             layer, job = self._predicted
@@ -151,7 +151,7 @@ class Pipeline:
             if exc is None:
                 predicted = (layer, res.keys)
             else:           # a prediction is only a hint
-                Fetcher(self.store).forget(res)
+                self.fetcher.forget(res)
                 logger.debug("layer-ahead prefetch failed (the exact fetch retries): %s", exc)
             self._predicted = None
         waited = time.perf_counter() - t0
@@ -265,7 +265,7 @@ class Pipeline:
             # NOTE: a next layer's resolve may run meanwhile (one tier mutator at a time)
             wait([f for f in (self.ahead and self.ahead.resolving(),
                               self._predicted and self._predicted[1]) if f])
-            Fetcher(self.store).forget(res)
+            self.fetcher.forget(res)
         return res, exc
 
     def _wait(self, parts: list[LayerPart]) -> tuple[float, BaseException | None]:

@@ -7,15 +7,12 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from kernels.page_select import SelectedPages, cat_selected
 from kvstore.fetcher import Resolution
-
-if TYPE_CHECKING:
-    from kvstore.step import StepKV
 
 _I64 = dict(dtype=torch.int64)
 
@@ -23,7 +20,8 @@ _I64 = dict(dtype=torch.int64)
 class LayerStages:
     """The stage functions of one layer of one step (bound to its StepKV)."""
 
-    def __init__(self, step: "StepKV", layer: int, q: torch.Tensor | None):
+    def __init__(self, step, layer: int, q: torch.Tensor | None):
+        """step: the kvstore.step.StepKV (not imported: step.py imports this module)."""
         self.step, self.layer, self.q = step, layer, q
 
     def select(self, idx: list[int], qd: torch.Tensor | None = None,
@@ -39,27 +37,24 @@ class LayerStages:
         t0 = time.perf_counter()
         sel = self.select(idx, qd, observe)
         keys = self.union_keys(idx, sel)
-        self.step.store.stats.observe_stage("select", time.perf_counter() - t0)
+        self.step.stats.observe_stage("select", time.perf_counter() - t0)
         return sel, keys
 
     def reused(self, keys: torch.Tensor) -> torch.Tensor:
-        """Which of a selection's `keys` the last completed step selected too (bool [n]);
-        records this step's (`TieredKVStore.end_step` stamps them once the step completes, so
-        a step run again after a failure splits as it did the first time). Split attention
-        computes those pages first: a choice that depends on the selections alone, so every
-        mode splits alike (and gives the same bits)."""
-        self.step.selected.append(keys)
-        return self.step.store.selected_at[keys] == self.step.store.completed_step
+        """Which of a selection's `keys` the last completed step selected too (bool [n]).
+        Split attention computes those pages first: a choice that depends on the selections
+        alone, so every mode splits alike (and gives the same bits)."""
+        return self.step.reused(keys)
 
     def dense_keys(self, idx: list[int]) -> torch.Tensor:
         """Keys of every page of the sequences `idx`."""
-        st, base = self.step, self.layer * self.step.store.max_pages
+        st, base = self.step, self.layer * self.step.tiers.max_pages
         return torch.cat([base + st.page_tensors[i] for i in idx]) if idx \
             else torch.empty(0, **_I64)
 
     def union_keys(self, idx: list[int], sel: SelectedPages) -> torch.Tensor:
         """Keys of the pages any head selected, sequence after sequence, ascending."""
-        st, P = self.step, self.step.store.max_pages
+        st, P = self.step, self.step.tiers.max_pages
         seq = torch.tensor(idx, **_I64).repeat_interleave(sel.union_indptr.diff())
         return self.layer * P + st.page_mat[seq, sel.union_indices]
 

@@ -18,8 +18,13 @@ from kernels.page_select import window_page_mass
 from kernels.page_summary import summarize_pages
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode
+from kvstore.config import KVStoreConfig
 from kvstore.fetcher import Fetcher
+from kvstore.requests import RequestTable
+from kvstore.selection import PageSelection
 from kvstore.stages import LayerPart, LayerStages
+from kvstore.stats import KVStats
+from kvstore.tierset import TierSet
 
 _I64 = dict(dtype=torch.int64)
 
@@ -38,15 +43,31 @@ class SeqKV:
         return self.start_pos + self.q_len
 
 
+@dataclass(frozen=True)
+class StepParts:
+    """The KV store's parts a step works with (wired once by kvstore/store.py)."""
+    cfg: KVStoreConfig
+    tiers: TierSet
+    fetcher: Fetcher
+    requests: RequestTable
+    selection: PageSelection
+    pipeline: object                  # kvstore.pipeline.Pipeline
+    stats: KVStats
+    dense_attention: object           # kernels.attention backend
+    sparse_attention: object          # kernels.sparse_attention decode
+
+
 class StepKV:
-    def __init__(self, store, seqs: list[SeqKV]):
-        self.store = store
-        cfg = store.cfg
+    def __init__(self, parts: StepParts, seqs: list[SeqKV]):
+        self.parts = parts
+        self.tiers = parts.tiers
+        self.cfg = cfg = parts.cfg
+        self.stats = parts.stats
+        self.selection = parts.selection
         ps = cfg.page_size
         self.seqs = seqs
-        self.fetcher = Fetcher(store)
-        store.step_counter += 1
-        self.now = store.step_counter
+        self.fetcher = parts.fetcher
+        self.now = self.tiers.begin_step()
         self.qo = [0]
         tok_pid, tok_off = [], []
         # touched pages (being written this step), per sequence a contiguous run of page indices
@@ -85,7 +106,7 @@ class StepKV:
         # prefills ending this step whose observation window ranks their pages (SnapKV)
         self.observe_idx = [i for i, s in enumerate(seqs) if s.observe and s.q_len > 1] \
             if cfg.sparse_budget > 0 and cfg.obs_window > 0 else []
-        self.pipe = store.pipeline
+        self.pipe = parts.pipeline
         self.pipe.begin_step(len(self.sparse_idx), all(s.q_len == 1 for s in seqs))
         self._q_pred: dict[int, torch.Tensor] = {}
         self._sparse_pages: torch.Tensor | None = None
@@ -93,7 +114,7 @@ class StepKV:
         self._head_tables: dict[tuple[int, ...], PageTable] = {}    # _dense_head_table's
         self.selected: list[torch.Tensor] = []     # keys the sparse decodes selected
         if cfg.sparse_budget > 0:
-            st, L = store.stats, store.num_layers
+            st, L = self.stats, self.tiers.num_layers
             st.dense_fallbacks["prefill"] += L * sum(s.q_len > 1 for s in seqs)
             st.dense_fallbacks["fits_budget"] += L * sum(
                 s.q_len == 1 and not sp for s, sp in zip(seqs, sparse))
@@ -113,44 +134,44 @@ class StepKV:
         if self._sparse_pages is None:
             self._sparse_pages = torch.cat([self.page_tensors[i] for i in self.sparse_idx]) \
                 if self.sparse_idx else torch.empty(0, **_I64)
-        return layer * self.store.max_pages + self._sparse_pages
+        return layer * self.tiers.max_pages + self._sparse_pages
 
     def lookahead(self, layer: int, q_pred: torch.Tensor) -> None:
         """The model's guess of layer `layer`'s queries [B_sparse, H, D] (layer `layer`'s
         q projection applied to the previous layer's input): prefetched while the previous
         layer computes."""
-        if layer >= self.store.cfg.dense_layers and layer < self.store.num_layers:
+        if layer >= self.cfg.dense_layers and layer < self.tiers.num_layers:
             self._q_pred[layer] = q_pred
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> attention output [T, H, D]."""
-        store, pipe = self.store, self.pipe
-        P = store.max_pages
-        pool = store.device_tier.pool                        # [S, 2, KVH, ps, D]
+        tiers, pipe, cfg = self.tiers, self.pipe, self.cfg
+        P = tiers.max_pages
+        pool = tiers.pool                                    # [S, 2, KVH, ps, D]
         # the previous layer's bookkeeping and this layer's prefetch run on the stage threads
         predicted = pipe.drain(keep_ahead=True)
-        store.clock_now = self.now * store.num_layers + layer
+        now = tiers.at_layer(self.now, layer)
         # 1. write: pages being written get device slots (new pages need no fill)
         t_keys = layer * P + self.t_pid
         protect = pipe.protected(t_keys)        # and the pages fetched ahead
         t_slots = self.fetcher.ensure(t_keys, protect=protect, fill=False).long()
-        tok_slots = store.device_tier.slots(layer * P + self.tok_pid).long()
+        tok_slots = tiers.device_slots(layer * P + self.tok_pid).long()
         pool[tok_slots, 0, :, self.tok_off] = k.to(pool.dtype)   # indexed view: [T, KVH, D]
         pool[tok_slots, 1, :, self.tok_off] = v.to(pool.dtype)
-        if store.cfg.sparse_budget > 0:      # summaries only serve selection
+        if cfg.sparse_budget > 0:      # summaries only serve selection
             # NOTE: recomputed from the page contents, so a retried step cannot double count
             # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]
             summ = summarize_pages(pool[t_slots, 0], self.t_valid)
             u = 0
             for i, j0, n in self.t_runs:
-                rkv = store.requests[self.seqs[i].request_id]
+                rkv = self.parts.requests[self.seqs[i].request_id]
                 rkv.summaries[layer, j0:j0 + n] = summ[u:u + n]
                 u += n
 
         # 2-3. select, resolve, fetch: dense sequences need every page, sparse decodes their
         # top pages; micro-batched and overlapped unless the pipeline is sequential
-        sparse = layer >= store.cfg.dense_layers
+        sparse = layer >= cfg.dense_layers
         dense_idx = self.dense_idx if sparse else list(range(len(self.seqs)))
         sparse_idx = self.sparse_idx if sparse else []
         stages = LayerStages(self, layer, q)
@@ -168,7 +189,7 @@ class StepKV:
                 self._attend_dense(layer, q, out, p.idx, p.slots, sparse, scale)
             else:
                 self._attend_sparse(q, out, p, scale, early)
-            store.stats.observe_stage("compute", time.perf_counter() - t0)
+            self.stats.observe_stage("compute", time.perf_counter() - t0)
 
         slots_all, sel = pipe.finish(parts, compute, lambda p: compute(p, early=True))
         if predicted is not None and sel is not None:
@@ -176,11 +197,11 @@ class StepKV:
 
         # 5. bookkeeping (overlaps with the rest of the layer when pipelined): recency, and
         # pages that became full go to the backing tier (once)
-        touched, now = torch.cat([slots_all, t_slots.int()]), store.clock_now
+        touched = torch.cat([slots_all, t_slots.int()])
         full = (t_keys[self.t_full], t_slots[self.t_full]) if self.t_full_rids else None
 
         def bookkeeping():
-            store.residency.touch(touched, now)
+            tiers.touch(touched, now)
             if full is not None:
                 self.fetcher.write_back(full[0], full[1], self.t_full_rids)
 
@@ -191,10 +212,10 @@ class StepKV:
                       slots: torch.Tensor, sparse: bool, scale: float) -> None:
         """Every page of the sequences idx (prefills, contexts within the budget, dense
         layers); in a sparse layer, prefills ending this step also rank their pages."""
-        store = self.store
+        parts = self.parts
         rows = self.query_rows(idx)
-        pool, qr = store.device_tier.pool, q[rows]
-        group = q.shape[1] // store.page_shape.num_kv_heads
+        pool, qr = self.tiers.pool, q[rows]
+        group = q.shape[1] // self.tiers.page_shape.num_kv_heads
         kernel = self._c_kernel(qr, group)
         if kernel is not None and all(self.seqs[i].q_len == 1 for i in idx):
             # decodes: the C kernel reads each page in place (1.8x faster than gathering
@@ -203,7 +224,7 @@ class StepKV:
             out[rows] = kernel.forward(qr, pool, self._dense_head_table(idx, slots), group,
                                        scale)
         else:
-            out[rows] = store.dense_attention.forward(qr, pool, self._dense_batch(idx, slots),
+            out[rows] = parts.dense_attention.forward(qr, pool, self._dense_batch(idx, slots),
                                                       scale)
         if sparse and self.observe_idx:
             self._observe_window(layer, q, idx, slots, scale)
@@ -214,25 +235,25 @@ class StepKV:
         With the C kernel, each row attends first to its pages the last step selected too (and
         the partial last page), then goes on over the others: `early` computes only the first
         half (into part.head), while the others are fetched."""
-        store = self.store
-        pool = store.device_tier.pool
+        parts = self.parts
+        pool = self.tiers.pool
         idx, sel = part.idx, part.sel
         rows = self.query_rows(idx)
-        if store.cfg.head_pages == "union":
+        if self.cfg.head_pages == "union":
             # every head attends to the pages any head selected (fetched anyway): the
             # dense kernel gathers 2 KB head runs of them, and a page one head missed
             # still counts
             table = self._union_table(idx, sel, part.slots)
             batch = AttentionBatch(torch.arange(len(idx) + 1, dtype=torch.int32),
                                    table, torch.empty(0, **_I64))
-            out[rows] = store.dense_attention.forward(q[rows], pool, batch, scale)
+            out[rows] = parts.dense_attention.forward(q[rows], pool, batch, scale)
             return
         qr = q[rows]
-        group = q.shape[1] // store.page_shape.num_kv_heads
+        group = q.shape[1] // self.tiers.page_shape.num_kv_heads
         kernel = self._c_kernel(qr, group)
         if part.reused is None or kernel is None:
             table, _ = self._sparse_table(idx, sel, part.slots)
-            out[rows] = store.sparse_attention.forward(qr, pool, table, group, scale)
+            out[rows] = parts.sparse_attention.forward(qr, pool, table, group, scale)
             return
         qr = qr.float()                 # converted once for both halves
         if part.head is None:
@@ -251,9 +272,8 @@ class StepKV:
     def _c_kernel(self, qr: torch.Tensor, group: int) -> NativeSparseDecode | None:
         """The store's C decode kernel when it serves the queries `qr` over the device pool
         (else None: a torch path computes them)."""
-        kernel = self.store.sparse_attention
-        if isinstance(kernel, NativeSparseDecode) and \
-                kernel.supports(qr, self.store.device_tier.pool, group):
+        kernel = self.parts.sparse_attention
+        if isinstance(kernel, NativeSparseDecode) and kernel.supports(qr, self.tiers.pool, group):
             return kernel
         return None
 
@@ -261,19 +281,19 @@ class StepKV:
                         slots: torch.Tensor, scale: float) -> None:
         """Prefills ending this step: the attention mass of their last obs_window queries over
         each page (all on device now) becomes the pages' prior for sparse decode."""
-        store = self.store
-        pool = store.device_tier.pool
-        group = q.shape[1] // store.page_shape.num_kv_heads
+        cfg = self.cfg
+        pool = self.tiers.pool
+        group = q.shape[1] // self.tiers.page_shape.num_kv_heads
         at = 0
         for i in dense_idx:
             n = self.n_pages[i]
             if i in self.observe_idx:
                 s = self.seqs[i]
-                w = min(store.cfg.obs_window, s.q_len)
+                w = min(cfg.obs_window, s.q_len)
                 mass = window_page_mass(q[self.qo[i + 1] - w:self.qo[i + 1]],
                                         pool[slots[at:at + n].long(), 0], s.kv_len, scale, group,
-                                        store.cfg.obs_reduce)
-                store.requests[s.request_id].prior[layer, :n] = mass
+                                        cfg.obs_reduce)
+                self.parts.requests[s.request_id].prior[layer, :n] = mass
             at += n
 
     def _observe_lookahead(self, layer: int, sel, predicted) -> None:
@@ -283,7 +303,7 @@ class StepKV:
             return
         exact = LayerStages(self, layer, None).union_keys(self.sparse_idx, sel)
         hit = int(torch.isin(exact, p_keys).sum())
-        self.store.stats.observe_lookahead(hit, exact.numel())
+        self.stats.observe_lookahead(hit, exact.numel())
 
     # ------------------------------------------------------------------------------------
     def query_rows(self, idx: list[int]) -> torch.Tensor | slice:
@@ -308,7 +328,7 @@ class StepKV:
         plan = self._head_tables.get(key)
         if plan is None:
             table = self._dense_batch(idx, torch.arange(sum(self.n_pages[i] for i in idx)))
-            heads = table.page_table.per_head(self.store.page_shape.num_kv_heads)
+            heads = table.page_table.per_head(self.tiers.page_shape.num_kv_heads)
             plan = self._head_tables[key] = PageTable(heads.indptr, heads.indices.long(),
                                                heads.last_page_len, heads.page_size)
         return PageTable(plan.indptr, slots[plan.indices].to(torch.int32), plan.last_page_len,
@@ -323,34 +343,31 @@ class StepKV:
         qo = torch.zeros(len(idx) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor([self.seqs[i].q_len for i in idx], dtype=torch.int32), 0,
                      out=qo[1:])
-        table = PageTable(indptr, slots.to(torch.int32), last, self.store.cfg.page_size)
+        table = PageTable(indptr, slots.to(torch.int32), last, self.cfg.page_size)
         return AttentionBatch(qo, table, torch.empty(0, **_I64))
 
     def select(self, layer: int, qd: torch.Tensor, idx: list[int], observe: bool = True):
         """Top pages of layer `layer` for the step's sequences `idx`, queries qd [B, H, D]."""
-        store, cfg = self.store, self.store.cfg
-        kvh = store.page_shape.num_kv_heads
-        n_pages = [self.n_pages[i] for i in idx]
-        reqs = [store.requests[self.seqs[i].request_id] for i in idx]
-        priors = None
-        if cfg.prior_pages > 0:
-            priors = [None if r.prior is None else r.prior[layer] for r in reqs]
-        sel = store.selector.select(qd, [r.summaries[layer] for r in reqs], n_pages,
-                                    qd.shape[1] // kvh, cfg.budget_pages, cfg.sink_pages,
-                                    cfg.local_pages, priors, cfg.prior_pages)
-        if not observe:
-            return sel
-        per_row = (sel.indptr[1:] - sel.indptr[:-1]) * cfg.page_size        # [B * KVH]
-        partial = cfg.page_size - torch.tensor([self.last_len[i] for i in idx], **_I64)
-        store.stats.observe_selected((per_row - partial.repeat_interleave(kvh)).tolist())
-        return sel
+        reqs = [self.parts.requests[self.seqs[i].request_id] for i in idx]
+        priors = [None if r.prior is None else r.prior[layer] for r in reqs]
+        return self.selection.select(qd, [r.summaries[layer] for r in reqs],
+                                     [self.n_pages[i] for i in idx],
+                                     [self.last_len[i] for i in idx],
+                                     self.tiers.page_shape.num_kv_heads, priors, observe)
+
+    def reused(self, keys: torch.Tensor) -> torch.Tensor:
+        """Which of a selection's `keys` the last completed step selected too (bool [n]);
+        records this step's (the store's end_step stamps them once the step completes, so a
+        step run again after a failure splits as it did the first time)."""
+        self.selected.append(keys)
+        return self.selection.reused(keys)
 
     def _sparse_table(self, idx: list[int], sel, union_slots: torch.Tensor
                       ) -> tuple[PageTable, torch.Tensor]:
         """Per (sequence, KV head) rows over device slots: row b * KVH + h lists the slots of
         the pages head h of sequence b selected (ascending; the partial last page is last).
         Returns (the table, each entry's position among the union keys)."""
-        kvh = self.store.page_shape.num_kv_heads
+        kvh = self.tiers.page_shape.num_kv_heads
         pmax = max(self.n_pages[i] for i in idx) + 1
         b_of_union = torch.repeat_interleave(torch.arange(len(idx)),
                                              sel.union_indptr[1:] - sel.union_indptr[:-1])
@@ -360,10 +377,10 @@ class StepKV:
         pos = torch.searchsorted(union_global, b_of_entry * pmax + sel.page_indices)
         last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
         return PageTable(sel.indptr.to(torch.int32), union_slots[pos].to(torch.int32),
-                         last.repeat_interleave(kvh), self.store.cfg.page_size), pos
+                         last.repeat_interleave(kvh), self.cfg.page_size), pos
 
     def _union_table(self, idx: list[int], sel, union_slots: torch.Tensor) -> PageTable:
         """One row per sequence over the union of its heads' pages (the partial page last)."""
         last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
         return PageTable(sel.union_indptr.to(torch.int32), union_slots.to(torch.int32), last,
-                         self.store.cfg.page_size)
+                         self.cfg.page_size)

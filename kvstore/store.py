@@ -1,73 +1,48 @@
-"""TieredKVStore: owns every KV page of every request across the device, host and disk tiers.
+"""TieredKVStore: the KV store's facade; it wires its parts and owns none of their state.
 
-Pages are identified by logical page ids from the PageAllocator (shared by all layers of a
-request); a page of one layer is the key `layer * max_pages + page_id` in every tier.
-The lowest tier with a budget is the backing store: every full page is written there once
-(overlapped with compute), so evicting from a faster tier never writes. Partial pages (the
-last page of a request while it fills) live only on the device tier and are never evicted.
+The parts, each with one concern (docs/kvstore.md):
+- PageAllocator (page_allocator.py): logical page ids, reference counts, who holds what;
+- RequestTable (requests.py): per request, its file handle, summaries and prior;
+- TierSet (tierset.py): the tiers, slot maps, pins, residency, demotion, clean mask and
+  backing writes; its movers are the Fetcher (fetcher.py) and the C eviction pass;
+- PageSelection (selection.py): which pages sparse decode attends to;
+- Pipeline (pipeline.py): how a layer's select / fetch / compute stages are scheduled;
+- StepKV (step.py): one step's view that the model attends through, holding the kernels.
 
-The scheduler allocates through this object (it has PageAllocator's interface), so freeing a
-request's pages also drops them from every tier before the ids can be reused.
+The scheduler allocates through this object (PageAllocator's interface): `allocate`,
+`free` and `can_allocate` return at once. Pages nobody holds leave the tiers right away
+(memory bookkeeping); their backing writes still in flight are retired, never waited for
+here: the KV side waits for them at the start of the next step.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-import threading
-from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
-from kernels.attention import make_attention_backend
-from kernels.page_select import make_selector
+from kernels.backends import make_attention_backend
 from kernels.sparse_attention import make_sparse_decode
 from kvstore.config import KVStoreConfig
+from kvstore.errors import KVFull, KVNeverFits, RequestKVError
 from kvstore.page_allocator import PageAllocator
 from kvstore.pipeline import Pipeline
+from kvstore.fetcher import Fetcher
 from kvstore.placement import RecencyPlacement
-from kvstore.residency import make_residency
-from kvstore.step import SeqKV, StepKV
+from kvstore.requests import RequestKV, RequestTable
+from kvstore.selection import PageSelection
+from kvstore.step import SeqKV, StepKV, StepParts
 from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
-from kvstore.tiers.device import DeviceTier
-from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.errors import TierFull
-from kvstore.tiers.host import HostTier
+from kvstore.tierset import TierSet
+
+__all__ = ["KVFull", "KVNeverFits", "RequestKVError", "TieredKVStore"]
 
 logger = logging.getLogger(__name__)
 
-
-class KVFull(Exception):
-    """The backing store cannot take this request now (HTTP 429)."""
-
-
-class KVNeverFits(ValueError):
-    """The request is larger than the backing store could ever hold (HTTP 400)."""
-
-
-class RequestKVError(Exception):
-    """KV pages of some requests were lost (corrupt page, I/O error): fail just those."""
-
-    def __init__(self, request_ids: list[str], message: str):
-        super().__init__(message)
-        self.request_ids = request_ids
-
-
-@dataclass
-class RequestKV:
-    """Per-request KV state that outlives preemption (released when the request ends)."""
-    request_id: str
-    handle: int
-    capacity_pages: int                      # pages per layer reserved for prompt + max_tokens
-    summaries: torch.Tensor                  # [L, capacity_pages, kvh, 3, hd] min | max | mean
-    # [L, capacity_pages, kvh] float32: attention mass from the prompt's observation window,
-    # set at the end of prefill (-inf: none, e.g. pages generated later)
-    prior: torch.Tensor | None = None
-    # in-flight backing writes: (future, keys, pages); pages stay alive until applied
-    written: list[tuple[Future, torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    write_errors: list[str] = field(default_factory=list)
-    prefilled: bool = False                  # placement applied after the prompt was computed
+_RECONFIGURABLE = {"sparse_budget", "sink_tokens", "local_tokens", "dense_layers", "selector",
+                   "obs_reduce", "prior_share", "head_pages", "force_tier"}
 
 
 class TieredKVStore:
@@ -76,61 +51,52 @@ class TieredKVStore:
         self.cfg = cfg
         self.num_layers = num_layers
         self.page_shape = PageShape(cfg.page_size, num_kv_heads, head_dim, dtype)
-        self.device = torch.device(device)
-        nbytes = self.page_shape.nbytes
-        backing_bytes = {"device": cfg.device_bytes, "host": cfg.host_bytes,
-                         "disk": cfg.disk_bytes}[cfg.backing]
-        self.max_pages = backing_bytes // (nbytes * num_layers)
-        if self.max_pages < 1:
+        device = torch.device(device)
+        layer_bytes = self.page_shape.nbytes * num_layers
+        budgets = cfg.budgets(device.type)
+        backing_bytes = next(budgets[t] for t in ("disk", "host", "device") if budgets[t])
+        max_pages = backing_bytes // layer_bytes
+        if max_pages < 1:
             raise ValueError(f"the {cfg.backing} tier ({backing_bytes / 2**30:.3f} GB) holds no "
                              f"page of {cfg.page_size} tokens over {num_layers} layers "
-                             f"({nbytes * num_layers} bytes); raise --kv-{cfg.backing}-gb")
-        max_keys = self.max_pages * num_layers
-        self.allocator = PageAllocator(self.max_pages, cfg.page_size)
-        self.device_tier = DeviceTier(self.page_shape, cfg.device_bytes, max_keys, self.device)
-        self.host_tier = (HostTier(self.page_shape, cfg.host_bytes, max_keys)
-                          if cfg.host_bytes else None)
-        self.disk_tier = (DiskTier(self.page_shape, cfg.disk_bytes, cfg.disk_path, max_keys,
-                                   num_layers, self.max_pages, threads=cfg.disk_threads)
-                          if cfg.disk_bytes else None)
-        self.tiers = [t for t in (self.device_tier, self.host_tier, self.disk_tier) if t is not None]
-        self.backing = self.tiers[-1]
-        self.residency = make_residency(cfg.residency, self.device_tier.capacity_pages,
-                                        num_layers)
-        self.host_residency = make_residency(
-            cfg.residency, self.host_tier.capacity_pages if self.host_tier else 0, num_layers)
-        # host slots a pending fill reads from (never evicted until the fill is done)
-        self.host_pinned = torch.zeros(self.host_tier.capacity_pages if self.host_tier else 0,
-                                       dtype=torch.bool)
-        # device slots a pending fill writes into (never evicted until it has)
-        self.device_pinned = torch.zeros(self.device_tier.capacity_pages, dtype=torch.bool)
-        self._staging: dict[tuple[str, int], torch.Tensor] = {}
-        # evicted device pages whose copy to their new host slot is still to be made:
-        # (device slots, host slots), recorded by resolve, made by the fill after it
-        # (Fetcher.demote)
-        self.demotions: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
-        self.demote_lock = threading.Lock()
-        self.native_eviction = None     # kvstore.native_evict.NativeEviction, made on first use
-        self.selector = make_selector(cfg.selector)
-        self.dense_attention = make_attention_backend(self.device)
-        self.sparse_attention = make_sparse_decode(self.device)
+                             f"({layer_bytes} bytes); raise --kv-{cfg.backing}-gb")
         self.stats = KVStats()
-        self.pipeline = Pipeline(self, cfg.pipeline, cfg.micro_batch)
-        self.placement = RecencyPlacement()
-        # True where the key's page is safely in the backing tier (evictable from faster tiers)
-        self.clean = torch.zeros(max_keys, dtype=torch.bool)
-        # the last completed step whose sparse decode selected the key's page
-        # (kvstore.stages.reused)
-        self.selected_at = torch.full((max_keys,), -1, dtype=torch.int64)
-        self.completed_step = 0
-        self.requests: dict[str, RequestKV] = {}
-        self._next_handle = 0
-        self.step_counter = 0
-        self.clock_now = 0          # layer clock (`clock_of`) of the layer being computed
-        logger.info("KV store: device %.0f MiB (%d pages), host %.0f MiB, disk %.0f MiB; "
-                    "backing tier %s holds %d pages x %d layers", cfg.device_bytes / 2**20,
-                    self.device_tier.capacity_pages, cfg.host_bytes / 2**20,
-                    cfg.disk_bytes / 2**20, cfg.backing, self.max_pages, num_layers)
+        self._allocator = PageAllocator(max_pages, cfg.page_size)
+        self._requests = RequestTable()
+        self._tiers = TierSet(cfg, self.page_shape, num_layers, max_pages, device, self.stats,
+                              owners=self._allocator.holders)
+        self._fetcher = Fetcher(self._tiers)
+        self.pipeline = Pipeline(self._tiers, self._fetcher, self.stats, cfg.pipeline,
+                                 cfg.micro_batch)
+        self._selection = PageSelection(cfg, max_pages * num_layers, self.stats)
+        self.sparse_attention = make_sparse_decode(device)
+        self._parts = StepParts(cfg, self._tiers, self._fetcher, self._requests,
+                                self._selection, self.pipeline, self.stats,
+                                make_attention_backend(device), self.sparse_attention)
+        self._placement = RecencyPlacement()
+        logger.info("KV store: %s; backing tier %s holds %d pages x %d layers",
+                    ", ".join(f"{name} {cap / 2**20:.0f} MiB"
+                              for name, (_, cap) in self._tiers.usage().items()),
+                    cfg.backing, max_pages, num_layers)
+
+    @property
+    def tiers(self) -> TierSet:
+        return self._tiers
+
+    def request(self, request_id: str) -> RequestKV | None:
+        """The request's KV state (summaries, prior, disk handle), or None."""
+        return self._requests.get(request_id)
+
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
+    @property
+    def selection(self) -> PageSelection:
+        return self._selection
+
+    @property
+    def max_pages(self) -> int:
+        return self._allocator.num_pages
 
     # ---------------------------------------------------------------- request lifecycle
     def capacity_tokens(self) -> int:
@@ -143,30 +109,33 @@ class TieredKVStore:
             raise KVNeverFits(f"request needs KV for {max_total_tokens} tokens but the "
                               f"{self.cfg.backing} tier holds {self.capacity_tokens()}; raise "
                               f"--kv-{self.cfg.backing}-gb or lower max_tokens")
-        handle = self._next_handle
-        self._next_handle += 1
-        if self.disk_tier is not None:
+        handle = self._requests.new_handle()
+        disk = self._tiers.disk_tier
+        if disk is not None:
             try:
-                self.disk_tier.register_request(handle, cap)
+                disk.register_request(handle, cap)
             except TierFull as exc:
                 raise KVFull(f"disk tier is full for now ({exc}); retry later") from exc
-        shape = self.page_shape
+        shape, cfg = self.page_shape, self.cfg
         # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper
         # bound. Only sparse decode reads them.
-        rows = cap if self.cfg.sparse_budget > 0 else 0
+        rows = cap if cfg.sparse_budget > 0 else 0
         summaries = torch.empty(self.num_layers, rows, shape.num_kv_heads, 3, shape.head_dim,
                                 dtype=shape.dtype)
         prior = None
-        if self.cfg.sparse_budget > 0 and self.cfg.obs_window > 0:
+        if cfg.sparse_budget > 0 and cfg.obs_window > 0:
             prior = torch.full((self.num_layers, cap, shape.num_kv_heads), -float("inf"))
-        self.requests[request_id] = RequestKV(request_id, handle, cap, summaries, prior=prior)
+        self._requests.add(RequestKV(request_id, handle, cap, summaries, prior=prior))
 
     def release(self, request_id: str) -> None:
-        """The request ended: free its pages in every tier and its disk file."""
-        self.free(request_id)
-        rkv = self.requests.pop(request_id, None)
-        if rkv is not None and self.disk_tier is not None:
-            self.disk_tier.release_request(rkv.handle)
+        """The request ended: its pages leave every tier, its disk file goes once its writes
+        in flight are done."""
+        rkv = self._requests.pop(request_id)
+        disk = self._tiers.disk_tier
+        close = None
+        if rkv is not None and disk is not None:
+            close = (lambda h=rkv.handle: disk.release_request(h))
+        self._free(request_id, close)
 
     # ---------------------------------------------------------------- allocator interface
     @property
@@ -175,119 +144,70 @@ class TieredKVStore:
 
     @property
     def num_pages(self) -> int:
-        return self.allocator.num_pages
+        return self._allocator.num_pages
 
     @property
     def num_free_pages(self) -> int:
-        return self.allocator.num_free_pages
+        return self._allocator.num_free_pages
 
     @property
     def num_used_pages(self) -> int:
-        return self.allocator.num_used_pages
+        return self._allocator.num_used_pages
 
     def pages_needed(self, request_id: str, num_tokens: int) -> int:
-        return self.allocator.pages_needed(request_id, num_tokens)
+        return self._allocator.pages_needed(request_id, num_tokens)
 
     def pages_for_tokens(self, n: int) -> int:
-        return self.allocator.pages_for_tokens(n)
+        return self._allocator.pages_for_tokens(n)
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.allocator.can_allocate(request_id, num_tokens)
+        return self._allocator.can_allocate(request_id, num_tokens)
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
-        before = len(self.allocator.pages(request_id))
-        if not self.allocator.allocate(request_id, num_tokens):
+        before = len(self._allocator.pages(request_id))
+        if not self._allocator.allocate(request_id, num_tokens):
             return False
-        pages = self.allocator.pages(request_id)
-        rkv = self.requests.get(request_id)
-        if self.disk_tier is not None and rkv is not None and len(pages) > before:
-            self.disk_tier.bind(list(pages[before:]), rkv.handle, before)
+        pages = self._allocator.pages(request_id)
+        rkv = self._requests.get(request_id)
+        disk = self._tiers.disk_tier
+        if disk is not None and rkv is not None and len(pages) > before:
+            disk.bind(list(pages[before:]), rkv.handle, before)
         return True
 
+    def share(self, request_id: str, page_ids) -> None:
+        """The request starts with full pages other requests hold (a common prefix). Only
+        pages safe in the backing tier can be shared: no write of theirs is in flight."""
+        page_ids = [int(p) for p in page_ids]
+        keys = self._tiers.keys_of(torch.tensor(page_ids, dtype=torch.int64))
+        backs = self._tiers.backing is not self._tiers.device_tier
+        if backs and not bool(self._tiers.is_clean(keys).all()):
+            raise ValueError("only pages already in the backing tier can be shared")
+        self._allocator.share(request_id, page_ids)
+
     def pages(self, request_id: str) -> tuple[int, ...]:
-        return self.allocator.pages(request_id)
+        return self._allocator.pages(request_id)
 
     def free(self, request_id: str) -> int:
-        """Drop the request's pages from every tier (preemption or end), then free the ids."""
-        self.pipeline.drain(raise_errors=False)     # no stage thread may be using the tiers
-        page_ids = self.allocator.pages(request_id)
-        rkv = self.requests.get(request_id)
+        """Drop the request's pages (preemption or end); returns how many became free."""
+        return self._free(request_id, None)
+
+    def _free(self, request_id: str, then) -> int:
+        rkv = self._requests.get(request_id)
         if rkv is not None:
-            self.wait_writes(rkv)
             rkv.prefilled = False
-        if page_ids:
-            keys = self.keys_of(torch.tensor(page_ids, dtype=torch.int64))
-            for tier in self.tiers:
-                tier.delete(keys)
-            self.clean[keys] = False
-        return self.allocator.free(request_id)
+        gone = self._allocator.release(request_id)
+        # NOTE: no stage thread runs between steps (end_step and abort_step drain them)
+        self._tiers.drop(gone)
+        self._tiers.retire_writes(request_id, then)
+        return len(gone)
 
-    # ---------------------------------------------------------------- helpers
-    def clock_of(self, keys: torch.Tensor, step: int | None = None) -> torch.Tensor:
-        """Layer clock of a use of `keys` in `step` (default: this one): step * layers + the
-        key's layer, the order in which a step reads them (the tiers' recency stamps)."""
-        step = self.step_counter if step is None else step
-        return step * self.num_layers + keys // self.max_pages
-
-    def keys_of(self, page_ids: torch.Tensor, layers: range | None = None) -> torch.Tensor:
-        """page_ids [n] -> keys [L * n] (layer-major) for every layer (or `layers`)."""
-        layers = range(self.num_layers) if layers is None else layers
-        ls = torch.tensor(list(layers), dtype=torch.int64)
-        return (ls[:, None] * self.max_pages + page_ids[None, :]).reshape(-1)
-
-    def wait_writes(self, rkv: RequestKV) -> None:
-        """Block until the request's backing writes finish (errors kept for check_writes)."""
-        self._settle(rkv, block=True)
-
-    def _settle(self, rkv: RequestKV, block: bool) -> None:
-        # NOTE: completions are applied here, on the engine thread, never in I/O callbacks:
-        # a callback could mark a page clean after free() released its id
-        pending = []
-        for entry in rkv.written:
-            fut, keys = entry[0], entry[1]
-            if not block and not fut.done():
-                pending.append(entry)
-                continue
-            exc = fut.exception()
-            if exc is None:
-                self.clean[keys] = True
-                self.stats.add_transfer("device", "disk", keys.numel() * self.page_shape.nbytes)
-            else:
-                rkv.write_errors.append(f"KV write to disk failed: {exc}")
-        rkv.written = pending
-
-    def check_writes(self) -> list[tuple[str, str]]:
-        """Apply finished backing writes; returns (request_id, error) for failed ones."""
-        failed = []
-        for rid, rkv in self.requests.items():
-            self._settle(rkv, block=False)
-            if rkv.write_errors:
-                failed.append((rid, rkv.write_errors[0]))
-                rkv.write_errors.clear()
-        return failed
-
-    def staging(self, n: int, purpose: str = "fill") -> torch.Tensor:
-        """A reused host buffer [n, 2, kvh, ps, hd] (grown on demand, never shrunk): fresh
-        memory costs a page fault per 4 KB, so page copies between tiers go through these.
-        One buffer per purpose ("fill": host -> device, "demote": device -> host, both
-        with a CUDA device pool; host pools copy pages directly, see copy_pages) and per
-        thread (an inline fill on the engine thread may run beside one on the fetch thread)."""
-        key = (purpose, threading.get_ident())
-        buf = self._staging.get(key)
-        if buf is None or buf.shape[0] < n:
-            buf = torch.empty(max(n, 256), *self.page_shape.shape, dtype=self.page_shape.dtype)
-            self._staging[key] = buf
-        return buf[:n]
-
-    def request_error(self, keys: torch.Tensor, message: str) -> RequestKVError:
-        """Map the keys of lost pages to the requests that own them."""
-        lost = set((torch.as_tensor(keys) % self.max_pages).tolist())
-        rids = [rid for rid in self.requests if lost & set(self.allocator.pages(rid))]
-        return RequestKVError(rids, message)
-
+    # ---------------------------------------------------------------- steps
     def begin_step(self, seqs: list[SeqKV]) -> StepKV:
+        # NOTE: writes of freed pages finish before this step writes any page (a reused id's
+        # new contents must not race its old ones on disk); they were issued a step ago or more
+        self._tiers.reap(block=True)
         self.pipeline.drain(raise_errors=False)     # a step that failed may have left jobs
-        return StepKV(self, seqs)
+        return StepKV(self._parts, seqs)
 
     def end_step(self, step: StepKV, prefilled: list[str]) -> list[tuple[str, str]]:
         """After the forward: placement for requests whose prompt is now computed, forced
@@ -296,28 +216,46 @@ class TieredKVStore:
         # still run on a stage thread; placement and demotion below mutate the same tiers
         self.pipeline.drain()
         self.pipeline.end_step()
-        if step.selected:
-            self.selected_at[torch.cat(step.selected)] = step.now
-        self.completed_step = step.now
+        self._selection.end_step(step.now, step.selected)
         for rid in prefilled:
-            rkv = self.requests.get(rid)
+            rkv = self._requests.get(rid)
             if rkv is not None and not rkv.prefilled:
                 rkv.prefilled = True
-                self.placement.place(self, rid)
+                self._placement.place(self._tiers, self._allocator.pages(rid), self.cfg)
         if self.cfg.force_tier != "none":
-            self._force_down(step)
-        return self.check_writes()
+            self._force_down()
+        return self._tiers.check_writes()
 
-    def _force_down(self, step: StepKV) -> None:
-        for rkv in self.requests.values():
-            self.wait_writes(rkv)
-        dev = self.device_tier
-        key_of = dev.slot_keys
-        evictable = (key_of >= 0) & self.clean[key_of.clamp(min=0)]
-        step.fetcher.evict_device(evictable.nonzero().squeeze(1))
-        if self.cfg.force_tier == "disk" and self.host_tier is not None:
-            step.fetcher.evict_host(self.host_tier.keys())
+    def abort_step(self) -> None:
+        """The step's forward failed: wait for its stage threads (their errors are logged)."""
+        self.pipeline.drain(raise_errors=False)
+
+    def _force_down(self) -> None:
+        self._tiers.wait_writes()
+        self._fetcher.evict_clean(to_disk=self.cfg.force_tier == "disk")
+
+    def reconfigure(self, **changes) -> None:
+        """Change per-step settings of a running store (benchmarks and tests compare variants
+        of one loaded engine): selection settings and --kv-force-tier; no size."""
+        bad = set(changes) - _RECONFIGURABLE
+        if bad:
+            raise ValueError(f"cannot change {sorted(bad)} on a running KV store")
+        self.cfg = dataclasses.replace(self.cfg, **changes)
+        self._selection.reconfigure(self.cfg)
+        self._parts = dataclasses.replace(self._parts, cfg=self.cfg)
+
+    def use_pipeline(self, mode: str, micro_batch: int = 0, **options) -> None:
+        """Swap the pipeline (benchmarks and tests compare modes and their variants on one
+        loaded engine): kvstore.pipeline.Pipeline's options."""
+        self.pipeline.close()
+        self.pipeline = Pipeline(self._tiers, self._fetcher, self.stats, mode, micro_batch,
+                                 **options)
+        self._parts = dataclasses.replace(self._parts, pipeline=self.pipeline)
 
     def tier_usage(self) -> dict[str, tuple[int, int]]:
         """tier -> (used bytes, capacity bytes)."""
-        return {t.name: (t.used_bytes, t.capacity_bytes) for t in self.tiers}
+        return self._tiers.usage()
+
+    def close(self) -> None:
+        self.pipeline.close()
+        self._tiers.close()

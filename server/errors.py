@@ -8,6 +8,7 @@ no traceback ever reaches a client.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -15,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.protocol import (EngineDeadError, EngineError, EngineNotReadyError, QueueFullError,
-                             RequestTooLargeError)
+                             RequestTooLargeError, TooManyChoicesError)
 from server.protocol import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -76,33 +77,59 @@ def model_not_found(model: str) -> APIError:
                     param="model", code="model_not_found")
 
 
-def not_ready() -> APIError:
-    return APIError(503, "The model is still loading; retry shortly.", type="service_unavailable",
-                    code="model_loading", headers={"Retry-After": "5"})
-
-
-def request_failed(message: str | None) -> APIError:
-    """A request the engine accepted and then failed (e.g. an I/O error in a KV tier)."""
-    return APIError(500, f"The request failed in the engine: {one_line(message)}",
-                    type="server_error", code="engine_error")
-
-
 def internal_error() -> APIError:
     return APIError(500, "Internal server error.", type="server_error", code="internal_error")
 
 
+@dataclass(frozen=True)
+class Answer:
+    """The HTTP answer to one kind of engine refusal."""
+    status: int
+    type: str
+    code: str
+    reason: str                         # strata_admission_rejections_total{reason}
+    prefix: str = ""                    # before the engine's message
+    message: str | None = None          # instead of the engine's message
+    param: str | None = None
+    retry_after_s: int | None = None    # Retry-After (QueueFullError carries its own)
+
+
+# each engine error (engine/admission.py's vocabulary) -> one HTTP answer
+ANSWERS: dict[type[EngineError], Answer] = {
+    QueueFullError: Answer(429, "rate_limit_error", "queue_full", "queue_full",
+                           prefix="Server is busy: ", retry_after_s=1),
+    RequestTooLargeError: Answer(400, "invalid_request_error", "request_too_large", "too_large"),
+    TooManyChoicesError: Answer(400, "invalid_request_error", "too_many_choices", "too_large",
+                                param="n"),
+    EngineNotReadyError: Answer(503, "service_unavailable", "model_loading", "not_ready",
+                                message="The model is still loading; retry shortly.",
+                                retry_after_s=5),
+    EngineDeadError: Answer(503, "service_unavailable", "engine_dead", "engine_dead",
+                            prefix="The engine is not running: "),
+}
+_FAILED = Answer(500, "server_error", "engine_error", "engine_error",
+                 prefix="The request failed in the engine: ")
+
+
+def answer_for(exc: EngineError) -> Answer:
+    return next((a for kind, a in ANSWERS.items() if isinstance(exc, kind)), _FAILED)
+
+
 def from_engine_error(exc: EngineError) -> APIError:
-    if isinstance(exc, QueueFullError):
-        return APIError(429, f"Server is busy: {one_line(str(exc))}", type="rate_limit_error",
-                        code="queue_full", headers={"Retry-After": str(max(1, exc.retry_after_s))})
-    if isinstance(exc, EngineNotReadyError):
-        return not_ready()
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, f"The engine is not running: {one_line(str(exc))}",
-                        type="service_unavailable", code="engine_dead")
-    if isinstance(exc, RequestTooLargeError):
-        return invalid_request(one_line(str(exc)), code="request_too_large")
-    return request_failed(str(exc))
+    a = answer_for(exc)
+    message = a.message or a.prefix + one_line(str(exc))
+    retry = getattr(exc, "retry_after_s", None) or a.retry_after_s
+    headers = {"Retry-After": str(max(1, retry))} if retry else None
+    return APIError(a.status, message, type=a.type, param=a.param, code=a.code, headers=headers)
+
+
+def not_ready() -> APIError:
+    return from_engine_error(EngineNotReadyError("loading"))
+
+
+def request_failed(message: str | None) -> APIError:
+    """A request the engine accepted and then failed (e.g. an I/O error in a KV tier)."""
+    return from_engine_error(EngineError(message or ""))
 
 
 def one_line(message: str | None) -> str:

@@ -12,9 +12,9 @@ from typing import AsyncIterator
 
 import anyio
 
-from engine.protocol import (EngineDeadError, EngineError, EngineNotReadyError, QueueFullError,
-                             RequestTooLargeError)
+from engine.protocol import EngineError
 from server.choice_stream import ChoiceDelta, ChoiceStream
+from server.errors import answer_for
 from server.metrics import ServerMetrics
 from server.protocol import UsageInfo
 
@@ -22,15 +22,7 @@ _DONE = object()
 
 
 def rejection_reason(exc: EngineError) -> str:
-    if isinstance(exc, QueueFullError):
-        return "queue_full"
-    if isinstance(exc, RequestTooLargeError):
-        return "too_large"
-    if isinstance(exc, EngineNotReadyError):
-        return "not_ready"
-    if isinstance(exc, EngineDeadError):
-        return "engine_dead"
-    return "engine_error"
+    return answer_for(exc).reason
 
 
 @dataclass

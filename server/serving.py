@@ -14,13 +14,14 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.responses import Response
 
+from engine.admission import check_choices
 from engine.outputs import TokenLogprob
-from engine.protocol import EngineError
+from engine.protocol import EngineError, TooManyChoicesError
 from server.choice_stream import ChoiceSpec, ChoiceStream, RequestFailed
 from server.context import ServerContext
 from server.disconnect import ClientDisconnected, run_until_disconnected
-from server.errors import (APIError, context_length_exceeded, from_engine_error, internal_error,
-                           invalid_request, request_failed)
+from server.errors import (APIError, answer_for, context_length_exceeded, from_engine_error,
+                           internal_error, invalid_request, request_failed)
 from server.generation import ChoiceResult, Generation
 from server.sampling import Request as SamplingRequest
 from server.sampling import build_sampling_params, resolve_max_tokens, stop_strings
@@ -67,11 +68,11 @@ class OpenAIServing:
     def check_admissible(self, choices: int) -> None:
         """400 for a request that could never be admitted (its choices, each an engine
         request, all wait together): 429 means "not now", this means "never"."""
-        if choices > self.ctx.max_waiting:
-            raise invalid_request(f"The request makes {choices} generations (n x prompts) but "
-                                  f"this server queues at most {self.ctx.max_waiting} "
-                                  "(--max-waiting); send fewer at a time.", param="n",
-                                  code="too_many_choices")
+        try:
+            check_choices(choices, self.ctx.max_waiting)
+        except TooManyChoicesError as exc:
+            self.ctx.metrics.record_rejection(answer_for(exc).reason)
+            raise from_engine_error(exc) from None
 
     def generation(self, request: SamplingRequest, prompts: list[list[int]],
                    request_id: str, prompt_param: str) -> Generation:

@@ -1,10 +1,14 @@
-"""Shared fixtures: markers, and the bundled SmolLM2 converted once to an HF folder."""
+"""Shared fixtures: markers, the bundled SmolLM2 converted once to an HF folder, a tiny Llama,
+and (registered below) the real-server fixtures of tests/server_fixtures.py."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
+
+# the real-server fixtures (`server`, `server_url`, `client`, `http`): tests/server_fixtures.py
+pytest_plugins = ["tests.server_fixtures"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # NOTE: the one-time GGUF conversion (~20-30 s) is cached inside the repo (.cache is ignored),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels.attention import AttentionBatch, TorchPagedAttention
-from kvstore.kv_cache import DenseStep
+from tests.kv_cache import DenseStep
 
 
 @dataclass

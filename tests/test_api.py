@@ -8,8 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest_server import (MODEL, REQUEST_TIMEOUT_S, client, http, server,  # noqa: F401
-                                   server_url, sse_payloads)
+from tests.server_helpers import MODEL, REQUEST_TIMEOUT_S, sse_payloads
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest_server import MODEL, REQUEST_TIMEOUT_S, openai_client, read_metric, running_server
+from tests.server_helpers import MODEL, REQUEST_TIMEOUT_S, openai_client, read_metric, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest_server import (MODEL, REQUEST_TIMEOUT_S, read_metric, running_server,
+from tests.server_helpers import (MODEL, REQUEST_TIMEOUT_S, read_metric, running_server,
                                    sse_payloads)
 
 pytestmark = pytest.mark.slow
@@ -23,7 +23,8 @@ def disk_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiered(disk_dir):
-    with running_server("--kv-device-gb", "0.05", "--kv-host-gb", "0.05", "--kv-disk-gb", "0.1",
+    with running_server("--kv-device-gb", "0.05", "--kv-host-gb", "0.05", "--kv-host-pool",
+                        "separate", "--kv-disk-gb", "0.1",
                         "--kv-disk-path", str(disk_dir), "--kv-force-tier", "disk",
                         "--sparse-budget", "256", "--pipeline", "layer-ahead") as proc:
         yield proc

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from kernels.attention import (AttentionBatch, TorchPagedAttention, make_attention_backend,
-                               reference_paged_attention)
-from kvstore.kv_cache import KVCache
+from kernels.attention import AttentionBatch, TorchPagedAttention, reference_paged_attention
+from kernels.backends import make_attention_backend
+from tests.kv_cache import KVCache
 
 AWKWARD_KV_LENS = [1, 15, 16, 17, 27, 61, 113, 577]
 

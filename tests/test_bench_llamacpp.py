@@ -12,7 +12,7 @@ import time
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from bench import throughput
+from bench import common, throughput
 from bench.peers import llamacpp
 from server.tokenizer import Tokenizer
 
@@ -85,9 +85,9 @@ needs_binary = pytest.mark.skipif(llamacpp.find_binary() is None,
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
     srv = llamacpp.start(tmp_path_factory.mktemp("llamacpp") / "llama-server.log", 2,
-                         throughput.MODEL_LEN, wait_ready=throughput.wait_ready)
+                         throughput.MODEL_LEN)
     yield srv
-    throughput.stop(srv.proc)
+    common.stop(srv.proc)
 
 
 async def _stream(client, text: str, max_tokens: int) -> tuple[int, str, list[float]]:
@@ -126,7 +126,7 @@ def test_two_concurrent_streams_return_tokens_and_are_counted(llama_server):
 @needs_binary
 def test_the_ramp_times_llama_server_at_one_then_two_in_flight(llama_server, smollm2_dir):
     tok = Tokenizer.from_folder(smollm2_dir)
-    texts = throughput.make_texts(tok, 2, 300)
+    texts = common.essay_texts(tok, 2, 300)
     lens = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in texts]
     rows = asyncio.run(throughput.ramp(llama_server.base, llamacpp.MODEL_NAME, texts, lens,
                                        [1, 2], steps=3, metrics=False,
@@ -140,7 +140,7 @@ def test_the_ramp_times_llama_server_at_one_then_two_in_flight(llama_server, smo
 @needs_binary
 def test_a_burst_of_two_on_llama_server_without_its_prompt_cache(llama_server, smollm2_dir):
     tok = Tokenizer.from_folder(smollm2_dir)
-    texts = throughput.make_texts(tok, 2, 300)
+    texts = common.essay_texts(tok, 2, 300)
     lens = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in texts]
     body = {**llamacpp.REQUEST, "cache_prompt": False}
     row = asyncio.run(throughput.burst(llama_server.base, llamacpp.MODEL_NAME, texts, lens, 2, 4,

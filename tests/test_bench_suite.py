@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from bench import report, roofline, ruler, suite, throughput, throughput_report
+from bench import common, report, roofline, ruler, suite, throughput, throughput_report
 from server.tokenizer import Tokenizer
-from tests.conftest_server import REPO, running_server
+from tests.server_helpers import REPO, running_server
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +22,16 @@ def tokenizer(smollm2_dir) -> Tokenizer:
 
 
 def test_prompts_hit_the_context_and_differ(tokenizer):
-    texts = throughput.make_texts(tokenizer, 3, 1000)
+    texts = common.essay_texts(tokenizer, 3, 1000)
     lens = [len(tokenizer.encode_chat([{"role": "user", "content": t}])) for t in texts]
     assert all(950 <= n <= 1000 for n in lens), lens
-    assert len(set(texts)) == 3 and all(t.endswith(throughput.QUESTION) for t in texts)
+    assert len(set(texts)) == 3 and all(t.endswith(common.QUESTION) for t in texts)
+    # the same prompts as token ids (bench/sparse_decode.py's and pipeline.py's)
+    assert [len(ids) for ids in common.essay_prompts(tokenizer, 3, 1000)] == lens
 
 
 def test_ramp_times_every_level_over_http_and_cancels_the_requests(tokenizer, tmp_path):
-    texts = throughput.make_texts(tokenizer, 3, 300)
+    texts = common.essay_texts(tokenizer, 3, 300)
     lens = [len(tokenizer.encode_chat([{"role": "user", "content": t}])) for t in texts]
     with running_server("--kv-disk-gb", "1", "--kv-disk-path", str(tmp_path),
                         "--kv-force-tier", "disk", "--sparse-budget", "64",
@@ -52,7 +54,7 @@ def test_ramp_times_every_level_over_http_and_cancels_the_requests(tokenizer, tm
 
 def test_a_burst_after_the_ramp_sends_every_request_at_once_on_the_same_server(tokenizer):
     from tqdm import tqdm
-    texts = throughput.make_texts(tokenizer, 2, 300)
+    texts = common.essay_texts(tokenizer, 2, 300)
     lens = [len(tokenizer.encode_chat([{"role": "user", "content": t}])) for t in texts]
     with running_server("--max-num-seqs", "4") as srv:
         # what the bench records about the server's --dtype auto / --weights auto choice

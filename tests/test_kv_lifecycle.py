@@ -20,7 +20,8 @@ def rss_bytes() -> int:
 def test_thousand_requests_leak_no_files_memory_or_slots(tiny_folder, tmp_path):
     disk = tmp_path / "kv"
     engine = LLMEngine(EngineArgs(model=str(tiny_folder), dtype="fp32", page_size=8,
-                                  kv_device_gb=0.002, kv_host_gb=0.002, kv_disk_gb=0.01,
+                                  kv_device_gb=0.002, kv_host_gb=0.002, kv_host_pool="separate",
+                                  kv_disk_gb=0.01,
                                   kv_disk_path=disk, sparse_budget=16, sparse_local_tokens=8,
                                   sparse_sink_tokens=8, dense_layers=1, max_num_seqs=8))
     store = engine.store
@@ -44,11 +45,11 @@ def test_thousand_requests_leak_no_files_memory_or_slots(tiny_folder, tmp_path):
         if wave == 9:                            # after warm-up: buffers and pools exist
             fds_before, rss_before = len(os.listdir("/proc/self/fd")), rss_bytes()
     assert done == 1000
-    assert not store.requests
+    assert not store.request_ids()
     assert store.num_used_pages == 0
     assert all(used == 0 for used, _ in store.tier_usage().values())
-    assert not bool(store.clean.any())
-    assert store.device_tier.num_free == store.device_tier.capacity_pages
+    assert not bool(store.tiers.clean.any())
+    assert store.tiers.device_tier.num_free == store.tiers.device_tier.capacity_pages
     assert list(disk.iterdir()) == []
     assert len(os.listdir("/proc/self/fd")) <= fds_before
     assert rss_bytes() - rss_before < 64 * 2**20

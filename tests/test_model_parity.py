@@ -6,6 +6,7 @@ import torch
 
 from engine.model_loader import load_model
 from tests.model_helpers import PagedSequence, page_pool, step
+from tests.kv_cache import make_kv_cache
 
 PAGE_SIZE = 4
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -72,7 +73,7 @@ def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 
 def test_single_prefill_matches_hf_logits(pair):
     hf, ours = pair
-    cache = ours.make_kv_cache(64, PAGE_SIZE)
+    cache = make_kv_cache(ours, 64, PAGE_SIZE)
     pool = page_pool(64)
     for i, tokens in enumerate(_prompts(0)):
         seq = PagedSequence(tokens, pool[i * 12:(i + 1) * 12])
@@ -84,7 +85,7 @@ def test_chunked_prefill_and_decode_in_mixed_batches_match_hf_logits(pair):
     """Three sequences advance together with different chunkings (prefill chunks crossing
     pages, decode steps of one token) in shared batches; every row equals HF's."""
     hf, ours = pair
-    cache = ours.make_kv_cache(64, PAGE_SIZE)
+    cache = make_kv_cache(ours, 64, PAGE_SIZE)
     pool = page_pool(64, seed=3)
     prompts = _prompts(1)
     seqs = [PagedSequence(t, pool[i * 12:(i + 1) * 12]) for i, t in enumerate(prompts)]
@@ -101,7 +102,7 @@ def test_chunked_prefill_and_decode_in_mixed_batches_match_hf_logits(pair):
 
 def test_logits_only_for_requested_rows(pair):
     hf, ours = pair
-    cache = ours.make_kv_cache(16, PAGE_SIZE)
+    cache = make_kv_cache(ours, 16, PAGE_SIZE)
     tokens = _prompts(2)[0]
     seq = PagedSequence(tokens, page_pool(16))
     (last,) = step(ours, cache, [(seq, len(tokens))], all_logits=False)
@@ -122,7 +123,7 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path):
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     ours = load_model(tmp_path / "sharded", dtype=torch.float32)
     tokens = _prompts(4)[0]
-    (got,) = step(ours, ours.make_kv_cache(16, PAGE_SIZE), [(PagedSequence(tokens,
+    (got,) = step(ours, make_kv_cache(ours, 16, PAGE_SIZE), [(PagedSequence(tokens,
                                                                           page_pool(16)),
                                                            len(tokens))])
     torch.testing.assert_close(got, _hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)

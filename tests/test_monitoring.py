@@ -14,7 +14,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest_server import (MODEL, REQUEST_TIMEOUT_S, free_port, running_server,
+from tests.server_helpers import (MODEL, REQUEST_TIMEOUT_S, free_port, running_server,
                                    sse_payloads)
 from tests.deploy_helpers import (dashboard_metric_names, dashboards, panel_queries,
                                   prometheus_tool)
@@ -31,7 +31,8 @@ TIERS = {"device", "host", "disk"}
 @pytest.fixture(scope="module")
 def tiered(tmp_path_factory):
     disk = tmp_path_factory.mktemp("kv")
-    with running_server("--kv-device-gb", "0.05", "--kv-host-gb", "0.05", "--kv-disk-gb", "0.1",
+    with running_server("--kv-device-gb", "0.05", "--kv-host-gb", "0.05", "--kv-host-pool",
+                        "separate", "--kv-disk-gb", "0.1",
                         "--kv-disk-path", str(disk), "--sparse-budget", "64",
                         "--sparse-local-tokens", "32") as proc:
         yield proc

@@ -5,7 +5,6 @@ request when the fetch runs on the stage threads."""
 from __future__ import annotations
 
 import collections
-import dataclasses
 import threading
 import time
 
@@ -16,7 +15,6 @@ from engine.llm_engine import LLMEngine
 from kvstore.ahead import ReuseAhead
 from kvstore.calibration import CALIBRATION_CANDIDATES
 from kvstore.fetcher import Fetcher
-from kvstore.pipeline import Pipeline
 from kvstore.stages import LayerPart
 from kvstore.stats import STAGES
 from tests import engine_helpers
@@ -45,8 +43,8 @@ def make(folder, tmp_path, **kw) -> LLMEngine:
     # ~450-token prompts, a 128-token budget: decode is sparse past the dense layers; the device
     # tier holds a few layers' working set, so every step evicts and fetches from host and disk
     args = dict(model=str(folder), dtype="auto", page_size=16, kv_device_gb=0.008,
-                kv_host_gb=0.01, kv_disk_gb=0.2, kv_disk_path=tmp_path / "kv",
-                sparse_budget=128, sparse_sink_tokens=16, sparse_local_tokens=32)
+                kv_host_gb=0.01, kv_host_pool="separate", kv_disk_gb=0.2,
+                kv_disk_path=tmp_path / "kv", sparse_budget=128, sparse_sink_tokens=16, sparse_local_tokens=32)
     return LLMEngine(EngineArgs(**{**args, **kw}))
 
 
@@ -70,11 +68,8 @@ def make_mode(folder, tmp_path, mode: str, micro_batch: int, **kw) -> LLMEngine:
     engine = make(folder, tmp_path, pipeline="sfc" if sfc_variant else mode,
                   micro_batch=micro_batch, **kw)
     if sfc_variant:
-        engine.store.pipeline.close()
-        engine.store.pipeline = Pipeline(engine.store, "sfc", micro_batch,
-                                         whole_batch_compute=mode == "sfc-whole",
-                                         reuse_ahead={"sfc-no-ahead": 0,
-                                                      "sfc-ahead2": 2}.get(mode, 1))
+        engine.store.use_pipeline("sfc", micro_batch, whole_batch_compute=mode == "sfc-whole",
+                                  reuse_ahead={"sfc-no-ahead": 0, "sfc-ahead2": 2}.get(mode, 1))
     return engine
 
 
@@ -134,7 +129,7 @@ def test_every_mode_gives_the_same_output_and_selections(smollm2_dir, prompts, s
         assert 0.3 < recall <= 1.0            # the sink and local pages alone are ~40%
     store = engine.store
     assert store.num_used_pages == 0
-    assert not bool(store.host_pinned.any()) and not bool(store.device_pinned.any())
+    assert not bool(store.tiers.host_pinned.any()) and not bool(store.tiers.device_pinned.any())
     assert all(used == 0 for used, _ in store.tier_usage().values())
 
 
@@ -181,7 +176,7 @@ def test_sfc_evicts_for_the_next_layer_while_a_layer_computes(smollm2_dir, promp
     evict = Fetcher._evict
 
     def counting(self, want, protect, need=0):
-        stats, before = self.store.stats, self.store.stats.evictions["device"]
+        stats, before = self.tiers.stats, self.tiers.stats.evictions["device"]
         try:
             return evict(self, want, protect, need)
         finally:       # one thread evicts at a time: the count moved by this pass only
@@ -217,7 +212,7 @@ def test_sfc_fetches_ahead_only_while_pages_leave_the_device(smollm2_dir, prompt
     def on_step(_):
         jobs.append(0)              # jobs[k]: those of the k-th step
         if len(jobs) == half:
-            engine.store.cfg = dataclasses.replace(engine.store.cfg, force_tier="host")
+            engine.store.reconfigure(force_tier="host")
 
     ids = [f"r{i}" for i in range(n)]
     for rid, p in zip(ids, prompts):
@@ -242,14 +237,14 @@ def test_sfc_reserves_no_room_for_a_dense_layers_misses(smollm2_dir, prompts, se
     reserve, resolved = Fetcher.reserve, LayerPart.resolved
 
     def recording(self, n, protect, incoming=0):
-        store = self.store
-        asked[store.clock_now % store.num_layers < store.cfg.dense_layers].append(
-            (store.clock_now, n))
+        store = engine.store
+        asked[store.tiers.clock_now % store.num_layers < store.cfg.dense_layers].append(
+            (store.tiers.clock_now, n))
         return reserve(self, n, protect, incoming)
 
     def counting(self, res):
         if self.sel is not None:
-            misses[engine.store.clock_now] += res.misses
+            misses[engine.store.tiers.clock_now] += res.misses
         return resolved(self, res)
 
     monkeypatch.setattr(Fetcher, "reserve", recording)
@@ -298,8 +293,8 @@ def test_corrupt_page_fails_only_its_request_with_stage_threads(smollm2_dir, pro
     for rid in ("r1", "r2", "r3"):
         assert got[rid] == sequential[0][rid]
     assert engine.store.num_used_pages == 0
-    assert not bool(engine.store.host_pinned.any())
-    assert not bool(engine.store.device_pinned.any())
+    assert not bool(engine.store.tiers.host_pinned.any())
+    assert not bool(engine.store.tiers.device_pinned.any())
 
 
 @pytest.mark.parametrize("mode", ["sfc", "layer-ahead"])
@@ -323,9 +318,9 @@ def test_end_of_step_placement_waits_for_the_stage_threads(smollm2_dir, prompts,
             return fn(*a, **kw)
         return wrapped
 
-    store.placement.place = watch(store.placement.place)
+    store._placement.place = watch(store._placement.place)
     store._force_down = watch(store._force_down)
-    store.residency.touch = slow(store.residency.touch)
+    store.tiers.residency.touch = slow(store.tiers.residency.touch)
     got, errors = run(engine, prompts)
     assert not errors and got == sequential[0]
     assert len(busy) > STEPS and not any(busy)
@@ -352,7 +347,7 @@ def test_a_failed_fetch_ahead_leaks_no_pins(smollm2_dir, prompts, sequential, tm
     assert len(failed) == 40
     store = engine.store
     assert store.num_used_pages == 0
-    assert not bool(store.host_pinned.any()) and not bool(store.device_pinned.any())
+    assert not bool(store.tiers.host_pinned.any()) and not bool(store.tiers.device_pinned.any())
 
 
 def test_a_failing_early_half_waits_for_the_fills_and_leaks_nothing(smollm2_dir, prompts,
@@ -385,4 +380,4 @@ def test_a_failing_early_half_waits_for_the_fills_and_leaks_nothing(smollm2_dir,
     assert errors and all("injected" in e for e in errors.values())
     store = engine.store
     assert store.num_used_pages == 0
-    assert not bool(store.host_pinned.any()) and not bool(store.device_pinned.any())
+    assert not bool(store.tiers.host_pinned.any()) and not bool(store.tiers.device_pinned.any())

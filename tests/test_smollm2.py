@@ -9,6 +9,7 @@ import torch
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from tests.model_helpers import greedy, page_pool
+from tests.kv_cache import make_kv_cache
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ def test_greedy_decode_equals_transformers_generate_fp32(smollm2_dir, tokenizer)
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     ours = load_model(smollm2_dir, dtype=torch.float32, max_model_len=2048)
-    cache = ours.make_kv_cache(64, 16)
+    cache = make_kv_cache(ours, 64, 16)
     for i, text in enumerate(PROMPTS):
         ids = _chat_ids(tokenizer, text)
         # NOTE: an eos id the model never emits, so both sides run all NEW_TOKENS steps
@@ -65,7 +66,7 @@ def test_greedy_decode_equals_transformers_generate_fp32(smollm2_dir, tokenizer)
 
 def test_bf16_generates_sensible_text(smollm2_dir, tokenizer):
     ours = load_model(smollm2_dir, dtype=torch.bfloat16, max_model_len=2048)
-    cache = ours.make_kv_cache(16, 16)
+    cache = make_kv_cache(ours, 16, 16)
     out = greedy(ours, cache, _chat_ids(tokenizer, PROMPTS[0]), 16, page_pool(16),
                  eos_ids=(2, 0))
     assert "Paris" in tokenizer.decode(out)

@@ -34,6 +34,7 @@ def run(engine: LLMEngine, prompts, steps=STEPS, ids=None) -> dict[str, list[int
 
 
 def make(folder, tmp_path=None, **kw) -> LLMEngine:
+    kw.setdefault("kv_host_pool", "separate")       # the GPU-shaped three tiers
     if "kv_disk_gb" in kw:
         kw.setdefault("kv_disk_path", tmp_path / "kv")
     return LLMEngine(EngineArgs(model=str(folder), dtype="auto", page_size=16, **kw))
@@ -66,6 +67,20 @@ def test_sparse_equals_dense_when_budget_covers_context(smollm2_dir, prompts, de
         assert stats.transfer_bytes[("device", "disk")] > 0
     assert engine.store.num_used_pages == 0
     assert all(used == 0 for used, _ in engine.store.tier_usage().values())
+
+
+def test_on_a_cpu_the_host_tier_joins_the_device_pool(smollm2_dir, prompts, dense, tmp_path):
+    # the same DRAM: attention reads host-budget pages in place, no host -> device copies
+    engine = make(smollm2_dir, tmp_path, kv_device_gb=0.05, kv_host_gb=0.05, kv_disk_gb=0.2,
+                  kv_host_pool="auto", kv_force_tier="disk", sparse_budget=4096)
+    usage = engine.store.tier_usage()
+    assert set(usage) == {"device", "disk"}
+    assert usage["device"][1] == pytest.approx(0.1 * 2**30, rel=0.01)
+    got, errors = run(engine, prompts)
+    assert not errors and got == dense
+    stats = engine.store.stats.snapshot()
+    assert "host" not in stats.lookups and stats.hits.get("disk", 0) > 0
+    assert not any("host" in pair for pair in stats.transfer_bytes)
 
 
 @pytest.mark.parametrize("head_pages", ["per-head", "union"])
@@ -108,8 +123,8 @@ def test_corrupt_page_fails_only_its_request(smollm2_dir, prompts, dense, tmp_pa
 def test_disk_write_error_fails_only_its_request(smollm2_dir, prompts, dense, tmp_path, code):
     engine = make(smollm2_dir, tmp_path, kv_device_gb=0.1, kv_disk_gb=0.2)
     engine.add_request("victim", prompts[0], greedy(STEPS))
-    victim_handle = engine.store.requests["victim"].handle
-    engine.store.disk_tier.fault = DiskFault(write_errno=code, handles=frozenset({victim_handle}))
+    victim_handle = engine.store.request("victim").handle
+    engine.store.tiers.disk_tier.fault = DiskFault(write_errno=code, handles=frozenset({victim_handle}))
     engine.add_request("other", prompts[1], greedy(STEPS))
     got, errors = drive(engine, ["victim", "other"])
     assert "victim" in errors and "disk" in errors["victim"].lower()
@@ -125,7 +140,7 @@ def test_prefill_ranks_pages_by_the_prompts_observation_window(smollm2_dir, prom
                   max_num_batched_tokens=256)                           # chunked prefill
     ids = prompts[0]
     engine.add_request("r0", ids, greedy(4))
-    rkv = engine.store.requests["r0"]
+    rkv = engine.store.request("r0")
     group = engine.runner.config.group_size
     n = -(-len(ids) // 16)
     while not engine.scheduler.get_request("r0").output_token_ids:
@@ -144,4 +159,4 @@ def test_prefill_ranks_pages_by_the_prompts_observation_window(smollm2_dir, prom
         # row of one head add up to 1, so the pages' maxima add up to at least 1
         assert (mass <= 1 + 1e-5).all() and (mass.sum(1) >= 1 - 1e-4).all()
     drive(engine, ["r0"])
-    assert "r0" not in engine.store.requests
+    assert engine.store.request("r0") is None

@@ -12,6 +12,7 @@ from engine.model_loader import iter_safetensors, load_model
 from engine.weight_plan import plan_weights
 from kernels.packed_linear import GroupQuant, Linear, PackedWeight, quantize_int4
 from tests.model_helpers import PagedSequence, greedy, page_pool, step
+from tests.kv_cache import make_kv_cache
 
 ROWS = (1, 3, 8, 17)          # awkward step sizes
 
@@ -132,7 +133,7 @@ def _forced_logits(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     """The logits [len(tokens), vocab] of each step when the model is fed `tokens` (teacher
     forcing: every model sees the same trajectory)."""
     seq = PagedSequence(list(prompt) + list(tokens), page_pool(32))
-    cache = model.make_kv_cache(32, 16)
+    cache = make_kv_cache(model, 32, 16)
     out = [step(model, cache, [(seq, len(prompt))], all_logits=False)[0][-1]]
     out += [step(model, cache, [(seq, 1)], all_logits=False)[0][-1] for _ in tokens[1:]]
     return torch.stack(out)
@@ -159,12 +160,12 @@ def test_bundled_model_in_int4_tracks_its_float32_reference(smollm2_dir, bundled
                               "Write a haiku about disks."]):
         ids = tok.apply_chat_template([{"role": "user", "content": text}],
                                       add_generation_prompt=True, return_dict=False)
-        want = greedy(ref, ref.make_kv_cache(32, 16), ids, 16, page_pool(32, seed=i))
+        want = greedy(ref, make_kv_cache(ref, 32, 16), ids, 16, page_pool(32, seed=i))
         r, q = _forced_logits(ref, ids, want), _forced_logits(q4, ids, want)
         assert ((q - r).abs().amax(-1) / r.std(-1)).max() < tol
         agree += int((q.argmax(-1) == r.argmax(-1)).sum())
         steps += len(want)
         if i == 0:
-            assert "Paris" in tok.decode(greedy(q4, q4.make_kv_cache(32, 16), ids, 12,
+            assert "Paris" in tok.decode(greedy(q4, make_kv_cache(q4, 32, 16), ids, 12,
                                                 page_pool(32)))
     assert agree >= agreement * steps, (agree, steps)

@@ -20,12 +20,9 @@ def run(name: str, tok_ids: dict[int, list[list[int]]], levels: list[int], steps
     """Cells of peer `name` (a key of DTYPES): `steps` + 1 greedy tokens per batch."""
     import torch
     from transformers import AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
-    from bench.serving import pct
-    from engine.args import default_cache_dir
-    from engine.gguf_convert import ensure_hf_folder
+    from bench.common import model_folder, pct
 
-    folder = ensure_hf_folder(None, default_cache_dir())
-    model = AutoModelForCausalLM.from_pretrained(folder,
+    model = AutoModelForCausalLM.from_pretrained(model_folder(),
                                                  dtype=getattr(torch, DTYPES[name])).eval()
 
     class Clock(StoppingCriteria):

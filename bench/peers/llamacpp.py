@@ -28,9 +28,9 @@ import os
 import shlex
 import subprocess
 from pathlib import Path
-from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench.common import ROOT, free_port, stop, wait_ready
+
 DEFAULT_BINARY = ROOT / ".tools" / "llama.cpp" / "bin" / "llama-server"
 MODEL_NAME = "SmolLM2-135M-Instruct"      # the alias llama-server serves the GGUF under
 # extra request fields (the chat request itself is bench/throughput.py's: greedy, streamed,
@@ -93,15 +93,11 @@ class LlamaServer:
         self.proc, self.base, self.cmd, self.version = proc, base, cmd, version
 
 
-def start(log: Path, slots: int, model_len: int, threads: int | None = None,
-          wait_ready: Callable | None = None) -> LlamaServer:
+def start(log: Path, slots: int, model_len: int, threads: int | None = None) -> LlamaServer:
     """Start llama-server on the bundled GGUF on a free loopback port and wait for /health
     (503 while it loads); RuntimeError with missing_message() when there is no binary.
     $LLAMA_SERVER_ARGS (shell syntax) adds flags, e.g. "--poll 0" or "-t 1" on a busy box."""
-    from bench.serving import free_port
     from engine.gguf_convert import bundled_gguf_path
-    if wait_ready is None:
-        from bench.throughput import wait_ready
     binary = find_binary()
     if binary is None:
         raise RuntimeError(missing_message())
@@ -130,8 +126,7 @@ def run(texts: dict[int, list[str]], lens: dict[int, list[int]], levels: list[in
         for what, slots in runs:
             bar.set_description(f"llama.cpp {context // 1000}K {what} (starting)")
             tail = "" if what == "ramp" else f"-burst{slots}"
-            srv = start(logs / f"throughput-llama.cpp-{context}{tail}.log", slots, tp.MODEL_LEN,
-                        wait_ready=tp.wait_ready)
+            srv = start(logs / f"throughput-llama.cpp-{context}{tail}.log", slots, tp.MODEL_LEN)
             info["version"] = srv.version
             info["commands"][str(context) + ("" if what == "ramp" else f" {what}")] = srv.cmd
             try:
@@ -146,5 +141,5 @@ def run(texts: dict[int, list[str]], lens: dict[int, list[int]], levels: list[in
                 cells.append({"engine": "llama.cpp", "context": context, **row})
                 bar.update(1)
             finally:
-                tp.stop(srv.proc)
+                stop(srv.proc)
     return cells, info

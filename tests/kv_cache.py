@@ -1,4 +1,7 @@
-"""The paged KV cache tensors of the device tier: one preallocated tensor per layer.
+"""A dense in-memory paged KV cache for a model alone: parity tests and bench/decode_step.py
+(the server's KV lives in kvstore/; this is the test harness's, without tiers or selection).
+
+One preallocated tensor per layer.
 
 Layout per layer: [num_pages, 2, num_kv_heads, page_size, head_dim], K at index 0 and V at 1.
 A page (all its tokens, all KV heads, K and V) is one contiguous block, which is FlashInfer's
@@ -100,3 +103,11 @@ class KVCache:
         """How many pages (over all layers) fit in `budget_bytes`."""
         per_page = cls.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
         return int(budget_bytes) // per_page
+
+
+def make_kv_cache(model, num_pages: int, page_size: int,
+                  dtype: torch.dtype | None = None) -> KVCache:
+    """A KVCache shaped for `model` (engine.llama), on its device."""
+    cfg = model.config
+    return KVCache(cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads,
+                   cfg.head_dim, dtype or model.dtype, model.embed_tokens.device)

@@ -1,6 +1,8 @@
-"""Fixtures that run the real server (`python -m server serve`) as a subprocess.
+"""Helpers that run the real server (`python -m server serve`) as a subprocess and talk to it.
 
-Import the fixtures into a test module (``from tests.conftest_server import server, ...``).
+Plain functions and constants, imported by name (``from tests.server_helpers import
+running_server, MODEL``); the fixtures built on them (`server`, `server_url`, `client`, `http`)
+live in tests/server_fixtures.py, which tests/conftest.py registers, so tests only name them.
 Extra server flags for every launch can be given in ``STRATA_TEST_SERVER_ARGS`` (shell syntax),
 e.g. ``--model /path/to/folder``; the start-up timeout in ``STRATA_TEST_STARTUP_TIMEOUT_S``.
 """
@@ -20,7 +22,6 @@ from typing import Iterator
 
 import httpx
 import openai
-import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = os.environ.get("STRATA_TEST_MODEL_NAME", "SmolLM2-135M-Instruct")
@@ -131,24 +132,3 @@ def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0,
                          timeout=REQUEST_TIMEOUT_S)
 
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    with running_server() as proc:
-        yield proc
-
-
-@pytest.fixture(scope="module")
-def server_url(server: ServerProcess) -> str:
-    return server.url
-
-
-@pytest.fixture(scope="module")
-def client(server_url: str) -> openai.OpenAI:
-    return openai_client(server_url)
-
-
-@pytest.fixture(scope="module")
-def http(server_url: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server_url, timeout=REQUEST_TIMEOUT_S) as c:
-        yield c

@@ -1,0 +1,71 @@
+"""ServerSettings: the HTTP layer's settings (flags of `strata serve`, engine/settings.py).
+
+`python -m server.settings --write-readme` regenerates README.md's flag table from these and
+engine/args.py's EngineArgs; `--check` exits 1 when the README differs (tests run it too).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.settings import FLAGS_BEGIN, FLAGS_END, check_choices, markdown_rows, setting
+from server.limits import DEFAULT_MAX_REQUEST_BYTES
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = setting("127.0.0.1", "address to listen on", group="server")
+    port: int = setting(8000, "port to listen on", group="server")
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY' on /v1 (or env "
+                                  "STRATA_API_KEY)", group="server")
+    max_request_bytes: int = setting(DEFAULT_MAX_REQUEST_BYTES, "request bodies above this "
+                                     "size get HTTP 413 before they are parsed (0: no limit)",
+                                     group="server")
+    log_level: str = setting("info", "log level", LOG_LEVELS, group="server")
+
+    def __post_init__(self):
+        check_choices(self)
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.max_request_bytes < 0:
+            raise ValueError("--max-request-bytes must be >= 0 (0: no limit)")
+
+
+def flag_table() -> str:
+    """The README's flag table, generated from the settings dataclasses."""
+    from engine.args import EngineArgs          # plain module: no torch
+    rows = markdown_rows(ServerSettings) + markdown_rows(EngineArgs)
+    return "\n".join(["| flag | default | meaning |", "|---|---|---|", *rows])
+
+
+def readme_with_flags(text: str) -> str:
+    """`text` (README.md) with the block between the flag markers regenerated."""
+    start, end = text.index(FLAGS_BEGIN) + len(FLAGS_BEGIN), text.index(FLAGS_END)
+    return text[:start] + "\n" + flag_table() + "\n" + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write-readme", action="store_true")
+    parser.add_argument("--check", action="store_true")
+    args = parser.parse_args(argv)
+    text = README.read_text()
+    fresh = readme_with_flags(text)
+    if args.write_readme and fresh != text:
+        README.write_text(fresh)
+    elif args.check and fresh != text:
+        print("README.md's flag table is stale: run python -m server.settings --write-readme",
+              file=sys.stderr)
+        return 1
+    elif not (args.write_readme or args.check):
+        print(flag_table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
