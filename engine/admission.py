@@ -7,7 +7,8 @@ to one HTTP answer (its `ANSWERS` table):
 |---------------------------------------------------|-----------------------|------|
 | n x prompts above --max-waiting: can never queue  | TooManyChoicesError   | 400  |
 | prompt + max_tokens above the KV store or context | RequestTooLargeError  | 400  |
-| --max-waiting requests already waiting            | QueueFullError        | 429  |
+| --max-waiting of this client's requests waiting,  | QueueFullError        | 429  |
+| or --max-waiting-total of all clients' requests   |                       |      |
 | the disk tier has no room now                     | QueueFullError        | 429  |
 | the model is loading / the step loop died         | EngineNotReady / Dead | 503  |
 
@@ -54,14 +55,17 @@ class Admission:
     """The limits one engine admits requests under."""
 
     def __init__(self, max_model_len: int, kv_capacity_tokens: int, kv_backing: str,
-                 max_waiting: int):
+                 max_waiting: int, max_waiting_total: int):
         self.max_model_len = max_model_len
         self.kv_capacity_tokens = kv_capacity_tokens
         self.kv_backing = kv_backing
-        self.max_waiting = max_waiting
+        self.max_waiting = max_waiting              # per client (scheduler/scheduler.py)
+        self.max_waiting_total = max_waiting_total
 
-    def check(self, prompt_tokens: int, max_tokens: int, waiting: int) -> None:
-        """Raises RequestTooLargeError (never fits) or QueueFullError (not now)."""
+    def check(self, prompt_tokens: int, max_tokens: int, waiting: int,
+              waiting_total: int) -> None:
+        """Raises RequestTooLargeError (never fits) or QueueFullError (not now); `waiting`:
+        the requests of the same client waiting, `waiting_total`: all clients'."""
         need = prompt_tokens + max_tokens
         if need > self.max_model_len:
             raise RequestTooLargeError(
@@ -72,4 +76,8 @@ class Admission:
                 f"request needs KV for {need} tokens but the KV store holds "
                 f"{self.kv_capacity_tokens}; raise --kv-{self.kv_backing}-gb or lower max_tokens")
         if waiting >= self.max_waiting:
-            raise QueueFullError(f"{self.max_waiting} requests are already waiting; retry later")
+            raise QueueFullError(f"{self.max_waiting} requests of this client are already "
+                                 "waiting; retry later")
+        if waiting_total >= self.max_waiting_total:
+            raise QueueFullError(f"{self.max_waiting_total} requests are already waiting; "
+                                 "retry later")

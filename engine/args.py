@@ -63,9 +63,13 @@ class EngineArgs:
                                 group="scheduler")
     max_num_batched_tokens: int = setting(_SCHED.max_num_batched_tokens,
                                           "tokens per engine step at most", group="scheduler")
-    max_waiting: int = setting(_SCHED.max_waiting, "waiting requests at most; more get HTTP "
-                               "429 (a request whose n x prompts exceeds it, 400)",
+    max_waiting: int = setting(_SCHED.max_waiting, "waiting requests per client (OpenAI "
+                               "`user`; requests without one share a queue) at most; more get "
+                               "HTTP 429 (a request whose n x prompts exceeds it, 400)",
                                group="scheduler")
+    max_waiting_total: int = setting(_SCHED.max_waiting_total, "waiting requests of all "
+                                     "clients at most (0: 4 x --max-waiting)",
+                                     group="scheduler")
     page_size: int = setting(_KV.page_size, "tokens per KV page (a power of two)", group="kv")
     kv_device_gb: float = setting(_KV.device_bytes / _GB, "device KV tier: GPU memory, a "
                                   "preallocated RAM pool on a CPU", group="kv")
@@ -121,8 +125,8 @@ class EngineArgs:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-        if self.max_waiting < 0:
-            raise ValueError("--max-waiting must be >= 0")
+        if self.max_waiting < 0 or self.max_waiting_total < 0:
+            raise ValueError("--max-waiting and --max-waiting-total must be >= 0")
         for name in ("threads", "decode_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: the default)")

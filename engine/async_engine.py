@@ -61,7 +61,8 @@ class AsyncEngine:
         self.max_model_len = self.engine.max_model_len
         store = self.engine.store
         self.admission = Admission(self.max_model_len, store.capacity_tokens(), store.cfg.backing,
-                                   self.args.max_waiting)
+                                   self.args.max_waiting,
+                                   self.engine.scheduler.config.waiting_total)
         self.tokenizer_path = self.engine.model_folder
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self._thread.start()
@@ -100,7 +101,10 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            client = params.client
             self.admission.check(len(prompt_token_ids), params.max_tokens,
+                                 e.scheduler.num_waiting_of(client)
+                                 + sum(p.client == client for _, _, p in self._new),
                                  e.scheduler.num_waiting + len(self._new))
             self._queues[request_id] = (loop, queue)
             self._new.append((request_id, list(prompt_token_ids), params))

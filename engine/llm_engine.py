@@ -53,6 +53,7 @@ class LLMEngine:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting,
+            max_waiting_total=args.max_waiting_total,
             max_model_len=self.max_model_len,
             page_size=args.page_size,
         ), self.allocator)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvstore import native_evict
+from kvstore.errors import RequestKVError
 from kvstore.tiers.base import page_rows
 from kvstore.tiers.errors import TierError
 from kvstore.tiers.memory_pool import copy_pages
@@ -135,6 +136,9 @@ class Fetcher:
                 return
             # pages still being written to the backing tier cannot go yet: wait for them
             tiers.wait_writes()
+            failed = tiers.take_write_errors()
+            if failed:      # they never will (disk full, I/O error): fail their owners
+                raise RequestKVError([rid for rid, _ in failed], failed[0][1])
         raise DeviceTierTooSmall(
             f"the device tier ({dev.capacity_pages} pages) cannot hold this step's working "
             f"set: raise --kv-device-gb, or lower --max-num-seqs, --max-num-batched-tokens "

@@ -250,6 +250,10 @@ class TierSet:
         for rid in list(self._writes):
             self._settle(rid, block=False)
         self.reap()
+        return self.take_write_errors()
+
+    def take_write_errors(self) -> list[tuple[str, str]]:
+        """(request_id, first error) of the requests whose backing writes failed, once."""
         failed = [(rid, errs[0]) for rid, errs in self._write_errors.items() if errs]
         self._write_errors.clear()
         return failed

@@ -17,6 +17,7 @@ class SamplingParams:
     ignore_eos: bool = False             # extension (vLLM): do not stop at the model's EOS tokens
     logprobs: int | None = None          # None: off; k >= 0: sampled token's logprob plus top-k
     min_tokens: int = 0                  # extension (vLLM): EOS/stop ids are masked until reached
+    client: str = ""                     # who asked (OpenAI `user`; "": anonymous): fair share
 
     @property
     def greedy(self) -> bool:

@@ -6,7 +6,13 @@ computes a chunk of the tokens it still lacks. A decode is a chunk of 1; a long 
 in chunks (chunked prefill). When the last known token is computed, the engine samples one token.
 
 Policy:
-- running requests first, in arrival order, then waiting requests FIFO (no head-of-line skipping);
+- running requests first, in arrival order, then waiting requests;
+- fair share between clients (`SamplingParams.client`, the OpenAI `user`): each client's
+  requests wait FIFO, and the next one admitted is the oldest of the client with the fewest
+  running requests (ties: the oldest); with one client this is plain FIFO. No head-of-line
+  skipping: when that request does not fit, nothing else is admitted this step;
+- each client may have `max_waiting` requests waiting, all clients together
+  `max_waiting_total` (QueueFull beyond: one client's burst leaves room for the others);
 - when pages run out for a running request, the NEWEST running request is preempted (pages freed,
   recomputed later from prompt + outputs so far) and goes to the front of the waiting queue;
 - no admission in a step that preempted, and a waiting request is admitted only if its first chunk
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from kvstore.page_allocator import PageAllocator
@@ -35,7 +41,8 @@ logger = logging.getLogger(__name__)
 class SchedulerConfig:
     max_num_seqs: int = 16               # running requests at most
     max_num_batched_tokens: int = 2048   # tokens computed per step, over all requests
-    max_waiting: int = 256               # waiting requests at most; add_request raises QueueFull beyond
+    max_waiting: int = 256               # waiting requests per client at most (QueueFull beyond)
+    max_waiting_total: int = 0           # waiting requests of all clients at most; 0: 4 x max_waiting
     max_model_len: int = 8192            # prompt + max_tokens at most
     long_prefill_chunk: int = 0          # tokens per request per step at most; 0: only the budget caps
     page_size: int = 16                  # tokens per KV page (must match the allocator)
@@ -44,8 +51,13 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_waiting < 0 or self.long_prefill_chunk < 0:
-            raise ValueError("SchedulerConfig.max_waiting and long_prefill_chunk must be >= 0")
+        if self.max_waiting < 0 or self.long_prefill_chunk < 0 or self.max_waiting_total < 0:
+            raise ValueError("SchedulerConfig.max_waiting, max_waiting_total and "
+                             "long_prefill_chunk must be >= 0")
+
+    @property
+    def waiting_total(self) -> int:
+        return self.max_waiting_total or 4 * self.max_waiting
 
 
 class Scheduler:
@@ -56,6 +68,8 @@ class Scheduler:
         self.config = config
         self.allocator = allocator
         self.waiting: deque[Request] = deque()
+        self._waiting_of: Counter[str] = Counter()      # client -> its waiting requests
+        self._running_of: Counter[str] = Counter()      # client -> its running requests
         self.running: list[Request] = []     # in arrival order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
 
@@ -68,6 +82,9 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def num_waiting_of(self, client: str) -> int:
+        return self._waiting_of[client]
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -97,10 +114,15 @@ class Scheduler:
                 f"{self.allocator.num_pages}; lower max_tokens or raise the KV memory budget")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already queued")
-        if len(self.waiting) >= self.config.max_waiting:
+        client = p.client
+        if self._waiting_of[client] >= self.config.max_waiting:
+            raise QueueFull(f"{self._waiting_of[client]} requests of this client are already "
+                            "waiting; retry later")
+        if len(self.waiting) >= self.config.waiting_total:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry later")
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
+        self._waiting_of[client] += 1
         self.requests[req.request_id] = req
 
     # ---- one step ---------------------------------------------------------------------------
@@ -131,11 +153,12 @@ class Scheduler:
 
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            req = self.waiting[0]
+            req = self._next_waiting()
             n = self._chunk_len(req, budget)
             if n == 0 or not self.allocator.allocate(req.request_id, req.num_computed_tokens + n):
-                break        # FIFO: a later request does not overtake the head of the queue
-            self.waiting.popleft()
+                break        # no skipping: a later request does not overtake the chosen one
+            self._unwait(req)
+            self._running_of[req.sampling_params.client] += 1
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
@@ -200,7 +223,30 @@ class Scheduler:
             sample=end == req.num_tokens,
         )
 
+    def _next_waiting(self) -> Request:
+        """The oldest waiting request of the client with the fewest running requests."""
+        head = self.waiting[0]
+        if len(self._waiting_of) == 1:
+            return head
+        best = min(self._running_of[c] for c in self._waiting_of)
+        if self._running_of[head.sampling_params.client] == best:
+            return head
+        return next(r for r in self.waiting
+                    if self._running_of[r.sampling_params.client] == best)
+
+    def _unwait(self, req: Request) -> None:
+        if req is self.waiting[0]:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+        client = req.sampling_params.client
+        self._waiting_of[client] -= 1
+        if not self._waiting_of[client]:
+            del self._waiting_of[client]
+
     def _preempt(self, req: Request) -> None:
+        self._running_of[req.sampling_params.client] -= 1
+        self._waiting_of[req.sampling_params.client] += 1
         self.allocator.free(req.request_id)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
@@ -221,8 +267,9 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+            self._running_of[req.sampling_params.client] -= 1
         else:
-            self.waiting.remove(req)
+            self._unwait(req)
         self.allocator.free(req.request_id)
         req.status = status
         del self.requests[req.request_id]

@@ -40,6 +40,9 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
         raise invalid_request(f"Token id {bad} is out of range [0, {vocab_size}).", param=param)
 
 
+MAX_CLIENT_CHARS = 256      # a `user` is a fair-share key, not data: longer ones are cut
+
+
 def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int = 0,
                           vocab_size: int | None = None) -> SamplingParams:
     """SamplingParams for one choice; choice i of a seeded request uses seed + i."""
@@ -64,4 +67,5 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         ignore_eos=bool(request.ignore_eos),
         logprobs=request.logprobs_k(),
         min_tokens=min_tokens,
+        client=(getattr(request, "user", None) or "")[:MAX_CLIENT_CHARS],
     )

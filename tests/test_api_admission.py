@@ -125,3 +125,37 @@ def test_full_queue_is_429_with_retry_after_and_recovers():
             assert time.monotonic() < deadline, "cancelled requests were not aborted"
             time.sleep(0.2)
         assert openai_client(server.url).chat.completions.create(**CHAT).choices
+
+
+async def _other_client_scenario(url: str) -> tuple[httpx.Response, httpx.Response]:
+    """The anonymous client holds the running slot and its one waiting slot; its next request
+    is 429, another client's (`user`) is queued all the same and served."""
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
+        running_started = asyncio.Event()
+        fillers = [asyncio.create_task(_hold_stream(client, running_started))]
+        other = None
+        try:
+            await asyncio.wait_for(running_started.wait(), REQUEST_TIMEOUT_S)
+            fillers.append(asyncio.create_task(_hold_stream(client, asyncio.Event())))
+
+            async def waiting(n: int):
+                return await _metric(client, "strata_requests_waiting") >= n
+
+            await _wait_for(lambda: waiting(1))
+            refused = await client.post("/v1/chat/completions", json=CHAT)
+            other = asyncio.create_task(client.post("/v1/chat/completions",
+                                                    json={**CHAT, "user": "someone-else"}))
+            await _wait_for(lambda: waiting(2))        # queued beside the full client's
+        finally:
+            for task in fillers:
+                task.cancel()
+            await asyncio.gather(*fillers, return_exceptions=True)
+        return refused, await other
+
+
+def test_one_clients_full_queue_leaves_room_for_another():
+    with running_server("--max-num-seqs", "1", "--max-waiting", "1") as server:
+        refused, served = asyncio.run(_other_client_scenario(server.url))
+        assert refused.status_code == 429, refused.text
+        assert served.status_code == 200, served.text
+        assert served.json()["choices"][0]["message"]["content"] is not None

@@ -310,3 +310,49 @@ def test_admission_never_takes_pages_it_would_need_to_preempt_for():
     assert chunks(batch) == {"a": 1} and batch.preempted_ids == ()
     assert [r.request_id for r in s.waiting] == ["big", "small"]
     assert s.allocator.num_free_pages == 1
+
+
+def test_a_burst_from_one_client_does_not_starve_another():
+    # fair share: the next request admitted is the oldest of the client with the fewest running
+    sched = make_scheduler(max_num_seqs=2)
+    burst = [make_request(4, max_tokens=2, client="a") for _ in range(6)]
+    for r in burst:
+        sched.add_request(r)
+    late = make_request(4, max_tokens=2, client="b")
+    sched.add_request(late)
+    batch, _ = step(sched)
+    # one slot each: "a"'s oldest, then "b" (1 running for "a", 0 for "b")
+    assert set(chunks(batch)) == {burst[0].request_id, late.request_id}
+    order = []
+    while sched.has_unfinished():
+        batch, finished = step(sched)
+        order += [r.request_id for r in finished]
+    assert order.index(late.request_id) <= 1
+    assert [r for r in order if r != late.request_id] == [r.request_id for r in burst]
+
+
+def test_each_client_has_its_own_share_of_the_waiting_queue():
+    sched = make_scheduler(max_num_seqs=1, max_waiting=2, max_waiting_total=5)
+    for _ in range(2):
+        sched.add_request(make_request(4, client="a"))
+    with pytest.raises(QueueFull, match="of this client"):
+        sched.add_request(make_request(4, client="a"))
+    for c in ("b", "b", ""):
+        sched.add_request(make_request(4, client=c))      # others still get in
+    with pytest.raises(QueueFull, match="5 requests are already waiting"):
+        sched.add_request(make_request(4, client="c"))
+    assert (sched.num_waiting, sched.num_waiting_of("a"), sched.num_waiting_of("b")) == (5, 2, 2)
+    while sched.has_unfinished():
+        step(sched)
+    assert sched.num_waiting == 0 and sched.num_waiting_of("a") == 0
+
+
+def test_with_one_client_admission_stays_fifo_across_preemption():
+    sched = make_scheduler(num_pages=6, page_size=4, max_num_seqs=3)
+    reqs = [make_request(8, max_tokens=6) for _ in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    finished = []
+    while sched.has_unfinished():
+        finished += [r.request_id for r in step(sched)[1]]
+    assert finished == [r.request_id for r in reqs]

@@ -87,6 +87,12 @@ def test_tiny_temperature_is_greedy():
     assert build_sampling_params(chat(temperature=1e-3), max_tokens=4).temperature == 1e-3
 
 
+def test_the_user_field_is_the_fair_share_client():
+    assert build_sampling_params(chat(user="alice"), max_tokens=4).client == "alice"
+    assert build_sampling_params(chat(), max_tokens=4).client == ""
+    assert len(build_sampling_params(chat(user="x" * 5000), max_tokens=4).client) == 256
+
+
 def test_an_empty_body_says_so():
     # what FastAPI reports for a POST without a body
     error = validation_error(RequestValidationError(

@@ -131,6 +131,19 @@ def test_disk_write_error_fails_only_its_request(smollm2_dir, prompts, dense, tm
     assert "other" not in errors and got["other"] == dense["r1"]
 
 
+def test_a_full_disk_under_a_small_device_tier_is_reported_as_disk_full(smollm2_dir, prompts,
+                                                                       dense, tmp_path):
+    # the device tier cannot hold the prompt, and its pages can never be written to the full
+    # disk (so never evicted): the request ends with "disk full", not "raise --kv-device-gb";
+    # a request that fits on the device is unharmed
+    engine = make(smollm2_dir, tmp_path, kv_device_gb=0.004, kv_disk_gb=0.2)
+    engine.add_request("victim", prompts[0], greedy(STEPS))
+    engine.store.tiers.disk_tier.fault = DiskFault(write_errno=errno.ENOSPC)
+    got, errors = drive(engine, ["victim"])
+    assert "disk full" in errors["victim"], errors["victim"]
+    assert engine.store.num_used_pages == 0
+
+
 @pytest.mark.parametrize("reduce", ["sum", "max"])
 def test_prefill_ranks_pages_by_the_prompts_observation_window(smollm2_dir, prompts, tmp_path,
                                                                 reduce):
