@@ -26,7 +26,8 @@ class AsyncEngine:
         self.args = args
         self.model_name = args.served_model_name or default_served_name(args.model)
         self.max_model_len = args.max_model_len or 0   # set from the model once loaded
-        self.max_waiting = args.max_waiting
+        # what one request's choices may queue at most (per client, within the total)
+        self.max_waiting = min(args.max_waiting, args.max_waiting_total or 4 * args.max_waiting)
         self.tokenizer_path: Path | None = None
         self.engine = None
         self._ready = threading.Event()

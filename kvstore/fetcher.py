@@ -136,7 +136,7 @@ class Fetcher:
                 return
             # pages still being written to the backing tier cannot go yet: wait for them
             tiers.wait_writes()
-            failed = tiers.take_write_errors()
+            failed = tiers.failed_writes()
             if failed:      # they never will (disk full, I/O error): fail their owners
                 raise RequestKVError([rid for rid, _ in failed], failed[0][1])
         raise DeviceTierTooSmall(

@@ -65,6 +65,9 @@ class TieredKVStore:
         self._requests = RequestTable()
         self._tiers = TierSet(cfg, self.page_shape, num_layers, max_pages, device, self.stats,
                               owners=self._allocator.holders)
+        if cfg.force_tier == "host" and self._tiers.host_tier is None and cfg.disk_bytes == 0:
+            raise ValueError("--kv-force-tier host needs a host tier: on a CPU it joins the "
+                             "device pool unless --kv-host-pool separate")
         self._fetcher = Fetcher(self._tiers)
         self.pipeline = Pipeline(self._tiers, self._fetcher, self.stats, cfg.pipeline,
                                  cfg.micro_batch)
@@ -109,13 +112,21 @@ class TieredKVStore:
             raise KVNeverFits(f"request needs KV for {max_total_tokens} tokens but the "
                               f"{self.cfg.backing} tier holds {self.capacity_tokens()}; raise "
                               f"--kv-{self.cfg.backing}-gb or lower max_tokens")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in the KV store")
         handle = self._requests.new_handle()
         disk = self._tiers.disk_tier
         if disk is not None:
             try:
                 disk.register_request(handle, cap)
-            except TierFull as exc:
-                raise KVFull(f"disk tier is full for now ({exc}); retry later") from exc
+            except TierFull:
+                # files of finished requests may still wait for their last writes (`release`
+                # defers their close): close those first, then try once more
+                self._tiers.reap(block=True)
+                try:
+                    disk.register_request(handle, cap)
+                except TierFull as exc:
+                    raise KVFull(f"disk tier is full for now ({exc}); retry later") from exc
         shape, cfg = self.page_shape, self.cfg
         # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper
         # bound. Only sparse decode reads them.
@@ -136,6 +147,8 @@ class TieredKVStore:
         if rkv is not None and disk is not None:
             close = (lambda h=rkv.handle: disk.release_request(h))
         self._free(request_id, close)
+        self._tiers.reap()          # closes it now when its writes are done (an idle engine
+        #                             runs no step that would)
 
     # ---------------------------------------------------------------- allocator interface
     @property
@@ -176,7 +189,13 @@ class TieredKVStore:
 
     def share(self, request_id: str, page_ids) -> None:
         """The request starts with full pages other requests hold (a common prefix). Only
-        pages safe in the backing tier can be shared: no write of theirs is in flight."""
+        pages safe in the backing tier can be shared: no write of theirs is in flight. Not
+        with a disk tier yet: its files are per request and go with their first owner (prefix
+        reuse, issue 28, gives shared pages files of their own). The caller fills the new
+        holder's summaries and prior for the shared pages."""
+        if self._tiers.disk_tier is not None:
+            raise ValueError("pages on the disk tier cannot be shared yet (their file is "
+                             "their first owner's)")
         page_ids = [int(p) for p in page_ids]
         keys = self._tiers.keys_of(torch.tensor(page_ids, dtype=torch.int64))
         backs = self._tiers.backing is not self._tiers.device_tier

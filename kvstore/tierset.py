@@ -83,7 +83,7 @@ class TierSet:
         # writes of freed pages, per request: waited for before its file goes (`_then`) and
         # before the next step writes; they mark nothing clean
         self._retired: dict[str, list[Future]] = {}
-        self._then: dict[str, Callable[[], None]] = {}
+        self._then: dict[str, list[Callable[[], None]]] = {}
         self.step_counter = 0
         self.clock_now = 0          # layer clock (`clock_of`) of the layer being computed
 
@@ -201,13 +201,16 @@ class TierSet:
         (the ids may be reused at once) and are not waited for here; `then` (closing its
         file) runs once they are done (`reap`: at the latest when the next step begins)."""
         pending = [w[0] for w in self._writes.pop(request_id, []) if not w[0].done()]
-        self._write_errors.pop(request_id, None)
+        lost = self._write_errors.pop(request_id, None)
+        if lost:        # a preempted request recomputes and writes its pages again
+            logger.warning("KV writes of %s failed before its pages were freed: %s",
+                           request_id, lost[0])
         if pending:
             self._retired.setdefault(request_id, []).extend(pending)
         if then is None:
             return
         if request_id in self._retired:
-            self._then[request_id] = then
+            self._then.setdefault(request_id, []).append(then)
         else:
             then()
 
@@ -220,8 +223,7 @@ class TierSet:
                 continue
             wait(futs)
             del self._retired[rid]
-            then = self._then.pop(rid, None)
-            if then is not None:
+            for then in self._then.pop(rid, []):
                 then()
 
     def _settle(self, request_id: str, block: bool) -> None:
@@ -251,6 +253,11 @@ class TierSet:
             self._settle(rid, block=False)
         self.reap()
         return self.take_write_errors()
+
+    def failed_writes(self) -> list[tuple[str, str]]:
+        """(request_id, first error) of the requests whose backing writes failed (kept for
+        `check_writes`: a fetch ahead that meets them must not swallow them)."""
+        return [(rid, errs[0]) for rid, errs in self._write_errors.items() if errs]
 
     def take_write_errors(self) -> list[tuple[str, str]]:
         """(request_id, first error) of the requests whose backing writes failed, once."""

@@ -1,7 +1,7 @@
 """Per-request sampling parameters (plain data; built by the server, read by scheduler and sampler)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

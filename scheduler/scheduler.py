@@ -244,8 +244,13 @@ class Scheduler:
         if not self._waiting_of[client]:
             del self._waiting_of[client]
 
+    def _not_running(self, client: str) -> None:
+        self._running_of[client] -= 1
+        if not self._running_of[client]:        # one entry per client in flight, no more
+            del self._running_of[client]
+
     def _preempt(self, req: Request) -> None:
-        self._running_of[req.sampling_params.client] -= 1
+        self._not_running(req.sampling_params.client)
         self._waiting_of[req.sampling_params.client] += 1
         self.allocator.free(req.request_id)
         req.num_computed_tokens = 0
@@ -267,7 +272,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self._running_of[req.sampling_params.client] -= 1
+            self._not_running(req.sampling_params.client)
         else:
             self._unwait(req)
         self.allocator.free(req.request_id)

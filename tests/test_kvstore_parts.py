@@ -84,12 +84,38 @@ def test_a_page_two_requests_share_stays_in_the_tiers_until_both_end(tmp_path):
 
 
 def test_only_pages_safe_in_the_backing_tier_can_be_shared(tmp_path):
-    store = _store(tmp_path, disk=True)
+    cfg = KVStoreConfig(page_size=16, device_bytes=8 * PAGE * LAYERS,
+                        host_bytes=24 * PAGE * LAYERS, merge_host=False)
+    store = TieredKVStore(cfg, LAYERS, 1, 8, torch.float32)        # the host tier backs
     store.add_request("a", 64)
     assert store.allocate("a", 32)
     with pytest.raises(ValueError, match="backing tier"):
         store.share("b", store.pages("a"))
-    store.tiers.close()
+    disk = _store(tmp_path, disk=True)                  # files are per request: not yet
+    disk.add_request("a", 64)
+    assert disk.allocate("a", 32)
+    with pytest.raises(ValueError, match="disk tier"):
+        disk.share("b", disk.pages("a"))
+    disk.close()
+
+
+def test_a_finished_requests_file_goes_when_its_writes_are_done_even_when_idle(tmp_path):
+    # the disk budget holds one request: the next one must get in once the first ended, with
+    # no step in between (an idle engine) although its last write was still in flight
+    slow = 0.3
+    cfg = KVStoreConfig(page_size=16, device_bytes=64 * PAGE * LAYERS,
+                        disk_bytes=(8 + 2) * 4096 * LAYERS, disk_path=tmp_path / "kv")
+    store = TieredKVStore(cfg, LAYERS, 1, 8, torch.float32)       # 4 KB a page on disk
+    store.tiers.disk_tier.fault = DiskFault(write_delay_s=slow)
+    store.add_request("r", 128)
+    assert store.allocate("r", 32)
+    keys = _write_pages(store, "r")
+    pages = store.tiers.pool[store.tiers.device_slots(keys).long()].clone()
+    store.tiers.track_write("r", store.tiers.disk_tier.put_async(keys, pages), keys, pages)
+    store.release("r")
+    store.add_request("next", 128)                      # waits for the write, then fits
+    store.release("next")
+    store.close()
 
 
 def test_free_returns_at_once_while_the_requests_disk_writes_are_in_flight(tmp_path):
@@ -125,3 +151,11 @@ def test_on_a_cpu_the_host_budget_joins_the_device_pool(tmp_path):
     separate = TieredKVStore(dataclasses.replace(cfg, merge_host=False), LAYERS, 1, 8,
                              torch.float32)
     assert set(separate.tier_usage()) == {"device", "host"} and separate.num_pages == 24
+
+
+def test_forcing_pages_to_a_host_tier_that_joined_the_device_pool_is_refused():
+    cfg = KVStoreConfig(page_size=16, device_bytes=8 * PAGE * LAYERS,
+                        host_bytes=8 * PAGE * LAYERS, force_tier="host")
+    with pytest.raises(ValueError, match="--kv-host-pool separate"):
+        TieredKVStore(cfg, LAYERS, 1, 8, torch.float32)
+    TieredKVStore(dataclasses.replace(cfg, merge_host=False), LAYERS, 1, 8, torch.float32)
