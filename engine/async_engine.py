@@ -26,8 +26,7 @@ class AsyncEngine:
         self.args = args
         self.model_name = args.served_model_name or default_served_name(args.model)
         self.max_model_len = args.max_model_len or 0   # set from the model once loaded
-        # what one request's choices may queue at most (per client, within the total)
-        self.max_waiting = min(args.max_waiting, args.max_waiting_total or 4 * args.max_waiting)
+        self.max_waiting = args.max_waiting     # narrowed to the total's cap once loaded
         self.tokenizer_path: Path | None = None
         self.engine = None
         self._ready = threading.Event()
@@ -61,6 +60,8 @@ class AsyncEngine:
             raise
         self.max_model_len = self.engine.max_model_len
         store = self.engine.store
+        # what one request's choices may queue at most: per client, within the total
+        self.max_waiting = min(self.args.max_waiting, self.engine.scheduler.config.waiting_total)
         self.admission = Admission(self.max_model_len, store.capacity_tokens(), store.cfg.backing,
                                    self.args.max_waiting,
                                    self.engine.scheduler.config.waiting_total)

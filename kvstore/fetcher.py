@@ -200,7 +200,7 @@ class Fetcher:
             return
         keys = dev.slot_keys[slots]
         host = tiers.host_tier
-        if host is not None and tiers.backing is not host:
+        if tiers.host_is_cache:
             absent = ~host.contains(keys)
             if bool(absent.any()):
                 hk, ds = keys[absent], slots[absent].long()
@@ -266,7 +266,7 @@ class Fetcher:
 
     def evict_host(self, keys: torch.Tensor) -> None:
         tiers, host = self.tiers, self.tiers.host_tier
-        if host is None or tiers.backing is host:
+        if not tiers.host_is_cache:
             return
         present = host.contains(keys)
         host.delete(keys[present])

@@ -20,9 +20,8 @@ _KINDS = {CycleResidency: 1, LRUResidency: 0}
 
 def serves(tiers) -> bool:
     """Whether the C pass implements the tier set's residency policies."""
-    host = tiers.host_tier
     return type(tiers.residency) in _KINDS and (
-        host is None or tiers.backing is host or type(tiers.host_residency) in _KINDS)
+        not tiers.host_is_cache or type(tiers.host_residency) in _KINDS)
 
 
 def _tier(tier, pinned: torch.Tensor, policy) -> tuple:
@@ -49,7 +48,7 @@ class NativeEviction:
         """Fetcher._evict in C (`serves` must hold). Only the thread that resolves calls it."""
         tiers = self.tiers
         dev, host = tiers.device_tier, tiers.host_tier
-        cache = host is not None and tiers.backing is not host
+        cache = tiers.host_is_cache
         keys = torch.as_tensor(protect).to("cpu", torch.int64).contiguous()
         if tiers.clean.dtype != torch.bool or tiers.clean.numel() != dev.max_keys:
             raise ValueError("the tier set's clean mask does not match the tiers' keys")

@@ -349,7 +349,9 @@ class StepKV:
     def select(self, layer: int, qd: torch.Tensor, idx: list[int], observe: bool = True):
         """Top pages of layer `layer` for the step's sequences `idx`, queries qd [B, H, D]."""
         reqs = [self.parts.requests[self.seqs[i].request_id] for i in idx]
-        priors = [None if r.prior is None else r.prior[layer] for r in reqs]
+        priors = None
+        if self.cfg.prior_pages > 0:        # per layer and request: only when they are used
+            priors = [None if r.prior is None else r.prior[layer] for r in reqs]
         return self.selection.select(qd, [r.summaries[layer] for r in reqs],
                                      [self.n_pages[i] for i in idx],
                                      [self.last_len[i] for i in idx],
