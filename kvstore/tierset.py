@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 class TierSet:
     def __init__(self, cfg: KVStoreConfig, page_shape: PageShape, num_layers: int,
                  max_pages: int, device: torch.device, stats: KVStats,
-                 owners: Callable[[set[int]], list[str]]):
+                 owners: Callable[[set[int]], list[str]], namespace: bytes = b""):
+        """namespace: the prefix cache's, which the disk tier's index logs carry."""
         self.page_shape = page_shape
         self.num_layers = num_layers
         self.max_pages = max_pages
@@ -54,8 +55,11 @@ class TierSet:
         device_bytes, host_bytes = budgets["device"], budgets["host"]
         self.device_tier = DeviceTier(page_shape, device_bytes, max_keys, device)
         self.host_tier = HostTier(page_shape, host_bytes, max_keys) if host_bytes else None
+        summary_bytes = num_layers * page_shape.num_kv_heads * 3 * page_shape.head_dim \
+            * page_shape.dtype.itemsize
         self.disk_tier = (DiskTier(page_shape, cfg.disk_bytes, cfg.disk_path, max_keys,
-                                   num_layers, max_pages, threads=cfg.disk_threads)
+                                   num_layers, max_pages, threads=cfg.disk_threads,
+                                   namespace=namespace, summary_bytes=summary_bytes)
                           if cfg.disk_bytes else None)
         self._tiers = [t for t in (self.device_tier, self.host_tier, self.disk_tier)
                        if t is not None]
@@ -161,9 +165,12 @@ class TierSet:
         """Pages no request holds any more: gone from every tier (their ids may be reused)."""
         if not page_ids:
             return
-        keys = self.keys_of(torch.tensor(page_ids, dtype=torch.int64))
+        ids = torch.tensor(page_ids, dtype=torch.int64)
+        keys = self.keys_of(ids)
         for tier in self._tiers:
             tier.delete(keys)
+        if self.disk_tier is not None:
+            self.disk_tier.unbind(ids)
         self.clean[keys] = False
 
     def lost(self, keys: torch.Tensor, message: str) -> RequestKVError:

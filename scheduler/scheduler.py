@@ -16,7 +16,9 @@ Policy:
 - when pages run out for a running request, the NEWEST running request is preempted (pages freed,
   recomputed later from prompt + outputs so far) and goes to the front of the waiting queue;
 - no admission in a step that preempted, and a waiting request is admitted only if its first chunk
-  fits in the free pages (admission never preempts).
+  fits in the free pages (admission never preempts);
+- a request being admitted starts with the KV of its longest cached prefix (the allocator's
+  `reuse_prefix`: shared pages of the KV store's prefix cache), so it computes only the rest.
 The oldest running request is never preempted while others run, so every request that fits alone
 completes eventually.
 
@@ -72,6 +74,8 @@ class Scheduler:
         self._running_of: Counter[str] = Counter()      # client -> its running requests
         self.running: list[Request] = []     # in arrival order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.prefix_queried_tokens = 0     # prompt tokens of requests admitted (first time)
+        self.prefix_hit_tokens = 0         # of which the prefix cache held the KV
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -154,9 +158,20 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self._next_waiting()
+            hit = 0
+            if req.num_computed_tokens == 0:
+                hit = self.allocator.reuse_prefix(req.request_id, req.all_token_ids)
+                req.num_computed_tokens = hit
             n = self._chunk_len(req, budget)
             if n == 0 or not self.allocator.allocate(req.request_id, req.num_computed_tokens + n):
+                if hit:      # waits without holding cached pages (they stay evictable)
+                    self.allocator.free(req.request_id)
+                    req.num_computed_tokens = 0
                 break        # no skipping: a later request does not overtake the chosen one
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = hit
+                self.prefix_queried_tokens += req.num_prompt_tokens
+                self.prefix_hit_tokens += hit
             self._unwait(req)
             self._running_of[req.sampling_params.client] += 1
             req.status = RequestStatus.RUNNING
