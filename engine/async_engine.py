@@ -94,6 +94,9 @@ class AsyncEngine:
             kv=e.store.stats.snapshot(),
             pipeline_micro_batch=e.store.pipeline.micro_batch
             if e.store.pipeline.mode == "sfc" else -1,
+            prefix_queried_tokens=e.scheduler.prefix_queried_tokens,
+            prefix_hit_tokens=e.scheduler.prefix_hit_tokens,
+            prefix_pages=dict(e.store.prefix_pages()),
         )
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],

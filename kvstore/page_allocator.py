@@ -27,6 +27,7 @@ class PageAllocator:
         self._owned: dict[str, list[int]] = {}
         self._refs = [0] * num_pages
         self._held: set[int] = set()        # pages the prefix cache holds (one reference each)
+        self._cache_only = 0                # held pages no request holds (evictable)
 
     @property
     def num_pages(self) -> int:
@@ -39,6 +40,11 @@ class PageAllocator:
     @property
     def num_used_pages(self) -> int:
         return self._num_pages - len(self._free)
+
+    @property
+    def num_cache_only(self) -> int:
+        """Pages the prefix cache holds and no request does (it can let them go at once)."""
+        return self._cache_only
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Pages that hold num_tokens tokens (ceil division)."""
@@ -78,6 +84,8 @@ class PageAllocator:
             raise ValueError("a request cannot hold a page twice")
         for p in pages:
             self._refs[p] += 1
+            if self._refs[p] == 2 and p in self._held:
+                self._cache_only -= 1
         if pages:
             self._owned[request_id] = pages
 
@@ -104,6 +112,7 @@ class PageAllocator:
         for p in pages:
             self._refs[p] = 1
             self._held.add(p)
+        self._cache_only += n
         return pages
 
     def unhold(self, page_ids) -> list[int]:
@@ -117,6 +126,7 @@ class PageAllocator:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 gone.append(p)
+                self._cache_only -= 1
         self._free.extend(gone)
         return gone
 
@@ -149,6 +159,8 @@ class PageAllocator:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 gone.append(p)
+            elif self._refs[p] == 1 and p in self._held:
+                self._cache_only += 1
         # NOTE: most recently freed pages are reused last, so a page is not reused in the same step
         # it was freed in unless the pool is nearly exhausted.
         self._free.extend(gone)

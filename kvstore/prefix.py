@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
 
 from kvstore.config import KVStoreConfig
@@ -170,8 +169,9 @@ class PrefixReuse:
         self.forget(failed)
 
     # ---------------------------------------------------------------- pages leave
-    def evictable(self) -> int:
-        return sum(self._allocator.refs(p) == 1 for p in self._cached_ids())
+    @property
+    def num_pages(self) -> int:
+        return len(self.cache)
 
     def reclaim(self, n: int) -> int:
         """Evict up to n pages only the cache holds, least recently used first; returns how
@@ -232,19 +232,26 @@ class PrefixReuse:
         return taken
 
     # ---------------------------------------------------------------- metrics
-    def pages_per_tier(self, max_age_s: float = 1.0) -> dict[str, int]:
-        """Cached pages in each tier (a page counts where all its layers are), recounted at
-        most every `max_age_s` seconds (engine thread)."""
+    def count_tiers(self, max_age_s: float = 1.0) -> None:
+        """Recount the cached pages in each tier (a page counts where all its layers are), at
+        most every `max_age_s` seconds; engine thread (`pages_per_tier` reads the count)."""
         now = time.monotonic()
-        if now - self._counted_at >= max_age_s:
-            self._counted_at = now
-            ids = torch.tensor(self._cached_ids(), dtype=torch.int64)
-            counts = {}
-            for tier in self._tiers:
-                has = tier.contains(self._tiers.keys_of(ids)) if ids.numel() else ids.bool()
-                counts[tier.name] = int(has.view(-1, ids.numel()).all(0).sum()) \
-                    if ids.numel() else 0
-            self._tier_pages = counts
+        if now - self._counted_at < max_age_s:
+            return
+        self._counted_at = now
+        ids = torch.tensor(self._cached_ids(), dtype=torch.int64)
+        counts = {}
+        for tier in self._tiers:
+            if not ids.numel():
+                counts[tier.name] = 0
+                continue
+            has = tier.contains(self._tiers.keys_of(ids))
+            counts[tier.name] = int(has.view(-1, ids.numel()).all(0).sum())
+        self._tier_pages = counts
+
+    @property
+    def pages_per_tier(self) -> dict[str, int]:
+        """Cached pages per tier, as last counted (read by the server's thread)."""
         return self._tier_pages
 
 

@@ -185,11 +185,18 @@ class TieredKVStore:
 
     @property
     def num_free_pages(self) -> int:
-        return self._allocator.num_free_pages
+        """Free pages, and cached ones no request holds (they make room on demand)."""
+        return self._allocator.num_free_pages + self._allocator.num_cache_only
 
     @property
     def num_used_pages(self) -> int:
-        return self._allocator.num_used_pages
+        """Pages requests hold (cached pages only the prefix cache holds are not counted)."""
+        return self._allocator.num_used_pages - self._allocator.num_cache_only
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages in the prefix cache (whoever else holds them)."""
+        return self._prefix.num_pages if self._prefix is not None else 0
 
     def pages_needed(self, request_id: str, num_tokens: int) -> int:
         return self._allocator.pages_needed(request_id, num_tokens)
@@ -198,10 +205,7 @@ class TieredKVStore:
         return self._allocator.pages_for_tokens(n)
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        need = self._allocator.pages_needed(request_id, num_tokens)
-        free = self._allocator.num_free_pages
-        return need <= free or (self._prefix is not None
-                                and need <= free + self._prefix.evictable())
+        return self._allocator.pages_needed(request_id, num_tokens) <= self.num_free_pages
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's pages (all or nothing); cached pages nobody uses make room."""
@@ -241,8 +245,8 @@ class TieredKVStore:
         return self._prefix.clear() if self._prefix is not None else 0
 
     def prefix_pages(self) -> dict[str, int]:
-        """Cached pages per tier (recounted at most once a second)."""
-        return self._prefix.pages_per_tier() if self._prefix is not None else {}
+        """Cached pages per tier (recounted at most once a second, at the end of a step)."""
+        return self._prefix.pages_per_tier if self._prefix is not None else {}
 
     def share(self, request_id: str, page_ids) -> None:
         """The request starts with full pages other requests hold (a common prefix). Only
@@ -257,6 +261,10 @@ class TieredKVStore:
 
     def pages(self, request_id: str) -> tuple[int, ...]:
         return self._allocator.pages(request_id)
+
+    def refs(self, page_id: int) -> int:
+        """Holders of the page: requests, and the prefix cache."""
+        return self._allocator.refs(page_id)
 
     def free(self, request_id: str) -> int:
         """Drop the request's pages (preemption or end); returns how many became free."""
@@ -300,6 +308,7 @@ class TieredKVStore:
         failed = self._tiers.check_writes()
         if self._prefix is not None:
             self._prefix.persist()
+            self._prefix.count_tiers()
         return failed
 
     def abort_step(self) -> None:

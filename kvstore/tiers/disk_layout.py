@@ -62,6 +62,30 @@ class DiskPathInUse(RuntimeError):
     """Another process holds the disk tier's directory."""
 
 
+def lock_folder(root: Path) -> int:
+    """An exclusive flock on the directory `root`; returns the descriptor to keep open.
+    Raises DiskPathInUse when another process holds it."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DiskPathInUse(f"the KV disk path {root} is in use by another Strata server (it "
+                            "holds the folder's lock); give each server its own "
+                            "--kv-disk-path") from None
+    return fd
+
+
+def segment_files(root: Path) -> list[tuple[int, Path]]:
+    """(handle, path) of the segment files under root, oldest handle first."""
+    found = []
+    for p in Path(root).iterdir():
+        m = _SEG_RE.match(p.name)
+        if m and m.group(2) == "kv" and p.is_file() and not p.is_symlink():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
 class DiskLayout:
     version = 2
 
@@ -80,13 +104,7 @@ class DiskLayout:
         return self.root / f"seg-{int(handle)}.idx"
 
     def segment_files(self) -> list[tuple[int, Path]]:
-        """(handle, path) of the segment files under root, oldest handle first."""
-        found = []
-        for p in self.root.iterdir():
-            m = _SEG_RE.match(p.name)
-            if m and m.group(2) == "kv" and p.is_file() and not p.is_symlink():
-                found.append((int(m.group(1)), p))
-        return sorted(found)
+        return segment_files(self.root)
 
     def next_handle(self) -> int:
         handles = [int(m.group(1)) for p in self.root.iterdir() if (m := _SEG_RE.match(p.name))]
@@ -95,15 +113,7 @@ class DiskLayout:
     def lock(self) -> int:
         """Take root for this process (an exclusive flock on the directory); returns the
         descriptor to keep open. Raises DiskPathInUse when another process holds it."""
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DiskPathInUse(f"the KV disk path {self.root} is in use by another Strata "
-                                "server (it holds the folder's lock); give each server its own "
-                                "--kv-disk-path") from None
-        return fd
+        return lock_folder(self.root)
 
     def clear_stale_files(self) -> int:
         """Delete request files a previous process left that no index lists (layout v1's, and
