@@ -175,6 +175,11 @@ class AsyncEngine:
         try:
             while True:
                 with self._lock:
+                    idle = not (self._stopping or self._new or self._aborts
+                                or e.has_unfinished())
+                if idle:        # recount what /metrics reads before sleeping
+                    e.store.refresh_stats()
+                with self._lock:
                     while not (self._stopping or self._new or self._aborts or e.has_unfinished()):
                         self._wake.wait()
                     if self._stopping:

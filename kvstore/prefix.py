@@ -114,7 +114,8 @@ class PrefixReuse:
             if bad:
                 break
         ok = _cut(found, [e.page_id not in bad for e in found])
-        self.forget([e.page_id for e in found[len(ok):]])
+        # the damaged pages, and the unchecked ones after them (unreachable without them)
+        self.forget([e.page_id for e in found[len(ok):] if e.page_id in bad or not e.verified])
         return ok
 
     # ---------------------------------------------------------------- pages join

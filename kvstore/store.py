@@ -244,6 +244,11 @@ class TieredKVStore:
         """Drop every cached page no request holds; returns how many went."""
         return self._prefix.clear() if self._prefix is not None else 0
 
+    def refresh_stats(self) -> None:
+        """Recount the gauges counted on the engine thread (an idle engine runs no step)."""
+        if self._prefix is not None:
+            self._prefix.count_tiers(max_age_s=0.0)
+
     def prefix_pages(self) -> dict[str, int]:
         """Cached pages per tier (recounted at most once a second, at the end of a step)."""
         return self._prefix.pages_per_tier if self._prefix is not None else {}
@@ -288,6 +293,7 @@ class TieredKVStore:
         # new contents must not race its old ones on disk); they were issued a step ago or more
         self._tiers.reap(block=True)
         self.pipeline.drain(raise_errors=False)     # a step that failed may have left jobs
+        self._drop_lost()
         return StepKV(self._parts, seqs)
 
     def end_step(self, step: StepKV, prefilled: list[str]) -> list[tuple[str, str]]:
@@ -312,8 +318,15 @@ class TieredKVStore:
         return failed
 
     def abort_step(self) -> None:
-        """The step's forward failed: wait for its stage threads (their errors are logged)."""
+        """The step's forward failed: wait for its stage threads (their errors are logged);
+        pages it found lost leave the prefix cache (a later request recomputes them)."""
         self.pipeline.drain(raise_errors=False)
+        self._drop_lost()
+
+    def _drop_lost(self) -> None:
+        lost = self._tiers.take_lost()
+        if lost and self._prefix is not None:
+            self._prefix.forget(lost)
 
     def _force_down(self) -> None:
         self._tiers.wait_writes()

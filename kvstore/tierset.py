@@ -88,6 +88,7 @@ class TierSet:
         # before the next step writes; they mark nothing clean
         self._retired: dict[str, list[Future]] = {}
         self._then: dict[str, list[Callable[[], None]]] = {}
+        self._lost: set[int] = set()        # page ids lost since `take_lost`
         self.step_counter = 0
         self.clock_now = 0          # layer clock (`clock_of`) of the layer being computed
 
@@ -174,9 +175,16 @@ class TierSet:
         self.clean[keys] = False
 
     def lost(self, keys: torch.Tensor, message: str) -> RequestKVError:
-        """Map the keys of lost pages to the requests that hold them."""
+        """Map the keys of lost pages to the requests that hold them (the pages are kept for
+        `take_lost`: nobody may reuse them, e.g. from the prefix cache)."""
         pages = set((torch.as_tensor(keys) % self.max_pages).tolist())
+        self._lost |= pages
         return RequestKVError(self._owners(pages), message)
+
+    def take_lost(self) -> list[int]:
+        """The page ids lost (corrupt, unreadable) since the last call."""
+        lost, self._lost = sorted(self._lost), set()
+        return lost
 
     def staging(self, n: int, purpose: str = "fill") -> torch.Tensor:
         """A reused host buffer [n, 2, kvh, ps, hd] (grown on demand, never shrunk): fresh

@@ -23,6 +23,10 @@ def _cumulative(bounds, counts):
 
 
 def kv_families(stats):
+    yield GaugeMetricFamily("strata_kv_pages_used", "KV pages held by requests (pages only "
+                            "the prefix cache holds count as free).", value=stats.kv_pages_used)
+    yield GaugeMetricFamily("strata_kv_pages_total", "KV pages the backing tier holds.",
+                            value=stats.kv_pages_total)
     used = GaugeMetricFamily("strata_kv_tier_used_bytes", "KV bytes stored per tier.",
                              labels=["tier"])
     cap = GaugeMetricFamily("strata_kv_tier_capacity_bytes", "KV byte budget per tier.",

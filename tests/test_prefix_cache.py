@@ -11,7 +11,7 @@ from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from kvstore.tiers import segment_log
 from kvstore.tiers.disk_fault import DiskFault
-from tests.engine_helpers import drive, greedy, run
+from tests.engine_helpers import greedy, run
 
 pytestmark = pytest.mark.slow
 

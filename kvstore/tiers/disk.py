@@ -338,14 +338,18 @@ class DiskTier(Tier):
             if (sk[1:] == sk[:-1]).any():
                 raise ValueError("disk tier: a key repeats in one put batch")
         first = order[starts]
-        job = ExtentJob(op, buf, rows[order], keys[order], segs.table[slot[first], 1],
-                        segs.table[slot[first], 2], self.layout.offsets(pn[first]),
-                        starts, ends, self.fault, keep_alive,
-                        pn[order] if gap else None)
         busy = np.unique(slot)
-        segs.begin_io(busy)
-        if op == "write":
-            self._stored[keys] = False
-        future = self._io.submit(job)
+        segs.begin_io(busy)                 # descriptors of released files open until end_io
+        try:
+            job = ExtentJob(op, buf, rows[order], keys[order], segs.table[slot[first], 1],
+                            segs.table[slot[first], 2], self.layout.offsets(pn[first]),
+                            starts, ends, self.fault, keep_alive,
+                            pn[order] if gap else None)
+            if op == "write":
+                self._stored[keys] = False
+            future = self._io.submit(job)
+        except BaseException:
+            segs.end_io(busy)
+            raise
         future.add_done_callback(lambda _: segs.end_io(busy))
         return future

@@ -130,40 +130,38 @@ def parse(path: Path) -> Parsed:
 
 
 class SegmentLog:
-    """Appends to one segment's index; a failed append is undone (the log is cut back to
-    its last good record), so a later record never follows a torn one."""
+    """Appends to one segment's index (the file is opened per append: a cached segment holds
+    no descriptor). A failed append is undone (the log is cut back to its last good record),
+    so a later record never follows a torn one."""
 
     def __init__(self, path: Path, header: Header, good_bytes: int | None = None):
         self.path = path
         self.broken = False
         if good_bytes is None:           # a new log
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            self.fd, self.length = fd, 0
-            self.append(header.pack(), framed=False)
+            self.length = 0
+            self._write(header.pack(), os.O_CREAT | os.O_TRUNC)
         else:                            # an existing one, cut to its last valid record
-            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-            os.ftruncate(self.fd, good_bytes)
+            os.truncate(path, good_bytes)
             self.length = good_bytes
 
     def append(self, data: bytes, framed: bool = True) -> None:
         """Raises OSError (e.g. ENOSPC) after undoing the partial write."""
         if self.broken:
             raise OSError("the index log of this segment failed earlier")
-        if framed:
-            data = frame(data)
+        self._write(frame(data) if framed else data, 0)
+
+    def _write(self, data: bytes, flags: int) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_CLOEXEC | flags, 0o600)
         try:
-            written = os.pwrite(self.fd, data, self.length)
+            written = os.pwrite(fd, data, self.length)
             if written != len(data):
                 raise OSError(f"short write to {self.path.name}")
         except OSError:
             try:
-                os.ftruncate(self.fd, self.length)
+                os.ftruncate(fd, self.length)
             except OSError:
                 self.broken = True
             raise
+        finally:
+            os.close(fd)
         self.length += len(data)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1

@@ -12,8 +12,12 @@ Reservations (`reserved`): a running request reserves every page it may write, f
 first one that is its own (`skip`: the pages before it are shared); a released segment
 only its live pages (all it had, where the filesystem cannot punch holes).
 
-Threading: the engine's thread calls everything; the disk tier's I/O threads only count
-their batches in flight (`begin_io` / `end_io`).
+Descriptors: a running request's file stays open; a released one's is opened for a batch of
+I/O and closed after it (`begin_io` / `end_io`), so cached segments cost no descriptor and
+their number is bounded by the disk budget alone.
+
+Threading: the engine's thread calls everything; the disk tier's I/O threads only end their
+batches (`end_io`), under the same lock as `begin_io`.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Segment:
     handle: int
-    fd: int
+    fd: int                                 # -1: closed (a released file between batches)
     path: Path
     capacity: int                           # pages per layer
     first: int = 0                          # indices below it are shared pages, not its own
@@ -186,6 +190,8 @@ class Segments:
             self._delete(slot)
             return
         self._punch(seg, np.flatnonzero(seg.page_at < 0))
+        with self._cond:
+            self._close_fd(slot)
 
     def close(self) -> None:
         """Segments with recorded pages stay (for the next start); the others go."""
@@ -195,9 +201,7 @@ class Segments:
             with self._cond:
                 self._cond.wait_for(lambda: seg.pending == 0)
             if seg.recorded.any():
-                os.close(seg.fd)
-                if seg.log is not None:
-                    seg.log.close()
+                self._close_fd(slot)
                 self._segs[slot] = None
                 self._slot_of.pop(seg.handle, None)
             else:
@@ -205,10 +209,10 @@ class Segments:
 
     def _delete(self, slot: int) -> None:
         seg = self._segs[slot]
-        os.close(seg.fd)
+        with self._cond:
+            self._cond.wait_for(lambda: seg.pending == 0)
+            self._close_fd(slot)
         seg.path.unlink(missing_ok=True)
-        if seg.log is not None:
-            seg.log.close()
         self.layout.index_path(seg.handle).unlink(missing_ok=True)
         self._segs[slot] = None
         self._slot_of.pop(seg.handle, None)
@@ -216,12 +220,22 @@ class Segments:
     def _punch(self, seg: Segment, indices: np.ndarray) -> None:
         if not self._can_punch or not indices.size:
             return
+        if seg.fd < 0:
+            fd = os.open(seg.path, os.O_RDWR | os.O_CLOEXEC)
+            try:
+                self._punch_fd(seg, fd, indices)
+            finally:
+                os.close(fd)
+        else:
+            self._punch_fd(seg, seg.fd, indices)
+
+    def _punch_fd(self, seg: Segment, fd: int, indices: np.ndarray) -> None:
         stride, cap = self.layout.stride, seg.capacity
         runs = np.split(indices, np.flatnonzero(np.diff(indices) != 1) + 1)
         for layer in range(self.layout.num_layers):
             for run in runs:
                 off = (layer * cap + int(run[0])) * stride
-                if not punch_hole(seg.fd, off, len(run) * stride):
+                if not punch_hole(fd, off, len(run) * stride):
                     logger.warning("disk tier: %s cannot punch holes into files: a finished "
                                    "request's file keeps its whole reservation while any of "
                                    "its pages stays cached", self.layout.root)
@@ -230,15 +244,33 @@ class Segments:
 
     # ---------------------------------------------------------------- I/O accounting
     def begin_io(self, slots: np.ndarray) -> None:
+        """A batch will touch these segments: open the closed ones (their descriptors are in
+        `table` from now until `end_io`)."""
         with self._cond:
             for s in slots:
-                self._segs[s].pending += 1
+                seg = self._segs[s]
+                if seg.fd < 0:
+                    flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0)
+                    seg.fd = os.open(seg.path, flags)
+                    self.table[s, 1] = seg.fd
+                seg.pending += 1
 
     def end_io(self, slots: np.ndarray) -> None:
         with self._cond:
             for s in slots:
-                self._segs[s].pending -= 1
+                seg = self._segs[s]
+                seg.pending -= 1
+                if not seg.running and seg.pending == 0:
+                    self._close_fd(s)
             self._cond.notify_all()
+
+    def _close_fd(self, slot: int) -> None:
+        """(under _cond, no I/O in flight on it)"""
+        seg = self._segs[slot]
+        if seg.fd >= 0:
+            os.close(seg.fd)
+            seg.fd = -1
+            self.table[slot, 1] = -1
 
     # ---------------------------------------------------------------- the index logs
     def record(self, page_ids: np.ndarray, keys: list[bytes], crcs: np.ndarray,
@@ -278,9 +310,8 @@ class Segments:
 
     def adopt(self, handle: int, capacity: int, log: SegmentLog) -> Segment:
         """A segment found at start-up (restore): open, released, nothing bound yet."""
-        path = self.layout.file_path(handle)
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct_io else 0))
-        seg = Segment(handle, fd, path, capacity, running=False, log=log)
+        seg = Segment(handle, -1, self.layout.file_path(handle), capacity, running=False,
+                      log=log)
         self._add(seg)
         return seg
 
