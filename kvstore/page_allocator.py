@@ -89,9 +89,10 @@ class PageAllocator:
         if pages:
             self._owned[request_id] = pages
 
-    def reuse_prefix(self, request_id: str, token_ids) -> int:
+    def reuse_prefix(self, request_id: str, token_ids) -> int | None:
         """How many leading tokens of `token_ids` the request starts with, computed (pages it
-        now shares). A bare allocator caches nothing: the KV store's prefix cache does."""
+        now shares); None: not now (a running request computes the pages that follow). A bare
+        allocator caches nothing: the KV store's prefix cache does."""
         return 0
 
     def hold(self, page_ids) -> None:

@@ -2,6 +2,9 @@
 
 - `reuse`: a new request looks its tokens up page by page and shares every cached page of
   the longest match (wherever it is: device, host or disk); its prefill starts after them.
+  When a running request is computing the next pages of that prefix (the same document sent
+  by several clients at once), the new one waits for them instead of computing them again
+  (None: the scheduler admits it once they are cached).
   At least `min_new` tokens are always computed: one (to sample from) or, with sparse
   decode, the observation window, whose attention over the whole prompt (reused pages too)
   gives the pages' prior exactly as without the cache. The pages' summaries come with them.
@@ -49,17 +52,25 @@ class PrefixReuse:
         self._unrecorded: list[CachedPage] = []
         self._tier_pages: dict[str, int] = {}
         self._counted_at = 0.0
+        # keys of the full prompt pages admitted requests are computing, and who computes them
+        self._inflight: dict[bytes, str] = {}
+        self._inflight_of: dict[str, list[bytes]] = {}
 
     # ---------------------------------------------------------------- a request starts
-    def reuse(self, request_id: str, token_ids) -> int:
+    def reuse(self, request_id: str, token_ids) -> int | None:
         """Share the cached pages of the longest cached prefix of `token_ids` (leaving at
-        least `min_new` tokens to compute); returns the tokens they cover."""
+        least `min_new` tokens to compute); returns the tokens they cover, or None when
+        another request is computing the pages that follow them (wait for those)."""
         ps = self.cfg.page_size
         n_full = (len(token_ids) - self.min_new) // ps
-        if n_full <= 0 or not len(self.cache) or self._allocator.pages(request_id):
+        if n_full <= 0 or self._allocator.pages(request_id):
             return 0
-        found = self.cache.match(self.cache.keys(token_ids, n_full))
-        found = self._usable(found)
+        keys = self.cache.keys(token_ids, n_full)
+        found = self._usable(self.cache.match(keys)) if len(self.cache) else []
+        n = len(found)
+        if n < n_full and self._inflight.get(keys[n], request_id) != request_id:
+            return None
+        self._computing(request_id, keys[n:])
         if not found:
             return 0
         rkv = self._requests[request_id]
@@ -71,6 +82,17 @@ class PrefixReuse:
             self._disk.skip(rkv.handle, len(found))
         self.cache.touch(found)
         return len(found) * ps
+
+    def _computing(self, request_id: str, keys: list[bytes]) -> None:
+        self._done_computing(request_id)
+        self._inflight_of[request_id] = keys
+        for k in keys:
+            self._inflight.setdefault(k, request_id)
+
+    def _done_computing(self, request_id: str) -> None:
+        for k in self._inflight_of.pop(request_id, ()):
+            if self._inflight.get(k) == request_id:
+                del self._inflight[k]
 
     def _usable(self, found: list[CachedPage]) -> list[CachedPage]:
         """The leading entries that can be served now: with summaries (sparse decode needs
@@ -121,6 +143,7 @@ class PrefixReuse:
     # ---------------------------------------------------------------- pages join
     def publish(self, request_id: str, token_ids) -> None:
         """The request's prompt is computed: its full pages join the cache."""
+        self._done_computing(request_id)
         pages = self._allocator.pages(request_id)
         n = min(len(token_ids) // self.cfg.page_size, len(pages))
         if n <= 0:
@@ -160,6 +183,7 @@ class PrefixReuse:
         """The request lets its pages go: cached ones among them must be safe in the backing
         tier first (its writes in flight are waited for); a page whose write failed leaves
         the cache (it would never be safe to evict)."""
+        self._done_computing(request_id)
         if not self._backed:
             return
         mine = [e for p in self._allocator.pages(request_id) if (e := self.cache.get(p))]

@@ -227,9 +227,10 @@ class TieredKVStore:
             disk.bind(list(pages[before:]), rkv.handle, before)
         return True
 
-    def reuse_prefix(self, request_id: str, token_ids) -> int:
+    def reuse_prefix(self, request_id: str, token_ids) -> int | None:
         """The request starts with the cached pages of the longest cached prefix of its
-        tokens; returns how many tokens they hold (0 with --prefix-cache off)."""
+        tokens; returns how many tokens they hold (0 with --prefix-cache off), or None when a
+        running request is computing the pages that follow (admit it once they are cached)."""
         if self._prefix is None or request_id not in self._requests:
             return 0
         return self._prefix.reuse(request_id, token_ids)

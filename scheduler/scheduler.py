@@ -18,7 +18,9 @@ Policy:
 - no admission in a step that preempted, and a waiting request is admitted only if its first chunk
   fits in the free pages (admission never preempts);
 - a request being admitted starts with the KV of its longest cached prefix (the allocator's
-  `reuse_prefix`: shared pages of the KV store's prefix cache), so it computes only the rest.
+  `reuse_prefix`: shared pages of the KV store's prefix cache), so it computes only the rest;
+  while a running request is computing the pages that follow that prefix (one document sent by
+  several clients at once), it waits for them rather than computing them a second time.
 The oldest running request is never preempted while others run, so every request that fits alone
 completes eventually.
 
@@ -158,13 +160,15 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self._next_waiting()
-            hit = 0
-            if req.num_computed_tokens == 0:
+            hit, reused = 0, req.num_computed_tokens == 0
+            if reused:
                 hit = self.allocator.reuse_prefix(req.request_id, req.all_token_ids)
+                if hit is None:
+                    break    # admitted once the running request has cached the pages it needs
                 req.num_computed_tokens = hit
             n = self._chunk_len(req, budget)
             if n == 0 or not self.allocator.allocate(req.request_id, req.num_computed_tokens + n):
-                if hit:      # waits without holding cached pages (they stay evictable)
+                if reused:   # waits without holding cached pages (they stay evictable)
                     self.allocator.free(req.request_id)
                     req.num_computed_tokens = 0
                 break        # no skipping: a later request does not overtake the chosen one

@@ -131,6 +131,18 @@ def test_concurrent_requests_share_one_set_of_pages(smollm2_dir, tok):
         engine.store.num_pages
 
 
+def test_one_document_sent_by_several_clients_at_once_is_computed_once(smollm2_dir, tok, doc):
+    # a prefill of several steps: the others wait for its pages instead of computing them
+    engine = make(smollm2_dir, max_num_batched_tokens=256)
+    questions = ["What is the code?", "Who wrote?", "Where?", "When?"]
+    prompts = [chat(tok, doc, q) for q in questions]
+    got, errors = run(engine, prompts, 2)
+    assert not errors
+    doc_tokens = min(len(p) for p in prompts) - 64
+    assert engine.scheduler.prefix_hit_tokens >= 3 * doc_tokens
+    assert engine.scheduler.prefix_queried_tokens == sum(len(p) for p in prompts)
+
+
 def test_unused_cached_pages_make_room_least_recent_first(smollm2_dir, tok):
     # a KV pool of ~3 documents: eight documents all complete; the last ones stay cached
     docs = [f"Chapter {i}: " + f"the river number {i} flows east. " * 60 for i in range(8)]
