@@ -162,7 +162,7 @@ class Segments:
         self._stored[:, page_ids] = False
         for s in np.unique(slots):
             seg, mine = self._segs[s], idx[slots == s]
-            if seg.pending:
+            if seg.running and seg.pending:         # writes to it may be in flight
                 seg.late.append(page_ids[slots == s])
             seg.page_at[mine] = -1
             gone = mine[seg.recorded[mine]]
@@ -177,7 +177,7 @@ class Segments:
     def release(self, handle: int) -> None:
         """The request ended: wait for its I/O; its file keeps only its live pages."""
         slot = self._slot_of.get(int(handle))
-        if slot is None:
+        if slot is None or not self._segs[slot].running:
             return
         seg = self._segs[slot]
         with self._cond:
@@ -220,14 +220,13 @@ class Segments:
     def _punch(self, seg: Segment, indices: np.ndarray) -> None:
         if not self._can_punch or not indices.size:
             return
-        if seg.fd < 0:
-            fd = os.open(seg.path, os.O_RDWR | os.O_CLOEXEC)
-            try:
-                self._punch_fd(seg, fd, indices)
-            finally:
-                os.close(fd)
-        else:
-            self._punch_fd(seg, seg.fd, indices)
+        # NOTE: a descriptor of its own: the segment's may be closed by an I/O thread
+        # (`end_io`) at any time once its request is released
+        fd = os.open(seg.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self._punch_fd(seg, fd, indices)
+        finally:
+            os.close(fd)
 
     def _punch_fd(self, seg: Segment, fd: int, indices: np.ndarray) -> None:
         stride, cap = self.layout.stride, seg.capacity
