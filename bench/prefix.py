@@ -5,6 +5,8 @@ its prefix cache, and llama.cpp's server (its prompt cache) where it is installe
     .venv/bin/python bench/prefix.py                   # ~7K-token chat, 8 clients x ~6K, restart
     .venv/bin/python bench/prefix.py --quick           # ~2K and ~1.5K tokens, 3 turns, 4 clients
     .venv/bin/python bench/prefix.py --replot bench/results/prefix.json
+    .venv/bin/python bench/prefix.py --systems strata --keep bench/results/prefix.json
+                                                       # rerun Strata, keep the other systems
 
 Workloads (greedy, streamed; TTFT = send to the first chunk with text):
 - multi-turn: a user message of an essay cut to --context tokens and a question, then --turns
@@ -234,6 +236,9 @@ def build_parser():
     ap.add_argument("--systems", nargs="*", default=["strata", "strata-nocache", "llama.cpp"],
                     choices=["strata", "strata-nocache", "llama.cpp"])
     ap.add_argument("--no-restart", action="store_true", help="skip the restart workload")
+    ap.add_argument("--keep", default=None, metavar="JSON",
+                    help="take the systems not run from this result (each keeps the code "
+                         "version it was measured with)")
     ap.add_argument("--quick", action="store_true",
                     help="~2K / ~1.5K tokens, 3 turns, 4 clients, 16-token answers")
     add_out_arg(ap, "prefix", quick=True)
@@ -254,6 +259,11 @@ def main(argv: list[str] | None = None) -> None:
            "settings": {k: getattr(args, k) for k in ("context", "shared_context", "turns",
                                                       "clients", "answer")},
            "strata_flags": STRATA_FLAGS, "systems": {}}
+    if args.keep:
+        old = read_json(args.keep)
+        for name, res in old["systems"].items():
+            if name not in args.systems and res:
+                rep["systems"][name] = {**res, "code_version": old["code_version"]}
     for name in args.systems:
         rep["systems"][name] = run_llamacpp(docs, args) if name == "llama.cpp" \
             else run_strata(name, docs, args)

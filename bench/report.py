@@ -249,6 +249,11 @@ def prefix_section(rep: dict, png: str) -> list[str]:
                 else ""
             out.append(f"| {k} | {v['ttft_p50_s']:.2f} | {v['ttft_p99_s']:.2f} | "
                        f"{v['wall_s']:.1f}{ratio} |")
+    kept = {k: v["code_version"].get("head", "?") for k, v in systems.items()
+            if v.get("code_version")}
+    if kept:
+        out += ["", "Measured earlier in the same session (`--keep`): " + ", ".join(
+            f"{k} at `{h}`" for k, h in kept.items()) + "."]
     r = rep.get("restart")
     if r:
         out += ["", f"After a restart on the same `--kv-disk-path` (ready in "

@@ -95,6 +95,10 @@ class PageAllocator:
         allocator caches nothing: the KV store's prefix cache does."""
         return 0
 
+    def publish(self, request_id: str, token_ids) -> None:
+        """The request computed the KV of `token_ids` (its full pages may be cached for later
+        requests); a bare allocator caches nothing."""
+
     def hold(self, page_ids) -> None:
         """The prefix cache keeps these pages (in use, not held by it yet): one more reference."""
         pages = [int(p) for p in page_ids]

@@ -9,7 +9,9 @@
   decode, the observation window, whose attention over the whole prompt (reused pages too)
   gives the pages' prior exactly as without the cache. The pages' summaries come with them.
 - `publish`: once a request's prompt is computed, its full pages join the cache (one more
-  reference each, so they outlive the request); with a disk tier they are `persist`ed to
+  reference each, so they outlive the request), and when it ends those of its answer too
+  (the next turn of a conversation resends it; their KV came from decode steps, which
+  compute it with the same weights as a prefill would, up to rounding, as in vLLM); with a disk tier they are `persist`ed to
   its index once their bytes are on disk, and a restarted server `restore`s them.
 - `reclaim`: pages only the cache holds go, least recently used first, when the allocator
   or the disk budget runs short. Pages a request holds are never evicted.
@@ -142,7 +144,8 @@ class PrefixReuse:
 
     # ---------------------------------------------------------------- pages join
     def publish(self, request_id: str, token_ids) -> None:
-        """The request's prompt is computed: its full pages join the cache."""
+        """The request computed the KV of `token_ids` (its prompt after prefill; prompt and
+        answer when it ends): their full pages join the cache."""
         self._done_computing(request_id)
         pages = self._allocator.pages(request_id)
         n = min(len(token_ids) // self.cfg.page_size, len(pages))

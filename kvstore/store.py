@@ -236,8 +236,8 @@ class TieredKVStore:
         return self._prefix.reuse(request_id, token_ids)
 
     def publish(self, request_id: str, token_ids) -> None:
-        """The request's prompt `token_ids` is computed: its full pages join the prefix
-        cache."""
+        """The request computed the KV of `token_ids` (its prompt, once prefilled; every
+        token, when it ends): their full pages join the prefix cache."""
         if self._prefix is not None and request_id in self._requests:
             self._prefix.publish(request_id, token_ids)
 

@@ -17,6 +17,8 @@ Policy:
   recomputed later from prompt + outputs so far) and goes to the front of the waiting queue;
 - no admission in a step that preempted, and a waiting request is admitted only if its first chunk
   fits in the free pages (admission never preempts);
+- a request that ends (but for an error) offers the full pages of every token it computed,
+  its answer's too, to the allocator's prefix cache (`publish`);
 - a request being admitted starts with the KV of its longest cached prefix (the allocator's
   `reuse_prefix`: shared pages of the KV store's prefix cache), so it computes only the rest;
   while a running request is computing the pages that follow that prefix (one document sent by
@@ -292,6 +294,10 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._not_running(req.sampling_params.client)
+            if status is not RequestStatus.FINISHED_ERROR:
+                # the next turn of a conversation resends this answer: its full pages too
+                self.allocator.publish(req.request_id,
+                                       _token_slice(req, 0, req.num_computed_tokens))
         else:
             self._unwait(req)
         self.allocator.free(req.request_id)

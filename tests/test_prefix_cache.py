@@ -131,6 +131,21 @@ def test_concurrent_requests_share_one_set_of_pages(smollm2_dir, tok):
         engine.store.num_pages
 
 
+def test_the_next_turn_reuses_the_answer_too(smollm2_dir, prompts):
+    engine = make(smollm2_dir)
+    got, errors = run(engine, prompts[:1], 40, ids=["a"])
+    assert not errors
+    computed = len(prompts[0]) + 39                 # the last token's KV was never computed
+    follow = prompts[0] + got["a"] + prompts[1][-20:]
+    engine.add_request("b", follow, greedy(2))
+    cached = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.error is None, out.error
+            cached = out.num_cached_tokens
+    assert cached == computed // 16 * 16 > len(prompts[0])
+
+
 def test_one_document_sent_by_several_clients_at_once_is_computed_once(smollm2_dir, tok, doc):
     # a prefill of several steps: the others wait for its pages instead of computing them
     engine = make(smollm2_dir, max_num_batched_tokens=256)
