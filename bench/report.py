@@ -226,7 +226,11 @@ def soak_section(rep: dict, png: str) -> list[str]:
 
 
 def prefix_section(rep: dict, png: str) -> list[str]:
-    st, systems = rep["settings"], {k: v for k, v in rep["systems"].items() if v}
+    order = ("strata", "strata-nocache", "llama.cpp")
+    st = rep["settings"]
+    systems = {k: rep["systems"][k] for k in sorted(
+        rep["systems"], key=lambda k: order.index(k) if k in order else len(order))
+        if rep["systems"][k]}
     turned = {k: v["multi_turn"] for k, v in systems.items() if v.get("multi_turn")}
     out = ["### Prefix reuse", "",
            f"`.venv/bin/python bench/prefix.py`: chat over a ~{st['context']}-token document, "
