@@ -177,7 +177,7 @@ class AsyncEngine:
                 with self._lock:
                     idle = not (self._stopping or self._new or self._aborts
                                 or e.has_unfinished())
-                if idle:        # recount what /metrics reads before sleeping
+                if idle:        # index and recount what /metrics reads, before sleeping
                     e.store.refresh_stats()
                 with self._lock:
                     while not (self._stopping or self._new or self._aborts or e.has_unfinished()):

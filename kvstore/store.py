@@ -246,8 +246,10 @@ class TieredKVStore:
         return self._prefix.clear() if self._prefix is not None else 0
 
     def refresh_stats(self) -> None:
-        """Recount the gauges counted on the engine thread (an idle engine runs no step)."""
+        """An idle engine runs no step: index the cached pages now on disk (an answer's,
+        cached when its request ended) and recount the gauges counted on the engine thread."""
         if self._prefix is not None:
+            self._prefix.persist()
             self._prefix.count_tiers(max_age_s=0.0)
 
     def prefix_pages(self) -> dict[str, int]:

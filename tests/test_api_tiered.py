@@ -53,14 +53,20 @@ def test_long_prompt_is_served_from_the_disk_tier_with_sparse_decode(tiered, dis
     assert "strata_pipeline_micro_batch" not in text        # sfc's alone
     for tier in ("device", "host", "disk"):
         assert read_metric(text, "strata_kv_tier_capacity_bytes", f'tier="{tier}"') > 0
-    # nothing is left but the prompt's cached pages: one file and its index, on disk only
+    # nothing is left but the cached pages of the prompt and the answer: one file and its
+    # index, on disk only (indexed by the engine once it is idle)
     assert read_metric(text, "strata_kv_pages_used") == 0
-    cached = read_metric(text, "strata_prefix_cache_pages", 'tier="disk"')
-    assert cached > 0
+    deadline = time.monotonic() + 10
+    while True:
+        text = httpx.get(tiered.url + "/metrics").text
+        cached = read_metric(text, "strata_prefix_cache_pages", 'tier="disk"')
+        (segment,) = list_cache(disk_dir)
+        if segment.pages == cached or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert cached > 0 and segment.pages == cached
     for tier in ("device", "host"):
         assert read_metric(text, "strata_prefix_cache_pages", f'tier="{tier}"') == 0
-    (segment,) = list_cache(disk_dir)
-    assert segment.pages == cached
     assert sorted(p.suffix for p in disk_dir.iterdir()) == [".idx", ".kv"]
 
 
