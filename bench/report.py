@@ -6,7 +6,7 @@
 
 Reads bench/results/throughput{suffix}.json, ruler{suffix}.json, roofline{suffix}.json
 (bench/throughput.py, bench/ruler.py, bench/roofline.py; bench/suite.py runs all three) and
-soak{suffix}.json (bench/soak.py), and
+soak{suffix}.json (bench/soak.py), prefix{suffix}.json (bench/prefix.py), and
 replaces the text between the RESULTS_BEGIN and RESULTS_END markers of README.md. A missing JSON
 leaves its subsection out, with a line saying which command produces it.
 """
@@ -225,15 +225,59 @@ def soak_section(rep: dict, png: str) -> list[str]:
             f"{trend('rss_mb', ' MB')} | {trend('open_files', '')} |", ""]
 
 
+def prefix_section(rep: dict, png: str) -> list[str]:
+    order = ("strata", "strata-nocache", "llama.cpp")
+    st = rep["settings"]
+    systems = {k: rep["systems"][k] for k in sorted(
+        rep["systems"], key=lambda k: order.index(k) if k in order else len(order))
+        if rep["systems"][k]}
+    turned = {k: v["multi_turn"] for k, v in systems.items() if v.get("multi_turn")}
+    out = ["### Prefix reuse", "",
+           f"`.venv/bin/python bench/prefix.py`: chat over a ~{st['context']}-token document, "
+           f"{st['turns']} turns resending the conversation; {st['clients']} clients asking "
+           f"about one ~{st['shared_context']}-token document at once; the same request after "
+           f"a restart. Strata `{' '.join(rep['strata_flags'])}` with the prefix cache "
+           "(default) and with `--prefix-cache off`.", "", f"![prefix reuse]({png})", "",
+           "| turn | " + " | ".join(f"{k} TTFT s" for k in turned) + " | strata cached tokens |",
+           "|---|" + "---|" * (len(turned) + 1)]
+    for t in range(st["turns"]):
+        row = [_fmt(v[t]["ttft_s"], 2) if t < len(v) else "-" for v in turned.values()]
+        cached = (turned.get("strata") or [{}] * (t + 1))[t].get("cached_tokens")
+        out.append(f"| {t + 1} | " + " | ".join(row) + f" | {cached if cached is not None else '-'} |")
+    shared = {k: v["shared"] for k, v in systems.items() if v.get("shared")}
+    if shared:
+        base = (shared.get("strata-nocache") or {}).get("wall_s")
+        out += ["", "| shared document | TTFT p50 s | TTFT p99 s | total s |", "|---|---|---|---|"]
+        for k, v in shared.items():
+            ratio = f" ({base / v['wall_s']:.1f}x faster)" if base and k != "strata-nocache" \
+                else ""
+            out.append(f"| {k} | {v['ttft_p50_s']:.2f} | {v['ttft_p99_s']:.2f} | "
+                       f"{v['wall_s']:.1f}{ratio} |")
+    kept = {k: v["code_version"].get("head", "?") for k, v in systems.items()
+            if v.get("code_version")}
+    if kept:
+        out += ["", "Measured earlier in the same session (`--keep`): " + ", ".join(
+            f"{k} at `{h}`" for k, h in kept.items()) + "."]
+    r = rep.get("restart")
+    if r:
+        out += ["", f"After a restart on the same `--kv-disk-path` (ready in "
+                    f"{r['restart_ready_s']:.0f} s): TTFT {r['after_restart']['ttft_s']:.2f} s "
+                    f"({r['after_restart']['cached_tokens']} of "
+                    f"{r['after_restart']['prompt_tokens']} prompt tokens cached), against "
+                    f"{r['cold']['ttft_s']:.2f} s cold."]
+    return out + [""]
+
+
 def render(results: Path = RESULTS, suffix: str = "") -> str:
     names = {k: results / f"{k}{suffix}.json" for k in ("throughput", "ruler", "roofline",
-                                                         "soak")}
+                                                         "soak", "prefix")}
     reps = {k: _load(p) for k, p in names.items()}
     lines = [BEGIN, "", machine_line(*reps.values()), code_line(*reps.values()),
              "Regenerate with `.venv/bin/python bench/suite.py` (all three, ~11 min; `--quick` "
              "~5 min) or the single commands below, then `.venv/bin/python bench/report.py`.", ""]
     sections = (("throughput", throughput_section), ("ruler", ruler_section),
-                ("roofline", roofline_section), ("soak", soak_section))
+                ("roofline", roofline_section), ("soak", soak_section),
+                ("prefix", prefix_section))
     for key, fn in sections:
         if reps[key] is None:
             lines += [f"_{key}: no `{_rel(names[key])}` yet; run `bench/{key}.py`._", ""]

@@ -82,6 +82,10 @@ class EngineArgs:
                                 "set (0: none)", group="kv")
     kv_disk_path: Path | None = setting(None, "folder for the disk tier's files (default: "
                                         "beside the model cache)", group="kv")
+    prefix_cache: str = setting("on" if _KV.prefix_cache else "off", "reuse the KV of full "
+                                "pages of earlier prompts (a document or conversation resent "
+                                "is prefilled once); kept across restarts on the disk tier",
+                                ("on", "off"), group="kv")
     sparse_budget: int = setting(_KV.sparse_budget, "KV tokens attended per request, layer "
                                  "and KV head in decode (0: dense attention)", group="sparse")
     sparse_sink_tokens: int = setting(_KV.sink_tokens, "first tokens always attended in "
@@ -148,7 +152,8 @@ class EngineArgs:
             prior_share=self.sparse_prior_share, obs_reduce=self.sparse_obs_reduce,
             pipeline=self.pipeline, residency=self.residency,
             micro_batch=self.micro_batch,
-            max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier)
+            max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier,
+            prefix_cache=self.prefix_cache == "on")
 
     def torch_threads(self) -> tuple[int, int]:
         """Torch threads of (steps with prompt tokens, decode-only steps). Prefill is bound by

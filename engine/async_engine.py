@@ -94,6 +94,9 @@ class AsyncEngine:
             kv=e.store.stats.snapshot(),
             pipeline_micro_batch=e.store.pipeline.micro_batch
             if e.store.pipeline.mode == "sfc" else -1,
+            prefix_queried_tokens=e.scheduler.prefix_queried_tokens,
+            prefix_hit_tokens=e.scheduler.prefix_hit_tokens,
+            prefix_pages=dict(e.store.prefix_pages()),
         )
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -171,6 +174,11 @@ class AsyncEngine:
         e = self.engine
         try:
             while True:
+                with self._lock:
+                    idle = not (self._stopping or self._new or self._aborts
+                                or e.has_unfinished())
+                if idle:        # index and recount what /metrics reads, before sleeping
+                    e.store.refresh_stats()
                 with self._lock:
                     while not (self._stopping or self._new or self._aborts or e.has_unfinished()):
                         self._wake.wait()

@@ -86,6 +86,15 @@ def ensure_hf_folder(model: str | os.PathLike | None, cache_dir: Path | None = N
     return dest
 
 
+def model_fingerprint(folder: Path, gguf: Path | None) -> str:
+    """Names the weights a KV page was computed with (the prefix cache's namespace): the
+    GGUF file's path, size and modification time, else the HF folder's files'."""
+    files = [gguf] if gguf is not None else sorted(p for p in Path(folder).iterdir()
+                                                   if p.is_file())
+    ident = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
 def _source_key(src: Path) -> str:
     st = src.stat()
     ident = f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}"

@@ -6,7 +6,7 @@ import logging
 import torch
 
 from engine.args import EngineArgs
-from engine.gguf_convert import ensure_hf_folder, gguf_source
+from engine.gguf_convert import ensure_hf_folder, gguf_source, model_fingerprint
 from engine.gguf_weights import native_format
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -44,7 +44,8 @@ class LLMEngine:
         # are, dequantized exactly in float32); the converted folder gives config and tokenizer
         self.runner = ModelRunner(self.model_folder, cfg, self.weight_plan,
                                   args.kv_store_config(), self.max_model_len,
-                                  device=args.device, gguf=gguf)
+                                  device=args.device, gguf=gguf,
+                                  model_id=model_fingerprint(self.model_folder, gguf))
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.store = self.runner.store
         # NOTE: the scheduler allocates through the store, so freed pages leave every tier
@@ -160,6 +161,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=rid, new_token_ids=new, new_logprobs=tuple(lps), finished=finished,
             finish_reason=reason, error=error, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0,
             num_output_tokens=len(req.output_token_ids), arrival_time=req.arrival_time,
             first_scheduled_time=req.first_scheduled_time)
 

@@ -57,9 +57,11 @@ class SampledToken:
 
 class ModelRunner:
     def __init__(self, folder: Path, config: ModelConfig, plan: WeightPlan, kv: KVStoreConfig,
-                 max_model_len: int, device: str = "cpu", gguf: Path | None = None):
+                 max_model_len: int, device: str = "cpu", gguf: Path | None = None,
+                 model_id: str = ""):
         """plan: the dtypes and weight formats (engine.weight_plan); gguf: load the weights
-        from this GGUF file, quantized blocks as they are (else from the HF folder)."""
+        from this GGUF file, quantized blocks as they are (else from the HF folder);
+        model_id: names the weights in the prefix cache's namespace."""
         self.device = torch.device(device)
         self.dtype = plan.torch_dtype
         self.config = config
@@ -68,7 +70,8 @@ class ModelRunner:
                                 decode_format=plan.decode_format if plan.two_forms else None,
                                 prefill_rows=plan.prefill_rows)
         self.store = TieredKVStore(kv, config.num_hidden_layers, config.num_key_value_heads,
-                                   config.head_dim, DENSE[plan.kv_dtype], self.device)
+                                   config.head_dim, DENSE[plan.kv_dtype], self.device,
+                                   model_id=f"{model_id}|act={plan.dtype}")
         self.page_size = kv.page_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
@@ -110,6 +113,8 @@ class ModelRunner:
             self.store.abort_step()     # no stage thread may outlive the failed step
             raise
         write_failures = self.store.end_step(step, prefilled)
+        for rid in prefilled:        # their prompt's full pages join the prefix cache
+            self.store.publish(rid, requests[rid].prompt_token_ids)
         sampled, sample_failures = self._sample(batch, requests, logits)
         if len(input_ids) >= _TRIM_AFTER_TOKENS:
             release_free_heap()

@@ -20,6 +20,7 @@ class RequestOutput:
     finish_reason: str | None = None                  # "stop" | "length" | "abort" | "error"
     error: str | None = None                          # message when finish_reason == "error"
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0                        # prompt tokens the prefix cache held
     num_output_tokens: int = 0
     # timestamps (time.monotonic) for metrics
     arrival_time: float = 0.0

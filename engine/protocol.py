@@ -47,6 +47,9 @@ class EngineStats:
     kv: object | None = None    # kvstore.stats.KVStatsSnapshot: transfers, lookups, hits, ...
     # --pipeline sfc: sequences per micro-batch (0 while the start-up calibration runs); else -1
     pipeline_micro_batch: int = -1
+    prefix_queried_tokens: int = 0      # prompt tokens of admitted requests
+    prefix_hit_tokens: int = 0          # of which the prefix cache held the KV
+    prefix_pages: dict = field(default_factory=dict)   # tier -> cached pages
 
 
 class EngineClient(Protocol):

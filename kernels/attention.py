@@ -238,11 +238,18 @@ def _chunk_attention_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pr
     them by their log-sum-exps. Measured here (bf16, 2 threads, 9 heads, 2048 queries over
     6144 keys): 81 ms against 130 ms for the masked call.
     """
-    group = q.shape[1] // k.shape[1]
-    if group > 1:                                   # the op has no GQA: expand K/V per head
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    o1, l1 = _FLASH_CPU(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)[:2]
-    o2, l2 = _FLASH_CPU(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True, scale=scale)[:2]
+    b, h, n, d = q.shape
+    kvh = k.shape[1]
+    group = h // kvh
+    # every query sees every prefix key: a GQA group's queries stacked as one head's rows (the
+    # op has no GQA; this reads each K/V head once instead of copying it per query head)
+    qg = q.reshape(b, kvh, group * n, d)
+    o1, l1 = _FLASH_CPU(qg, k[:, :, :prefix], v[:, :, :prefix], 0.0, False, scale=scale)[:2]
+    o1, l1 = o1.reshape(b, h, n, d), l1.reshape(b, h, n)
+    kc, vc = k[:, :, prefix:], v[:, :, prefix:]     # the chunk's own n keys, causally
+    if group > 1:
+        kc, vc = kc.repeat_interleave(group, 1), vc.repeat_interleave(group, 1)
+    o2, l2 = _FLASH_CPU(q, kc, vc, 0.0, True, scale=scale)[:2]
     lse = torch.logaddexp(l1, l2)
     w1 = torch.exp(l1 - lse).unsqueeze(-1)
     w2 = torch.exp(l2 - lse).unsqueeze(-1)

@@ -36,6 +36,7 @@ class KVStoreConfig:
     max_num_seqs: int = 16               # for per-request placement quotas
     pipeline: str = "sequential"         # --pipeline: sequential | sfc | layer-ahead
     micro_batch: int = 0                 # --micro-batch: sequences per SFC micro-batch; 0: calibrate
+    prefix_cache: bool = True            # --prefix-cache: reuse the KV of full pages of earlier prompts
     force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this tier (tests, diagnostics)
 
     def __post_init__(self):

@@ -5,7 +5,9 @@ Invariants: every page id in [0, num_pages) is either free (count 0) or held by 
 that list it (count = how many); a request's pages are listed in token order (page i holds
 tokens [i * page_size, (i+1) * page_size)). A page held by several requests is shared (a
 common prefix): `share` adds references to pages in use, `free` drops a request's references
-and returns to the free list only the pages nobody holds any more.
+and returns to the free list only the pages nobody holds any more. The prefix cache holds
+pages too (`hold`, `take`, `unhold`): one reference per cached page, never listed among the
+requests (`holders`).
 Not thread-safe: only the engine's step loop calls it.
 """
 from __future__ import annotations
@@ -24,6 +26,8 @@ class PageAllocator:
         self._free: deque[int] = deque(range(num_pages))
         self._owned: dict[str, list[int]] = {}
         self._refs = [0] * num_pages
+        self._held: set[int] = set()        # pages the prefix cache holds (one reference each)
+        self._cache_only = 0                # held pages no request holds (evictable)
 
     @property
     def num_pages(self) -> int:
@@ -36,6 +40,11 @@ class PageAllocator:
     @property
     def num_used_pages(self) -> int:
         return self._num_pages - len(self._free)
+
+    @property
+    def num_cache_only(self) -> int:
+        """Pages the prefix cache holds and no request does (it can let them go at once)."""
+        return self._cache_only
 
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Pages that hold num_tokens tokens (ceil division)."""
@@ -75,11 +84,63 @@ class PageAllocator:
             raise ValueError("a request cannot hold a page twice")
         for p in pages:
             self._refs[p] += 1
+            if self._refs[p] == 2 and p in self._held:
+                self._cache_only -= 1
         if pages:
             self._owned[request_id] = pages
 
+    def reuse_prefix(self, request_id: str, token_ids) -> int | None:
+        """How many leading tokens of `token_ids` the request starts with, computed (pages it
+        now shares); None: not now (a running request computes the pages that follow). A bare
+        allocator caches nothing: the KV store's prefix cache does."""
+        return 0
+
+    def publish(self, request_id: str, token_ids) -> None:
+        """The request computed the KV of `token_ids` (its full pages may be cached for later
+        requests); a bare allocator caches nothing."""
+
+    def hold(self, page_ids) -> None:
+        """The prefix cache keeps these pages (in use, not held by it yet): one more reference."""
+        pages = [int(p) for p in page_ids]
+        if any(self._refs[p] < 1 or p in self._held for p in pages):
+            raise ValueError("the cache holds only pages in use, once")
+        for p in pages:
+            self._refs[p] += 1
+            self._held.add(p)
+
+    def take(self, n: int) -> list[int]:
+        """n free pages the prefix cache holds alone (pages restored from disk); all or
+        nothing: [] when fewer are free."""
+        if n > len(self._free):
+            return []
+        pages = [self._free.popleft() for _ in range(n)]
+        for p in pages:
+            self._refs[p] = 1
+            self._held.add(p)
+        self._cache_only += n
+        return pages
+
+    def unhold(self, page_ids) -> list[int]:
+        """The prefix cache lets these pages go; returns those nobody holds any more (now
+        free). Pages it does not hold are ignored."""
+        gone = []
+        for p in (int(p) for p in page_ids):
+            if p not in self._held:
+                continue
+            self._held.discard(p)
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                gone.append(p)
+                self._cache_only -= 1
+        self._free.extend(gone)
+        return gone
+
+    def held(self, page_id: int) -> bool:
+        """The prefix cache holds the page."""
+        return page_id in self._held
+
     def refs(self, page_id: int) -> int:
-        """How many requests hold the page (0: free)."""
+        """How many holders the page has, requests and the prefix cache (0: free)."""
         return self._refs[page_id]
 
     def holders(self, page_ids: set[int]) -> list[str]:
@@ -103,6 +164,8 @@ class PageAllocator:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 gone.append(p)
+            elif self._refs[p] == 1 and p in self._held:
+                self._cache_only += 1
         # NOTE: most recently freed pages are reused last, so a page is not reused in the same step
         # it was freed in unless the pool is nearly exhausted.
         self._free.extend(gone)

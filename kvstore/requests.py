@@ -28,9 +28,10 @@ class RequestKV:
 class RequestTable:
     """request id -> RequestKV, with handles that are never reused."""
 
-    def __init__(self):
+    def __init__(self, first_handle: int = 0):
+        """first_handle: handles below it are taken (files a previous server left)."""
         self._by_id: dict[str, RequestKV] = {}
-        self._next_handle = 0
+        self._next_handle = first_handle
 
     def new_handle(self) -> int:
         handle = self._next_handle

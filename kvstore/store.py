@@ -6,6 +6,8 @@ The parts, each with one concern (docs/kvstore.md):
 - TierSet (tierset.py): the tiers, slot maps, pins, residency, demotion, clean mask and
   backing writes; its movers are the Fetcher (fetcher.py) and the C eviction pass;
 - PageSelection (selection.py): which pages sparse decode attends to;
+- PrefixReuse (prefix.py, over prefix_cache.py): full pages found again by their tokens,
+  kept across requests and, with a disk tier, across restarts;
 - Pipeline (pipeline.py): how a layer's select / fetch / compute stages are scheduled;
 - StepKV (step.py): one step's view that the model attends through, holding the kernels.
 
@@ -29,11 +31,14 @@ from kvstore.page_allocator import PageAllocator
 from kvstore.pipeline import Pipeline
 from kvstore.fetcher import Fetcher
 from kvstore.placement import RecencyPlacement
+from kvstore.prefix import PrefixReuse
+from kvstore.prefix_cache import PrefixCache, namespace_key
 from kvstore.requests import RequestKV, RequestTable
 from kvstore.selection import PageSelection
 from kvstore.step import SeqKV, StepKV, StepParts
 from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
+from kvstore.tiers.disk_layout import DiskLayout
 from kvstore.tiers.errors import TierFull
 from kvstore.tierset import TierSet
 
@@ -47,7 +52,9 @@ _RECONFIGURABLE = {"sparse_budget", "sink_tokens", "local_tokens", "dense_layers
 
 class TieredKVStore:
     def __init__(self, cfg: KVStoreConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", model_id: str = ""):
+        """model_id: what else shapes the KV bytes (the weights, the activation dtype): part
+        of the prefix cache's namespace, so another model's pages never hit."""
         self.cfg = cfg
         self.num_layers = num_layers
         self.page_shape = PageShape(cfg.page_size, num_kv_heads, head_dim, dtype)
@@ -62,9 +69,13 @@ class TieredKVStore:
                              f"({layer_bytes} bytes); raise --kv-{cfg.backing}-gb")
         self.stats = KVStats()
         self._allocator = PageAllocator(max_pages, cfg.page_size)
-        self._requests = RequestTable()
+        namespace = namespace_key(model=model_id, kv_dtype=str(dtype), page_size=cfg.page_size,
+                                  layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim,
+                                  layout=DiskLayout.version)
         self._tiers = TierSet(cfg, self.page_shape, num_layers, max_pages, device, self.stats,
-                              owners=self._allocator.holders)
+                              owners=self._allocator.holders, namespace=namespace)
+        disk = self._tiers.disk_tier
+        self._requests = RequestTable(disk.next_handle if disk is not None else 0)
         if cfg.force_tier == "host" and self._tiers.host_tier is None and cfg.disk_bytes == 0:
             raise ValueError("--kv-force-tier host needs a host tier: on a CPU it joins the "
                              "device pool unless --kv-host-pool separate")
@@ -77,6 +88,11 @@ class TieredKVStore:
                                 self._selection, self.pipeline, self.stats,
                                 make_attention_backend(device), self.sparse_attention)
         self._placement = RecencyPlacement()
+        self._prefix = None
+        if cfg.prefix_cache:
+            self._prefix = PrefixReuse(cfg, PrefixCache(namespace, cfg.page_size),
+                                       self._allocator, self._tiers, self._requests)
+            self._prefix.restore()
         logger.info("KV store: %s; backing tier %s holds %d pages x %d layers",
                     ", ".join(f"{name} {cap / 2**20:.0f} MiB"
                               for name, (_, cap) in self._tiers.usage().items()),
@@ -120,13 +136,7 @@ class TieredKVStore:
             try:
                 disk.register_request(handle, cap)
             except TierFull:
-                # files of finished requests may still wait for their last writes (`release`
-                # defers their close): close those first, then try once more
-                self._tiers.reap(block=True)
-                try:
-                    disk.register_request(handle, cap)
-                except TierFull as exc:
-                    raise KVFull(f"disk tier is full for now ({exc}); retry later") from exc
+                self._make_disk_room(handle, cap)
         shape, cfg = self.page_shape, self.cfg
         # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper
         # bound. Only sparse decode reads them.
@@ -137,6 +147,20 @@ class TieredKVStore:
         if cfg.sparse_budget > 0 and cfg.obs_window > 0:
             prior = torch.full((self.num_layers, cap, shape.num_kv_heads), -float("inf"))
         self._requests.add(RequestKV(request_id, handle, cap, summaries, prior=prior))
+
+    def _make_disk_room(self, handle: int, cap: int) -> None:
+        """Register the request's file once room is made: files of finished requests may
+        still wait for their last writes (`release` defers their close), and cached pages
+        only the prefix cache holds give their space back (least recently used first)."""
+        disk = self._tiers.disk_tier
+        self._tiers.reap(block=True)
+        while True:
+            try:
+                disk.register_request(handle, cap)
+                return
+            except TierFull as exc:
+                if self._prefix is None or not self._prefix.reclaim(64):
+                    raise KVFull(f"disk tier is full for now ({exc}); retry later") from exc
 
     def release(self, request_id: str) -> None:
         """The request ended: its pages leave every tier, its disk file goes once its writes
@@ -161,11 +185,18 @@ class TieredKVStore:
 
     @property
     def num_free_pages(self) -> int:
-        return self._allocator.num_free_pages
+        """Free pages, and cached ones no request holds (they make room on demand)."""
+        return self._allocator.num_free_pages + self._allocator.num_cache_only
 
     @property
     def num_used_pages(self) -> int:
-        return self._allocator.num_used_pages
+        """Pages requests hold (cached pages only the prefix cache holds are not counted)."""
+        return self._allocator.num_used_pages - self._allocator.num_cache_only
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages in the prefix cache (whoever else holds them)."""
+        return self._prefix.num_pages if self._prefix is not None else 0
 
     def pages_needed(self, request_id: str, num_tokens: int) -> int:
         return self._allocator.pages_needed(request_id, num_tokens)
@@ -174,28 +205,61 @@ class TieredKVStore:
         return self._allocator.pages_for_tokens(n)
 
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self._allocator.can_allocate(request_id, num_tokens)
+        return self._allocator.pages_needed(request_id, num_tokens) <= self.num_free_pages
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
+        """Grow the request's pages (all or nothing); cached pages nobody uses make room."""
         before = len(self._allocator.pages(request_id))
+        short = self._allocator.pages_needed(request_id, num_tokens) \
+            - self._allocator.num_free_pages
+        if short > 0 and self._prefix is not None:
+            self._prefix.reclaim(short)
         if not self._allocator.allocate(request_id, num_tokens):
             return False
         pages = self._allocator.pages(request_id)
         rkv = self._requests.get(request_id)
         disk = self._tiers.disk_tier
         if disk is not None and rkv is not None and len(pages) > before:
+            # pages an earlier run of this request left cached in its file make way
+            stale = disk.occupants(rkv.handle, before, len(pages) - before)
+            if stale and self._prefix is not None:
+                self._prefix.forget(stale)
             disk.bind(list(pages[before:]), rkv.handle, before)
         return True
 
+    def reuse_prefix(self, request_id: str, token_ids) -> int | None:
+        """The request starts with the cached pages of the longest cached prefix of its
+        tokens; returns how many tokens they hold (0 with --prefix-cache off), or None when a
+        running request is computing the pages that follow (admit it once they are cached)."""
+        if self._prefix is None or request_id not in self._requests:
+            return 0
+        return self._prefix.reuse(request_id, token_ids)
+
+    def publish(self, request_id: str, token_ids) -> None:
+        """The request computed the KV of `token_ids` (its prompt, once prefilled; every
+        token, when it ends): their full pages join the prefix cache."""
+        if self._prefix is not None and request_id in self._requests:
+            self._prefix.publish(request_id, token_ids)
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached page no request holds; returns how many went."""
+        return self._prefix.clear() if self._prefix is not None else 0
+
+    def refresh_stats(self) -> None:
+        """An idle engine runs no step: index the cached pages now on disk (an answer's,
+        cached when its request ended) and recount the gauges counted on the engine thread."""
+        if self._prefix is not None:
+            self._prefix.persist()
+            self._prefix.count_tiers(max_age_s=0.0)
+
+    def prefix_pages(self) -> dict[str, int]:
+        """Cached pages per tier (recounted at most once a second, at the end of a step)."""
+        return self._prefix.pages_per_tier if self._prefix is not None else {}
+
     def share(self, request_id: str, page_ids) -> None:
         """The request starts with full pages other requests hold (a common prefix). Only
-        pages safe in the backing tier can be shared: no write of theirs is in flight. Not
-        with a disk tier yet: its files are per request and go with their first owner (prefix
-        reuse, issue 28, gives shared pages files of their own). The caller fills the new
-        holder's summaries and prior for the shared pages."""
-        if self._tiers.disk_tier is not None:
-            raise ValueError("pages on the disk tier cannot be shared yet (their file is "
-                             "their first owner's)")
+        pages safe in the backing tier can be shared: no write of theirs is in flight. The
+        caller fills the new holder's summaries and prior for the shared pages."""
         page_ids = [int(p) for p in page_ids]
         keys = self._tiers.keys_of(torch.tensor(page_ids, dtype=torch.int64))
         backs = self._tiers.backing is not self._tiers.device_tier
@@ -206,6 +270,10 @@ class TieredKVStore:
     def pages(self, request_id: str) -> tuple[int, ...]:
         return self._allocator.pages(request_id)
 
+    def refs(self, page_id: int) -> int:
+        """Holders of the page: requests, and the prefix cache."""
+        return self._allocator.refs(page_id)
+
     def free(self, request_id: str) -> int:
         """Drop the request's pages (preemption or end); returns how many became free."""
         return self._free(request_id, None)
@@ -214,6 +282,8 @@ class TieredKVStore:
         rkv = self._requests.get(request_id)
         if rkv is not None:
             rkv.prefilled = False
+        if self._prefix is not None:
+            self._prefix.before_free(request_id)
         gone = self._allocator.release(request_id)
         # NOTE: no stage thread runs between steps (end_step and abort_step drain them)
         self._tiers.drop(gone)
@@ -226,6 +296,7 @@ class TieredKVStore:
         # new contents must not race its old ones on disk); they were issued a step ago or more
         self._tiers.reap(block=True)
         self.pipeline.drain(raise_errors=False)     # a step that failed may have left jobs
+        self._drop_lost()
         return StepKV(self._parts, seqs)
 
     def end_step(self, step: StepKV, prefilled: list[str]) -> list[tuple[str, str]]:
@@ -243,11 +314,22 @@ class TieredKVStore:
                 self._placement.place(self._tiers, self._allocator.pages(rid), self.cfg)
         if self.cfg.force_tier != "none":
             self._force_down()
-        return self._tiers.check_writes()
+        failed = self._tiers.check_writes()
+        if self._prefix is not None:
+            self._prefix.persist()
+            self._prefix.count_tiers()
+        return failed
 
     def abort_step(self) -> None:
-        """The step's forward failed: wait for its stage threads (their errors are logged)."""
+        """The step's forward failed: wait for its stage threads (their errors are logged);
+        pages it found lost leave the prefix cache (a later request recomputes them)."""
         self.pipeline.drain(raise_errors=False)
+        self._drop_lost()
+
+    def _drop_lost(self) -> None:
+        lost = self._tiers.take_lost()
+        if lost and self._prefix is not None:
+            self._prefix.forget(lost)
 
     def _force_down(self) -> None:
         self._tiers.wait_writes()
@@ -277,4 +359,7 @@ class TieredKVStore:
 
     def close(self) -> None:
         self.pipeline.close()
+        if self._prefix is not None and self._tiers.disk_tier is not None:
+            self._tiers.wait_writes()       # cached pages written by now are kept
+            self._prefix.persist()
         self._tiers.close()

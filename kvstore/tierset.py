@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 class TierSet:
     def __init__(self, cfg: KVStoreConfig, page_shape: PageShape, num_layers: int,
                  max_pages: int, device: torch.device, stats: KVStats,
-                 owners: Callable[[set[int]], list[str]]):
+                 owners: Callable[[set[int]], list[str]], namespace: bytes = b""):
+        """namespace: the prefix cache's, which the disk tier's index logs carry."""
         self.page_shape = page_shape
         self.num_layers = num_layers
         self.max_pages = max_pages
@@ -54,8 +55,11 @@ class TierSet:
         device_bytes, host_bytes = budgets["device"], budgets["host"]
         self.device_tier = DeviceTier(page_shape, device_bytes, max_keys, device)
         self.host_tier = HostTier(page_shape, host_bytes, max_keys) if host_bytes else None
+        summary_bytes = num_layers * page_shape.num_kv_heads * 3 * page_shape.head_dim \
+            * page_shape.dtype.itemsize
         self.disk_tier = (DiskTier(page_shape, cfg.disk_bytes, cfg.disk_path, max_keys,
-                                   num_layers, max_pages, threads=cfg.disk_threads)
+                                   num_layers, max_pages, threads=cfg.disk_threads,
+                                   namespace=namespace, summary_bytes=summary_bytes)
                           if cfg.disk_bytes else None)
         self._tiers = [t for t in (self.device_tier, self.host_tier, self.disk_tier)
                        if t is not None]
@@ -84,6 +88,7 @@ class TierSet:
         # before the next step writes; they mark nothing clean
         self._retired: dict[str, list[Future]] = {}
         self._then: dict[str, list[Callable[[], None]]] = {}
+        self._lost: set[int] = set()        # page ids lost since `take_lost`
         self.step_counter = 0
         self.clock_now = 0          # layer clock (`clock_of`) of the layer being computed
 
@@ -161,15 +166,25 @@ class TierSet:
         """Pages no request holds any more: gone from every tier (their ids may be reused)."""
         if not page_ids:
             return
-        keys = self.keys_of(torch.tensor(page_ids, dtype=torch.int64))
+        ids = torch.tensor(page_ids, dtype=torch.int64)
+        keys = self.keys_of(ids)
         for tier in self._tiers:
             tier.delete(keys)
+        if self.disk_tier is not None:
+            self.disk_tier.unbind(ids)
         self.clean[keys] = False
 
     def lost(self, keys: torch.Tensor, message: str) -> RequestKVError:
-        """Map the keys of lost pages to the requests that hold them."""
+        """Map the keys of lost pages to the requests that hold them (the pages are kept for
+        `take_lost`: nobody may reuse them, e.g. from the prefix cache)."""
         pages = set((torch.as_tensor(keys) % self.max_pages).tolist())
+        self._lost |= pages
         return RequestKVError(self._owners(pages), message)
+
+    def take_lost(self) -> list[int]:
+        """The page ids lost (corrupt, unreadable) since the last call."""
+        lost, self._lost = sorted(self._lost), set()
+        return lost
 
     def staging(self, n: int, purpose: str = "fill") -> torch.Tensor:
         """A reused host buffer [n, 2, kvh, ps, hd] (grown on demand, never shrunk): fresh

@@ -35,6 +35,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    # prompt tokens whose KV came from the prefix cache when first admitted (None: not yet)
+    num_cached_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -16,7 +16,13 @@ Policy:
 - when pages run out for a running request, the NEWEST running request is preempted (pages freed,
   recomputed later from prompt + outputs so far) and goes to the front of the waiting queue;
 - no admission in a step that preempted, and a waiting request is admitted only if its first chunk
-  fits in the free pages (admission never preempts).
+  fits in the free pages (admission never preempts);
+- a request that ends (but for an error) offers the full pages of every token it computed,
+  its answer's too, to the allocator's prefix cache (`publish`);
+- a request being admitted starts with the KV of its longest cached prefix (the allocator's
+  `reuse_prefix`: shared pages of the KV store's prefix cache), so it computes only the rest;
+  while a running request is computing the pages that follow that prefix (one document sent by
+  several clients at once), it waits for them rather than computing them a second time.
 The oldest running request is never preempted while others run, so every request that fits alone
 completes eventually.
 
@@ -72,6 +78,8 @@ class Scheduler:
         self._running_of: Counter[str] = Counter()      # client -> its running requests
         self.running: list[Request] = []     # in arrival order: the last one is the newest
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
+        self.prefix_queried_tokens = 0     # prompt tokens of requests admitted (first time)
+        self.prefix_hit_tokens = 0         # of which the prefix cache held the KV
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -154,9 +162,22 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self._next_waiting()
+            hit, reused = 0, req.num_computed_tokens == 0
+            if reused:
+                hit = self.allocator.reuse_prefix(req.request_id, req.all_token_ids)
+                if hit is None:
+                    break    # admitted once the running request has cached the pages it needs
+                req.num_computed_tokens = hit
             n = self._chunk_len(req, budget)
             if n == 0 or not self.allocator.allocate(req.request_id, req.num_computed_tokens + n):
+                if reused:   # waits without holding cached pages (they stay evictable)
+                    self.allocator.free(req.request_id)
+                    req.num_computed_tokens = 0
                 break        # no skipping: a later request does not overtake the chosen one
+            if req.num_cached_tokens is None:
+                req.num_cached_tokens = hit
+                self.prefix_queried_tokens += req.num_prompt_tokens
+                self.prefix_hit_tokens += hit
             self._unwait(req)
             self._running_of[req.sampling_params.client] += 1
             req.status = RequestStatus.RUNNING
@@ -273,6 +294,10 @@ class Scheduler:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self._not_running(req.sampling_params.client)
+            if status is not RequestStatus.FINISHED_ERROR:
+                # the next turn of a conversation resends this answer: its full pages too
+                self.allocator.publish(req.request_id,
+                                       _token_slice(req, 0, req.num_computed_tokens))
         else:
             self._unwait(req)
         self.allocator.free(req.request_id)

@@ -63,6 +63,7 @@ class ChoiceStream:
         self.started = False
         self.finished = False
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0          # prompt tokens the prefix cache held
 
     async def start(self) -> None:
         """Submit and wait for the first output, so admission errors surface before any HTTP
@@ -131,6 +132,7 @@ class ChoiceStream:
 
     def _record_tokens(self, out: RequestOutput) -> None:
         now = time.monotonic()
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if not self._prompt_counted:
             self._prompt_counted = True
             self._metrics.prompt_tokens.inc(out.num_prompt_tokens or len(self.spec.prompt_token_ids))

@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = commands.add_parser("prepare-model",
                                   help="convert a .gguf model once into the cached HF folder")
     add_flags(prepare, EngineArgs, only=("model", "cache_dir"))
+    cache = commands.add_parser("cache", help="list or empty the prefix cache kept on the "
+                                "disk tier (--kv-disk-path)")
+    cache.add_argument("action", choices=("ls", "clear"))
+    add_flags(cache, EngineArgs, only=("kv_disk_path", "cache_dir"))
     return parser
 
 
@@ -134,6 +138,28 @@ def prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def cache_command(args: argparse.Namespace) -> int:
+    """`strata cache ls | clear`: the segment files and index logs under --kv-disk-path."""
+    from engine.args import EngineArgs
+    from kvstore.cache_files import clear_cache, format_listing, list_cache
+    from kvstore.tiers.disk_layout import DiskPathInUse
+    root = Path(args.kv_disk_path) if args.kv_disk_path else \
+        EngineArgs(cache_dir=args.cache_dir).resolved_cache_dir.parent / "kv"
+    if not root.is_dir():
+        print(f"no KV disk folder at {root}")
+        return 0
+    if args.action == "ls":
+        print(f"{root}:")
+        print(format_listing(list_cache(root)))
+        return 0
+    try:
+        print(f"removed {clear_cache(root)} files from {root}")
+    except DiskPathInUse as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = getattr(args, "log_level", None) or ServerSettings.log_level
@@ -141,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "prepare-model":
         return prepare_model(args)
+    if args.command == "cache":
+        return cache_command(args)
     return serve(args)
 
 

@@ -16,7 +16,7 @@ from engine.protocol import EngineError
 from server.choice_stream import ChoiceDelta, ChoiceStream
 from server.errors import answer_for
 from server.metrics import ServerMetrics
-from server.protocol import UsageInfo
+from server.protocol import PromptTokensDetails, UsageInfo
 
 _DONE = object()
 
@@ -94,8 +94,15 @@ class Generation:
         prompts = {s.spec.prompt_index: len(s.spec.prompt_token_ids) for s in self.streams}
         prompt_tokens = sum(prompts.values())
         completion_tokens = sum(s.num_output_tokens for s in self.streams)
+        # a prompt's cached tokens: those of its choice that computed the most of it
+        cached: dict[int, int] = {}
+        for s in self.streams:
+            i = s.spec.prompt_index
+            cached[i] = min(cached.get(i, s.num_cached_tokens), s.num_cached_tokens)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=PromptTokensDetails(
+                             cached_tokens=sum(cached.values())))
 
     async def close(self) -> None:
         """Abort every unfinished engine request; safe to call more than once, even while

@@ -23,6 +23,10 @@ def _cumulative(bounds, counts):
 
 
 def kv_families(stats):
+    yield GaugeMetricFamily("strata_kv_pages_used", "KV pages held by requests (pages only "
+                            "the prefix cache holds count as free).", value=stats.kv_pages_used)
+    yield GaugeMetricFamily("strata_kv_pages_total", "KV pages the backing tier holds.",
+                            value=stats.kv_pages_total)
     used = GaugeMetricFamily("strata_kv_tier_used_bytes", "KV bytes stored per tier.",
                              labels=["tier"])
     cap = GaugeMetricFamily("strata_kv_tier_capacity_bytes", "KV byte budget per tier.",
@@ -38,6 +42,7 @@ def kv_families(stats):
         yield GaugeMetricFamily("strata_pipeline_micro_batch", "Sequences per micro-batch of "
                                 "--pipeline sfc (0 while the start-up calibration runs).",
                                 value=mb)
+    yield from prefix_families(stats)
     kv = stats.kv
     if kv is None:
         return
@@ -67,6 +72,21 @@ def kv_families(stats):
                                 buckets=_cumulative(SELECTED_TOKEN_BUCKETS, kv.selected_buckets),
                                 sum_value=kv.selected_sum)
     yield from stage_families(kv)
+
+
+def prefix_families(stats):
+    """strata_prefix_cache_*: tokens looked up and found (vLLM's prefix_cache_queries and
+    _hits), cached pages per tier."""
+    yield CounterMetricFamily("strata_prefix_cache_queries", "Prompt tokens of requests "
+                              "looked up in the prefix cache.",
+                              value=stats.prefix_queried_tokens)
+    yield CounterMetricFamily("strata_prefix_cache_hits", "Prompt tokens whose KV the prefix "
+                              "cache held.", value=stats.prefix_hit_tokens)
+    pages = GaugeMetricFamily("strata_prefix_cache_pages", "Pages in the prefix cache, by the "
+                              "tier that holds them.", labels=["tier"])
+    for tier in TIERS:
+        pages.add_metric([tier], stats.prefix_pages.get(tier, 0))
+    yield pages
 
 
 def stage_families(kv):

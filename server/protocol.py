@@ -161,10 +161,15 @@ class CompletionRequest(_Request):
 
 # ----------------------------------------------------------------------------- responses
 
+class PromptTokensDetails(_Wire):
+    cached_tokens: int = 0           # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(_Wire):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
 
 
 class TopLogprob(_Wire):

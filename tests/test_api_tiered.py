@@ -7,6 +7,7 @@ import time
 import httpx
 import pytest
 
+from kvstore.cache_files import list_cache
 from tests.server_helpers import (MODEL, REQUEST_TIMEOUT_S, read_metric, running_server,
                                    sse_payloads)
 
@@ -52,8 +53,21 @@ def test_long_prompt_is_served_from_the_disk_tier_with_sparse_decode(tiered, dis
     assert "strata_pipeline_micro_batch" not in text        # sfc's alone
     for tier in ("device", "host", "disk"):
         assert read_metric(text, "strata_kv_tier_capacity_bytes", f'tier="{tier}"') > 0
-        assert read_metric(text, "strata_kv_tier_used_bytes", f'tier="{tier}"') == 0
-    assert not any(disk_dir.iterdir()), "a finished request left files behind"
+    # nothing is left but the cached pages of the prompt and the answer: one file and its
+    # index, on disk only (indexed by the engine once it is idle)
+    assert read_metric(text, "strata_kv_pages_used") == 0
+    deadline = time.monotonic() + 10
+    while True:
+        text = httpx.get(tiered.url + "/metrics").text
+        cached = read_metric(text, "strata_prefix_cache_pages", 'tier="disk"')
+        (segment,) = list_cache(disk_dir)
+        if segment.pages == cached or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert cached > 0 and segment.pages == cached
+    for tier in ("device", "host"):
+        assert read_metric(text, "strata_prefix_cache_pages", f'tier="{tier}"') == 0
+    assert sorted(p.suffix for p in disk_dir.iterdir()) == [".idx", ".kv"]
 
 
 def test_corrupt_page_mid_stream_ends_that_stream_with_an_error(tiered, disk_dir):
@@ -67,17 +81,20 @@ def test_corrupt_page_mid_stream_ends_that_stream_with_an_error(tiered, disk_dir
         for payload in sse_payloads(r.iter_lines()):
             events.append(payload)
             if not corrupted and len(events) >= 4:
-                (f,) = [p for p in disk_dir.rglob("*") if p.is_file()]
-                with open(f, "r+b") as fh:
-                    head = fh.read(4096)
-                    fh.seek(0)
-                    fh.write(bytes(b ^ 0xFF for b in head))
+                # the first page of every file: its own, and the cached prompt pages it shares
+                for f in disk_dir.glob("seg-*.kv"):
+                    with open(f, "r+b") as fh:
+                        head = fh.read(4096)
+                        fh.seek(0)
+                        fh.write(bytes(b ^ 0xFF for b in head))
                 corrupted = True
     assert events[-1] == "[DONE]"
     err = events[-2]
     assert "error" in err and "corrupt" in err["error"]["message"].lower()
-    # the server keeps serving
+    # the server keeps serving, the damaged cached page is not served again
     r = chat(tiered.url, "Say hi.", 8)
+    assert r.status_code == 200, r.text
+    r = chat(tiered.url, LONG + " What is the secret code?", 8)
     assert r.status_code == 200, r.text
 
 
@@ -101,7 +118,7 @@ def test_disk_budget_full_for_now_is_429_with_retry_after(tiered, disk_dir):
         assert "disk" in r.json()["error"]["message"]
     # closing the first stream aborts it and frees its reservation: the same request now fits
     deadline = time.monotonic() + 60
-    while any(disk_dir.iterdir()):
-        assert time.monotonic() < deadline, "aborted request left its file"
+    while read_metric(httpx.get(tiered.url + "/metrics").text, "strata_kv_pages_used") > 0:
+        assert time.monotonic() < deadline, "the aborted request kept its pages"
         time.sleep(0.05)
     assert chat(tiered.url, "Count.", 2500, stop=["1"]).status_code == 200

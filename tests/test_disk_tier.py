@@ -125,6 +125,7 @@ def test_thousand_request_cycles_leak_no_files_or_fds(disk):
         keys = torch.cat([request_keys(0, ids), request_keys(3, ids)])
         disk.put(keys, pages)
         disk.get(keys, out)
+        disk.unbind(ids)                 # the store lets freed pages go, then the request
         disk.release_request(handle)
         if handle in (99, 999):
             fds.append(len(os.listdir("/proc/self/fd")))
@@ -263,16 +264,35 @@ def test_rebinding_a_page_id_to_another_request_forgets_its_pages(disk):
     register(disk, 1, range(2))
     keys = torch.cat([request_keys(0, [1]), request_keys(2, [1])])
     disk.put(keys, random_pages(disk.page_shape, 2))
-    disk.release_request(1)
-    assert not disk.contains(keys).any()
+    assert disk.contains(keys).all()
     register(disk, 2, [1])
     assert not disk.contains(keys).any()
+
+
+def test_a_released_file_keeps_its_bound_pages_and_goes_with_the_last(disk):
+    register(disk, 1, range(4))
+    keys = torch.cat([request_keys(l, range(4)) for l in range(NUM_LAYERS)])
+    pages = random_pages(disk.page_shape, len(keys))
+    disk.put(keys, pages)
+    disk.unbind([2, 3])
+    disk.release_request(1)                 # pages 0 and 1 are still held (cached)
+    assert disk.layout.file_path(1).exists()
+    assert disk.used_bytes in (2 * NUM_LAYERS * disk.layout.stride,     # holes punched
+                               4 * NUM_LAYERS * disk.layout.stride)     # or not possible
+    kept = torch.cat([request_keys(l, [0, 1]) for l in range(NUM_LAYERS)])
+    out = torch.empty_like(pages[:len(kept)])
+    disk.get(kept, out)
+    assert same_bits(out, pages[[i for i in range(len(keys)) if int(keys[i]) in
+                                 set(kept.tolist())]])
+    disk.unbind([0, 1])
+    assert not disk.layout.file_path(1).exists() and disk.used_bytes == 0
 
 
 def test_release_waits_for_writes_in_flight(disk):
     register(disk, 1, range(64))
     keys = torch.cat([request_keys(l, range(64)) for l in range(NUM_LAYERS)])
     future = disk.put_async(keys, random_pages(disk.page_shape, len(keys)))
+    disk.unbind(list(range(64)))
     disk.release_request(1)
     assert future.done() and future.exception() is None
     assert not disk.layout.file_path(1).exists() and disk.num_pages == 0

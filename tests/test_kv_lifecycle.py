@@ -47,6 +47,8 @@ def test_thousand_requests_leak_no_files_memory_or_slots(tiny_folder, tmp_path):
     assert done == 1000
     assert not store.request_ids()
     assert store.num_used_pages == 0
+    assert store.num_cached_pages > 0          # prompts' full pages stay cached, until
+    store.clear_prefix_cache()                 # the cache lets them go: nothing is left
     assert all(used == 0 for used, _ in store.tier_usage().values())
     assert not bool(store.tiers.clean.any())
     assert store.tiers.device_tier.num_free == store.tiers.device_tier.capacity_pages

@@ -91,10 +91,10 @@ def test_only_pages_safe_in_the_backing_tier_can_be_shared(tmp_path):
     assert store.allocate("a", 32)
     with pytest.raises(ValueError, match="backing tier"):
         store.share("b", store.pages("a"))
-    disk = _store(tmp_path, disk=True)                  # files are per request: not yet
+    disk = _store(tmp_path, disk=True)       # not before their writes to disk are done
     disk.add_request("a", 64)
     assert disk.allocate("a", 32)
-    with pytest.raises(ValueError, match="disk tier"):
+    with pytest.raises(ValueError, match="backing tier"):
         disk.share("b", disk.pages("a"))
     disk.close()
 

@@ -44,7 +44,8 @@ def make(folder, tmp_path, **kw) -> LLMEngine:
     # tier holds a few layers' working set, so every step evicts and fetches from host and disk
     args = dict(model=str(folder), dtype="auto", page_size=16, kv_device_gb=0.008,
                 kv_host_gb=0.01, kv_host_pool="separate", kv_disk_gb=0.2,
-                kv_disk_path=tmp_path / "kv", sparse_budget=128, sparse_sink_tokens=16, sparse_local_tokens=32)
+                kv_disk_path=tmp_path / "kv", sparse_budget=128, sparse_sink_tokens=16, sparse_local_tokens=32,
+                prefix_cache="off")   # runs of one prompt set compare modes (no hits)
     return LLMEngine(EngineArgs(**{**args, **kw}))
 
 

@@ -35,6 +35,7 @@ def run(engine: LLMEngine, prompts, steps=STEPS, ids=None) -> dict[str, list[int
 
 def make(folder, tmp_path=None, **kw) -> LLMEngine:
     kw.setdefault("kv_host_pool", "separate")       # the GPU-shaped three tiers
+    kw.setdefault("prefix_cache", "off")            # the tiers alone (tests/test_prefix_cache.py)
     if "kv_disk_gb" in kw:
         kw.setdefault("kv_disk_path", tmp_path / "kv")
     return LLMEngine(EngineArgs(model=str(folder), dtype="auto", page_size=16, **kw))

@@ -3,8 +3,11 @@
 Identity: key = layer * max_pages + page_id (base.py). The store tells the tier which request
 owns a page id and where it sits in the request's page list (`bind`), so key -> (request file,
 layer, index) -> byte offset (disk_layout.py: layer-major, one file per request, 4096-aligned
-page extents). A request must `register_request` (reserving its whole budget up front, TierFull
-if it does not fit) before its pages are bound; `release_request` deletes its file.
+page extents). A request must `register_request` (reserving its budget up front, TierFull if
+it does not fit) before its pages are bound. Its file (a segment, segments.py) outlives it
+while pages bound to it live (`unbind` lets them go): the prefix cache keeps pages, and
+records them in the segment's index log (`record`), so a restarted server finds them again
+(`restore`).
 
 I/O (extent_io.py): a batch is sorted by (file, offset), coalesced into extents of adjacent
 pages (one preadv/pwritev each), run on a thread pool, O_DIRECT when the filesystem allows it
@@ -20,9 +23,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,18 +36,20 @@ from kvstore.tiers.direct_io import probe_direct_io
 from kvstore.tiers.disk_layout import DiskLayout
 from kvstore.tiers.errors import PageMissing, TierFull
 from kvstore.tiers.extent_io import ExtentIO, ExtentJob, plan_extents
+from kvstore.tiers.segment_log import SegmentLog, parse
+from kvstore.tiers.segments import Segments
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _RequestFile:
+@dataclass(frozen=True)
+class RestoredPages:
+    """A segment's cached pages found at start-up (`DiskTier.restore`)."""
     handle: int
-    fd: int
-    path: Path
-    nbytes: int                       # reserved bytes (counted in used_bytes)
-    pending: int = 0                  # batches in flight touching this file (guarded by _cond)
-    pids: list = field(default_factory=list)  # np.int64 arrays of page ids bound to it
+    indices: np.ndarray            # int64 [n] page indices in the file
+    keys: list[bytes]              # their chain keys
+    crcs: np.ndarray               # uint64 [n, layers] checksums of their bytes
+    summaries: list[bytes | None]
 
 
 class DiskTier(Tier):
@@ -54,7 +58,9 @@ class DiskTier(Tier):
     def __init__(self, page_shape: PageShape, capacity_bytes: int, path: str | Path,
                  max_keys: int, num_layers: int, max_pages: int, threads: int = 8,
                  fault: DiskFault | None = None, max_extent_bytes: int = 1 << 20,
-                 read_gap_pages: int = 3):
+                 read_gap_pages: int = 3, namespace: bytes = b"", summary_bytes: int = 0):
+        """namespace: the prefix cache's (segment logs of another one are left alone);
+        summary_bytes: bytes of one page's summaries in a record."""
         if max_keys != num_layers * max_pages:
             raise ValueError(f"disk tier: max_keys ({max_keys}) must equal num_layers * "
                              f"max_pages ({num_layers} * {max_pages})")
@@ -77,15 +83,11 @@ class DiskTier(Tier):
         self.direct_io = probe_direct_io(self.layout.root, fault)
         self._stored = np.zeros(self.max_keys, dtype=bool)      # [max_keys] write completed
         self._crc = np.zeros(self.max_keys, dtype=np.uint64)    # [max_keys] XXH64 of page
-        self._page_req = np.full(self.max_pages, -1, np.int64)  # [max_pages] request slot
-        self._page_index = np.zeros(self.max_pages, np.int64)   # [max_pages] index in request
         self._io = ExtentIO(page_shape, self.direct_io, threads, self._crc, self._stored,
                             max_extent_bytes)
-        self._handles: dict[int, int] = {}                      # handle -> request slot
-        self._reqs: list[_RequestFile | None] = []
-        self._req = np.zeros((0, 3), np.int64)  # [slots, (pages per layer, fd, handle)]
-        self._cond = threading.Condition()
-        self._reserved = 0
+        self.segments = Segments(self.layout, self.max_pages, self._stored, self.direct_io,
+                                 namespace, summary_bytes, fault_of=lambda: self.fault)
+        self._foreign = 0                   # segment files of another namespace, left alone
 
     # -- sizes and counters -----------------------------------------------------------------
 
@@ -95,8 +97,9 @@ class DiskTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes reserved by registered requests (the budget, not what is written)."""
-        return self._reserved
+        """Bytes reserved by requests and kept by cached pages (the budget, not what is
+        written)."""
+        return self.segments.reserved
 
     @property
     def capacity_pages(self) -> int:
@@ -123,68 +126,107 @@ class DiskTier(Tier):
         Raises TierFull when the reservation exceeds the free budget (`needed_bytes` >
         `capacity_bytes` means the request can never fit)."""
         handle, cap = int(request_handle), int(capacity_pages_per_layer)
-        if handle in self._handles:
+        if handle in self.segments:
             raise ValueError(f"disk tier: request {handle} is already registered")
         if cap <= 0:
             raise ValueError(f"disk tier: capacity_pages_per_layer must be > 0, got {cap}")
         need = self.layout.file_bytes(cap)
-        free = self._capacity_bytes - self._reserved
+        free = self._capacity_bytes - self.used_bytes
         if need > free:
             hint = ("the request can never fit: raise --kv-disk-gb"
                     if need > self._capacity_bytes else "retry when requests finish")
             raise TierFull(self.name, [], need, free, hint=hint)
-        path = self.layout.file_path(handle)
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        fd = os.open(path, flags | (os.O_DIRECT if self.direct_io else 0), 0o600)
-        slot = self._reqs.index(None) if None in self._reqs else len(self._reqs)
-        if slot == len(self._reqs):
-            self._reqs.append(None)
-            self._req = np.concatenate([self._req, np.zeros((1, 3), np.int64)])
-        self._reqs[slot] = _RequestFile(handle, fd, path, need)
-        self._req[slot] = (cap, fd, handle)
-        self._handles[handle] = slot
-        self._reserved += need
+        self.segments.create(handle, cap)
+
+    def skip(self, request_handle: int, n: int) -> None:
+        """The request's first n pages are shared (another file holds them): its own
+        reservation shrinks by them."""
+        self.segments.skip(request_handle, n)
 
     def bind(self, page_ids, request_handle: int, first_index: int) -> None:
         """Page ids [n] (int tensor or list; shared by all layers) now belong to the request,
         at indices first_index .. first_index + n - 1 of its page list. Their keys in every
         layer become absent (a reused page id holds nothing yet)."""
-        slot = self._handles.get(int(request_handle))
-        if slot is None:
-            raise ValueError(f"disk tier: request {request_handle} is not registered")
         pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
-        n, cap = pids.shape[0], int(self._req[slot, 0])
-        if first_index < 0 or first_index + n > cap:
-            raise ValueError(f"disk tier: indices [{first_index}, {first_index + n}) outside "
-                             f"request {request_handle}'s {cap} pages per layer")
-        if n and (pids.min() < 0 or pids.max() >= self.max_pages):
-            raise ValueError(f"disk tier: page ids outside [0, {self.max_pages})")
-        self._page_req[pids] = slot
-        self._page_index[pids] = first_index + np.arange(n)
-        self._stored.reshape(-1, self.max_pages)[:, pids] = False
-        self._reqs[slot].pids.append(pids)
+        self.segments.bind(pids, int(request_handle), int(first_index))
+
+    def occupants(self, request_handle: int, first_index: int, n: int) -> list[int]:
+        """Live page ids at indices [first_index, first_index + n) of the request's file
+        (pages of an earlier run of the request that the prefix cache kept)."""
+        return self.segments.occupants(request_handle, first_index, n)
+
+    def unbind(self, page_ids) -> None:
+        """Pages nobody holds any more: absent, and gone from their file."""
+        pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
+        self.segments.unbind(pids)
 
     def release_request(self, request_handle: int) -> None:
-        """Wait for the request's in-flight I/O, forget its pages, close and delete its file,
-        free its budget. Unknown handles are ignored (idempotent)."""
-        slot = self._handles.pop(int(request_handle), None)
-        if slot is None:
-            return
-        req = self._reqs[slot]
-        with self._cond:
-            self._cond.wait_for(lambda: req.pending == 0)
-        for pids in req.pids:
-            mine = pids[self._page_req[pids] == slot]
-            self._page_req[mine] = -1
-            self._stored.reshape(-1, self.max_pages)[:, mine] = False
-        os.close(req.fd)
-        req.path.unlink(missing_ok=True)
-        self._reqs[slot] = None
-        self._reserved -= req.nbytes
+        """Wait for the request's in-flight I/O; its file keeps only the pages still bound
+        (deleted when there are none). Unknown handles are ignored (idempotent)."""
+        self.segments.release(request_handle)
+
+    def record(self, page_ids, keys: list[bytes], summaries: list[bytes | None]) -> np.ndarray:
+        """Index cached pages whose bytes are on disk in every layer (they survive a
+        restart). Returns bool [n]: recorded (best effort: a failed index write is logged)."""
+        pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
+        layers = np.arange(self.layout.num_layers)
+        crcs = self._crc[layers[None, :] * self.max_pages + pids[:, None]]
+        return self.segments.record(pids, keys, crcs, summaries)
+
+    def restore(self) -> list[RestoredPages]:
+        """Segments a previous server left with indexed pages of this namespace: opened, with
+        their pages to be taken (`adopt`). Files of other namespaces are left alone; request
+        files without an index (a crash mid-request) are removed."""
+        found = []
+        for handle, path in self.layout.segment_files():
+            parsed = parse(self.layout.index_path(handle))
+            head = parsed.header
+            if head is not None and head.namespace != self.segments.namespace:
+                self._foreign += 1
+                continue
+            if head is None or not parsed.pages or head.num_layers != self.layout.num_layers \
+                    or head.summary_bytes != self.segments.summary_bytes:
+                path.unlink(missing_ok=True)
+                self.layout.index_path(handle).unlink(missing_ok=True)
+                continue
+            if parsed.damaged:
+                logger.warning("disk tier: the index of %s ends in a torn or corrupt record "
+                               "(a crash mid-write?): cut after %d pages", path.name,
+                               len(parsed.pages))
+            log = SegmentLog(self.layout.index_path(handle), head, parsed.good_bytes)
+            self.segments.adopt(handle, head.capacity, log)
+            recs = sorted(parsed.pages.values(), key=lambda r: r.index)
+            found.append(RestoredPages(handle, np.array([r.index for r in recs], np.int64),
+                                       [r.key for r in recs], np.stack([r.crcs for r in recs]),
+                                       [r.summaries for r in recs]))
+        if self._foreign:
+            logger.info("disk tier: left alone %d cached files of another model or layout "
+                        "under %s (`strata cache clear` removes them)", self._foreign,
+                        self.layout.root)
+        return found
+
+    def adopt(self, handle: int, page_ids, indices: np.ndarray, crcs: np.ndarray) -> None:
+        """Restored pages of segment `handle` take these page ids: present in every layer,
+        checked against their recorded checksums when read."""
+        pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
+        self.segments.bind_restored(handle, pids, indices)
+        keys = np.arange(self.layout.num_layers)[None, :] * self.max_pages + pids[:, None]
+        self._crc[keys] = crcs
+        self._stored[keys] = True
+
+    def finish_restore(self) -> None:
+        """Restored pages not adopted (over the budget, or dropped) leave their files."""
+        self.segments.finish_restore()
+
+    @property
+    def next_handle(self) -> int:
+        """A handle no file under the path uses (handles must not collide across restarts)."""
+        return self.layout.next_handle()
 
     def close(self) -> None:
-        for handle in list(self._handles):
-            self.release_request(handle)
+        for handle in self.segments.handles():
+            self.segments.release(handle)
+        self.segments.close()
         self._io.close()
         if self._lock_fd is not None:          # the path is free for another server
             os.close(self._lock_fd)
@@ -279,15 +321,16 @@ class DiskTier(Tier):
 
     def _submit(self, op: str, keys: np.ndarray, buf: np.ndarray, rows: np.ndarray,
                 keep_alive: torch.Tensor) -> Future:
+        segs = self.segments
         pids = keys % self.max_pages
-        slot = self._page_req[pids]
+        slot = segs.page_slot[pids]
         absent = slot < 0 if op == "write" else (slot < 0) | ~self._stored[keys]
         if absent.any():
             why = "pages not bound to a registered request (call bind first)" \
                 if op == "write" else "pages not stored"
             raise PageMissing(self.name, keys[absent], why)
-        pn = self.layout.page_numbers(keys // self.max_pages, self._page_index[pids],
-                                      self._req[slot, 0])
+        pn = self.layout.page_numbers(keys // self.max_pages, segs.page_index[pids],
+                                      segs.table[slot, 0])
         gap = self.read_gap_pages if op == "read" else 0
         order, starts, ends = plan_extents(slot, pn, self._io.max_pages, max_gap=gap)
         if op == "write":
@@ -295,22 +338,18 @@ class DiskTier(Tier):
             if (sk[1:] == sk[:-1]).any():
                 raise ValueError("disk tier: a key repeats in one put batch")
         first = order[starts]
-        job = ExtentJob(op, buf, rows[order], keys[order], self._req[slot[first], 1],
-                        self._req[slot[first], 2], self.layout.offsets(pn[first]),
-                        starts, ends, self.fault, keep_alive,
-                        pn[order] if gap else None)
         busy = np.unique(slot)
-        with self._cond:
-            for s in busy:
-                self._reqs[s].pending += 1
-        if op == "write":
-            self._stored[keys] = False
-        future = self._io.submit(job)
-        future.add_done_callback(lambda _: self._settle(busy))
+        segs.begin_io(busy)                 # descriptors of released files open until end_io
+        try:
+            job = ExtentJob(op, buf, rows[order], keys[order], segs.table[slot[first], 1],
+                            segs.table[slot[first], 2], self.layout.offsets(pn[first]),
+                            starts, ends, self.fault, keep_alive,
+                            pn[order] if gap else None)
+            if op == "write":
+                self._stored[keys] = False
+            future = self._io.submit(job)
+        except BaseException:
+            segs.end_io(busy)
+            raise
+        future.add_done_callback(lambda _: segs.end_io(busy))
         return future
-
-    def _settle(self, busy: np.ndarray) -> None:
-        with self._cond:
-            for s in busy:
-                self._reqs[s].pending -= 1
-            self._cond.notify_all()

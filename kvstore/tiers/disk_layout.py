@@ -1,26 +1,31 @@
 """DiskLayout: where a KV page lives on disk (file and byte offset).
 
-Layout v1, "request files, layer-major":
-- one file per request under `root`, named `req-<handle>.kv`, created when the request
-  registers and deleted when it is released;
+Layout v2, "request segments, layer-major":
+- one file per request under `root`, named `seg-<handle>.kv`, created when the request
+  registers; it outlives the request while pages in it are cached (segments.py), and its
+  cached pages are listed in `seg-<handle>.idx` (segment_log.py). Handles are never reused,
+  across restarts too (`next_handle`);
 - a request reserves `capacity` pages per layer; page `index` (position in the request's page
   list) of `layer` sits at page number `layer * capacity + index`, byte offset
   `page_number * stride`, where `stride` is the page size in bytes rounded up to 4096 (so every
   page is an O_DIRECT-aligned extent and padding, if any, follows each page);
 - consequence: a request's pages of one layer are contiguous, so neighbours coalesce into one
   read or write;
-- a page's bytes are the page tensor's, in the cache's page layout (HND, base.py), opaque here.
-  Pages do not outlive the process in v1, so a layout change needs no file format version.
+- a page's bytes are the page tensor's, in the cache's page layout (HND, base.py), opaque here;
+  the version is part of the prefix cache's namespace, so pages of another layout never hit.
 
 One process owns `root`: `lock` takes an exclusive advisory lock (flock) on the directory
 itself (two servers on one path would truncate each other's request files), released when the
 process exits, however it exits; no file is added to the folder.
 
-The layout only does arithmetic over numpy arrays; the disk tier owns files and bookkeeping.
-Another layout (e.g. content-addressed pages for prefix reuse) can replace this class.
+The layout does arithmetic over numpy arrays and names files; the disk tier owns the files
+and their bookkeeping.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import fcntl
 import logging
 import os
@@ -32,15 +37,57 @@ import numpy as np
 from kvstore.tiers.base import PageShape
 
 logger = logging.getLogger(__name__)
-_FILE_RE = re.compile(r"^req-(-?\d+)\.kv$")
+_V1_RE = re.compile(r"^req-(-?\d+)\.kv$")          # layout v1's request files
+_SEG_RE = re.compile(r"^seg-(\d+)\.(kv|idx)$")
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_PUNCH = 0x01 | 0x02                     # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+
+
+def punch_hole(fd: int, offset: int, length: int) -> bool:
+    """Give a file range's blocks back to the filesystem (fallocate PUNCH_HOLE); False where
+    the filesystem cannot."""
+    fallocate = getattr(_LIBC, "fallocate", None)
+    if fallocate is None:
+        return False
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    if fallocate(fd, _PUNCH, offset, length) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+        logger.debug("fallocate punch hole failed: %s", os.strerror(err))
+    return False
 
 
 class DiskPathInUse(RuntimeError):
     """Another process holds the disk tier's directory."""
 
 
+def lock_folder(root: Path) -> int:
+    """An exclusive flock on the directory `root`; returns the descriptor to keep open.
+    Raises DiskPathInUse when another process holds it."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DiskPathInUse(f"the KV disk path {root} is in use by another Strata server (it "
+                            "holds the folder's lock); give each server its own "
+                            "--kv-disk-path") from None
+    return fd
+
+
+def segment_files(root: Path) -> list[tuple[int, Path]]:
+    """(handle, path) of the segment files under root, oldest handle first."""
+    found = []
+    for p in Path(root).iterdir():
+        m = _SEG_RE.match(p.name)
+        if m and m.group(2) == "kv" and p.is_file() and not p.is_symlink():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
 class DiskLayout:
-    version = 1
+    version = 2
 
     def __init__(self, root: str | Path, page_shape: PageShape, num_layers: int):
         if num_layers <= 0:
@@ -51,26 +98,31 @@ class DiskLayout:
         self.stride = page_shape.nbytes_aligned  # bytes between consecutive pages in a file
 
     def file_path(self, handle: int) -> Path:
-        return self.root / f"req-{int(handle)}.kv"
+        return self.root / f"seg-{int(handle)}.kv"
+
+    def index_path(self, handle: int) -> Path:
+        return self.root / f"seg-{int(handle)}.idx"
+
+    def segment_files(self) -> list[tuple[int, Path]]:
+        return segment_files(self.root)
+
+    def next_handle(self) -> int:
+        handles = [int(m.group(1)) for p in self.root.iterdir() if (m := _SEG_RE.match(p.name))]
+        return max(handles, default=-1) + 1
 
     def lock(self) -> int:
         """Take root for this process (an exclusive flock on the directory); returns the
         descriptor to keep open. Raises DiskPathInUse when another process holds it."""
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise DiskPathInUse(f"the KV disk path {self.root} is in use by another Strata "
-                                "server (it holds the folder's lock); give each server its own "
-                                "--kv-disk-path") from None
-        return fd
+        return lock_folder(self.root)
 
     def clear_stale_files(self) -> int:
-        """Delete request files left under root by a previous process; returns how many.
-        Anything else under root, such as a directory with a request file's name, is left
-        alone. NOTE: pages do not survive a restart in layout v1 (no content keys yet)."""
-        stale = [p for p in self.root.iterdir() if _FILE_RE.match(p.name)]
+        """Delete request files a previous process left that no index lists (layout v1's, and
+        segments of a request that was cut off before any page of it was cached); returns how
+        many. Anything else under root is left alone."""
+        names = {p.name for p in self.root.iterdir()}
+        stale = [p for p in self.root.iterdir()
+                 if _V1_RE.match(p.name) or (_SEG_RE.match(p.name) and p.suffix == ".kv"
+                                             and p.with_suffix(".idx").name not in names)]
         odd = [p for p in stale if p.is_symlink() or not p.is_file()]
         if odd:
             logger.warning("disk tier: leaving %d entries under %s that are not request files "
