@@ -87,7 +87,6 @@ class DiskTier(Tier):
                             max_extent_bytes)
         self.segments = Segments(self.layout, self.max_pages, self._stored, self.direct_io,
                                  namespace, summary_bytes, fault_of=lambda: self.fault)
-        self._foreign = 0                   # segment files of another namespace, left alone
 
     # -- sizes and counters -----------------------------------------------------------------
 
@@ -177,12 +176,12 @@ class DiskTier(Tier):
         """Segments a previous server left with indexed pages of this namespace: opened, with
         their pages to be taken (`adopt`). Files of other namespaces are left alone; request
         files without an index (a crash mid-request) are removed."""
-        found = []
+        found, foreign = [], 0
         for handle, path in self.layout.segment_files():
             parsed = parse(self.layout.index_path(handle))
             head = parsed.header
             if head is not None and head.namespace != self.segments.namespace:
-                self._foreign += 1
+                foreign += 1
                 continue
             if head is None or not parsed.pages or head.num_layers != self.layout.num_layers \
                     or head.summary_bytes != self.segments.summary_bytes:
@@ -199,9 +198,9 @@ class DiskTier(Tier):
             found.append(RestoredPages(handle, np.array([r.index for r in recs], np.int64),
                                        [r.key for r in recs], np.stack([r.crcs for r in recs]),
                                        [r.summaries for r in recs]))
-        if self._foreign:
+        if foreign:
             logger.info("disk tier: left alone %d cached files of another model or layout "
-                        "under %s (`strata cache clear` removes them)", self._foreign,
+                        "under %s (`strata cache clear` removes them)", foreign,
                         self.layout.root)
         return found
 
