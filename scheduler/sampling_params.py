@@ -2,6 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (engine/grammar.py). ``source``: the JSON Schema as
+    JSON text, the regular expression or the Lark grammar ("" for json_object)."""
+    kind: GrammarKind
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -18,6 +29,8 @@ class SamplingParams:
     logprobs: int | None = None          # None: off; k >= 0: sampled token's logprob plus top-k
     min_tokens: int = 0                  # extension (vLLM): EOS/stop ids are masked until reached
     client: str = ""                     # who asked (OpenAI `user`; "": anonymous): fair share
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
+    grammar: GrammarSpec | None = None   # constrained decoding: the output follows it
 
     @property
     def greedy(self) -> bool:
