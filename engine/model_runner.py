@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from engine.grammar import GrammarTable
+from engine.grammar_table import GrammarTable
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from engine.outputs import TokenLogprob

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.grammar import unpack_bitmask
+from engine.grammar_table import unpack_bitmask
 from engine.outputs import TokenLogprob
 from scheduler.sampling_params import SamplingParams
 

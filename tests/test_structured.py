@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from engine.args import EngineArgs
-from engine.grammar import GrammarError, GrammarTable, check_grammar, unpack_bitmask
+from engine.grammar import GrammarError, check_grammar
+from engine.grammar_table import GrammarTable, unpack_bitmask
 from engine.llm_engine import LLMEngine
 from engine.sampler import Sampler
 from scheduler.sampling_params import GrammarSpec, SamplingParams
 from tests.engine_helpers import drive
-from tests.schema_suite import generate
+from bench.schemas import generate
 
 SUITE = generate(60, seed=0)
 MAX_TOKENS = 128
