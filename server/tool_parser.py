@@ -50,10 +50,14 @@ def parse_call(body: str, names: frozenset[str]) -> ParsedCall | None:
 
 
 class ToolCallParser:
-    def __init__(self, names: frozenset[str]):
+    def __init__(self, names: frozenset[str], parallel: bool = True):
+        """parallel: False keeps the first call only (parallel_tool_calls: false); the
+        blocks after it are dropped, as OpenAI answers with one call at most then."""
         self._names = names
+        self._parallel = parallel
         self._buf = ""
         self._in_call = False
+        self._space = ""               # whitespace after a call, held until text follows
         self.num_calls = 0
 
     def push(self, text: str) -> list[Event]:
@@ -85,7 +89,7 @@ class ToolCallParser:
             self._call(out, self._buf, closed=False)
         else:
             self._content(out, self._buf)
-        self._buf, self._in_call = "", False
+        self._buf, self._in_call, self._space = "", False, ""
         return out
 
     def _call(self, out: list[Event], body: str, closed: bool) -> None:
@@ -93,13 +97,19 @@ class ToolCallParser:
         if call is None:
             self._content(out, CALL_OPEN + body + (CALL_CLOSE if closed else ""))
             return
+        if self.num_calls and not self._parallel:
+            return
         self.num_calls += 1
         out.append(call)
 
     def _content(self, out: list[Event], text: str) -> None:
-        # whitespace between and after calls is layout, not an answer
-        if text and not (self.num_calls and not text.strip()):
-            out.append(text)
+        # whitespace after a call is layout, not an answer, unless more text follows it
+        if self.num_calls and not text.strip():
+            self._space += text
+            return
+        if text:
+            out.append(self._space + text)
+            self._space = ""
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -110,9 +120,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_answer(text: str, names: frozenset[str]) -> tuple[str | None, list[ParsedCall]]:
+def split_answer(text: str, names: frozenset[str],
+                 parallel: bool = True) -> tuple[str | None, list[ParsedCall]]:
     """A whole answer as (content or None, calls)."""
-    parser = ToolCallParser(names)
+    parser = ToolCallParser(names, parallel)
     events = parser.push(text) + parser.flush()
     calls = [e for e in events if isinstance(e, ParsedCall)]
     content = "".join(e for e in events if isinstance(e, str))
@@ -128,7 +139,8 @@ class StreamedCalls:
     def __init__(self, plan):
         self._plan = plan
         self._named_id: str | None = None
-        self._parser = (ToolCallParser(frozenset(t.function.name for t in plan.tools))
+        self._parser = (ToolCallParser(frozenset(t.function.name for t in plan.tools),
+                                       plan.parallel)
                         if plan is not None and plan.parses_calls else None)
         self.num_calls = 0
 

@@ -47,6 +47,7 @@ class ToolPlan:
     mode: str                          # none | auto | required | named
     named: str | None = None           # the function, when mode is "named"
     grammar: GrammarSpec | None = None
+    parallel: bool = True              # more than one call per answer (parallel_tool_calls)
 
     @property
     def parses_calls(self) -> bool:
@@ -66,6 +67,7 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
     if len(set(names)) != len(names):
         raise invalid_request("Function names must be unique.", param="tools")
     schemas = {t.function.name: _parameters(t, i) for i, t in enumerate(tools)}
+    parallel = request.parallel_tool_calls is not False
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in schemas:
@@ -73,10 +75,9 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
                                   param="tool_choice")
         plan = ToolPlan(tools, "named", name, GrammarSpec("json_schema", json.dumps(schemas[name])))
     elif choice == "required":
-        plan = ToolPlan(tools, "required", None,
-                        _calls_grammar(schemas, request.parallel_tool_calls is not False))
+        plan = ToolPlan(tools, "required", None, _calls_grammar(schemas, parallel), parallel)
     else:
-        plan = ToolPlan(tools, choice or "auto")
+        plan = ToolPlan(tools, choice or "auto", parallel=parallel)
     if plan.grammar is not None and request.guided_fields():
         rf = request.response_format
         if rf is None or rf.type != "text":
@@ -86,9 +87,10 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
 
 
 def _parameters(tool: ChatTool, index: int) -> dict:
+    """The function's parameter schema (any object when it declares none), checked."""
     schema = tool.function.parameters or ANY_OBJECT
-    return json.loads(checked(GrammarSpec("json_schema", json.dumps(schema)),
-                              f"tools[{index}].function.parameters").source)
+    checked(GrammarSpec("json_schema", json.dumps(schema)), f"tools[{index}].function.parameters")
+    return schema
 
 
 def _calls_grammar(schemas: dict[str, dict], parallel: bool) -> GrammarSpec:
