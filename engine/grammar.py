@@ -48,7 +48,13 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
     if spec.kind == "regex":
         return LLMatcher.grammar_from_regex(spec.source)
     if spec.kind == "lark":
-        return LLMatcher.grammar_from_lark(spec.source)
+        # NOTE: GBNF (llama.cpp's, and what vLLM's guided_grammar takes with xgrammar: a
+        # `root ::= ...` rule) is converted; Lark (a `start:` rule) is taken as it is
+        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+        try:
+            return LLMatcher.grammar_from_lark(any_to_lark(spec.source))
+        except GbnfToLarkError as exc:
+            raise GrammarError(f"the GBNF grammar does not parse: {exc}") from None
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 

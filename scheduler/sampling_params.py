@@ -10,7 +10,7 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request's output must match (engine/grammar.py). ``source``: the JSON Schema as
-    JSON text, the regular expression or the Lark grammar ("" for json_object)."""
+    JSON text, the regular expression or the grammar, Lark or GBNF ("" for json_object)."""
     kind: GrammarKind
     source: str = ""
 

@@ -56,6 +56,15 @@ def test_masks_allow_each_valid_instance_and_only_then_the_end(table, tokenizer)
     assert len(table) == 0
 
 
+@pytest.mark.parametrize("grammar", ['start: "yes" | "no"', 'root ::= "yes" | "no"'])
+def test_lark_and_gbnf_grammars(table, tokenizer, grammar):
+    table.matcher("g", GrammarSpec("lark", grammar))
+    for tok in tokenizer.encode("yes", add_special_tokens=False):
+        table.accept("g", tok)
+    assert set(_allowed(table, "g").nonzero()[:, 0].tolist()) == set(table._eos)
+    table.release("g")
+
+
 def test_a_token_outside_the_grammar_is_refused(table, tokenizer):
     table.matcher("r", GrammarSpec("regex", "(yes|no)"))
     x = tokenizer.encode("maybe", add_special_tokens=False)[0]
@@ -71,6 +80,7 @@ def test_a_token_outside_the_grammar_is_refused(table, tokenizer):
     GrammarSpec("json_schema", '{"properties": {"a": {"$ref": "#/$defs/missing"}}}'),
     GrammarSpec("regex", "[a-z"),
     GrammarSpec("lark", "start: undefined_rule"),
+    GrammarSpec("lark", "root ::= ("),
 ])
 def test_invalid_grammars_are_refused(spec):
     with pytest.raises(GrammarError):
