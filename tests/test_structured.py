@@ -159,8 +159,13 @@ def test_generated_schemas_always_validate(smollm2_dir, tokenizer, table, tmp_pa
         assert stats.hits.get("host", 0) > 0
 
 
+@pytest.fixture(scope="module")
+def dense_engine(smollm2_dir) -> LLMEngine:
+    return _engine(smollm2_dir, sparse_budget=0)
+
+
 @pytest.mark.slow
-def test_constrained_and_free_requests_in_one_batch_match_each_alone(smollm2_dir, tokenizer):
+def test_constrained_and_free_requests_in_one_batch_match_each_alone(dense_engine, tokenizer):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                                "rain": {"type": "boolean"}},
               "required": ["city", "rain"], "additionalProperties": False}
@@ -168,7 +173,7 @@ def test_constrained_and_free_requests_in_one_batch_match_each_alone(smollm2_dir
     constrained = SamplingParams(max_tokens=40, temperature=0.0,
                                  grammar=GrammarSpec("json_schema", json.dumps(schema)))
     free = SamplingParams(max_tokens=40, temperature=0.0)
-    engine = _engine(smollm2_dir, sparse_budget=0)
+    engine = dense_engine
     alone = {}
     for rid, params in (("c", constrained), ("f", free)):
         engine.add_request(rid, prompt, params)
@@ -180,3 +185,16 @@ def test_constrained_and_free_requests_in_one_batch_match_each_alone(smollm2_dir
     assert together == alone
     assert json.loads(tokenizer.decode(alone["c"]))["city"]
     assert alone["c"] != alone["f"]
+
+
+@pytest.mark.slow
+def test_a_bad_grammar_fails_its_request_alone(dense_engine, tokenizer):
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
+    dense_engine.add_request("bad", prompt, SamplingParams(
+        max_tokens=8, temperature=0.0, grammar=GrammarSpec("regex", "[a-z")))
+    dense_engine.add_request("good", prompt, SamplingParams(
+        max_tokens=8, temperature=0.0, grammar=GrammarSpec("regex", "(hello|goodbye) world")))
+    got, errors = drive(dense_engine, ["bad", "good"])
+    assert set(errors) == {"bad"} and "regex" in errors["bad"]
+    assert tokenizer.decode(got["good"]) in ("hello world", "goodbye world")
+    assert len(dense_engine.runner.grammars) == 0
