@@ -168,7 +168,8 @@ class ModelRunner:
         out = self.sampler.sample(logits[[row[0] for row in rows]],
                                   [q.sampling_params for q in reqs],
                                   [q.output_token_ids for q in reqs], [row[2] for row in rows],
-                                  banned_token_ids=[row[3] for row in rows], allowed=allowed)
+                                  banned_token_ids=[row[3] for row in rows], allowed=allowed,
+                                  prompt_token_ids=[q.prompt_token_ids for q in reqs])
         return {q.request_id: SampledToken(out.token_ids[k],
                                            out.logprobs[k] if out.logprobs is not None else None)
                 for k, q in enumerate(reqs)}

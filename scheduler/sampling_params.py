@@ -24,6 +24,8 @@ class SamplingParams:
     seed: int | None = None              # per-request generator: same seed, same tokens
     presence_penalty: float = 0.0        # OpenAI semantics, over generated tokens
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0      # extension (vLLM, CTRL): over prompt and output tokens
+    min_p: float = 0.0                   # extension (vLLM): drop tokens below min_p x the top one
     stop_token_ids: tuple[int, ...] = () # finish with "stop" when one is sampled (token is kept)
     ignore_eos: bool = False             # extension (vLLM): do not stop at the model's EOS tokens
     logprobs: int | None = None          # None: off; k >= 0: sampled token's logprob plus top-k

@@ -119,8 +119,10 @@ class _Constrained(_Request):
     logit_bias, and the output-changing fields Strata refuses rather than ignores."""
     logit_bias: LogitBias = None
     response_format: ResponseFormat | None = None
-    # extensions (vLLM): the output matches a JSON Schema, a regex, one of some strings, or a
-    # Lark grammar
+    # extensions (vLLM): sampling knobs; the output matches a JSON Schema, a regex, one of
+    # some strings, or a Lark / GBNF grammar
+    repetition_penalty: Annotated[float | None, Field(gt=0.0, le=10.0)] = None
+    min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None
     guided_choice: Annotated[list[Text] | None, Field(min_length=1,
@@ -130,8 +132,6 @@ class _Constrained(_Request):
     # refused: they would change the output and are not implemented
     use_beam_search: OnlyFalse = None
     length_penalty: Unsupported = None
-    repetition_penalty: Annotated[Any, AfterValidator(lambda v: _only_value(v, 1.0))] = None
-    min_p: Annotated[Any, AfterValidator(lambda v: _only_value(v, 0.0))] = None
     bad_words: Unsupported = None
     allowed_token_ids: Unsupported = None
     prompt_logprobs: Unsupported = None
@@ -146,12 +146,6 @@ class _Constrained(_Request):
         return {k: v for k in ("response_format", "guided_json", "guided_regex",
                                 "guided_choice", "guided_grammar")
                 if (v := getattr(self, k)) is not None}
-
-
-def _only_value(value: Any, neutral: float) -> Any:
-    if value is not None and value != neutral:
-        raise ValueError(f"this field is not supported by this server (only {neutral})")
-    return value
 
 
 class ChatCompletionRequest(_Constrained):

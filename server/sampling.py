@@ -64,6 +64,8 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         seed=None if request.seed is None else request.seed + seed_offset,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        min_p=request.min_p or 0.0,
         stop_token_ids=stop_ids,
         ignore_eos=bool(request.ignore_eos),
         logprobs=request.logprobs_k(),

@@ -185,7 +185,9 @@ def test_tokenize_detokenize_and_echo(client, http):
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),
-    ({"repetition_penalty": 1.3}, "repetition_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"length_penalty": 0.5}, "length_penalty"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages"),
 ])
 def test_invalid_or_unsupported_fields_are_400s(http, body, param):
@@ -201,6 +203,16 @@ def test_completions_refuse_what_they_cannot_honour(http):
                         ({"echo": True, "logprobs": 2}, "echo")):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_repetition_penalty_and_min_p_change_the_output(client):
+    kw = dict(model=MODEL, prompt="one, two, one, two, one, two,", max_tokens=12,
+              temperature=0.0)
+    free = client.completions.create(**kw).choices[0].text
+    penalized = client.completions.create(extra_body={"repetition_penalty": 3.0}, **kw)
+    assert penalized.choices[0].text != free
+    r = client.completions.create(extra_body={"min_p": 1.0}, **{**kw, "temperature": 1.0})
+    assert r.choices[0].text == free          # min_p 1: only the top token is left
 
 
 def test_harmless_unknown_fields_are_ignored(client):
