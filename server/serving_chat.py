@@ -9,6 +9,7 @@ import anyio
 from fastapi import Request
 from starlette.responses import Response
 
+from scheduler.sampling_params import GrammarSpec
 from server.choice_stream import Logprobs
 from server.errors import invalid_request
 from server.generation import ChoiceResult, Generation
@@ -28,9 +29,8 @@ class ChatServing(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.ctx.check_model(request.model)
         tokenizer = self.ctx.require_ready()
-        plan = plan_tools(request)
-        grammar = plan.grammar if plan is not None and plan.grammar else grammar_for(request)
-        check_constrained(grammar, request)
+        # NOTE: compiling a large schema takes milliseconds: not on the event loop
+        plan, grammar = await anyio.to_thread.run_sync(_constraints, request)
         messages, tools = chat_messages(request, tokenizer.chat_template)
         self.check_prompt_text(["".join(m["content"] for m in messages)], "messages")
         try:
@@ -107,6 +107,15 @@ class ChatServing(OpenAIServing):
                               for t in top[:request.top_logprobs or 0]])
             for sampled, top in entries]
         return ChatChoiceLogprobs(content=content)
+
+
+def _constraints(request: ChatCompletionRequest) -> tuple[ToolPlan | None, GrammarSpec | None]:
+    """The tool plan and the grammar the answer follows (a required / named tool_choice's, else
+    response_format's or a guided_* field's), or the 400 that says why not."""
+    plan = plan_tools(request)
+    grammar = plan.grammar if plan is not None and plan.grammar else grammar_for(request)
+    check_constrained(grammar, request)
+    return plan, grammar
 
 
 def _message(plan: ToolPlan | None, text: str) -> ChatResponseMessage:

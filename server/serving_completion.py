@@ -56,7 +56,7 @@ class CompletionServing(OpenAIServing):
         if request.echo and request.logprobs is not None:
             raise invalid_request("echo with logprobs is not supported (the prompt's logprobs "
                                   "are not computed).", param="echo")
-        grammar = grammar_for(request)
+        grammar = await anyio.to_thread.run_sync(grammar_for, request)
         check_constrained(grammar, request)
         prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt, tokenizer)
         request_id = f"cmpl-{uuid.uuid4().hex}"
