@@ -268,16 +268,39 @@ def prefix_section(rep: dict, png: str) -> list[str]:
     return out + [""]
 
 
+def structured_section(rep: dict, png: str) -> list[str]:
+    st = rep["settings"]
+    out = ["### Structured outputs", "",
+           f"`.venv/bin/python bench/structured.py --libraries`: {st['tokens']} tokens per "
+           "request decoded as free text and under a JSON Schema (llguidance masks), "
+           f"alternated {st['rounds']} times on one engine; the best of each.", "",
+           "| batch | free tok/s | JSON Schema tok/s | ratio (target >= 0.90) | mask ms/step |",
+           "|---|---|---|---|---|"]
+    for batch, r in rep["decode"].items():
+        free, schema = r["best"]["free"], r["best"]["schema"]
+        out.append(f"| {batch} | {free['tokens_per_s']:.1f} | {schema['tokens_per_s']:.1f} | "
+                   f"{r['ratio']:.2f} | {schema['fill_ms_mean']:.2f} |")
+    libs = {k: v for k, v in (rep.get("libraries") or {}).items() if v}
+    if libs:
+        out += ["", "| grammar library (60 generated schemas) | compile p50 / max ms | "
+                    "mask per token mean / p99 / max ms |", "|---|---|---|"]
+        for name, v in libs.items():
+            out.append(f"| {name} | {v['compile_ms_p50']:.1f} / {v['compile_ms_max']:.1f} | "
+                       f"{v['mask_ms_mean']:.3f} / {v['mask_ms_p99']:.2f} / "
+                       f"{v['mask_ms_max']:.2f} |")
+    return out + [""]
+
+
 def render(results: Path = RESULTS, suffix: str = "") -> str:
     names = {k: results / f"{k}{suffix}.json" for k in ("throughput", "ruler", "roofline",
-                                                         "soak", "prefix")}
+                                                         "soak", "prefix", "structured")}
     reps = {k: _load(p) for k, p in names.items()}
     lines = [BEGIN, "", machine_line(*reps.values()), code_line(*reps.values()),
              "Regenerate with `.venv/bin/python bench/suite.py` (all three, ~11 min; `--quick` "
              "~5 min) or the single commands below, then `.venv/bin/python bench/report.py`.", ""]
     sections = (("throughput", throughput_section), ("ruler", ruler_section),
                 ("roofline", roofline_section), ("soak", soak_section),
-                ("prefix", prefix_section))
+                ("prefix", prefix_section), ("structured", structured_section))
     for key, fn in sections:
         if reps[key] is None:
             lines += [f"_{key}: no `{_rel(names[key])}` yet; run `bench/{key}.py`._", ""]

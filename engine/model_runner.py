@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from engine.grammar_table import GrammarTable
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from engine.outputs import TokenLogprob
@@ -75,10 +76,13 @@ class ModelRunner:
         self.page_size = kv.page_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
+        self.grammars = GrammarTable(folder / "tokenizer.json", config.vocab_size,
+                                     tuple(config.eos_token_ids))
 
     def release(self, request_id: str) -> None:
         """The request ended: its generator and its KV in every tier go."""
         self._generators.pop(request_id, None)
+        self.grammars.release(request_id)
         self.store.release(request_id)
 
     @torch.inference_mode()
@@ -131,33 +135,48 @@ class ModelRunner:
         ready = []
         for i, q in rows:
             try:
-                ready.append((i, q, self._generator(q), self._banned(q)))
+                ready.append((i, q, self._generator(q), self._banned(q), self._matcher(q)))
             except Exception as exc:  # noqa: BLE001 - this request's values, no one else's
                 failed.append((q.request_id, f"sampling failed: {exc}"))
         try:
-            return self._sample_rows(logits, ready), failed
+            result = self._sample_rows(logits, ready)
         except Exception:  # noqa: BLE001 - find the row at fault, sample the rest
             logger.exception("sampling %d rows failed; sampling them one by one", len(ready))
-        result = {}
-        for row in ready:
-            try:
-                result.update(self._sample_rows(logits, [row]))
-            except Exception as exc:  # noqa: BLE001
-                failed.append((row[1].request_id, f"sampling failed: {exc}"))
+            result = {}
+            for row in ready:
+                try:
+                    result.update(self._sample_rows(logits, [row]))
+                except Exception as exc:  # noqa: BLE001
+                    failed.append((row[1].request_id, f"sampling failed: {exc}"))
+        for _, q, _, _, matcher in ready:      # each grammar takes its request's token
+            if matcher is not None and q.request_id in result:
+                try:
+                    self.grammars.accept(q.request_id, result[q.request_id].token_id)
+                except Exception as exc:  # noqa: BLE001 - this request's grammar alone
+                    del result[q.request_id]
+                    failed.append((q.request_id, f"constrained decoding failed: {exc}"))
         return result, failed
 
     def _sample_rows(self, logits: torch.Tensor, rows: list) -> dict[str, SampledToken]:
-        """rows: (logits row, request, generator, banned ids) -> sampled tokens by id."""
+        """rows: (logits row, request, generator, banned ids, grammar matcher or None) ->
+        sampled tokens by id (constrained rows only take tokens their grammar allows)."""
         if not rows:
             return {}
-        reqs = [q for _, q, _, _ in rows]
-        out = self.sampler.sample(logits[[i for i, _, _, _ in rows]],
+        reqs = [row[1] for row in rows]
+        constrained = [(k, row[4]) for k, row in enumerate(rows) if row[4] is not None]
+        allowed = self.grammars.fill(constrained, len(rows)) if constrained else None
+        out = self.sampler.sample(logits[[row[0] for row in rows]],
                                   [q.sampling_params for q in reqs],
-                                  [q.output_token_ids for q in reqs], [g for _, _, g, _ in rows],
-                                  banned_token_ids=[b for _, _, _, b in rows])
+                                  [q.output_token_ids for q in reqs], [row[2] for row in rows],
+                                  banned_token_ids=[row[3] for row in rows], allowed=allowed,
+                                  prompt_token_ids=[q.prompt_token_ids for q in reqs])
         return {q.request_id: SampledToken(out.token_ids[k],
                                            out.logprobs[k] if out.logprobs is not None else None)
                 for k, q in enumerate(reqs)}
+
+    def _matcher(self, req: Request):
+        grammar = req.sampling_params.grammar
+        return None if grammar is None else self.grammars.matcher(req.request_id, grammar)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.request_id not in self._generators:

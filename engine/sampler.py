@@ -1,14 +1,19 @@
 """Sampler: one token per row of a batch of logits, plus optional logprobs.
 
 Order per row (as in vLLM):
-  1. presence / frequency penalties over the row's generated tokens (OpenAI semantics);
-  2. banned token ids (e.g. EOS/stop ids until min_tokens) set to -inf;
-  3. logprobs = log_softmax of the logits at this point, i.e. after penalties and bans but BEFORE
+  1. presence / frequency penalties over the row's generated tokens (OpenAI semantics), and
+     vLLM's repetition_penalty over its prompt and generated tokens (a seen token's logit is
+     divided by it when positive, multiplied when negative);
+  2. logit_bias (OpenAI: token id -> bias added to its logit, -100 bans it in practice);
+  3. banned token ids (e.g. EOS/stop ids until min_tokens) set to -inf, and so is every token a
+     constrained row's grammar does not allow now (engine/grammar.py bitmasks);
+  4. logprobs = log_softmax of the logits at this point, i.e. after penalties and bans but BEFORE
      temperature, top-k and top-p. NOTE: they describe the model's (penalized) distribution, not
      the truncated one sampled from, so they do not depend on sampling knobs and are never -inf
      for a token that top-k/top-p merely cut off;
-  4. greedy rows (temperature 0) take the argmax;
-  5. other rows: divide by temperature, keep top_k, keep the nucleus (top_p) of what is left,
+  5. greedy rows (temperature 0) take the argmax;
+  6. other rows: divide by temperature, drop tokens under min_p x the top token's probability,
+     keep top_k, keep the nucleus (top_p) of what is left,
      then sample by inverse CDF with one uniform drawn from the row's own generator (what
      torch.multinomial does, vectorized over rows). A seeded row draws only from its own
      generator, so its tokens do not depend on the other rows in the batch.
@@ -19,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.grammar_table import unpack_bitmask
 from engine.outputs import TokenLogprob
 from scheduler.sampling_params import SamplingParams
 
+BAN_BIAS = -100.0             # a logit_bias this low bans its token
 RowLogprobs = tuple[TokenLogprob, tuple[TokenLogprob, ...]]   # (sampled token, top-k sorted)
 
 
@@ -51,16 +58,25 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_token_ids: list[list[int]],
                generators: list[torch.Generator | None],
-               banned_token_ids: list[tuple[int, ...]] | None = None) -> SamplerOutput:
-        """logits: [S, V] (any float dtype; computed in float32). One entry per row in every list."""
+               banned_token_ids: list[tuple[int, ...]] | None = None,
+               allowed: torch.Tensor | None = None,
+               prompt_token_ids: list[list[int]] | None = None) -> SamplerOutput:
+        """logits: [S, V] (any float dtype; computed in float32). One entry per row in every
+        list; allowed: [S, ceil(V / 32)] int32 bitmasks of the tokens each row may take (rows
+        without a grammar allow all), or None; prompt_token_ids: for repetition_penalty."""
         num_rows, vocab = logits.shape
         assert len(params) == len(output_token_ids) == len(generators) == num_rows
         logits = logits.float().clone()   # [S, V]
         _apply_penalties(logits, params, output_token_ids)
+        _apply_repetition_penalty(logits, params, output_token_ids, prompt_token_ids)
+        _apply_logit_bias(logits, params)
         if banned_token_ids is not None:
             for i, banned in enumerate(banned_token_ids):
                 if banned:
                     logits[i, list(banned)] = float("-inf")
+        if allowed is not None:
+            logits.masked_fill_(~unpack_bitmask(allowed.to(logits.device), vocab),
+                                float("-inf"))
 
         token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -78,7 +94,7 @@ class Sampler:
         """logits: [R, V] after penalties; returns [R] token ids."""
         dev = logits.device
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        logits = _apply_top_k_top_p(logits / temps[:, None], params)
+        logits = _apply_top_k_top_p(_apply_min_p(logits / temps[:, None], params), params)
         cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)           # [R, V]
         # one uniform per row from the row's own generator (unseeded rows share the sampler's),
         # drawn on the generator's device (CPU by default) so the device does not change the draw
@@ -112,6 +128,49 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
         ids = ids.to(logits.device)
         penalty = counts.to(logits.device, torch.float32) * p.frequency_penalty + p.presence_penalty
         logits[i, ids] -= penalty
+
+
+def _apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams],
+                              output_token_ids: list[list[int]],
+                              prompt_token_ids: list[list[int]] | None) -> None:
+    """In place, vLLM's (CTRL's) rule over each row's prompt and generated tokens."""
+    for i, p in enumerate(params):
+        if p.repetition_penalty == 1.0:
+            continue
+        seen = (prompt_token_ids[i] if prompt_token_ids is not None else []) + output_token_ids[i]
+        if not seen:
+            continue
+        ids = torch.tensor(seen).unique().to(logits.device)
+        x = logits[i, ids]
+        logits[i, ids] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+
+
+def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """In place on logits [R, V] (after temperature): tokens whose probability is below
+    min_p x the most likely token's get -inf."""
+    rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+    if not rows:
+        return logits
+    x = _rows(logits, rows)
+    floor = torch.tensor([params[i].min_p for i in rows], device=logits.device).log()
+    # p_t < min_p * p_max  <=>  logit_t < logit_max + log(min_p)
+    cutoff = x.max(dim=-1, keepdim=True).values + floor[:, None]
+    if x is logits:
+        return logits.masked_fill_(logits < cutoff, float("-inf"))
+    logits[rows] = x.masked_fill_(x < cutoff, float("-inf"))
+    return logits
+
+
+def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: logits[i, t] += bias for each (t, bias) of row i's logit_bias; a bias of
+    -100 (the API's floor) bans the token outright, as OpenAI documents it ("should result in
+    a ban"): a finite -100 would not beat a logit gap over 100."""
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], device=logits.device)
+            bias = torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32,
+                                device=logits.device)
+            logits[i, ids] += bias.masked_fill_(bias <= BAN_BIAS, float("-inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

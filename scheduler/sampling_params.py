@@ -2,6 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request's output must match (engine/grammar.py). ``source``: the JSON Schema as
+    JSON text, the regular expression or the grammar, Lark or GBNF ("" for json_object)."""
+    kind: GrammarKind
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -13,11 +24,15 @@ class SamplingParams:
     seed: int | None = None              # per-request generator: same seed, same tokens
     presence_penalty: float = 0.0        # OpenAI semantics, over generated tokens
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0      # extension (vLLM, CTRL): over prompt and output tokens
+    min_p: float = 0.0                   # extension (vLLM): drop tokens below min_p x the top one
     stop_token_ids: tuple[int, ...] = () # finish with "stop" when one is sampled (token is kept)
     ignore_eos: bool = False             # extension (vLLM): do not stop at the model's EOS tokens
     logprobs: int | None = None          # None: off; k >= 0: sampled token's logprob plus top-k
     min_tokens: int = 0                  # extension (vLLM): EOS/stop ids are masked until reached
     client: str = ""                     # who asked (OpenAI `user`; "": anonymous): fair share
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
+    grammar: GrammarSpec | None = None   # constrained decoding: the output follows it
 
     @property
     def greedy(self) -> bool:

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes under /v1, plus /health and /metrics.
+"""The FastAPI app: OpenAI routes under /v1 (and vLLM's /v1/tokenize, /v1/detokenize, also at
+/tokenize and /detokenize), plus /health and /metrics.
 
 ``build_app`` takes any :class:`EngineClient`; the tokenizer may be given directly or as a loader
 called once the engine is ready. With an API key, every /v1 route needs
@@ -21,6 +22,8 @@ from server.protocol import (ChatCompletionRequest, ChatCompletionResponse, Comp
 from server.serving import json_response
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
+from server.serving_tokens import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
+                                   TokenizeResponse, TokenServing)
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -73,6 +76,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
         ctx.require_ready()
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize), Depends(ready)])
+    tokens = TokenServing(ctx)
 
     @v1.post("/chat/completions", responses=_generate_doc(ChatCompletionResponse))
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
@@ -87,12 +91,30 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
         card = ModelCard(id=served_model_name, max_model_len=ctx.max_model_len)
         return json_response(ModelList(data=[card]))
 
+    _errors = {**_V1_ERRORS, 400: _GENERATE_ERRORS[400], 404: _GENERATE_ERRORS[404]}
+
+    @v1.post("/tokenize", response_model=TokenizeResponse, responses=_errors)
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return json_response(await tokens.tokenize(request))
+
+    @v1.post("/detokenize", response_model=DetokenizeResponse, responses=_errors)
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return json_response(await tokens.detokenize(request))
+
+    # vLLM serves these two at the root as well
+    root = APIRouter(dependencies=[Depends(authorize), Depends(ready)])
+    root.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse,
+                       responses=_errors)
+    root.add_api_route("/detokenize", detokenize, methods=["POST"],
+                       response_model=DetokenizeResponse, responses=_errors)
+
     app = FastAPI(title="Strata", summary="OpenAI-compatible inference server")
     app.openapi = lambda: _openapi_without_422(app)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.include_router(v1)
+    app.include_router(root)
 
     @app.get("/health", responses={200: {"content": {"application/json": {"schema": {
         "type": "object", "properties": {"status": {"type": "string"}}}}}},

@@ -1,7 +1,9 @@
 """OpenAI API wire models (chat completions, completions, models, errors).
 
 Fields follow the order of the OpenAI API reference; the vLLM extensions (top_k, ignore_eos,
-min_tokens, stop_token_ids) come last. Unknown request fields are accepted and ignored.
+min_tokens, stop_token_ids, guided_*) come last. Unknown request fields that change nothing
+(metadata, store, ...) are accepted and ignored; known ones that would change the output and
+are not supported are ``Unsupported`` (400 naming the field: docs/api.md "Fields").
 Constraints live in the shared ``Annotated`` aliases so both request models check the same way.
 Integers and booleans are strict (``"2"`` is not 2, ``"yes"`` and ``1`` are not true); every
 string must be encodable as UTF-8 (a lone UTF-16 surrogate such as ``"\ud800"`` is a 400); a
@@ -13,7 +15,10 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt,
-                      field_validator, model_serializer)
+                      field_validator, model_serializer, model_validator)
+
+from server.protocol_tools import (ChatTool, DeltaToolCall, MessageToolCall, OnlyFalse, OnlyText,
+                                   OnlyTrue, ResponseFormat, ToolCall, ToolChoice, Unsupported)
 
 MAX_N = 16                 # choices per request (each choice is one engine request)
 MAX_STOP_STRINGS = 4
@@ -21,6 +26,9 @@ MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
 
 SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1
+MAX_LOGIT_BIAS = 1024      # token ids in one logit_bias
+MAX_TOOLS = 128
+MAX_GUIDED_CHOICES = 256
 
 
 def _utf8(value: str) -> str:
@@ -46,6 +54,19 @@ Seed = Annotated[StrictInt | None, Field(ge=SEED_MIN, le=SEED_MAX)]
 Flag = StrictBool | None
 
 
+def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
+    for key, bias in (value or {}).items():
+        if not key.strip().isdigit():
+            raise ValueError(f"the keys are token ids, got {key!r}")
+        if not -100 <= bias <= 100:
+            raise ValueError(f"a bias is between -100 and 100, got {bias} for token {key}")
+    return value
+
+
+LogitBias = Annotated[dict[str, float] | None,
+                      Field(default=None, max_length=MAX_LOGIT_BIAS), AfterValidator(_logit_bias)]
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -64,9 +85,19 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None     # an assistant's earlier calls
+    tool_call_id: Text | None = None                     # the call a tool message answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
         """The message content as one string (text parts joined by newlines, as vLLM does)."""
@@ -83,7 +114,41 @@ def _check_top_logprobs(value: int | None, logprobs: bool | None) -> int | None:
     return value
 
 
-class ChatCompletionRequest(_Request):
+class _Constrained(_Request):
+    """What every generation request shares: structured outputs (OpenAI and vLLM's guided_*),
+    logit_bias, and the output-changing fields Strata refuses rather than ignores."""
+    logit_bias: LogitBias = None
+    response_format: ResponseFormat | None = None
+    # extensions (vLLM): sampling knobs; the output matches a JSON Schema, a regex, one of
+    # some strings, or a Lark / GBNF grammar
+    repetition_penalty: Annotated[float | None, Field(gt=0.0, le=10.0)] = None
+    min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Annotated[list[Text] | None, Field(min_length=1,
+                                                      max_length=MAX_GUIDED_CHOICES)] = None
+    guided_grammar: Text | None = None
+    guided_decoding_backend: Text | None = None     # ours is llguidance, whatever is asked
+    # refused: they would change the output and are not implemented
+    use_beam_search: OnlyFalse = None
+    length_penalty: Unsupported = None
+    bad_words: Unsupported = None
+    allowed_token_ids: Unsupported = None
+    prompt_logprobs: Unsupported = None
+    truncate_prompt_tokens: Unsupported = None
+    include_stop_str_in_output: OnlyFalse = None
+    skip_special_tokens: OnlyTrue = None
+    spaces_between_special_tokens: OnlyTrue = None
+    structured_outputs: Unsupported = None
+
+    def guided_fields(self) -> dict[str, Any]:
+        """The structured-output fields given (not None), by name."""
+        return {k: v for k in ("response_format", "guided_json", "guided_regex",
+                                "guided_choice", "guided_grammar")
+                if (v := getattr(self, k)) is not None}
+
+
+class ChatCompletionRequest(_Constrained):
     model: Text | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     frequency_penalty: Penalty = 0.0
@@ -100,11 +165,28 @@ class ChatCompletionRequest(_Request):
     top_logprobs: Annotated[StrictInt | None, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] = None
     top_p: TopP = None
     user: Text | None = None
+    tools: Annotated[list[ChatTool] | None, Field(max_length=MAX_TOOLS)] = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: Flag = None
+    # refused (OpenAI): other modalities, deprecated functions, reasoning and search knobs
+    audio: Unsupported = None
+    modalities: OnlyText = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    reasoning_effort: Unsupported = None
+    verbosity: Unsupported = None
+    web_search_options: Unsupported = None
     # extensions (vLLM)
     top_k: TopK = None
     ignore_eos: Flag = False
     min_tokens: MinTokens = 0
     stop_token_ids: TokenIds = None
+    echo: OnlyFalse = None
+    add_generation_prompt: OnlyTrue = None
+    continue_final_message: OnlyFalse = None
+    chat_template: Unsupported = None
+    chat_template_kwargs: Unsupported = None
+    documents: Unsupported = None
 
     @field_validator("top_logprobs")
     @classmethod
@@ -123,9 +205,10 @@ class ChatCompletionRequest(_Request):
 Prompt = Text | list[Text] | list[TokenId] | list[list[TokenId]]
 
 
-class CompletionRequest(_Request):
+class CompletionRequest(_Constrained):
     model: Text | None = None
     prompt: Prompt
+    best_of: Annotated[StrictInt | None, Field(ge=1, le=MAX_N)] = None
     echo: Flag = False
     frequency_penalty: Penalty = 0.0
     logprobs: Annotated[StrictInt | None, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] = None
@@ -136,6 +219,7 @@ class CompletionRequest(_Request):
     stop: Stop = None
     stream: Flag = False
     stream_options: StreamOptions | None = None
+    suffix: Unsupported = None
     temperature: Temperature = None
     top_p: TopP = None
     user: Text | None = None
@@ -145,12 +229,12 @@ class CompletionRequest(_Request):
     min_tokens: MinTokens = 0
     stop_token_ids: TokenIds = None
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_unsupported(cls, value):
-        if value:
-            raise ValueError("echo is not supported")
-        return value
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        # NOTE: best_of > n would rank candidates by their total logprob: not implemented
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise ValueError("best_of: only best_of equal to n is supported by this server")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -193,6 +277,8 @@ class ChatChoiceLogprobs(_Wire):
 class ChatResponseMessage(_Wire):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(_Wire):
@@ -215,6 +301,7 @@ class ChatCompletionResponse(_Wire):
 class DeltaMessage(_Wire):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """From a validated OpenAI request to engine SamplingParams (shared by chat and completions)."""
 from __future__ import annotations
 
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import GrammarSpec, SamplingParams
 from server.errors import context_length_exceeded, invalid_request
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -44,7 +44,8 @@ MAX_CLIENT_CHARS = 256      # a `user` is a fair-share key, not data: longer one
 
 
 def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int = 0,
-                          vocab_size: int | None = None) -> SamplingParams:
+                          vocab_size: int | None = None, grammar: GrammarSpec | None = None,
+                          logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
     """SamplingParams for one choice; choice i of a seeded request uses seed + i."""
     min_tokens = request.min_tokens or 0
     if min_tokens > max_tokens:
@@ -63,9 +64,13 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         seed=None if request.seed is None else request.seed + seed_offset,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=request.repetition_penalty or 1.0,
+        min_p=request.min_p or 0.0,
         stop_token_ids=stop_ids,
         ignore_eos=bool(request.ignore_eos),
         logprobs=request.logprobs_k(),
         min_tokens=min_tokens,
         client=(getattr(request, "user", None) or "")[:MAX_CLIENT_CHARS],
+        logit_bias=logit_bias,
+        grammar=grammar,
     )

@@ -17,6 +17,7 @@ from starlette.responses import Response
 from engine.admission import check_choices
 from engine.outputs import TokenLogprob
 from engine.protocol import EngineError, TooManyChoicesError
+from scheduler.sampling_params import GrammarSpec
 from server.choice_stream import ChoiceSpec, ChoiceStream, RequestFailed
 from server.context import ServerContext
 from server.disconnect import ClientDisconnected, run_until_disconnected
@@ -26,6 +27,7 @@ from server.generation import ChoiceResult, Generation
 from server.sampling import Request as SamplingRequest
 from server.sampling import build_sampling_params, resolve_max_tokens, stop_strings
 from server.sse import DONE, EventStreamResponse, sse_event
+from server.structured import logit_bias_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -75,13 +77,16 @@ class OpenAIServing:
             raise from_engine_error(exc) from None
 
     def generation(self, request: SamplingRequest, prompts: list[list[int]],
-                   request_id: str, prompt_param: str) -> Generation:
-        """One engine request per (prompt, choice): ids f"{request_id}-{index}", seed + i."""
+                   request_id: str, prompt_param: str,
+                   grammar: GrammarSpec | None = None) -> Generation:
+        """One engine request per (prompt, choice): ids f"{request_id}-{index}", seed + i;
+        `grammar`: what every choice's output must follow (server/structured.py)."""
         ctx = self.ctx
         tokenizer = ctx.tokenizer
         n = request.n or 1
         self.check_admissible(n * len(prompts))
         stops = stop_strings(request)
+        bias = logit_bias_pairs(request, tokenizer.vocab_size)
         streams = []
         for prompt_index, prompt_ids in enumerate(prompts):
             if not prompt_ids:
@@ -96,7 +101,8 @@ class OpenAIServing:
             for i in range(n):
                 index = prompt_index * n + i
                 params = build_sampling_params(request, max_tokens=max_tokens, seed_offset=i,
-                                               vocab_size=tokenizer.vocab_size)
+                                               vocab_size=tokenizer.vocab_size,
+                                               grammar=grammar, logit_bias=bias)
                 spec = ChoiceSpec(index=index, prompt_index=prompt_index,
                                   request_id=f"{request_id}-{index}", prompt_token_ids=prompt_ids,
                                   params=params, stop=stops)

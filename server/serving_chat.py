@@ -9,6 +9,7 @@ import anyio
 from fastapi import Request
 from starlette.responses import Response
 
+from scheduler.sampling_params import GrammarSpec
 from server.choice_stream import Logprobs
 from server.errors import invalid_request
 from server.generation import ChoiceResult, Generation
@@ -16,63 +17,79 @@ from server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompl
                              ChatCompletionRequest, ChatCompletionResponse,
                              ChatCompletionStreamChoice, ChatResponseMessage, ChatTokenLogprob,
                              DeltaMessage, TopLogprob)
+from server.protocol_tools import FunctionCall, ToolCall
 from server.serving import OpenAIServing, clamp_logprob
+from server.structured import check_constrained, grammar_for
 from server.tokenizer import TemplateError
-
-# NOTE: "developer" is OpenAI's newer name for "system"; chat templates only know the latter.
-_TEMPLATE_ROLES = {"developer": "system"}
+from server.tool_parser import StreamedCalls, new_call_id, split_answer
+from server.tools import ToolPlan, chat_messages, plan_tools
 
 
 class ChatServing(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.ctx.check_model(request.model)
         tokenizer = self.ctx.require_ready()
-        messages = [{"role": _TEMPLATE_ROLES.get(m.role, m.role), "content": m.text()}
-                    for m in request.messages]
+        # NOTE: compiling a large schema takes milliseconds: not on the event loop
+        plan, grammar = await anyio.to_thread.run_sync(_constraints, request)
+        messages, tools = chat_messages(request, tokenizer.chat_template)
         self.check_prompt_text(["".join(m["content"] for m in messages)], "messages")
         try:
-            prompt_ids = await anyio.to_thread.run_sync(tokenizer.encode_chat, messages)
+            prompt_ids = await anyio.to_thread.run_sync(tokenizer.encode_chat, messages, tools)
         except TemplateError as exc:
             raise invalid_request(str(exc), param="messages") from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        generation = self.generation(request, [prompt_ids], request_id, "messages")
+        generation = self.generation(request, [prompt_ids], request_id, "messages", grammar)
         return await self.respond(
             raw, generation, stream=bool(request.stream),
-            events=lambda: self._chunks(request, generation, request_id, created),
-            build=lambda results: self._response(request, generation, results, request_id,
-                                                 created))
+            events=lambda: self._chunks(request, plan, generation, request_id, created),
+            build=lambda results: self._response(request, plan, generation, results,
+                                                 request_id, created))
 
-    def _response(self, request: ChatCompletionRequest, generation: Generation,
-                  results: list[ChoiceResult], request_id: str,
+    def _response(self, request: ChatCompletionRequest, plan: ToolPlan | None,
+                  generation: Generation, results: list[ChoiceResult], request_id: str,
                   created: int) -> ChatCompletionResponse:
-        choices = [ChatCompletionChoice(index=r.index,
-                                        message=ChatResponseMessage(content=r.text),
-                                        logprobs=self._logprobs(request, r.logprobs),
-                                        finish_reason=r.finish_reason)
-                   for r in results]
+        choices = []
+        for r in results:
+            message = _message(plan, r.text)
+            reason = r.finish_reason
+            if message.tool_calls and reason == "stop":
+                reason = "tool_calls"
+            choices.append(ChatCompletionChoice(index=r.index, message=message,
+                                                logprobs=self._logprobs(request, r.logprobs),
+                                                finish_reason=reason))
         return ChatCompletionResponse(id=request_id, created=created,
                                       model=self.ctx.served_model_name, choices=choices,
                                       usage=generation.usage())
 
-    async def _chunks(self, request: ChatCompletionRequest, generation: Generation,
-                      request_id: str, created: int) -> AsyncIterator[ChatCompletionChunk]:
+    async def _chunks(self, request: ChatCompletionRequest, plan: ToolPlan | None,
+                      generation: Generation, request_id: str,
+                      created: int) -> AsyncIterator[ChatCompletionChunk]:
         def chunk(choices, usage=None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created,
                                        model=self.ctx.served_model_name, choices=choices,
                                        usage=usage)
 
+        calls = {}
         for stream in generation.streams:
+            calls[stream.spec.index] = StreamedCalls(plan)
             yield chunk([ChatCompletionStreamChoice(
                 index=stream.spec.index, delta=DeltaMessage(role="assistant", content=""))])
         async for delta in generation.deltas():
-            if delta.text or delta.logprobs:
+            state = calls[delta.index]
+            pieces = state.push(delta.text) if delta.text else []
+            if delta.finish_reason:
+                pieces += state.flush()
+            if delta.logprobs and not pieces:
+                pieces = [DeltaMessage()]
+            for k, piece in enumerate(pieces):
                 yield chunk([ChatCompletionStreamChoice(
-                    index=delta.index, delta=DeltaMessage(content=delta.text),
-                    logprobs=self._logprobs(request, delta.logprobs))])
+                    index=delta.index, delta=piece,
+                    logprobs=self._logprobs(request, delta.logprobs) if k == 0 else None)])
             if delta.finish_reason:
                 yield chunk([ChatCompletionStreamChoice(
-                    index=delta.index, delta=DeltaMessage(), finish_reason=delta.finish_reason)])
+                    index=delta.index, delta=DeltaMessage(),
+                    finish_reason=state.finish_reason(delta.finish_reason))])
         if request.stream_options and request.stream_options.include_usage:
             yield chunk([], usage=generation.usage())
 
@@ -90,3 +107,26 @@ class ChatServing(OpenAIServing):
                               for t in top[:request.top_logprobs or 0]])
             for sampled, top in entries]
         return ChatChoiceLogprobs(content=content)
+
+
+def _constraints(request: ChatCompletionRequest) -> tuple[ToolPlan | None, GrammarSpec | None]:
+    """The tool plan and the grammar the answer follows (a required / named tool_choice's, else
+    response_format's or a guided_* field's), or the 400 that says why not."""
+    plan = plan_tools(request)
+    grammar = plan.grammar if plan is not None and plan.grammar else grammar_for(request)
+    check_constrained(grammar, request)
+    return plan, grammar
+
+
+def _message(plan: ToolPlan | None, text: str) -> ChatResponseMessage:
+    """The assistant message of one answer: its content, or the tool calls it makes."""
+    if plan is None or plan.mode == "none":
+        return ChatResponseMessage(content=text)
+    if plan.mode == "named":
+        call = ToolCall(id=new_call_id(), function=FunctionCall(name=plan.named, arguments=text))
+        return ChatResponseMessage(content=None, tool_calls=[call])
+    content, calls = split_answer(text, frozenset(t.function.name for t in plan.tools),
+                                  plan.parallel)
+    return ChatResponseMessage(content=content, tool_calls=[
+        ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls] or None)

@@ -16,6 +16,7 @@ from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionReq
                              CompletionResponse, CompletionStreamResponse)
 from server.sampling import check_token_ids
 from server.serving import OpenAIServing, clamp_logprob
+from server.structured import check_constrained, grammar_for
 from server.tokenizer import Tokenizer
 
 
@@ -33,6 +34,17 @@ def prompt_token_ids(prompt, tokenizer: Tokenizer) -> list[list[int]]:
     return [list(ids) for ids in batch]
 
 
+def _echoes(request: CompletionRequest, prompts: list[list[int]],
+            tokenizer: Tokenizer) -> list[str]:
+    """Per prompt, the text that `echo` puts before the completion ("" without echo)."""
+    if not request.echo:
+        return [""] * len(prompts)
+    texts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+    if texts and isinstance(texts[0], str):
+        return list(texts)
+    return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
+
+
 class CompletionServing(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
         self.ctx.check_model(request.model)
@@ -41,20 +53,27 @@ class CompletionServing(OpenAIServing):
         if texts and isinstance(texts[0], str):
             self.check_admissible(len(texts) * (request.n or 1))
             self.check_prompt_text(texts, "prompt")
+        if request.echo and request.logprobs is not None:
+            raise invalid_request("echo with logprobs is not supported (the prompt's logprobs "
+                                  "are not computed).", param="echo")
+        grammar = await anyio.to_thread.run_sync(grammar_for, request)
+        check_constrained(grammar, request)
         prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt, tokenizer)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        generation = self.generation(request, prompts, request_id, "prompt")
+        generation = self.generation(request, prompts, request_id, "prompt", grammar)
+        echoes = _echoes(request, prompts, tokenizer)
         return await self.respond(
             raw, generation, stream=bool(request.stream),
-            events=lambda: self._chunks(request, generation, request_id, created),
+            events=lambda: self._chunks(request, generation, request_id, created, echoes),
             build=lambda results: self._response(request, generation, results, request_id,
-                                                 created))
+                                                 created, echoes))
 
     def _response(self, request: CompletionRequest, generation: Generation,
                   results: list[ChoiceResult], request_id: str,
-                  created: int) -> CompletionResponse:
-        choices = [CompletionChoice(index=r.index, text=r.text,
+                  created: int, echoes: list[str]) -> CompletionResponse:
+        n = request.n or 1
+        choices = [CompletionChoice(index=r.index, text=echoes[r.index // n] + r.text,
                                     logprobs=self._logprobs(request, r.logprobs, 0)[0],
                                     finish_reason=r.finish_reason)
                    for r in results]
@@ -63,13 +82,18 @@ class CompletionServing(OpenAIServing):
                                   usage=generation.usage())
 
     async def _chunks(self, request: CompletionRequest, generation: Generation,
-                      request_id: str, created: int) -> AsyncIterator[CompletionStreamResponse]:
+                      request_id: str, created: int,
+                      echoes: list[str]) -> AsyncIterator[CompletionStreamResponse]:
         def chunk(choices, usage=None) -> CompletionStreamResponse:
             return CompletionStreamResponse(id=request_id, created=created,
                                             model=self.ctx.served_model_name, choices=choices,
                                             usage=usage)
 
         offsets = {s.spec.index: 0 for s in generation.streams}   # text_offset per choice
+        for s in generation.streams:
+            if echoes[s.spec.prompt_index]:
+                yield chunk([CompletionChoice(index=s.spec.index,
+                                              text=echoes[s.spec.prompt_index])])
         async for delta in generation.deltas():
             if delta.text or delta.logprobs:
                 logprobs, offsets[delta.index] = self._logprobs(request, delta.logprobs,

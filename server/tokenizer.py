@@ -126,19 +126,20 @@ class Tokenizer:
         return list(self.token_text(token_id).encode("utf-8"))
 
     # ------------------------------------------------------------------ chat
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
-        """Render a conversation ending with the assistant's generation prompt."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Render a conversation ending with the assistant's generation prompt; `tools`: the
+        OpenAI tool definitions, for a template that renders them (server/tools.py)."""
         if not self.chat_template:
             raise TemplateError("This model has no chat template; use /v1/completions.")
         template = _compile_template(self.chat_template)
         try:
-            return template.render(messages=messages, add_generation_prompt=True,
+            return template.render(messages=messages, tools=tools, add_generation_prompt=True,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError:
             raise
         except jinja2.TemplateError as exc:
             raise TemplateError(f"The chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # NOTE: the template writes the special tokens itself; add none on top.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=False)

@@ -206,7 +206,7 @@ def test_completion_logprobs_have_legacy_shape(client):
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"suffix": "x"}, "suffix"),
     ("/v1/completions", {"prompt": []}, "prompt"),
 ])
 def test_invalid_values_are_400_naming_the_param(http, path, change, param):

@@ -198,3 +198,31 @@ def test_top_k_top_p_match_a_full_sort_reference(scale):
     for i, p in enumerate(params):
         kept = set(torch.isfinite(out[i]).nonzero()[:, 0].tolist())
         assert kept == _reference_top_k_top_p(logits[i], p.top_k, p.top_p), i
+
+
+def test_repetition_penalty_demotes_prompt_and_output_tokens():
+    logits = torch.zeros(2, 10)
+    logits[:, 3] = 2.0            # the favourite, seen in the prompt
+    logits[:, 4] = 1.5
+    logits[:, 5] = -1.0           # seen in the output: pushed further down
+    params = [SamplingParams(temperature=0.0, repetition_penalty=2.0),
+              SamplingParams(temperature=0.0)]
+    out = Sampler(seed=0).sample(logits, params, [[5], [5]], [None, None],
+                                 prompt_token_ids=[[3, 3], [3]])
+    assert out.token_ids == [4, 3]
+    params[0] = SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=10)
+    lp = Sampler(seed=0).sample(logits, params, [[5], [5]], [None, None],
+                                prompt_token_ids=[[3], [3]]).logprobs[0][1]
+    by_id = {t.token_id: t.logprob for t in lp}
+    assert by_id[3] < by_id[4] and by_id[5] < by_id[0]      # 2 -> 1, -1 -> -2
+
+
+def test_min_p_keeps_only_tokens_near_the_top():
+    logits = torch.full((1, V), -10.0)
+    logits[0, :3] = torch.tensor([5.0, 4.5, 1.0])           # p1 / p0 = 0.61, p2 / p0 = 0.02
+    gens = [make_generator(7)]
+    seen = set()
+    for _ in range(200):
+        seen.update(Sampler(seed=0).sample(logits, [SamplingParams(temperature=1.0, min_p=0.1)],
+                                           [[]], gens).token_ids)
+    assert seen == {0, 1}

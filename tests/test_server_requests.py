@@ -37,7 +37,8 @@ def error_for(model, body: dict) -> APIError:
     ({"messages": HELLO, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"messages": []}, "messages"),
     ({}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     # a seed is a 64-bit signed integer (2^64 used to overflow inside the engine step)
     ({"messages": HELLO, "seed": 2 ** 64}, "seed"),
@@ -62,7 +63,7 @@ def test_invalid_chat_values_name_the_param(body, param):
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "logprobs": 6}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),

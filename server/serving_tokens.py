@@ -1,0 +1,74 @@
+"""POST /v1/tokenize and /v1/detokenize (also at /tokenize and /detokenize, where vLLM has
+them): the server's own tokenizer and chat template, so that clients count tokens exactly."""
+from __future__ import annotations
+
+from typing import Annotated
+
+import anyio
+from pydantic import Field, StrictBool
+
+from server.context import ServerContext
+from server.errors import invalid_request
+from server.protocol import ChatMessage, Text, TokenId, _Request, _Wire
+from server.protocol_tools import ChatTool
+from server.sampling import check_token_ids
+from server.tokenizer import TemplateError
+from server.tools import chat_messages
+
+
+class TokenizeRequest(_Request):
+    """Either `prompt` (text) or `messages` (rendered through the chat template first)."""
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage] | None, Field(min_length=1)] = None
+    tools: list[ChatTool] | None = None
+    add_special_tokens: StrictBool | None = None     # default: True for a prompt, False for chat
+    return_token_strs: StrictBool = False
+
+
+class TokenizeResponse(_Wire):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(_Wire):
+    prompt: str
+
+
+class TokenServing:
+    def __init__(self, ctx: ServerContext):
+        self.ctx = ctx
+
+    async def tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
+        self.ctx.check_model(request.model)
+        tokenizer = self.ctx.require_ready()
+        if (request.prompt is None) == (request.messages is None):
+            raise invalid_request("Give either 'prompt' or 'messages'.", param="prompt")
+        if request.prompt is not None:
+            add = True if request.add_special_tokens is None else request.add_special_tokens
+            tokens = await anyio.to_thread.run_sync(tokenizer.encode, request.prompt, add)
+        else:
+            messages, tools = chat_messages(request, tokenizer.chat_template)
+            try:
+                text = tokenizer.apply_chat_template(messages, tools)
+            except TemplateError as exc:
+                raise invalid_request(str(exc), param="messages") from None
+            tokens = await anyio.to_thread.run_sync(tokenizer.encode, text,
+                                                    bool(request.add_special_tokens))
+        strs = [tokenizer.token_text(t) for t in tokens] if request.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=self.ctx.max_model_len,
+                                tokens=tokens, token_strs=strs)
+
+    async def detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
+        self.ctx.check_model(request.model)
+        tokenizer = self.ctx.require_ready()
+        check_token_ids(request.tokens, tokenizer.vocab_size, "tokens")
+        text = await anyio.to_thread.run_sync(tokenizer.decode, request.tokens, False)
+        return DetokenizeResponse(prompt=text)

@@ -1,0 +1,180 @@
+"""ToolCallParser: an answer's text, as it streams, split into content and tool calls.
+
+Reads the Hermes format (server/tools.py): each call is a JSON object {"name", "arguments"}
+between <tool_call> and </tool_call>. Text outside the tags is content; a tagged block that is
+not a call to a known function stays content, tags and all (nothing the model wrote is lost).
+Text that may be the start of a tag is held back until it is known not to be one.
+"""
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from server.protocol import DeltaMessage
+from server.protocol_tools import DeltaFunctionCall, DeltaToolCall
+from server.tools import CALL_CLOSE, CALL_OPEN
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str                       # JSON text of an object
+    id: str = field(default_factory=new_call_id)
+
+
+Event = str | ParsedCall                 # content text, or a complete call
+
+
+def parse_call(body: str, names: frozenset[str]) -> ParsedCall | None:
+    """A call from the JSON between the tags, or None when it is not one."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(arguments, str):            # some models send the arguments as JSON text
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class ToolCallParser:
+    def __init__(self, names: frozenset[str], parallel: bool = True):
+        """parallel: False keeps the first call only (parallel_tool_calls: false); the
+        blocks after it are dropped, as OpenAI answers with one call at most then."""
+        self._names = names
+        self._parallel = parallel
+        self._buf = ""
+        self._in_call = False
+        self._space = ""               # whitespace after a call, held until text follows
+        self.num_calls = 0
+
+    def push(self, text: str) -> list[Event]:
+        """The events that `text` completes, in order."""
+        self._buf += text
+        out: list[Event] = []
+        while True:
+            if not self._in_call:
+                start = self._buf.find(CALL_OPEN)
+                if start < 0:
+                    keep = _partial_suffix(self._buf, CALL_OPEN)
+                    self._content(out, self._buf[:len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return out
+                self._content(out, self._buf[:start])
+                self._buf = self._buf[start + len(CALL_OPEN):]
+                self._in_call = True
+            end = self._buf.find(CALL_CLOSE)
+            if end < 0:
+                return out
+            self._call(out, self._buf[:end], closed=True)
+            self._buf = self._buf[end + len(CALL_CLOSE):]
+            self._in_call = False
+
+    def flush(self) -> list[Event]:
+        """The answer ended: what is held back (a call missing only its closing tag counts)."""
+        out: list[Event] = []
+        if self._in_call:
+            self._call(out, self._buf, closed=False)
+        else:
+            self._content(out, self._buf)
+        self._buf, self._in_call, self._space = "", False, ""
+        return out
+
+    def _call(self, out: list[Event], body: str, closed: bool) -> None:
+        call = parse_call(body, self._names)
+        if call is None:
+            self._content(out, CALL_OPEN + body + (CALL_CLOSE if closed else ""))
+            return
+        if self.num_calls and not self._parallel:
+            return
+        self.num_calls += 1
+        out.append(call)
+
+    def _content(self, out: list[Event], text: str) -> None:
+        # whitespace after a call is layout, not an answer, unless more text follows it
+        if self.num_calls and not text.strip():
+            self._space += text
+            return
+        if text:
+            out.append(self._space + text)
+            self._space = ""
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def split_answer(text: str, names: frozenset[str],
+                 parallel: bool = True) -> tuple[str | None, list[ParsedCall]]:
+    """A whole answer as (content or None, calls)."""
+    parser = ToolCallParser(names, parallel)
+    events = parser.push(text) + parser.flush()
+    calls = [e for e in events if isinstance(e, ParsedCall)]
+    content = "".join(e for e in events if isinstance(e, str))
+    if calls:
+        content = content.strip()
+    return (content or None) if calls else content, calls
+
+
+class StreamedCalls:
+    """One streamed choice: text deltas in, chat delta pieces out (content, or tool_calls
+    deltas as the SDK accumulates them). `plan`: server/tools.ToolPlan or None."""
+
+    def __init__(self, plan):
+        self._plan = plan
+        self._named_id: str | None = None
+        self._parser = (ToolCallParser(frozenset(t.function.name for t in plan.tools),
+                                       plan.parallel)
+                        if plan is not None and plan.parses_calls else None)
+        self.num_calls = 0
+
+    def push(self, text: str) -> list[DeltaMessage]:
+        if self._plan is not None and self._plan.mode == "named":
+            return self._named(text)
+        if self._parser is None:
+            return [DeltaMessage(content=text)] if text else []
+        return self._pieces(self._parser.push(text))
+
+    def flush(self) -> list[DeltaMessage]:
+        return self._pieces(self._parser.flush()) if self._parser is not None else []
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self.num_calls else reason
+
+    def _named(self, text: str) -> list[DeltaMessage]:
+        if self._named_id is None:
+            self._named_id = new_call_id()
+            self.num_calls = 1
+            return [DeltaMessage(tool_calls=[DeltaToolCall(
+                index=0, id=self._named_id, type="function",
+                function=DeltaFunctionCall(name=self._plan.named, arguments=text))])]
+        return [DeltaMessage(tool_calls=[DeltaToolCall(
+            index=0, function=DeltaFunctionCall(arguments=text))])] if text else []
+
+    def _pieces(self, events: list[Event]) -> list[DeltaMessage]:
+        out = []
+        for e in events:
+            if isinstance(e, str):
+                out.append(DeltaMessage(content=e))
+                continue
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=self.num_calls, id=e.id, type="function",
+                function=DeltaFunctionCall(name=e.name, arguments=e.arguments))]))
+            self.num_calls += 1
+        return out
