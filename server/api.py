@@ -22,8 +22,8 @@ from server.protocol import (ChatCompletionRequest, ChatCompletionResponse, Comp
 from server.serving import json_response
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
-from server.serving_tokens import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
-                                   TokenizeResponse, TokenServing)
+from server.serving_tokens import (DetokenizeRequest, DetokenizeResponse, RenderResponse,
+                                   TokenizeRequest, TokenizeResponse, TokenServing)
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -101,6 +101,14 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     async def detokenize(request: DetokenizeRequest) -> Response:
         return json_response(await tokens.detokenize(request))
 
+    @v1.post("/chat/completions/render", response_model=RenderResponse, responses=_errors)
+    async def render_chat(request: ChatCompletionRequest) -> Response:
+        return json_response(await tokens.render_chat(request))
+
+    @v1.post("/completions/render", response_model=RenderResponse, responses=_errors)
+    async def render_completion(request: CompletionRequest) -> Response:
+        return json_response(await tokens.render_completion(request))
+
     # vLLM serves these two at the root as well
     root = APIRouter(dependencies=[Depends(authorize), Depends(ready)])
     root.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse,
@@ -120,6 +128,10 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
         "type": "object", "properties": {"status": {"type": "string"}}}}}},
         503: {**_ERROR, "description": "The engine is not ready"}})
     async def health() -> Response:
+        if ctx.draining:
+            error = APIError(503, "The server is stopping (draining).",
+                             type="service_unavailable", code="draining")
+            return error.response()
         if ctx.is_ready:
             return JSONResponse({"status": "ok"})
         error = APIError(503, "The engine is not ready (loading, or stopped).",

@@ -94,6 +94,30 @@ class EngineLoader:
             self._server.should_exit = True
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first SIGTERM / SIGINT starts a drain of `drain_s` seconds:
+    /health answers 503 (`on_drain`) while requests are still served, then it stops as
+    uvicorn does. A second signal, or a drain of 0, stops at once."""
+
+    def __init__(self, config: uvicorn.Config, drain_s: float, on_drain):
+        super().__init__(config)
+        self._drain_s = drain_s
+        self._on_drain = on_drain
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._drain_s <= 0 or self._draining or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self._on_drain()
+        logger.info("draining for %.1f s before stopping (signal again to stop now)",
+                    self._drain_s)
+        timer = threading.Timer(self._drain_s, super().handle_exit, (sig, frame))
+        timer.daemon = True
+        timer.start()
+
+
 async def _serve(server: uvicorn.Server, loader: EngineLoader) -> None:
     serving = asyncio.create_task(server.serve())
     while not server.started and not serving.done():
@@ -119,7 +143,8 @@ def serve(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, settings.drain_seconds,
+                            on_drain=lambda: setattr(app.state.ctx, "draining", True))
     loader = EngineLoader(load_args, slot, server)
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
         runner.run(_serve(server, loader))

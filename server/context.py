@@ -25,6 +25,7 @@ class ServerContext:
         self.model_names = frozenset((served_model_name, *model_aliases))
         self.metrics = ServerMetrics(engine)
         self._api_key = api_key or None
+        self.draining = False          # stopping: /health says 503, requests are still served
         self._tokenizer_source = tokenizer
         self._tokenizer: Tokenizer | None = tokenizer if isinstance(tokenizer, Tokenizer) else None
 

@@ -1,5 +1,9 @@
 """POST /v1/tokenize and /v1/detokenize (also at /tokenize and /detokenize, where vLLM has
-them): the server's own tokenizer and chat template, so that clients count tokens exactly."""
+them): the server's own tokenizer and chat template, so that clients count tokens exactly.
+And vLLM's render endpoints, POST /v1/chat/completions/render and /v1/completions/render: a
+generation request's prompt token ids without generating (what vllm-router's cache-aware
+policy asks every replica for, to route requests that share a prefix to the same one:
+docs/scale-out.md)."""
 from __future__ import annotations
 
 from typing import Annotated
@@ -9,9 +13,11 @@ from pydantic import Field, StrictBool
 
 from server.context import ServerContext
 from server.errors import invalid_request
-from server.protocol import ChatMessage, Text, TokenId, _Request, _Wire
+from server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, Text,
+                             TokenId, _Request, _Wire)
 from server.protocol_tools import ChatTool
 from server.sampling import check_token_ids
+from server.serving_completion import prompt_token_ids
 from server.tokenizer import TemplateError
 from server.tools import chat_messages
 
@@ -40,6 +46,11 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(_Wire):
     prompt: str
+
+
+class RenderResponse(_Wire):
+    model: str
+    token_ids: list[int]                 # the (first) prompt's token ids
 
 
 class TokenServing:
@@ -72,3 +83,19 @@ class TokenServing:
         check_token_ids(request.tokens, tokenizer.vocab_size, "tokens")
         text = await anyio.to_thread.run_sync(tokenizer.decode, request.tokens, False)
         return DetokenizeResponse(prompt=text)
+
+    async def render_chat(self, request: ChatCompletionRequest) -> RenderResponse:
+        self.ctx.check_model(request.model)
+        tokenizer = self.ctx.require_ready()
+        messages, tools = chat_messages(request, tokenizer.chat_template)
+        try:
+            ids = await anyio.to_thread.run_sync(tokenizer.encode_chat, messages, tools)
+        except TemplateError as exc:
+            raise invalid_request(str(exc), param="messages") from None
+        return RenderResponse(model=self.ctx.served_model_name, token_ids=ids)
+
+    async def render_completion(self, request: CompletionRequest) -> RenderResponse:
+        self.ctx.check_model(request.model)
+        tokenizer = self.ctx.require_ready()
+        prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt, tokenizer)
+        return RenderResponse(model=self.ctx.served_model_name, token_ids=prompts[0])

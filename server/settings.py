@@ -27,11 +27,17 @@ class ServerSettings:
                                      "size get HTTP 413 before they are parsed (0: no limit)",
                                      group="server")
     log_level: str = setting("info", "log level", LOG_LEVELS, group="server")
+    drain_seconds: float = setting(0.0, "on SIGTERM or Ctrl-C, keep serving this long with "
+                                   "/health answering 503, so that a router or load balancer "
+                                   "moves new requests away first (a second signal stops at "
+                                   "once)", group="server")
 
     def __post_init__(self):
         check_choices(self)
         if not 0 < self.port < 65536:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
+        if self.drain_seconds < 0:
+            raise ValueError("--drain-seconds must be >= 0")
         if self.max_request_bytes < 0:
             raise ValueError("--max-request-bytes must be >= 0 (0: no limit)")
 

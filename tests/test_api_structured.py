@@ -160,6 +160,10 @@ def test_tokenize_detokenize_and_echo(client, http):
     assert t["count"] == len(t["tokens"]) > 0 and t["max_model_len"] > 0
     assert http.post("/detokenize", json={"tokens": t["tokens"]}).json()["prompt"] == "Hello world"
     chat = http.post("/tokenize", json={"messages": ASK}).json()
+    render = http.post("/v1/chat/completions/render", json={"model": MODEL, "messages": ASK})
+    assert render.json()["token_ids"] == chat["tokens"]
+    render = http.post("/v1/completions/render", json={"prompt": "Hello world"}).json()
+    assert render["token_ids"] == t["tokens"]
     usage = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1).usage
     assert chat["count"] == usage.prompt_tokens
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,

