@@ -14,11 +14,13 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt,
+from pydantic import (AfterValidator, Field, StrictBool, StrictInt,
                       field_validator, model_serializer, model_validator)
 
+# NOTE: the base models live in protocol_tools.py (imported here, not the other way round)
 from server.protocol_tools import (ChatTool, DeltaToolCall, MessageToolCall, OnlyFalse, OnlyText,
-                                   OnlyTrue, ResponseFormat, ToolCall, ToolChoice, Unsupported)
+                                   OnlyTrue, ResponseFormat, ToolCall, ToolChoice, Unsupported,
+                                   _Request, _Wire)
 
 MAX_N = 16                 # choices per request (each choice is one engine request)
 MAX_STOP_STRINGS = 4
@@ -65,14 +67,6 @@ def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
 
 LogitBias = Annotated[dict[str, float] | None,
                       Field(default=None, max_length=MAX_LOGIT_BIAS), AfterValidator(_logit_bias)]
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(_Request):

@@ -11,10 +11,12 @@ FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"     # OpenAI's rule for function names
 
 
 class _Request(BaseModel):
+    """Request bodies: unknown fields are ignored (known output-changing ones are Unsupported)."""
     model_config = ConfigDict(extra="ignore")
 
 
 class _Wire(BaseModel):
+    """Response bodies: exactly the fields declared."""
     model_config = ConfigDict(extra="forbid")
 
 

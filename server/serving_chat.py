@@ -125,8 +125,7 @@ def _message(plan: ToolPlan | None, text: str) -> ChatResponseMessage:
     if plan.mode == "named":
         call = ToolCall(id=new_call_id(), function=FunctionCall(name=plan.named, arguments=text))
         return ChatResponseMessage(content=None, tool_calls=[call])
-    content, calls = split_answer(text, frozenset(t.function.name for t in plan.tools),
-                                  plan.parallel)
+    content, calls = split_answer(text, plan.names, plan.parallel)
     return ChatResponseMessage(content=content, tool_calls=[
         ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in calls] or None)

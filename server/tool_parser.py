@@ -139,8 +139,7 @@ class StreamedCalls:
     def __init__(self, plan):
         self._plan = plan
         self._named_id: str | None = None
-        self._parser = (ToolCallParser(frozenset(t.function.name for t in plan.tools),
-                                       plan.parallel)
+        self._parser = (ToolCallParser(plan.names, plan.parallel)
                         if plan is not None and plan.parses_calls else None)
         self.num_calls = 0
 

@@ -50,6 +50,10 @@ class ToolPlan:
     parallel: bool = True              # more than one call per answer (parallel_tool_calls)
 
     @property
+    def names(self) -> frozenset[str]:
+        return frozenset(t.function.name for t in self.tools)
+
+    @property
     def parses_calls(self) -> bool:
         return self.mode in ("auto", "required")
 

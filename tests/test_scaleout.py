@@ -3,7 +3,6 @@ deploy/router/flags: the OpenAI SDK through the router, prefix affinity with cac
 retried on the other replica, and a replica stopped mid-run."""
 from __future__ import annotations
 
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -17,20 +16,15 @@ from typing import Iterator
 import httpx
 import pytest
 
-from tests.server_helpers import (MODEL, REPO, ServerProcess, free_port, openai_client,
+from bench.scaleout import router_flags
+from tests.server_helpers import (MODEL, ServerProcess, free_port, openai_client,
                                   running_server)
 
 pytestmark = pytest.mark.slow
 
 ROUTER = Path(sys.executable).parent / "vllm-router"
-FLAGS = REPO / "deploy" / "router" / "flags"
 DRAIN = ("--drain-seconds", "6")            # > the router's 2 checks x 2 s to notice
 SUCCESS = ("strata_request_success_total", 'finished_reason="length"')
-
-
-def router_flags() -> list[str]:
-    lines = [ln.strip() for ln in FLAGS.read_text().splitlines()]
-    return [arg for ln in lines if ln and not ln.startswith("#") for arg in shlex.split(ln)]
 
 
 @contextmanager
