@@ -76,12 +76,15 @@ class ModelRunner:
         self.page_size = kv.page_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
+        # the distinct prompt token ids of repetition_penalty requests, made once per request
+        self._prompt_vocab: dict[str, list[int]] = {}
         self.grammars = GrammarTable(folder / "tokenizer.json", config.vocab_size,
                                      tuple(config.eos_token_ids))
 
     def release(self, request_id: str) -> None:
         """The request ended: its generator and its KV in every tier go."""
         self._generators.pop(request_id, None)
+        self._prompt_vocab.pop(request_id, None)
         self.grammars.release(request_id)
         self.store.release(request_id)
 
@@ -169,10 +172,20 @@ class ModelRunner:
                                   [q.sampling_params for q in reqs],
                                   [q.output_token_ids for q in reqs], [row[2] for row in rows],
                                   banned_token_ids=[row[3] for row in rows], allowed=allowed,
-                                  prompt_token_ids=[q.prompt_token_ids for q in reqs])
+                                  prompt_token_ids=[self._seen_prompt(q) for q in reqs])
         return {q.request_id: SampledToken(out.token_ids[k],
                                            out.logprobs[k] if out.logprobs is not None else None)
                 for k, q in enumerate(reqs)}
+
+    def _seen_prompt(self, req: Request) -> list[int]:
+        """The prompt's distinct token ids where repetition_penalty reads them (else none): the
+        penalty needs only which ids occur, not a 100K-token prompt re-read every step."""
+        if req.sampling_params.repetition_penalty == 1.0:
+            return []
+        seen = self._prompt_vocab.get(req.request_id)
+        if seen is None:
+            seen = self._prompt_vocab[req.request_id] = sorted(set(req.prompt_token_ids))
+        return seen
 
     def _matcher(self, req: Request):
         grammar = req.sampling_params.grammar
