@@ -242,7 +242,7 @@ class PrefixReuse:
             pids = self._allocator.take(n)
             if not pids:
                 continue
-            self._disk.adopt(seg.handle, pids, seg.indices[:n], seg.crcs[:n])
+            self._disk.adopt(seg.handle, pids, seg.indices[:n], seg.crcs[:n], seg.meta[:n])
             self._tiers.clean[self._tiers.keys_of(torch.tensor(pids))] = True
             chain, dup = [], []
             for pid, idx, key, raw in zip(pids, seg.indices, seg.keys, seg.summaries):

@@ -38,6 +38,7 @@ from kvstore.selection import PageSelection
 from kvstore.step import SeqKV, StepKV, StepParts
 from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
+from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.disk_layout import DiskLayout
 from kvstore.tiers.errors import TierFull
 from kvstore.tierset import TierSet
@@ -59,7 +60,11 @@ class TieredKVStore:
         self.num_layers = num_layers
         self.page_shape = PageShape(cfg.page_size, num_kv_heads, head_dim, dtype)
         device = torch.device(device)
-        layer_bytes = self.page_shape.nbytes * num_layers
+        codec = PageCodec.from_name(cfg.tier_codec, self.page_shape, cfg.tier_codec_group)
+        # NOTE: with the codec a disk page takes its codes' bytes: more pages fit the budget
+        page_bytes = codec.stride if codec is not None and cfg.backing == "disk" \
+            else self.page_shape.nbytes
+        layer_bytes = page_bytes * num_layers
         budgets = cfg.budgets(device.type)
         backing_bytes = next(budgets[t] for t in ("disk", "host", "device") if budgets[t])
         max_pages = backing_bytes // layer_bytes
@@ -71,9 +76,10 @@ class TieredKVStore:
         self._allocator = PageAllocator(max_pages, cfg.page_size)
         namespace = namespace_key(model=model_id, kv_dtype=str(dtype), page_size=cfg.page_size,
                                   layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim,
-                                  layout=DiskLayout.version)
+                                  layout=DiskLayout.version,
+                                  **({"codec": codec.name} if codec is not None else {}))
         self._tiers = TierSet(cfg, self.page_shape, num_layers, max_pages, device, self.stats,
-                              owners=self._allocator.holders, namespace=namespace)
+                              owners=self._allocator.holders, namespace=namespace, codec=codec)
         disk = self._tiers.disk_tier
         self._requests = RequestTable(disk.next_handle if disk is not None else 0)
         if cfg.force_tier == "host" and self._tiers.host_tier is None and cfg.disk_bytes == 0:
