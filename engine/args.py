@@ -100,8 +100,13 @@ class EngineArgs:
                                        "in sparse decode", group="sparse")
     dense_layers: int = setting(_KV.dense_layers, "the first layers always attend densely",
                                 group="sparse")
-    selector: str = setting(_KV.selector, "page scoring: Quest's min/max bound or the mean "
-                            "key", SELECTORS, group="sparse")
+    selector: str = setting(_KV.selector, "page scoring: Quest's min/max bound, the mean "
+                            "key, or Quest's bound over keys projected to --lowrank-rank "
+                            "dims (KVSwap's low-rank keys: at rank 16 a quarter of Quest's summaries; "
+                            "the projection is calibrated once per model, `strata "
+                            "calibrate`)", SELECTORS, group="sparse")
+    lowrank_rank: int = setting(_KV.lowrank_rank, "dims of the keys' low-rank projection "
+                                "(--selector lowrank)", group="sparse")
     sparse_head_pages: str = setting(_KV.head_pages, "each KV head attends to its own "
                                      "selected pages, or to the union of all heads' pages",
                                      HEAD_PAGES, group="sparse")
@@ -154,6 +159,7 @@ class EngineArgs:
             disk_path=Path(disk_path) if disk_path else None, sparse_budget=self.sparse_budget,
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,
+            lowrank_rank=self.lowrank_rank,
             head_pages=self.sparse_head_pages, obs_window=self.sparse_obs_window,
             prior_share=self.sparse_prior_share, obs_reduce=self.sparse_obs_reduce,
             pipeline=self.pipeline, residency=self.residency,

@@ -9,7 +9,7 @@ HEAD_PAGES = ("per-head", "union")
 PIPELINES = ("sequential", "sfc", "layer-ahead")
 RESIDENCY_POLICIES = ("cycle", "lru")       # kvstore/residency.py
 OBS_REDUCE = ("sum", "max")
-SELECTORS = ("quest", "mean")               # kernels/page_select.py (a test checks they match)
+SELECTORS = ("quest", "mean", "lowrank")    # kernels/page_select.py (a test checks they match)
 TIER_CODECS = ("none", "int8", "int4")      # kvstore/tiers/codec.py
 
 
@@ -28,7 +28,8 @@ class KVStoreConfig:
     sink_tokens: int = 16                # --sparse-sink-tokens: first tokens always attended
     local_tokens: int = 64               # --sparse-local-tokens: last tokens always attended
     dense_layers: int = 2                # --dense-layers: the first layers always run dense
-    selector: str = "quest"              # --selector: quest | mean
+    selector: str = "quest"              # --selector: quest | mean | lowrank
+    lowrank_rank: int = 16               # --lowrank-rank: dims of the projected keys (lowrank)
     obs_window: int = 32                 # --sparse-obs-window: last prompt tokens whose attention ranks pages at prefill; 0: off
     obs_reduce: str = "max"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
@@ -72,6 +73,8 @@ class KVStoreConfig:
         if self.selector not in SELECTORS:
             raise ValueError(f"--selector must be one of {', '.join(SELECTORS)}, "
                              f"got {self.selector!r}")
+        if self.lowrank_rank < 1:
+            raise ValueError(f"--lowrank-rank must be >= 1, got {self.lowrank_rank}")
         if self.tier_codec not in TIER_CODECS:
             raise ValueError(f"--kv-tier-codec must be one of {', '.join(TIER_CODECS)}, "
                              f"got {self.tier_codec!r}")

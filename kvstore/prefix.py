@@ -236,7 +236,7 @@ class PrefixReuse:
             return 0
         taken = 0
         shape = self._tiers.page_shape
-        per_page = (self._tiers.num_layers, shape.num_kv_heads, 3, shape.head_dim)
+        per_page = (self._tiers.num_layers, shape.num_kv_heads, 3, self._tiers.summary_dim)
         for seg in self._disk.restore():
             n = min(len(seg.indices), self._allocator.num_free_pages)
             pids = self._allocator.take(n)

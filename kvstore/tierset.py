@@ -43,7 +43,7 @@ class TierSet:
     def __init__(self, cfg: KVStoreConfig, page_shape: PageShape, num_layers: int,
                  max_pages: int, device: torch.device, stats: KVStats,
                  owners: Callable[[set[int]], list[str]], namespace: bytes = b"",
-                 codec: PageCodec | None = None):
+                 codec: PageCodec | None = None, summary_dim: int | None = None):
         """namespace: the prefix cache's, which the disk tier's index logs carry; codec: the
         disk tier's (None: pages stored as they are)."""
         self.page_shape = page_shape
@@ -58,7 +58,9 @@ class TierSet:
         device_bytes, host_bytes = budgets["device"], budgets["host"]
         self.device_tier = DeviceTier(page_shape, device_bytes, max_keys, device)
         self.host_tier = HostTier(page_shape, host_bytes, max_keys) if host_bytes else None
-        summary_bytes = num_layers * page_shape.num_kv_heads * 3 * page_shape.head_dim \
+        # values per page summary row (kvstore/selection.py): what cached pages carry
+        self.summary_dim = summary_dim or page_shape.head_dim
+        summary_bytes = num_layers * page_shape.num_kv_heads * 3 * self.summary_dim \
             * page_shape.dtype.itemsize
         self.disk_tier = (DiskTier(page_shape, cfg.disk_bytes, cfg.disk_path, max_keys,
                                    num_layers, max_pages, threads=cfg.disk_threads,

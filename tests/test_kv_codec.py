@@ -180,3 +180,14 @@ def test_the_engine_decodes_from_a_compressed_disk_tier(smollm2_dir, tmp_path):
         else:
             assert same >= 8, (got, exact)
     assert per_page == {"none": 12288, "int8": 6144, "int4": 3072}
+
+
+def test_staging_buffers_are_reused_smallest_fit_first():
+    from kvstore.tiers.extent_io import StagingBuffers
+    pool = StagingBuffers()
+    a, b = pool.take(3 << 20), pool.take(1 << 20)
+    assert a.shape[0] >= 3 << 20 and b.shape[0] >= 1 << 20 and a.ctypes.data % 4096 == 0
+    pool.give(a)
+    pool.give(b)
+    assert pool.take(100).ctypes.data == b.ctypes.data      # the smallest that fits
+    assert pool.take(2 << 20).ctypes.data == a.ctypes.data

@@ -176,11 +176,10 @@ class StagingBuffers:
 
     def take(self, nbytes: int) -> np.ndarray:
         with self._lock:
-            fits = [b for b in self._free if b.shape[0] >= nbytes]
+            # NOTE: by position: `list.remove` would compare arrays element by element
+            fits = [i for i, b in enumerate(self._free) if b.shape[0] >= nbytes]
             if fits:
-                buf = min(fits, key=lambda b: b.shape[0])
-                self._free.remove(buf)
-                return buf
+                return self._free.pop(min(fits, key=lambda i: self._free[i].shape[0]))
         # NOTE: anonymous mmap is page-aligned, as O_DIRECT needs
         return np.frombuffer(mmap.mmap(-1, max(ALIGN, round_up(nbytes, 1 << 20))),
                              dtype=np.uint8)
@@ -189,7 +188,8 @@ class StagingBuffers:
         with self._lock:
             self._free.append(buf)
             if len(self._free) > 8:                    # keep the largest few
-                self._free.remove(min(self._free, key=lambda b: b.shape[0]))
+                self._free.pop(min(range(len(self._free)),
+                                   key=lambda i: self._free[i].shape[0]))
 
 
 class ExtentIO:
