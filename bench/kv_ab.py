@@ -62,8 +62,15 @@ def child(root: str, spec: str) -> None:
     # serial: each prompt added once the one before has its first token (the earlier ones
     # decode meanwhile), so that prefills do not evict each other's pages from small tiers
     serial = cfg.get("serial_prefill", False)
+    prompts = None
+    if cfg.get("prompts") == "essay":       # bench/pipeline.py's: essays and a question
+        from bench.common import essay_prompts
+        from server.tokenizer import Tokenizer
+        prompts = essay_prompts(Tokenizer.from_folder(engine.model_folder), cfg["batch"],
+                                cfg["context"])
     for i in range(cfg["batch"]):
-        ids = torch.randint(100, 40000, (cfg["context"],), generator=gen).tolist()
+        ids = prompts[i] if prompts else \
+            torch.randint(100, 40000, (cfg["context"],), generator=gen).tolist()
         engine.add_request(f"r{i}", ids, params)
         while serial and not engine.scheduler.get_request(f"r{i}").output_token_ids:
             engine.step()
@@ -104,7 +111,8 @@ def run_arm(name: str, root: Path, over: dict, args) -> dict:
     engine = {**BASE, "kv_disk_path": str(disk), **over}
     spec = json.dumps({"engine": engine, "batch": args.batch, "context": args.context,
                        "steps": args.steps,
-                       "serial_prefill": getattr(args, "serial_prefill", False)})
+                       "serial_prefill": getattr(args, "serial_prefill", False),
+                       "prompts": getattr(args, "prompts", "random")})
     env = dict(os.environ, PYTHONPATH=str(root))
     out = subprocess.run([sys.executable, __file__, "--child", str(root), spec], env=env,
                          capture_output=True, text=True)

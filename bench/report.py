@@ -338,8 +338,9 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
            "sparse-1024-int8 sparse-1024-int4` (every page through the codec: the worst case; "
            "4K: 45 prompts, 7K: 30; change against uncompressed in brackets).", "",
            f"![codec]({png})", "",
-           "| `--kv-tier-codec` | disk bytes a page | MiB from disk a step | fewer bytes | "
-           "decode step ms | needle ~4K / ~7K |", "|---|---|---|---|---|---|"]
+           "| `--kv-tier-codec` | disk bytes a page | pages from disk a step | MiB from disk "
+           "a step | fewer bytes | decode step ms | needle ~4K / ~7K |",
+           "|---|---|---|---|---|---|---|"]
     base = {}
     for length in ("4k", "7k"):
         base.update(_needle_pct(results, f"needle_codec_{length}.json", "sparse-1024"))
@@ -349,6 +350,7 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
         for length in ("4k", "7k"):
             accs.update(_needle_pct(results, f"needle_codec_{length}.json", cfg))
         out.append(f"| {codec} | {row['disk_page_bytes']} | "
+                   f"{row['disk_to_device_bytes_per_step'] / row['disk_page_bytes']:.0f} | "
                    f"{row['disk_to_device_bytes_per_step'] / 2**20:.1f} | "
                    f"{row.get('fewer_disk_bytes_x', 1.0):.2f}x | {row['step_ms_median']:.0f} | "
                    f"{_needle_cells(accs, base if codec != 'none' else {}) or '-'} |")

@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvstore.lowrank import causal_attention  # noqa: E402
 from bench.common import (add_out_arg, add_replot_arg, code_version, cpu_line,  # noqa: E402
                           essay_ids, machine, parser, pyplot, read_json, result_path,
                           save_figure, use_checkout_cache, write_json)
@@ -54,10 +54,7 @@ class _DenseSeam:
         self.v[layer] = v if prefill else torch.cat([self.v[layer], v])
         if not prefill:
             self.queries[layer].append(q[0].float())
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), self.k[layer].transpose(0, 1), self.v[layer].transpose(0, 1),
-            is_causal=prefill, scale=scale, enable_gqa=True)
-        return o.transpose(0, 1)
+        return causal_attention(q, self.k[layer], self.v[layer], scale, causal=prefill)
 
 
 def decode_queries(model, ids: list[int], steps: int) -> _DenseSeam:
@@ -232,8 +229,8 @@ def plot(res: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[4000, 7000])
-    ap.add_argument("--per-depth", type=int, default=2)
-    ap.add_argument("--per-task", type=int, default=2)
+    ap.add_argument("--per-depth", type=int, default=1)
+    ap.add_argument("--per-task", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     calib.add_argument("--text", action="append", default=None, metavar="FILE",
                        help="calibration text file (repeatable; default: the bundled essays)")
     calib.add_argument("--tokens", type=int, default=32768,
-                       help="calibration tokens, in sequences of 4096 (default 32768)")
+                       help="calibration tokens, in sequences of 2048 (default 32768)")
     cache = commands.add_parser("cache", help="list or empty the prefix cache kept on the "
                                 "disk tier (--kv-disk-path)")
     cache.add_argument("action", choices=("ls", "clear"))

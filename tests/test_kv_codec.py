@@ -183,7 +183,7 @@ def test_the_engine_decodes_from_a_compressed_disk_tier(smollm2_dir, tmp_path):
 
 
 def test_staging_buffers_are_reused_smallest_fit_first():
-    from kvstore.tiers.extent_io import StagingBuffers
+    from kvstore.tiers.staging import StagingBuffers
     pool = StagingBuffers()
     a, b = pool.take(3 << 20), pool.take(1 << 20)
     assert a.shape[0] >= 3 << 20 and b.shape[0] >= 1 << 20 and a.ctypes.data % 4096 == 0

@@ -7,7 +7,7 @@ import torch
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
-from kvstore.lowrank import (LowRankProjection, calibrate, calibration_texts,
+from kvstore.lowrank import (LowRankProjection, calibrate, calibration_texts, collect, fit,
                              projection_path)
 from tests import engine_helpers
 
@@ -37,10 +37,14 @@ def test_the_basis_is_orthonormal_and_keeps_most_of_the_keys_energy(rank8, smoll
     assert basis.shape == (30, 3, 64, 8) and rank8.tokens == 2048
     eye = basis.transpose(-1, -2) @ basis
     assert torch.allclose(eye, torch.eye(8).expand_as(eye), atol=1e-4)
-    assert all(0.5 < e <= 1.0 for e in rank8.energy)
     texts = calibration_texts(smollm2_dir / "tokenizer.json", tokens=1024, length=1024)
-    full = calibrate(model, texts, 64)
-    assert all(abs(e - 1.0) < 1e-6 for e in full.energy)      # every direction kept
+    stats = collect(model, texts)
+    keys8 = fit(stats, 8, "keys")                             # KVSwap's: the keys' SVD
+    assert all(0.5 < e <= 1.0 for e in keys8.energy)
+    # the query-weighted basis gives up some key energy for the directions queries use
+    assert sum(fit(stats, 8).energy) < sum(keys8.energy)
+    for weighting in ("keys", "queries"):                     # every direction kept
+        assert all(abs(e - 1.0) < 1e-6 for e in fit(stats, 64, weighting).energy)
     rank8.save(tmp_path / "p.pt")
     again = LowRankProjection.load(tmp_path / "p.pt")
     assert torch.equal(again.basis, rank8.basis) and again.energy == rank8.energy

@@ -98,6 +98,26 @@ class PageCodec:
         _kvcodec.decode(codes, meta, dst, self.rows, self.page_shape.head_dim, self.group,
                         self.bits, self._bf16, simd)
 
+    def io_transform(self, op: str, staging: np.ndarray, keys: np.ndarray, pages: np.ndarray,
+                     rows: np.ndarray, meta: np.ndarray):
+        """For the disk tier's I/O threads (extent_io.ExtentJob.transform): between
+        pages[rows[j]] (uint8 [slots, page bytes]) and row j of a staging buffer of codes
+        [n, code_bytes] cut from `staging`, with key j's scales at meta[keys[j]]: encode before
+        a write ("write"), decode after a read. Returns (transform(s0, s1) over pages s0..s1-1,
+        the staging rows)."""
+        n, pitch = keys.shape[0], self.code_bytes
+        stage = staging[:n * pitch].reshape(n, pitch)
+        codes = np.uint64(stage.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(pitch)
+        page = np.uint64(pages.ctypes.data) + rows.astype(np.uint64) * np.uint64(pages.strides[0])
+        scales = np.uint64(meta.ctypes.data) + keys.astype(np.uint64) * np.uint64(self.meta_bytes)
+        if op == "write":
+            def transform(s0: int, s1: int) -> None:
+                self.encode(page[s0:s1], codes[s0:s1], scales[s0:s1])
+        else:
+            def transform(s0: int, s1: int) -> None:
+                self.decode(codes[s0:s1], scales[s0:s1], page[s0:s1])
+        return transform, stage
+
     # -- tensors (tests, benches, the needle bench's worst case) -----------------------------
 
     def encode_pages(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,9 +41,10 @@ from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.direct_io import probe_direct_io
 from kvstore.tiers.disk_layout import DiskLayout
 from kvstore.tiers.errors import PageMissing, TierFull
-from kvstore.tiers.extent_io import ExtentIO, ExtentJob, StagingBuffers, plan_extents
+from kvstore.tiers.extent_io import ExtentIO, ExtentJob, plan_extents
 from kvstore.tiers.segment_log import SegmentLog, parse
 from kvstore.tiers.segments import Segments
+from kvstore.tiers.staging import StagingBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -372,7 +373,9 @@ class DiskTier(Tier):
         first = order[starts]
         transform, stage = None, None
         if self.codec is not None:
-            transform, stage, whole = self._codec_job(op, keys[order], buf, rows[order])
+            whole = self._staging.take(keys.shape[0] * self.codec.code_bytes)
+            transform, stage = self.codec.io_transform(op, whole, keys[order], buf,
+                                                       rows[order], self._meta)
             buf, rows, keep_alive = stage, np.arange(keys.shape[0]), (keep_alive, stage)
         busy = np.unique(slot)
         segs.begin_io(busy)                 # descriptors of released files open until end_io
@@ -396,22 +399,3 @@ class DiskTier(Tier):
                 self._staging.give(whole)
         future.add_done_callback(done)
         return future
-
-    def _codec_job(self, op: str, keys: np.ndarray, pages: np.ndarray, rows: np.ndarray):
-        """The transform between pages[rows[j]] and row j of a staging buffer of codes
-        [n, code bytes] (the j-th page in job order): encode before a write, decode after a
-        read; the staging rows, and the buffer to give back."""
-        codec, n, pitch = self.codec, keys.shape[0], self.codec.code_bytes
-        whole = self._staging.take(n * pitch)
-        stage = whole[:n * pitch].reshape(n, pitch)
-        codes = np.uint64(stage.ctypes.data) + np.arange(n, dtype=np.uint64) * np.uint64(pitch)
-        page = np.uint64(pages.ctypes.data) + rows.astype(np.uint64) * np.uint64(pages.strides[0])
-        meta = np.uint64(self._meta.ctypes.data) + keys.astype(np.uint64) \
-            * np.uint64(codec.meta_bytes)
-        if op == "write":
-            def transform(s0: int, s1: int) -> None:
-                codec.encode(page[s0:s1], codes[s0:s1], meta[s0:s1])
-        else:
-            def transform(s0: int, s1: int) -> None:
-                codec.decode(codes[s0:s1], meta[s0:s1], page[s0:s1])
-        return transform, stage, whole
