@@ -24,8 +24,7 @@ from pathlib import Path
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (add_out_arg, add_replot_arg, code_version, cpu_line,  # noqa: E402
-                          machine, parser, pyplot, read_json, result_path, save_figure,
-                          use_checkout_cache, write_json)
+                          machine, parser, pyplot, replot_or_run, save_figure)
 from bench.kv_ab import run_arm  # noqa: E402
 
 CODECS = ("none", "int8", "int4")
@@ -118,20 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     add_replot_arg(ap)
     args = ap.parse_args(argv)
     args.serial_prefill, args.prompts = True, "essay"
-    if args.replot:
-        res = read_json(args.replot)
-        plot(res, Path(args.replot).with_suffix(".png"))
-        print(report(res))
-        return
     if args.quick:
         args.batch, args.context, args.steps, args.rounds = 4, 4000, 6, 1
-    use_checkout_cache()
-    res = run(args)
-    out = result_path(args.out, "kv_codec", args.quick)
-    write_json(out, res)
-    plot(res, out.with_suffix(".png"))
-    print(report(res))
-    print(f"wrote {out}")
+    replot_or_run(args, "kv_codec", run, plot, report)
 
 
 if __name__ == "__main__":

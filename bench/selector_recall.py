@@ -33,8 +33,7 @@ if not __package__:                     # run as a script: import from the check
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvstore.lowrank import causal_attention  # noqa: E402
 from bench.common import (add_out_arg, add_replot_arg, code_version, cpu_line,  # noqa: E402
-                          essay_ids, machine, parser, pyplot, read_json, result_path,
-                          save_figure, use_checkout_cache, write_json)
+                          essay_ids, machine, parser, pyplot, replot_or_run, save_figure)
 
 SELECTORS = ("quest", "mean", "lowrank")
 
@@ -243,20 +242,9 @@ def main(argv: list[str] | None = None) -> None:
     add_out_arg(ap, "selector_recall", quick=True)
     add_replot_arg(ap)
     args = ap.parse_args(argv)
-    if args.replot:
-        res = read_json(args.replot)
-        plot(res, Path(args.replot).with_suffix(".png"))
-        print(report(res))
-        return
     if args.quick:
         args.lengths, args.per_depth, args.per_task, args.steps = [4000], 1, 1, 2
-    use_checkout_cache()
-    res = run(args)
-    out = result_path(args.out, "selector_recall", args.quick)
-    write_json(out, res)
-    plot(res, out.with_suffix(".png"))
-    print(report(res))
-    print(f"wrote {out}")
+    replot_or_run(args, "selector_recall", run, plot, report)
 
 
 if __name__ == "__main__":
