@@ -186,7 +186,10 @@ def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int
                                               else 2048),
                       kv_device_gb=kv_gb, sparse_budget=budget, dense_layers=dense_layers,
                       selector=selector, sparse_head_pages=head_pages, threads=threads,
-                      sparse_obs_reduce=obs_reduce, sparse_prior_share=prior_share)
+                      sparse_obs_reduce=obs_reduce, sparse_prior_share=prior_share,
+                      # NOTE: off: prompts sharing their first page (the chat template) would
+                      # wait for the one computing it, and the batch's one-step prefill breaks
+                      prefix_cache="off")
 
 
 def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str]) -> int:

@@ -336,7 +336,7 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
            f"(`--pipeline {rep['pipeline']}`); each codec in its own process, in turns. "
            f"{m['cpu']}. Needle accuracy: `bench/needle.py --configs sparse-1024 "
            "sparse-1024-int8 sparse-1024-int4` (every page through the codec: the worst case; "
-           "4K: 45 prompts, 7K: 30; change against uncompressed in brackets).", "",
+           "~4K: 45 prompts, ~7K: 30, where run; change against uncompressed in brackets).", "",
            f"![codec]({png})", "",
            "| `--kv-tier-codec` | disk bytes a page | pages from disk a step | MiB from disk "
            "a step | fewer bytes | decode step ms | needle ~4K / ~7K |",
@@ -358,8 +358,9 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
 
 
 def selector_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
+    quick = " --quick" if png.endswith("_quick.png") else ""
     out = ["### Smaller selection metadata: low-rank keys", "",
-           f"`.venv/bin/python bench/selector_recall.py`: needle and RULER prompts, "
+           f"`.venv/bin/python bench/selector_recall.py{quick}`: needle and RULER prompts, "
            f"{rep['steps']} greedy decode steps each; at each step, layer and KV head, each "
            f"selector's top pages at budget {rep['budget']} against the pages holding the most "
            f"attention (page recall / attention-mass recall). `lowrank` is rank {rep['rank']} "
@@ -394,6 +395,8 @@ def render(results: Path = RESULTS, suffix: str = "") -> str:
                                                          "soak", "prefix", "structured",
                                                          "scaleout", "kv_codec",
                                                          "selector_recall")}
+    if not names["selector_recall"].exists():        # the quick run stands in until a full one
+        names["selector_recall"] = results / "selector_recall_quick.json"
     reps = {k: _load(p) for k, p in names.items()}
     lines = [BEGIN, "", machine_line(*reps.values()), code_line(*reps.values()),
              "Regenerate with `.venv/bin/python bench/suite.py` (all three, ~11 min; `--quick` "
