@@ -322,6 +322,17 @@ def _needle_pct(results: Path, name: str, config: str) -> dict[str, float]:
     return {k: v for k, v in acc.items() if k != "all"}
 
 
+def _needle_counts(results: Path, names: list[str]) -> str:
+    """"~4000: 25 prompts, ..." of the needle JSONs that exist."""
+    out = []
+    for name in names:
+        rep = _load(results / name)
+        if rep is not None:
+            n = rep["per_depth"] * len(rep["depths"])
+            out += [f"~{length}: {n} prompts" for length in rep["lengths"]]
+    return ", ".join(out) or "not run yet"
+
+
 def _needle_cells(accs: dict[str, float], base: dict[str, float]) -> str:
     return " / ".join(f"{v:.1f}% ({v - base[k]:+.1f})" if k in base else f"{v:.1f}%"
                       for k, v in sorted(accs.items(), key=lambda kv: int(kv[0])))
@@ -336,7 +347,8 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
            f"(`--pipeline {rep['pipeline']}`); each codec in its own process, in turns. "
            f"{m['cpu']}. Needle accuracy: `bench/needle.py --configs sparse-1024 "
            "sparse-1024-int8 sparse-1024-int4` (every page through the codec: the worst case; "
-           "~4K: 45 prompts, ~7K: 30, where run; change against uncompressed in brackets).", "",
+           f"{_needle_counts(results, ['needle_codec_4k.json', 'needle_codec_7k.json'])}; "
+           "change against uncompressed in brackets).", "",
            f"![codec]({png})", "",
            "| `--kv-tier-codec` | disk bytes a page | pages from disk a step | MiB from disk "
            "a step | fewer bytes | decode step ms | needle ~4K / ~7K |",
