@@ -1,5 +1,6 @@
 """Build of the C extensions, all without the GIL: kvstore/tiers/_pageio.c (the disk tier's
-page I/O and checksums, and page copies between the memory tiers), kvstore/_evict.c (the
+page I/O and checksums, and page copies between the memory tiers), kvstore/tiers/_kvcodec.c
+(the KV tier codec: 8- and 4-bit pages), kvstore/_evict.c (the
 device tier's eviction pass with host admission), kernels/_decode.c
 (sparse decode attention on the CPU) and kernels/_select.c (page selection on the CPU) and kernels/_qmatmul.c (matmuls by
 4- and 8-bit weights);
@@ -9,6 +10,8 @@ from setuptools import Extension, setup
 setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"],
                              depends=["kvstore/tiers/_pageio_ring.h"],
                              extra_compile_args=["-O3", "-Wall"]),
+                   Extension("kvstore.tiers._kvcodec", ["kvstore/tiers/_kvcodec.c"],
+                             extra_compile_args=["-O3", "-Wall", "-fno-wrapv"]),
                    Extension("kvstore._evict", ["kvstore/_evict.c"],
                              extra_compile_args=["-O3", "-Wall"]),
                    # NOTE: Python's CFLAGS carry -fwrapv, which halves the speed of this

@@ -415,3 +415,21 @@ def plot_by_budget(score: Callable[[str, int], float | None], configs: list[str]
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     save_figure(fig, path)
+
+
+def replot_or_run(args, name: str, run, plot, report) -> None:
+    """A bench's main after its flags: with --replot, redraw the plot of that JSON and print
+    its table; else run(args), write bench/results/<name>[_quick].json and its plot, print the
+    table. run(args) -> result dict; plot(result, png path); report(result) -> text."""
+    if args.replot:
+        res = read_json(args.replot)
+        plot(res, Path(args.replot).with_suffix(".png"))
+        print(report(res))
+        return
+    use_checkout_cache()
+    res = run(args)
+    out = result_path(args.out, name, getattr(args, "quick", False))
+    write_json(out, res)
+    plot(res, out.with_suffix(".png"))
+    print(report(res))
+    print(f"wrote {out}")

@@ -55,12 +55,25 @@ def child(root: str, spec: str) -> None:
     prefill_threads, decode_threads = args.torch_threads()
     engine = LLMEngine(args)
     gen = torch.Generator().manual_seed(0)
-    for i in range(cfg["batch"]):
-        ids = torch.randint(100, 40000, (cfg["context"],), generator=gen).tolist()
-        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=cfg["steps"] + 16,
-                                                        temperature=0, ignore_eos=True))
+    params = SamplingParams(max_tokens=cfg["steps"] + 16 + cfg["batch"] * 16, temperature=0,
+                            ignore_eos=True)
     torch.set_num_threads(prefill_threads)
     t0 = time.perf_counter()
+    # serial: each prompt added once the one before has its first token (the earlier ones
+    # decode meanwhile), so that prefills do not evict each other's pages from small tiers
+    serial = cfg.get("serial_prefill", False)
+    prompts = None
+    if cfg.get("prompts") == "essay":       # bench/pipeline.py's: essays and a question
+        from bench.common import essay_prompts
+        from server.tokenizer import Tokenizer
+        prompts = essay_prompts(Tokenizer.from_folder(engine.model_folder), cfg["batch"],
+                                cfg["context"])
+    for i in range(cfg["batch"]):
+        ids = prompts[i] if prompts else \
+            torch.randint(100, 40000, (cfg["context"],), generator=gen).tolist()
+        engine.add_request(f"r{i}", ids, params)
+        while serial and not engine.scheduler.get_request(f"r{i}").output_token_ids:
+            engine.step()
     while not all(engine.scheduler.get_request(f"r{i}").output_token_ids
                   for i in range(cfg["batch"])):
         engine.step()
@@ -68,26 +81,43 @@ def child(root: str, spec: str) -> None:
     torch.set_num_threads(decode_threads)
     for _ in range(3):
         engine.step()
+    disk = engine.store.tiers.disk_tier
+    before = engine.store.stats.snapshot().transfer_bytes
+    reads0 = (disk.bytes_read, disk.preadv_calls) if disk is not None else (0, 0)
     walls = []
     for _ in range(cfg["steps"]):
         t0 = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t0)
     st = engine.store.stats.snapshot()
+    moved = {f"{a}->{b}": (v - before.get((a, b), 0)) / cfg["steps"]
+             for (a, b), v in st.transfer_bytes.items()}
+    reads = (disk.bytes_read, disk.preadv_calls) if disk is not None else (0, 0)
     print(json.dumps({"prefill_s": prefill, "step_ms": [1e3 * w for w in walls],
                       "tiers": engine.store.tier_usage(),
                       "transfer_bytes": {f"{a}->{b}": v for (a, b), v
-                                         in st.transfer_bytes.items()}}))
+                                         in st.transfer_bytes.items()},
+                      # per timed step: what the store moved between tiers (pages x their
+                      # bytes), and what the disk reads asked of the drive (gap pages too)
+                      "bytes_per_step": moved,
+                      "disk_read_bytes_per_step": (reads[0] - reads0[0]) / cfg["steps"],
+                      "disk_reads_per_step": (reads[1] - reads0[1]) / cfg["steps"],
+                      "disk_page_bytes": disk.page_bytes if disk is not None else 0,
+                      "max_pages": engine.store.max_pages}))
 
 
 def run_arm(name: str, root: Path, over: dict, args) -> dict:
     disk = KV_TMP / f"kv_ab-{name}"
     engine = {**BASE, "kv_disk_path": str(disk), **over}
     spec = json.dumps({"engine": engine, "batch": args.batch, "context": args.context,
-                       "steps": args.steps})
+                       "steps": args.steps,
+                       "serial_prefill": getattr(args, "serial_prefill", False),
+                       "prompts": getattr(args, "prompts", "random")})
     env = dict(os.environ, PYTHONPATH=str(root))
     out = subprocess.run([sys.executable, __file__, "--child", str(root), spec], env=env,
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"arm {name} failed ({out.returncode}):\n{out.stderr[-3000:]}")
     res = json.loads(out.stdout.strip().splitlines()[-1])
     return {"arm": name, "checkout": str(root), "engine": engine, **res,
             "step_ms_median": statistics.median(res["step_ms"])}

@@ -18,7 +18,9 @@ Configs: `dense` (sparse budget 0) and `sparse-N` (budget N tokens per request, 
 head; the server's defaults otherwise: Quest selector, the observation-window prior with
 --sparse-prior-share 0.25, per-head pages, --dense-layers 2; every page on the device tier);
 suffixes combine: `-union` (--sparse-head-pages union), `-mean` (mean-key selector), `-pS`
-(--sparse-prior-share S; `-p0` is Quest's bound alone). --obs-reduce sets
+(--sparse-prior-share S; `-p0` is Quest's bound alone), `-int8` / `-int4` (every page through
+the KV tier codec's round trip: the worst case of --kv-tier-codec, as if every page attended
+came back from the compressed disk tier; forked runs only). --obs-reduce sets
 --sparse-obs-reduce for every config (the prior is computed once, in the shared prefill).
 
 Prefill is dense under every config (only q_len == 1 steps are sparse), so by default each
@@ -152,6 +154,27 @@ def config_prior_share(name: str, default: float) -> float:
     return default
 
 
+def config_codec(name: str) -> str:
+    """sparse-N-int8 / -int4: every page as the KV tier codec stores it (below)."""
+    parts = name.split("-")[2:]
+    return next((c for c in ("int8", "int4") if c in parts), "none")
+
+
+def apply_codec(engine: LLMEngine, codec_name: str, chunk: int = 4096) -> None:
+    """Replace every page of the device pool by its round trip through the KV tier codec: the
+    worst case of serving with --kv-tier-codec, as if every page attended had come back from
+    the compressed disk tier (when serving, pages that stayed in memory since the prefill are
+    exact). The page summaries stay exact, as when serving (computed at prefill)."""
+    from kvstore.tiers.codec import PageCodec
+    if codec_name == "none":
+        return
+    store = engine.store
+    codec = PageCodec.from_name(codec_name, store.page_shape)
+    pool = store.tiers.device_tier.pool
+    for i in range(0, pool.shape[0], chunk):
+        pool[i:i + chunk] = codec.round_trip(pool[i:i + chunk])
+
+
 def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int,
                 dense_layers: int, selector: str, head_pages: str = "per-head",
                 prior_share: float = EngineArgs.sparse_prior_share,
@@ -163,7 +186,10 @@ def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int
                                               else 2048),
                       kv_device_gb=kv_gb, sparse_budget=budget, dense_layers=dense_layers,
                       selector=selector, sparse_head_pages=head_pages, threads=threads,
-                      sparse_obs_reduce=obs_reduce, sparse_prior_share=prior_share)
+                      sparse_obs_reduce=obs_reduce, sparse_prior_share=prior_share,
+                      # NOTE: off: prompts sharing their first page (the chat template) would
+                      # wait for the one computing it, and the batch's one-step prefill breaks
+                      prefix_cache="off")
 
 
 def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str]) -> int:
@@ -185,6 +211,7 @@ def decode_child(engine: LLMEngine, name: str, first: dict[str, list[int]], path
     store.reconfigure(sparse_budget=config_budget(name), head_pages=config_head_pages(name),
                       selector=selector,
                       prior_share=config_prior_share(name, store.cfg.prior_share))
+    apply_codec(engine, config_codec(name))
     outs = {rid: list(t) for rid, t in first.items()}
     errors: dict[str, str] = {}
     t0 = time.perf_counter()

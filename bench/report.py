@@ -6,7 +6,9 @@
 
 Reads bench/results/throughput{suffix}.json, ruler{suffix}.json, roofline{suffix}.json
 (bench/throughput.py, bench/ruler.py, bench/roofline.py; bench/suite.py runs all three) and
-soak{suffix}.json (bench/soak.py), prefix{suffix}.json (bench/prefix.py), and
+soak{suffix}.json (bench/soak.py), prefix{suffix}.json (bench/prefix.py), kv_codec{suffix}.json
+(bench/kv_codec.py, with needle_codec_4k/7k.json of bench/needle.py), selector_recall{suffix}.json
+(bench/selector_recall.py, with needle_lowrank_4k/7k.json), and
 replaces the text between the RESULTS_BEGIN and RESULTS_END markers of README.md. A missing JSON
 leaves its subsection out, with a line saying which command produces it.
 """
@@ -311,10 +313,102 @@ def scaleout_section(rep: dict, png: str) -> list[str]:
     return out + [""]
 
 
+def _needle_pct(results: Path, name: str, config: str) -> dict[str, float]:
+    """length -> accuracy % of a config in bench/needle.py's JSON `name` (missing: {})."""
+    rep = _load(results / name)
+    if rep is None:
+        return {}
+    acc = next(iter(rep["formats"].values()))["accuracy_pct"].get(config, {})
+    return {k: v for k, v in acc.items() if k != "all"}
+
+
+def _needle_counts(results: Path, names: list[str]) -> str:
+    """"~4000: 25 prompts, ..." of the needle JSONs that exist."""
+    out = []
+    for name in names:
+        rep = _load(results / name)
+        if rep is not None:
+            n = rep["per_depth"] * len(rep["depths"])
+            out += [f"~{length}: {n} prompts" for length in rep["lengths"]]
+    return ", ".join(out) or "not run yet"
+
+
+def _needle_cells(accs: dict[str, float], base: dict[str, float]) -> str:
+    return " / ".join(f"{v:.1f}% ({v - base[k]:+.1f})" if k in base else f"{v:.1f}%"
+                      for k, v in sorted(accs.items(), key=lambda kv: int(kv[0])))
+
+
+def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
+    m = rep["machine"]
+    out = ["### Fewer bytes per step: the KV tier codec", "",
+           f"`.venv/bin/python bench/kv_codec.py`: {rep['batch']} x {rep['context']} tokens, "
+           f"sparse budget {rep['tiers']['sparse_budget']}, {rep['tiers']['kv_device_gb']} + "
+           f"{rep['tiers']['kv_host_gb']} GB of DRAM KV, the rest on disk "
+           f"(`--pipeline {rep['pipeline']}`); each codec in its own process, in turns. "
+           f"{m['cpu']}. Needle accuracy: `bench/needle.py --configs sparse-1024 "
+           "sparse-1024-int8 sparse-1024-int4` (every page through the codec: the worst case; "
+           f"{_needle_counts(results, ['needle_codec_4k.json', 'needle_codec_7k.json'])}; "
+           "change against uncompressed in brackets).", "",
+           f"![codec]({png})", "",
+           "| `--kv-tier-codec` | disk bytes a page | pages from disk a step | MiB from disk "
+           "a step | fewer bytes | decode step ms | needle ~4K / ~7K |",
+           "|---|---|---|---|---|---|---|"]
+    base = {}
+    for length in ("4k", "7k"):
+        base.update(_needle_pct(results, f"needle_codec_{length}.json", "sparse-1024"))
+    for codec, row in rep["codecs"].items():
+        cfg = "sparse-1024" if codec == "none" else f"sparse-1024-{codec}"
+        accs = {}
+        for length in ("4k", "7k"):
+            accs.update(_needle_pct(results, f"needle_codec_{length}.json", cfg))
+        out.append(f"| {codec} | {row['disk_page_bytes']} | "
+                   f"{row['disk_to_device_bytes_per_step'] / row['disk_page_bytes']:.0f} | "
+                   f"{row['disk_to_device_bytes_per_step'] / 2**20:.1f} | "
+                   f"{row.get('fewer_disk_bytes_x', 1.0):.2f}x | {row['step_ms_median']:.0f} | "
+                   f"{_needle_cells(accs, base if codec != 'none' else {}) or '-'} |")
+    return out + [""]
+
+
+def selector_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
+    quick = " --quick" if png.endswith("_quick.png") else ""
+    out = ["### Smaller selection metadata: low-rank keys", "",
+           f"`.venv/bin/python bench/selector_recall.py{quick}`: needle and RULER prompts, "
+           f"{rep['steps']} greedy decode steps each; at each step, layer and KV head, each "
+           f"selector's top pages at budget {rep['budget']} against the pages holding the most "
+           f"attention (page recall / attention-mass recall). `lowrank` is rank {rep['rank']} "
+           "(`strata calibrate` on the bundled essays). Needle accuracy at budget 1024: "
+           "`bench/needle.py --selector lowrank --configs sparse-1024`, against `quest` on "
+           "the same prompts.", "",
+           f"![selectors]({png})", "",
+           "| | " + " | ".join(rep["summary_share_of_kv"]) + " |",
+           "|---|" + "---|" * len(rep["summary_share_of_kv"])]
+    sels = list(rep["summary_share_of_kv"])
+    for name, by_sel in rep["sets"].items():
+        out.append(f"| recall, {name} | " + " | ".join(
+            f"{by_sel[s]['page_recall']:.2f} / {by_sel[s]['mass_recall']:.2f}" for s in sels)
+            + " |")
+    out.append("| summary memory / KV | " + " | ".join(
+        f"1/{1 / rep['summary_share_of_kv'][s]:.0f}" for s in sels) + " |")
+    out.append("| select ms per layer, 8 x 7K | " + " | ".join(
+        f"{rep['select_ms_per_layer'][s]:.2f}" for s in sels) + " |")
+    quest = {}
+    low = {}
+    for length in ("4k", "7k"):
+        quest.update(_needle_pct(results, f"needle_codec_{length}.json", "sparse-1024"))
+        low.update(_needle_pct(results, f"needle_lowrank_{length}.json", "sparse-1024"))
+    if low:
+        out.append(f"| needle ~4K / ~7K, budget 1024 | {_needle_cells(quest, {})} | - | "
+                   f"{_needle_cells(low, quest)} |")
+    return out + [""]
+
+
 def render(results: Path = RESULTS, suffix: str = "") -> str:
     names = {k: results / f"{k}{suffix}.json" for k in ("throughput", "ruler", "roofline",
                                                          "soak", "prefix", "structured",
-                                                         "scaleout")}
+                                                         "scaleout", "kv_codec",
+                                                         "selector_recall")}
+    if not names["selector_recall"].exists():        # the quick run stands in until a full one
+        names["selector_recall"] = results / "selector_recall_quick.json"
     reps = {k: _load(p) for k, p in names.items()}
     lines = [BEGIN, "", machine_line(*reps.values()), code_line(*reps.values()),
              "Regenerate with `.venv/bin/python bench/suite.py` (all three, ~11 min; `--quick` "
@@ -322,7 +416,9 @@ def render(results: Path = RESULTS, suffix: str = "") -> str:
     sections = (("throughput", throughput_section), ("ruler", ruler_section),
                 ("roofline", roofline_section), ("soak", soak_section),
                 ("prefix", prefix_section), ("structured", structured_section),
-                ("scaleout", scaleout_section))
+                ("scaleout", scaleout_section),
+                ("kv_codec", lambda r, p: codec_section(r, p, results)),
+                ("selector_recall", lambda r, p: selector_section(r, p, results)))
     for key, fn in sections:
         if reps[key] is None:
             lines += [f"_{key}: no `{_rel(names[key])}` yet; run `bench/{key}.py`._", ""]

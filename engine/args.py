@@ -7,7 +7,7 @@ from pathlib import Path
 
 from engine.settings import check_choices, setting
 from kvstore.config import (FORCE_TIERS, HEAD_PAGES, OBS_REDUCE, PIPELINES, RESIDENCY_POLICIES,
-                            SELECTORS, KVStoreConfig)
+                            SELECTORS, TIER_CODECS, KVStoreConfig)
 from scheduler.scheduler import SchedulerConfig
 
 DTYPES = ("auto", "bf16", "fp32")
@@ -82,6 +82,12 @@ class EngineArgs:
                                 "set (0: none)", group="kv")
     kv_disk_path: Path | None = setting(None, "folder for the disk tier's files (default: "
                                         "beside the model cache)", group="kv")
+    kv_tier_codec: str = setting(_KV.tier_codec, "store the disk tier's pages as 8- or 4-bit "
+                                 "codes with a scale per group of channels (LeoAM's codec): "
+                                 "2x or 4x fewer bytes read and more context per disk GB, at "
+                                 "some accuracy", TIER_CODECS, group="kv")
+    kv_tier_codec_group: int = setting(_KV.tier_codec_group, "channels per scale of "
+                                       "--kv-tier-codec (32 or 64)", (32, 64), group="kv")
     prefix_cache: str = setting("on" if _KV.prefix_cache else "off", "reuse the KV of full "
                                 "pages of earlier prompts (a document or conversation resent "
                                 "is prefilled once); kept across restarts on the disk tier",
@@ -94,8 +100,13 @@ class EngineArgs:
                                        "in sparse decode", group="sparse")
     dense_layers: int = setting(_KV.dense_layers, "the first layers always attend densely",
                                 group="sparse")
-    selector: str = setting(_KV.selector, "page scoring: Quest's min/max bound or the mean "
-                            "key", SELECTORS, group="sparse")
+    selector: str = setting(_KV.selector, "page scoring: Quest's min/max bound, the mean "
+                            "key, or Quest's bound over keys projected to --lowrank-rank "
+                            "dims (KVSwap's low-rank keys: at rank 16 a quarter of Quest's summaries; "
+                            "the projection is calibrated once per model, `strata "
+                            "calibrate`)", SELECTORS, group="sparse")
+    lowrank_rank: int = setting(_KV.lowrank_rank, "dims of the keys' low-rank projection "
+                                "(--selector lowrank)", group="sparse")
     sparse_head_pages: str = setting(_KV.head_pages, "each KV head attends to its own "
                                      "selected pages, or to the union of all heads' pages",
                                      HEAD_PAGES, group="sparse")
@@ -148,11 +159,13 @@ class EngineArgs:
             disk_path=Path(disk_path) if disk_path else None, sparse_budget=self.sparse_budget,
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,
+            lowrank_rank=self.lowrank_rank,
             head_pages=self.sparse_head_pages, obs_window=self.sparse_obs_window,
             prior_share=self.sparse_prior_share, obs_reduce=self.sparse_obs_reduce,
             pipeline=self.pipeline, residency=self.residency,
             micro_batch=self.micro_batch,
             max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier,
+            tier_codec=self.kv_tier_codec, tier_codec_group=self.kv_tier_codec_group,
             prefix_cache=self.prefix_cache == "on")
 
     def torch_threads(self) -> tuple[int, int]:

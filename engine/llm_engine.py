@@ -13,6 +13,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.weight_plan import plan_weights
 from kvstore.errors import RequestKVError
+from kvstore.lowrank import projection_path
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -45,7 +46,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_folder, cfg, self.weight_plan,
                                   args.kv_store_config(), self.max_model_len,
                                   device=args.device, gguf=gguf,
-                                  model_id=model_fingerprint(self.model_folder, gguf))
+                                  model_id=model_fingerprint(self.model_folder, gguf),
+                                  lowrank_path=projection_path(self.model_folder,
+                                                               args.resolved_cache_dir,
+                                                               args.lowrank_rank))
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.store = self.runner.store
         # NOTE: the scheduler allocates through the store, so freed pages leave every tier

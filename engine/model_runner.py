@@ -14,6 +14,7 @@ import torch
 from engine.grammar_table import GrammarTable
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model
+from kvstore.lowrank import load_or_calibrate, projection_path
 from engine.outputs import TokenLogprob
 from engine.sampler import Sampler, make_generator
 from engine.weight_plan import WeightPlan
@@ -59,10 +60,11 @@ class SampledToken:
 class ModelRunner:
     def __init__(self, folder: Path, config: ModelConfig, plan: WeightPlan, kv: KVStoreConfig,
                  max_model_len: int, device: str = "cpu", gguf: Path | None = None,
-                 model_id: str = ""):
+                 model_id: str = "", lowrank_path: Path | None = None):
         """plan: the dtypes and weight formats (engine.weight_plan); gguf: load the weights
         from this GGUF file, quantized blocks as they are (else from the HF folder);
-        model_id: names the weights in the prefix cache's namespace."""
+        model_id: names the weights in the prefix cache's namespace; lowrank_path: where the
+        keys' low-rank projection is (--selector lowrank; calibrated there when absent)."""
         self.device = torch.device(device)
         self.dtype = plan.torch_dtype
         self.config = config
@@ -70,9 +72,18 @@ class ModelRunner:
                                 max_model_len=max_model_len, gguf=gguf,
                                 decode_format=plan.decode_format if plan.two_forms else None,
                                 prefill_rows=plan.prefill_rows)
+        projection = None
+        if kv.selector == "lowrank":
+            projection = load_or_calibrate(self.model, folder / "tokenizer.json",
+                                           lowrank_path or projection_path(folder, None,
+                                                                           kv.lowrank_rank),
+                                           kv.lowrank_rank)
+            projection.check(config.num_hidden_layers, config.num_key_value_heads,
+                             config.head_dim)
         self.store = TieredKVStore(kv, config.num_hidden_layers, config.num_key_value_heads,
                                    config.head_dim, DENSE[plan.kv_dtype], self.device,
-                                   model_id=f"{model_id}|act={plan.dtype}")
+                                   model_id=f"{model_id}|act={plan.dtype}",
+                                   projection=projection)
         self.page_size = kv.page_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}

@@ -9,7 +9,8 @@ HEAD_PAGES = ("per-head", "union")
 PIPELINES = ("sequential", "sfc", "layer-ahead")
 RESIDENCY_POLICIES = ("cycle", "lru")       # kvstore/residency.py
 OBS_REDUCE = ("sum", "max")
-SELECTORS = ("quest", "mean")               # kernels/page_select.py (a test checks they match)
+SELECTORS = ("quest", "mean", "lowrank")    # kernels/page_select.py (a test checks they match)
+TIER_CODECS = ("none", "int8", "int4")      # kvstore/tiers/codec.py
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,8 @@ class KVStoreConfig:
     sink_tokens: int = 16                # --sparse-sink-tokens: first tokens always attended
     local_tokens: int = 64               # --sparse-local-tokens: last tokens always attended
     dense_layers: int = 2                # --dense-layers: the first layers always run dense
-    selector: str = "quest"              # --selector: quest | mean
+    selector: str = "quest"              # --selector: quest | mean | lowrank
+    lowrank_rank: int = 16               # --lowrank-rank: dims of the projected keys (lowrank)
     obs_window: int = 32                 # --sparse-obs-window: last prompt tokens whose attention ranks pages at prefill; 0: off
     obs_reduce: str = "max"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
@@ -38,6 +40,8 @@ class KVStoreConfig:
     micro_batch: int = 0                 # --micro-batch: sequences per SFC micro-batch; 0: calibrate
     prefix_cache: bool = True            # --prefix-cache: reuse the KV of full pages of earlier prompts
     force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this tier (tests, diagnostics)
+    tier_codec: str = "none"             # --kv-tier-codec: pages on disk as 8- or 4-bit codes
+    tier_codec_group: int = 64           # --kv-tier-codec-group: channels per scale
 
     def __post_init__(self):
         if self.device_bytes <= 0:
@@ -69,6 +73,17 @@ class KVStoreConfig:
         if self.selector not in SELECTORS:
             raise ValueError(f"--selector must be one of {', '.join(SELECTORS)}, "
                              f"got {self.selector!r}")
+        if self.lowrank_rank < 1:
+            raise ValueError(f"--lowrank-rank must be >= 1, got {self.lowrank_rank}")
+        if self.tier_codec not in TIER_CODECS:
+            raise ValueError(f"--kv-tier-codec must be one of {', '.join(TIER_CODECS)}, "
+                             f"got {self.tier_codec!r}")
+        if self.tier_codec != "none" and self.disk_bytes == 0:
+            raise ValueError("--kv-tier-codec encodes the disk tier's pages: it needs "
+                             "--kv-disk-gb > 0")
+        if self.tier_codec_group not in (32, 64):
+            raise ValueError(f"--kv-tier-codec-group must be 32 or 64, got "
+                             f"{self.tier_codec_group}")
         if self.residency not in RESIDENCY_POLICIES:
             raise ValueError(f"--residency must be one of {', '.join(RESIDENCY_POLICIES)}, "
                              f"got {self.residency!r}")

@@ -335,7 +335,7 @@ class Fetcher:
             return
         if res.counted:
             tiers.stats.count("hits", "disk", n)
-        tiers.stats.add_transfer("disk", "device", n * nbytes)
+        tiers.stats.add_transfer("disk", "device", n * tiers.backing_page_bytes)
 
     def abandon(self, res: Resolution) -> None:
         """A resolution whose fill will never run (the job handing it over failed): wait

@@ -236,13 +236,13 @@ class PrefixReuse:
             return 0
         taken = 0
         shape = self._tiers.page_shape
-        per_page = (self._tiers.num_layers, shape.num_kv_heads, 3, shape.head_dim)
+        per_page = (self._tiers.num_layers, shape.num_kv_heads, 3, self._tiers.summary_dim)
         for seg in self._disk.restore():
             n = min(len(seg.indices), self._allocator.num_free_pages)
             pids = self._allocator.take(n)
             if not pids:
                 continue
-            self._disk.adopt(seg.handle, pids, seg.indices[:n], seg.crcs[:n])
+            self._disk.adopt(seg.handle, pids, seg.indices[:n], seg.crcs[:n], seg.meta[:n])
             self._tiers.clean[self._tiers.keys_of(torch.tensor(pids))] = True
             chain, dup = [], []
             for pid, idx, key, raw in zip(pids, seg.indices, seg.keys, seg.summaries):

@@ -162,7 +162,8 @@ class StepKV:
         if cfg.sparse_budget > 0:      # summaries only serve selection
             # NOTE: recomputed from the page contents, so a retried step cannot double count
             # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]
-            summ = summarize_pages(pool[t_slots, 0], self.t_valid)
+            summ = summarize_pages(self.selection.summary_keys(layer, pool[t_slots, 0]),
+                                   self.t_valid)
             u = 0
             for i, j0, n in self.t_runs:
                 rkv = self.parts.requests[self.seqs[i].request_id]
@@ -352,7 +353,7 @@ class StepKV:
         priors = None
         if self.cfg.prior_pages > 0:        # per layer and request: only when they are used
             priors = [None if r.prior is None else r.prior[layer] for r in reqs]
-        return self.selection.select(qd, [r.summaries[layer] for r in reqs],
+        return self.selection.select(layer, qd, [r.summaries[layer] for r in reqs],
                                      [self.n_pages[i] for i in idx],
                                      [self.last_len[i] for i in idx],
                                      self.tiers.page_shape.num_kv_heads, priors, observe)

@@ -38,6 +38,8 @@ from kvstore.selection import PageSelection
 from kvstore.step import SeqKV, StepKV, StepParts
 from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
+from kvstore.lowrank import LowRankProjection
+from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.disk_layout import DiskLayout
 from kvstore.tiers.errors import TierFull
 from kvstore.tierset import TierSet
@@ -52,14 +54,20 @@ _RECONFIGURABLE = {"sparse_budget", "sink_tokens", "local_tokens", "dense_layers
 
 class TieredKVStore:
     def __init__(self, cfg: KVStoreConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", model_id: str = ""):
+                 dtype: torch.dtype, device: torch.device | str = "cpu", model_id: str = "",
+                 projection: LowRankProjection | None = None):
         """model_id: what else shapes the KV bytes (the weights, the activation dtype): part
-        of the prefix cache's namespace, so another model's pages never hit."""
+        of the prefix cache's namespace, so another model's pages never hit; projection: the
+        keys' low-rank basis (--selector lowrank)."""
         self.cfg = cfg
         self.num_layers = num_layers
         self.page_shape = PageShape(cfg.page_size, num_kv_heads, head_dim, dtype)
         device = torch.device(device)
-        layer_bytes = self.page_shape.nbytes * num_layers
+        codec = PageCodec.from_name(cfg.tier_codec, self.page_shape, cfg.tier_codec_group)
+        # NOTE: with the codec a disk page takes its codes' bytes: more pages fit the budget
+        page_bytes = codec.stride if codec is not None and cfg.backing == "disk" \
+            else self.page_shape.nbytes
+        layer_bytes = page_bytes * num_layers
         budgets = cfg.budgets(device.type)
         backing_bytes = next(budgets[t] for t in ("disk", "host", "device") if budgets[t])
         max_pages = backing_bytes // layer_bytes
@@ -69,11 +77,17 @@ class TieredKVStore:
                              f"({layer_bytes} bytes); raise --kv-{cfg.backing}-gb")
         self.stats = KVStats()
         self._allocator = PageAllocator(max_pages, cfg.page_size)
+        self._selection = PageSelection(cfg, max_pages * num_layers, self.stats, head_dim,
+                                        projection)
+        extra = {"codec": codec.name} if codec is not None else {}
+        if self._selection.projected:           # cached pages carry projected summaries
+            extra["summaries"] = f"lowrank-{projection.digest}"
         namespace = namespace_key(model=model_id, kv_dtype=str(dtype), page_size=cfg.page_size,
                                   layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim,
-                                  layout=DiskLayout.version)
+                                  layout=DiskLayout.version, **extra)
         self._tiers = TierSet(cfg, self.page_shape, num_layers, max_pages, device, self.stats,
-                              owners=self._allocator.holders, namespace=namespace)
+                              owners=self._allocator.holders, namespace=namespace, codec=codec,
+                              summary_dim=self._selection.summary_dim)
         disk = self._tiers.disk_tier
         self._requests = RequestTable(disk.next_handle if disk is not None else 0)
         if cfg.force_tier == "host" and self._tiers.host_tier is None and cfg.disk_bytes == 0:
@@ -82,7 +96,6 @@ class TieredKVStore:
         self._fetcher = Fetcher(self._tiers)
         self.pipeline = Pipeline(self._tiers, self._fetcher, self.stats, cfg.pipeline,
                                  cfg.micro_batch)
-        self._selection = PageSelection(cfg, max_pages * num_layers, self.stats)
         self.sparse_attention = make_sparse_decode(device)
         self._parts = StepParts(cfg, self._tiers, self._fetcher, self._requests,
                                 self._selection, self.pipeline, self.stats,
@@ -141,8 +154,8 @@ class TieredKVStore:
         # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper
         # bound. Only sparse decode reads them.
         rows = cap if cfg.sparse_budget > 0 else 0
-        summaries = torch.empty(self.num_layers, rows, shape.num_kv_heads, 3, shape.head_dim,
-                                dtype=shape.dtype)
+        summaries = torch.empty(self.num_layers, rows, shape.num_kv_heads, 3,
+                                self._selection.summary_dim, dtype=shape.dtype)
         prior = None
         if cfg.sparse_budget > 0 and cfg.obs_window > 0:
             prior = torch.full((self.num_layers, cap, shape.num_kv_heads), -float("inf"))

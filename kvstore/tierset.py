@@ -31,6 +31,7 @@ from kvstore.errors import RequestKVError
 from kvstore.residency import make_residency
 from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
+from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.host import HostTier
@@ -41,8 +42,10 @@ logger = logging.getLogger(__name__)
 class TierSet:
     def __init__(self, cfg: KVStoreConfig, page_shape: PageShape, num_layers: int,
                  max_pages: int, device: torch.device, stats: KVStats,
-                 owners: Callable[[set[int]], list[str]], namespace: bytes = b""):
-        """namespace: the prefix cache's, which the disk tier's index logs carry."""
+                 owners: Callable[[set[int]], list[str]], namespace: bytes = b"",
+                 codec: PageCodec | None = None, summary_dim: int | None = None):
+        """namespace: the prefix cache's, which the disk tier's index logs carry; codec: the
+        disk tier's (None: pages stored as they are)."""
         self.page_shape = page_shape
         self.num_layers = num_layers
         self.max_pages = max_pages
@@ -55,15 +58,21 @@ class TierSet:
         device_bytes, host_bytes = budgets["device"], budgets["host"]
         self.device_tier = DeviceTier(page_shape, device_bytes, max_keys, device)
         self.host_tier = HostTier(page_shape, host_bytes, max_keys) if host_bytes else None
-        summary_bytes = num_layers * page_shape.num_kv_heads * 3 * page_shape.head_dim \
+        # values per page summary row (kvstore/selection.py): what cached pages carry
+        self.summary_dim = summary_dim or page_shape.head_dim
+        summary_bytes = num_layers * page_shape.num_kv_heads * 3 * self.summary_dim \
             * page_shape.dtype.itemsize
         self.disk_tier = (DiskTier(page_shape, cfg.disk_bytes, cfg.disk_path, max_keys,
                                    num_layers, max_pages, threads=cfg.disk_threads,
-                                   namespace=namespace, summary_bytes=summary_bytes)
+                                   namespace=namespace, summary_bytes=summary_bytes,
+                                   codec=codec)
                           if cfg.disk_bytes else None)
         self._tiers = [t for t in (self.device_tier, self.host_tier, self.disk_tier)
                        if t is not None]
         self.backing = self._tiers[-1]
+        # bytes a page moves to or from the backing tier (the disk's codes with a codec)
+        self.backing_page_bytes = self.disk_tier.page_bytes if self.disk_tier is not None \
+            else page_shape.nbytes
         self.residency = make_residency(cfg.residency, self.device_tier.capacity_pages,
                                         num_layers)
         host_slots = self.host_tier.capacity_pages if self.host_tier else 0
@@ -253,7 +262,7 @@ class TierSet:
             exc = fut.exception()
             if exc is None:
                 self.clean[keys] = True
-                self.stats.add_transfer("device", "disk", keys.numel() * self.page_shape.nbytes)
+                self.stats.add_transfer("device", "disk", keys.numel() * self.backing_page_bytes)
             else:
                 self._write_errors.setdefault(request_id, []).append(
                     f"KV write to disk failed: {exc}")

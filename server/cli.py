@@ -38,6 +38,14 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = commands.add_parser("prepare-model",
                                   help="convert a .gguf model once into the cached HF folder")
     add_flags(prepare, EngineArgs, only=("model", "cache_dir"))
+    calib = commands.add_parser("calibrate", help="fit the keys' low-rank projection of "
+                                "--selector lowrank on text (once per model; serve does it "
+                                "on first use otherwise)")
+    add_flags(calib, EngineArgs, only=("model", "cache_dir", "lowrank_rank"))
+    calib.add_argument("--text", action="append", default=None, metavar="FILE",
+                       help="calibration text file (repeatable; default: the bundled essays)")
+    calib.add_argument("--tokens", type=int, default=32768,
+                       help="calibration tokens, in sequences of 2048 (default 32768)")
     cache = commands.add_parser("cache", help="list or empty the prefix cache kept on the "
                                 "disk tier (--kv-disk-path)")
     cache.add_argument("action", choices=("ls", "clear"))
@@ -163,6 +171,37 @@ def prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibrate_command(args: argparse.Namespace) -> int:
+    """`strata calibrate`: the keys' low-rank basis of --selector lowrank, written where
+    serve looks for it (kvstore/lowrank.py)."""
+    import torch
+    from tqdm import tqdm
+
+    from engine.args import EngineArgs
+    from engine.gguf_convert import ensure_hf_folder, gguf_source
+    from engine.model_config import ModelConfig
+    from engine.model_loader import load_model
+    from kvstore.lowrank import calibrate, calibration_texts, projection_path
+    eargs = EngineArgs(model=args.model, cache_dir=args.cache_dir,
+                       lowrank_rank=args.lowrank_rank)
+    folder = ensure_hf_folder(eargs.model, eargs.resolved_cache_dir)
+    cfg = ModelConfig.from_hf(folder)
+    model = load_model(folder, cfg, dtype=torch.float32, device=torch.device("cpu"),
+                       max_model_len=4096, gguf=gguf_source(eargs.model))
+    texts = calibration_texts(folder / "tokenizer.json", args.tokens, files=args.text)
+    bar = tqdm(total=sum(map(len, texts)), unit="tok", desc="calibrating")
+    proj = calibrate(model, texts, eargs.lowrank_rank,
+                     lambda done, total: bar.update(done - bar.n))
+    bar.close()
+    path = projection_path(folder, eargs.resolved_cache_dir, eargs.lowrank_rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    proj.save(path)
+    print(f"{path}: rank {proj.rank} keeps {100 * min(proj.energy):.1f}-"
+          f"{100 * max(proj.energy):.1f}% of the keys' energy per layer "
+          f"({proj.tokens} tokens)")
+    return 0
+
+
 def cache_command(args: argparse.Namespace) -> int:
     """`strata cache ls | clear`: the segment files and index logs under --kv-disk-path."""
     from engine.args import EngineArgs
@@ -194,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         return prepare_model(args)
     if args.command == "cache":
         return cache_command(args)
+    if args.command == "calibrate":
+        return calibrate_command(args)
     return serve(args)
 
 

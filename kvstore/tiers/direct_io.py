@@ -12,8 +12,9 @@ from kvstore.tiers.disk_fault import DiskFault
 logger = logging.getLogger(__name__)
 
 
-def probe_direct_io(root: Path, fault: DiskFault | None = None) -> bool:
-    """Write and read back one aligned block with O_DIRECT under `root`.
+def probe_direct_io(root: Path, fault: DiskFault | None = None, align: int = ALIGN) -> bool:
+    """Write and read back one block of `align` bytes, at offset and address `align`, with
+    O_DIRECT under `root` (align: 4096 for whole pages, 512 for the codec's packed codes).
 
     Returns False, logging ONE warning, when that fails (EINVAL on filesystems without
     O_DIRECT, no O_DIRECT on this OS, or an injected `fault.no_direct_io`): the caller then
@@ -25,15 +26,16 @@ def probe_direct_io(root: Path, fault: DiskFault | None = None) -> bool:
             fault.check_probe()
         fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
         try:
-            buf = mmap.mmap(-1, ALIGN)
-            os.pwrite(fd, buf, 0)
-            os.preadv(fd, [buf], 0)
+            buf = memoryview(mmap.mmap(-1, 2 * ALIGN))[align:2 * align]
+            os.pwrite(fd, buf, align)
+            os.preadv(fd, [buf], align)
         finally:
             os.close(fd)
         return True
     except (OSError, AttributeError) as err:
-        logger.warning("disk tier: O_DIRECT is not supported under %s (%s); using buffered I/O "
-                       "(disk pages will also occupy the page cache)", root, err)
+        logger.warning("disk tier: O_DIRECT%s is not supported under %s (%s); using buffered "
+                       "I/O (disk pages will also occupy the page cache)",
+                       f" at {align}-byte alignment" if align != ALIGN else "", root, err)
         return False
     finally:
         probe.unlink(missing_ok=True)

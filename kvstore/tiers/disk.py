@@ -9,6 +9,11 @@ while pages bound to it live (`unbind` lets them go): the prefix cache keeps pag
 records them in the segment's index log (`record`), so a restarted server finds them again
 (`restore`).
 
+Codec (`codec`, codec.py): pages are stored as 8- or 4-bit codes, packed at their own size
+(rounded up to 512 bytes), encoded on the I/O thread before a write and decoded there after a
+read, into the caller's pages; the per-group scales stay in memory (`_meta`, beside `_crc`)
+and travel in the index records. Checksums cover the stored codes.
+
 I/O (extent_io.py): a batch is sorted by (file, offset), coalesced into extents of adjacent
 pages (one preadv/pwritev each), run on a thread pool, O_DIRECT when the filesystem allows it
 (probed once; the fallback to buffered I/O is logged once). An XXH64 checksum per page,
@@ -30,7 +35,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvstore.tiers.base import PageShape, Tier
+from kvstore.tiers.base import ALIGN, PageShape, Tier
+from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.direct_io import probe_direct_io
 from kvstore.tiers.disk_layout import DiskLayout
@@ -38,6 +44,7 @@ from kvstore.tiers.errors import PageMissing, TierFull
 from kvstore.tiers.extent_io import ExtentIO, ExtentJob, plan_extents
 from kvstore.tiers.segment_log import SegmentLog, parse
 from kvstore.tiers.segments import Segments
+from kvstore.tiers.staging import StagingBuffers
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +57,7 @@ class RestoredPages:
     keys: list[bytes]              # their chain keys
     crcs: np.ndarray               # uint64 [n, layers] checksums of their bytes
     summaries: list[bytes | None]
+    meta: list[bytes | None]        # the codec's scales of each page, all layers
 
 
 class DiskTier(Tier):
@@ -58,15 +66,19 @@ class DiskTier(Tier):
     def __init__(self, page_shape: PageShape, capacity_bytes: int, path: str | Path,
                  max_keys: int, num_layers: int, max_pages: int, threads: int = 8,
                  fault: DiskFault | None = None, max_extent_bytes: int = 1 << 20,
-                 read_gap_pages: int = 3, namespace: bytes = b"", summary_bytes: int = 0):
+                 read_gap_pages: int = 3, namespace: bytes = b"", summary_bytes: int = 0,
+                 codec: PageCodec | None = None):
         """namespace: the prefix cache's (segment logs of another one are left alone);
-        summary_bytes: bytes of one page's summaries in a record."""
+        summary_bytes: bytes of one page's summaries in a record; codec: store pages as
+        8- or 4-bit codes (None: as they are)."""
         if max_keys != num_layers * max_pages:
             raise ValueError(f"disk tier: max_keys ({max_keys}) must equal num_layers * "
                              f"max_pages ({num_layers} * {max_pages})")
         self.page_shape = page_shape
         self.max_keys, self.max_pages = int(max_keys), int(max_pages)
-        self.layout = DiskLayout(path, page_shape, num_layers)
+        self.codec = codec
+        self.layout = DiskLayout(path, page_shape, num_layers,
+                                 codec.stride if codec is not None else None)
         self.layout.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self.layout.lock()          # held while the process lives
         self._capacity_bytes = int(capacity_bytes)
@@ -80,13 +92,21 @@ class DiskTier(Tier):
         # syscall costs 10-30 us of CPU, about what reading 3 extra 12 KB pages costs
         self.read_gap_pages = int(read_gap_pages)
         self.layout.clear_stale_files()
-        self.direct_io = probe_direct_io(self.layout.root, fault)
+        self.direct_io = probe_direct_io(self.layout.root, fault,
+                                         codec.ALIGN if codec is not None else ALIGN)
         self._stored = np.zeros(self.max_keys, dtype=bool)      # [max_keys] write completed
         self._crc = np.zeros(self.max_keys, dtype=np.uint64)    # [max_keys] XXH64 of page
-        self._io = ExtentIO(page_shape, self.direct_io, threads, self._crc, self._stored,
-                            max_extent_bytes)
+        # [max_keys, meta values] float16: the codec's scales (memory is committed as keys are
+        # written: calloc'd pages)
+        self._meta = np.zeros((self.max_keys, codec.meta_values) if codec else (0, 0),
+                              dtype=np.float16)
+        stored = codec.code_bytes if codec is not None else page_shape.nbytes
+        self._io = ExtentIO(stored, self.layout.stride, self.direct_io, threads, self._crc,
+                            self._stored, max_extent_bytes)
+        self._staging = StagingBuffers()
         self.segments = Segments(self.layout, self.max_pages, self._stored, self.direct_io,
-                                 namespace, summary_bytes, fault_of=lambda: self.fault)
+                                 namespace, summary_bytes, fault_of=lambda: self.fault,
+                                 meta_bytes=num_layers * (codec.meta_bytes if codec else 0))
 
     # -- sizes and counters -----------------------------------------------------------------
 
@@ -107,6 +127,11 @@ class DiskTier(Tier):
     @property
     def num_pages(self) -> int:
         return int(np.count_nonzero(self._stored))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page takes on disk (what reading or writing it moves)."""
+        return self.layout.stride
 
     @property
     def stored_bytes(self) -> int:
@@ -169,8 +194,9 @@ class DiskTier(Tier):
         restart). Returns bool [n]: recorded (best effort: a failed index write is logged)."""
         pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
         layers = np.arange(self.layout.num_layers)
-        crcs = self._crc[layers[None, :] * self.max_pages + pids[:, None]]
-        return self.segments.record(pids, keys, crcs, summaries)
+        at = layers[None, :] * self.max_pages + pids[:, None]            # [n, layers] keys
+        meta = None if self.codec is None else [m.tobytes() for m in self._meta[at]]
+        return self.segments.record(pids, keys, self._crc[at], summaries, meta)
 
     def restore(self) -> list[RestoredPages]:
         """Segments a previous server left with indexed pages of this namespace: opened, with
@@ -184,7 +210,8 @@ class DiskTier(Tier):
                 foreign += 1
                 continue
             if head is None or not parsed.pages or head.num_layers != self.layout.num_layers \
-                    or head.summary_bytes != self.segments.summary_bytes:
+                    or head.summary_bytes != self.segments.summary_bytes \
+                    or head.meta_bytes != self.segments.meta_bytes:
                 path.unlink(missing_ok=True)
                 self.layout.index_path(handle).unlink(missing_ok=True)
                 continue
@@ -197,20 +224,25 @@ class DiskTier(Tier):
             recs = sorted(parsed.pages.values(), key=lambda r: r.index)
             found.append(RestoredPages(handle, np.array([r.index for r in recs], np.int64),
                                        [r.key for r in recs], np.stack([r.crcs for r in recs]),
-                                       [r.summaries for r in recs]))
+                                       [r.summaries for r in recs],
+                                       [r.meta or None for r in recs]))
         if foreign:
             logger.info("disk tier: left alone %d cached files of another model or layout "
                         "under %s (`strata cache clear` removes them)", foreign,
                         self.layout.root)
         return found
 
-    def adopt(self, handle: int, page_ids, indices: np.ndarray, crcs: np.ndarray) -> None:
+    def adopt(self, handle: int, page_ids, indices: np.ndarray, crcs: np.ndarray,
+              meta: list[bytes | None] | None = None) -> None:
         """Restored pages of segment `handle` take these page ids: present in every layer,
-        checked against their recorded checksums when read."""
+        checked against their recorded checksums when read (meta: their codec scales)."""
         pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
         self.segments.bind_restored(handle, pids, indices)
         keys = np.arange(self.layout.num_layers)[None, :] * self.max_pages + pids[:, None]
         self._crc[keys] = crcs
+        if self.codec is not None:
+            self._meta[keys] = np.frombuffer(b"".join(meta), dtype=np.float16).reshape(
+                *keys.shape, self.codec.meta_values)
         self._stored[keys] = True
 
     def finish_restore(self) -> None:
@@ -320,6 +352,8 @@ class DiskTier(Tier):
 
     def _submit(self, op: str, keys: np.ndarray, buf: np.ndarray, rows: np.ndarray,
                 keep_alive: torch.Tensor) -> Future:
+        """Run op over the pages buf[rows[i]] of keys[i]; with a codec the I/O goes through
+        a staging buffer of codes, and the pages are encoded or decoded on the I/O thread."""
         segs = self.segments
         pids = keys % self.max_pages
         slot = segs.page_slot[pids]
@@ -337,18 +371,31 @@ class DiskTier(Tier):
             if (sk[1:] == sk[:-1]).any():
                 raise ValueError("disk tier: a key repeats in one put batch")
         first = order[starts]
+        transform, stage = None, None
+        if self.codec is not None:
+            whole = self._staging.take(keys.shape[0] * self.codec.code_bytes)
+            transform, stage = self.codec.io_transform(op, whole, keys[order], buf,
+                                                       rows[order], self._meta)
+            buf, rows, keep_alive = stage, np.arange(keys.shape[0]), (keep_alive, stage)
         busy = np.unique(slot)
         segs.begin_io(busy)                 # descriptors of released files open until end_io
         try:
-            job = ExtentJob(op, buf, rows[order], keys[order], segs.table[slot[first], 1],
-                            segs.table[slot[first], 2], self.layout.offsets(pn[first]),
-                            starts, ends, self.fault, keep_alive,
-                            pn[order] if gap else None)
+            job = ExtentJob(op, buf, rows[order] if stage is None else rows, keys[order],
+                            segs.table[slot[first], 1], segs.table[slot[first], 2],
+                            self.layout.offsets(pn[first]), starts, ends, self.fault,
+                            keep_alive, pn[order] if gap else None, transform)
             if op == "write":
                 self._stored[keys] = False
             future = self._io.submit(job)
         except BaseException:
             segs.end_io(busy)
+            if stage is not None:
+                self._staging.give(whole)
             raise
-        future.add_done_callback(lambda _: segs.end_io(busy))
+
+        def done(_: Future) -> None:
+            segs.end_io(busy)
+            if stage is not None:
+                self._staging.give(whole)
+        future.add_done_callback(done)
         return future

@@ -8,7 +8,8 @@ Layout v2, "request segments, layer-major":
 - a request reserves `capacity` pages per layer; page `index` (position in the request's page
   list) of `layer` sits at page number `layer * capacity + index`, byte offset
   `page_number * stride`, where `stride` is the page size in bytes rounded up to 4096 (so every
-  page is an O_DIRECT-aligned extent and padding, if any, follows each page);
+  page is an O_DIRECT-aligned extent and padding, if any, follows each page), or with the KV
+  tier codec the size of a page's codes rounded up to 512 (codec.py);
 - consequence: a request's pages of one layer are contiguous, so neighbours coalesce into one
   read or write;
 - a page's bytes are the page tensor's, in the cache's page layout (HND, base.py), opaque here;
@@ -89,13 +90,17 @@ def segment_files(root: Path) -> list[tuple[int, Path]]:
 class DiskLayout:
     version = 2
 
-    def __init__(self, root: str | Path, page_shape: PageShape, num_layers: int):
+    def __init__(self, root: str | Path, page_shape: PageShape, num_layers: int,
+                 stride: int | None = None):
+        """stride: bytes per page on disk (default: the page rounded up to 4096; the codec's
+        pages are smaller, codec.py)."""
         if num_layers <= 0:
             raise ValueError(f"DiskLayout needs num_layers > 0, got {num_layers}")
         self.root = Path(root)
         self.page_shape = page_shape
         self.num_layers = num_layers
-        self.stride = page_shape.nbytes_aligned  # bytes between consecutive pages in a file
+        # bytes between consecutive pages in a file
+        self.stride = int(stride) if stride else page_shape.nbytes_aligned
 
     def file_path(self, handle: int) -> Path:
         return self.root / f"seg-{int(handle)}.kv"

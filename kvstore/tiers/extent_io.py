@@ -16,6 +16,10 @@ Python (iovec lists, os.preadv, a hash call per page) held the GIL ~20-30 us per
 ms per decode step at the thousands of extents a sparse step reads, which the engine thread
 selecting and computing beside the I/O waited for.
 
+A job may carry a `transform` (the disk tier's codec, codec.py): run on the I/O thread over the
+task's pages, before the checksums and the write (it fills the buffer rows being written) or
+after the read and its checksums (it turns the rows read into the pages wanted).
+
 Checksums: XXH64 of each page's bytes (in C, ~10 GB/s here), recorded at write in `crc[key]`
 (uint64 [max_keys]) and verified at read.
 `stored[key]` (bool [max_keys]) is set once a page's write has completed.
@@ -30,12 +34,13 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvstore.tiers import _pageio
-from kvstore.tiers.base import ALIGN, PageShape
+from kvstore.tiers.base import ALIGN
 from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.errors import PageCorrupted, TierIOError
 
@@ -105,6 +110,8 @@ class ExtentJob:
     fault: DiskFault | None
     keep_alive: object = None  # NOTE: the tensor behind `buf`, held until the job completes
     pns: np.ndarray | None = None  # page numbers in order (reads with gaps: where pages land)
+    # pages [s0, s1) (job order) of a task: called before a write, after a read is checked
+    transform: Callable[[int, int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -160,11 +167,13 @@ class _Batch:
 
 
 class ExtentIO:
-    def __init__(self, page_shape: PageShape, direct_io: bool, threads: int,
+    def __init__(self, nbytes: int, stride: int, direct_io: bool, threads: int,
                  crc: np.ndarray, stored: np.ndarray, max_extent_bytes: int = 1 << 20,
                  ring_depth: int = RING_DEPTH):
-        self.nbytes = page_shape.nbytes
-        self.stride = page_shape.nbytes_aligned
+        """nbytes: the bytes of a page as stored; stride: its extent on disk (nbytes rounded
+        up to the O_DIRECT alignment; the pad is zeros)."""
+        self.nbytes = nbytes
+        self.stride = stride
         self.direct_io = direct_io
         self.threads = max(1, threads)
         self.max_pages = max(1, min(max_extent_bytes // self.stride, _IOV_MAX // 2))
@@ -242,11 +251,16 @@ class ExtentIO:
     def _task(self, job: ExtentJob, vec: _Vectors | None, lo: int, hi: int,
               batch: _Batch, ring: int = 0) -> None:
         io_errors, corrupt, nbytes, bug = [], [], 0, None
+        pages = (int(job.starts[lo]), int(job.ends[hi - 1]))
         try:
+            if job.transform is not None and job.op == "write":
+                job.transform(*pages)
             if vec is not None:
                 io_errors, corrupt, nbytes = self._vector_io(job, vec, lo, hi, ring)
             else:
                 io_errors, corrupt, nbytes = self._staged_io(job, lo, hi)
+            if job.transform is not None and job.op == "read":
+                job.transform(*pages)
         except Exception as err:  # NOTE: a bug must fail the batch, not hang its waiters
             bug = err
         with self._lock:

@@ -5,10 +5,12 @@ A segment is one request's page file (`seg-<handle>.kv`, disk_layout.py). Its ca
 are listed in `seg-<handle>.idx`:
 
   header  magic "STRKVIX1" | u32 version | u32 pages per layer | u32 layers |
-          u32 summary bytes per page | 16-byte namespace | u32 CRC32 of the bytes before
+          u32 summary bytes per page | 16-byte namespace | (version 2:) u32 codec meta bytes
+          per page | u32 CRC32 of the bytes before
   record  u32 body length | u32 CRC32 of the body | body
   body    u8 kind | u32 page index, then for kind PAGE: 16-byte chain key | u8 has summaries |
-          u64 XXH64 of the page in each layer | the page's summaries (when it has them);
+          u64 XXH64 of the page in each layer | the codec's scales of the page in every layer
+          (meta bytes; none without a codec) | the page's summaries (when it has them);
           kind GONE: nothing (the page left the cache)
 
 A record is appended only once the page's bytes are on disk in every layer, so a record
@@ -32,8 +34,9 @@ KEY_BYTES = 16                  # a chain key (kvstore/prefix_cache.py)
 logger = logging.getLogger(__name__)
 
 MAGIC = b"STRKVIX1"
-VERSION = 1
+VERSION = 2                     # 1: no meta bytes (read as 0)
 _HEAD = struct.Struct(f"<8sIIII{KEY_BYTES}s")
+_META = struct.Struct("<I")
 _REC = struct.Struct("<II")
 _BODY = struct.Struct("<BI")
 PAGE, GONE = 1, 2
@@ -45,14 +48,16 @@ class Header:
     num_layers: int
     summary_bytes: int     # bytes of one page's summaries
     namespace: bytes
+    meta_bytes: int = 0    # bytes of one page's codec scales (all layers)
 
     def pack(self) -> bytes:
         head = _HEAD.pack(MAGIC, VERSION, self.capacity, self.num_layers, self.summary_bytes,
-                          self.namespace)
+                          self.namespace) + _META.pack(self.meta_bytes)
         return head + struct.pack("<I", zlib.crc32(head))
 
 
-HEADER_BYTES = _HEAD.size + 4
+def _header_bytes(version: int) -> int:
+    return _HEAD.size + (_META.size if version >= 2 else 0) + 4
 
 
 @dataclass
@@ -61,6 +66,7 @@ class PageRecord:
     key: bytes
     crcs: np.ndarray               # uint64 [layers]
     summaries: bytes | None
+    meta: bytes = b""              # the codec's scales, every layer (b"": no codec)
 
 
 @dataclass
@@ -74,7 +80,7 @@ class Parsed:
 def page_body(rec: PageRecord) -> bytes:
     has = rec.summaries is not None
     return (_BODY.pack(PAGE, rec.index) + rec.key + bytes([has])
-            + np.asarray(rec.crcs, dtype="<u8").tobytes() + (rec.summaries or b""))
+            + np.asarray(rec.crcs, dtype="<u8").tobytes() + rec.meta + (rec.summaries or b""))
 
 
 def gone_body(index: int) -> bytes:
@@ -92,17 +98,20 @@ def parse(path: Path) -> Parsed:
     except OSError as exc:
         logger.warning("disk tier: cannot read %s (%s): its pages are dropped", path, exc)
         return Parsed(None)
-    if len(data) < HEADER_BYTES or data[:8] != MAGIC:
+    if len(data) < _header_bytes(1) or data[:8] != MAGIC:
         return Parsed(None)
-    head = data[:_HEAD.size]
-    if struct.unpack_from("<I", data, _HEAD.size)[0] != zlib.crc32(head):
+    version = struct.unpack_from("<I", data, 8)[0]
+    at = _header_bytes(version)
+    if version not in (1, VERSION) or len(data) < at:
         return Parsed(None)
-    _, version, cap, layers, sbytes, ns = _HEAD.unpack(head)
-    if version != VERSION:
+    head = data[:at - 4]
+    if struct.unpack_from("<I", data, at - 4)[0] != zlib.crc32(head):
         return Parsed(None)
-    out = Parsed(Header(cap, layers, sbytes, ns), good_bytes=HEADER_BYTES)
-    at = HEADER_BYTES
-    page_len = _BODY.size + KEY_BYTES + 1 + 8 * layers
+    _, version, cap, layers, sbytes, ns = _HEAD.unpack_from(head)
+    mbytes = _META.unpack_from(head, _HEAD.size)[0] if version >= 2 else 0
+    out = Parsed(Header(cap, layers, sbytes, ns, mbytes), good_bytes=at)
+    crc_end = _BODY.size + KEY_BYTES + 1 + 8 * layers
+    page_len = crc_end + mbytes
     while at < len(data):
         if at + _REC.size > len(data):
             out.damaged = True
@@ -120,7 +129,8 @@ def parse(path: Path) -> Parsed:
             has = body[k0 + KEY_BYTES] == 1 and n == page_len + sbytes
             crcs = np.frombuffer(body, dtype="<u8", count=layers, offset=k0 + KEY_BYTES + 1)
             out.pages[index] = PageRecord(index, body[k0:k0 + KEY_BYTES], crcs.astype(np.uint64),
-                                          body[page_len:] if has else None)
+                                          body[page_len:] if has else None,
+                                          body[crc_end:page_len])
         else:
             out.damaged = True
             break

@@ -63,7 +63,8 @@ class Segment:
 
 class Segments:
     def __init__(self, layout: DiskLayout, max_pages: int, stored: np.ndarray,
-                 direct_io: bool, namespace: bytes, summary_bytes: int, fault_of=lambda: None):
+                 direct_io: bool, namespace: bytes, summary_bytes: int, fault_of=lambda: None,
+                 meta_bytes: int = 0):
         """fault_of: the disk tier's injected fault (tests), checked by index appends."""
         self.layout = layout
         self.max_pages = max_pages
@@ -71,6 +72,7 @@ class Segments:
         self.direct_io = direct_io
         self.namespace = namespace
         self.summary_bytes = summary_bytes
+        self.meta_bytes = meta_bytes                        # codec scales per page, all layers
         self.page_slot = np.full(max_pages, -1, np.int64)   # page id -> segment slot
         self.page_index = np.zeros(max_pages, np.int64)     # page id -> index in it
         self.table = np.zeros((0, 3), np.int64)             # [slots, (capacity, fd, handle)]
@@ -273,15 +275,17 @@ class Segments:
 
     # ---------------------------------------------------------------- the index logs
     def record(self, page_ids: np.ndarray, keys: list[bytes], crcs: np.ndarray,
-               summaries: list[bytes | None]) -> np.ndarray:
+               summaries: list[bytes | None], meta: list[bytes] | None = None) -> np.ndarray:
         """Append the pages' records to their segments' logs (their bytes are on disk);
-        crcs [n, layers]. Returns bool [n]: recorded (a failed append records nothing)."""
+        crcs [n, layers], meta: each page's codec scales (meta_bytes each). Returns bool [n]:
+        recorded (a failed append records nothing)."""
         done = np.zeros(len(page_ids), bool)
         slots = self.page_slot[page_ids]
         for s in np.unique(slots[slots >= 0]):
             seg, rows = self._segs[s], np.flatnonzero(slots == s)
             idx = self.page_index[page_ids[rows]]
-            bodies = [page_body(PageRecord(int(i), keys[r], crcs[r], summaries[r]))
+            bodies = [page_body(PageRecord(int(i), keys[r], crcs[r], summaries[r],
+                                           meta[r] if meta is not None else b""))
                       for r, i in zip(rows, idx)]
             if self._append(seg, bodies):
                 seg.recorded[idx] = True
@@ -296,7 +300,8 @@ class Segments:
             if seg.log is None:
                 seg.log = SegmentLog(self.layout.index_path(seg.handle),
                                      Header(seg.capacity, self.layout.num_layers,
-                                            self.summary_bytes, self.namespace))
+                                            self.summary_bytes, self.namespace,
+                                            self.meta_bytes))
             seg.log.append(b"".join(frame(b) for b in bodies), framed=False)
             return True
         except OSError as exc:

@@ -1,0 +1,100 @@
+"""--selector lowrank (kvstore/lowrank.py): the calibrated basis, its file, and the engine
+selecting pages over projected summaries."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.args import EngineArgs
+from engine.llm_engine import LLMEngine
+from kvstore.lowrank import (LowRankProjection, calibrate, calibration_texts, collect, fit,
+                             projection_path)
+from tests import engine_helpers
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(smollm2_dir):
+    from engine.model_config import ModelConfig
+    from engine.model_loader import load_model
+    cfg = ModelConfig.from_hf(smollm2_dir)
+    return load_model(smollm2_dir, cfg, dtype=torch.float32, max_model_len=2048)
+
+
+@pytest.fixture(scope="module")
+def rank8(smollm2_dir, model) -> LowRankProjection:
+    """Rank 8 fitted on 2 x 1024 tokens of the bundled essays, where serve looks for it."""
+    texts = calibration_texts(smollm2_dir / "tokenizer.json", tokens=2048, length=1024)
+    proj = calibrate(model, texts, 8)
+    proj.save(projection_path(smollm2_dir, EngineArgs().resolved_cache_dir, 8))
+    return proj
+
+
+def test_the_basis_is_orthonormal_and_keeps_most_of_the_keys_energy(rank8, smollm2_dir, model,
+                                                                     tmp_path):
+    basis = rank8.basis                                       # [L, KVH, D, r]
+    assert basis.shape == (30, 3, 64, 8) and rank8.tokens == 2048
+    eye = basis.transpose(-1, -2) @ basis
+    assert torch.allclose(eye, torch.eye(8).expand_as(eye), atol=1e-4)
+    texts = calibration_texts(smollm2_dir / "tokenizer.json", tokens=1024, length=1024)
+    stats = collect(model, texts)
+    keys8 = fit(stats, 8, "keys")                             # KVSwap's: the keys' SVD
+    assert all(0.5 < e <= 1.0 for e in keys8.energy)
+    # the query-weighted basis gives up some key energy for the directions queries use
+    assert sum(fit(stats, 8).energy) < sum(keys8.energy)
+    for weighting in ("keys", "queries"):                     # every direction kept
+        assert all(abs(e - 1.0) < 1e-6 for e in fit(stats, 64, weighting).energy)
+    rank8.save(tmp_path / "p.pt")
+    again = LowRankProjection.load(tmp_path / "p.pt")
+    assert torch.equal(again.basis, rank8.basis) and again.energy == rank8.energy
+    with pytest.raises(ValueError, match="calibrate"):
+        again.check(30, 3, 32)
+
+
+def test_projected_queries_and_keys_keep_dot_products_in_the_basis_span(rank8):
+    # keys inside the span of a KV head's basis: (q A).(k A) == q.k exactly
+    a = rank8.basis[4]                                        # [KVH, D, r]
+    k = (torch.randn(2, 3, 16, 8) @ a.transpose(-1, -2))      # [n, KVH, ps, D] in the span
+    q = torch.randn(1, 9, 64)
+    exact = torch.einsum("bhd,nhtd->bnht", q.view(1, 3, 3, 64).reshape(1, 9, 64),
+                         k.repeat_interleave(3, 1))
+    qp, kp = rank8.queries(4, q, 3), rank8.keys(4, k)
+    approx = torch.einsum("bhr,nhtr->bnht", qp, kp.repeat_interleave(3, 1))
+    assert torch.allclose(approx, exact, atol=1e-3)
+
+
+def _prompt(smollm2_dir):
+    from server.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(smollm2_dir)
+    text = ("The lighthouse keeper wrote in his log every night. " * 30
+            + "The secret code is 4921. Remember it. " + "Waves hit the rocks. " * 30)
+    return tok.encode_chat([{"role": "user", "content": text + " What is the code?"}])
+
+
+def _run(smollm2_dir, **kw):
+    engine = LLMEngine(EngineArgs(model=str(smollm2_dir), page_size=16, kv_device_gb=0.1,
+                                  prefix_cache="off", **kw))
+    got, errors = engine_helpers.run(engine, [_prompt(smollm2_dir)], 24)
+    assert not errors
+    return engine, got["r0"]
+
+
+def test_lowrank_with_a_budget_covering_the_context_equals_dense(rank8, smollm2_dir):
+    _, dense = _run(smollm2_dir)
+    engine, got = _run(smollm2_dir, sparse_budget=4096, selector="lowrank", lowrank_rank=8)
+    assert got == dense
+    rkv_dim = engine.store.selection.summary_dim
+    assert rkv_dim == 8                       # 3 x 8 values a page and KV head, not 3 x 64
+
+
+def test_lowrank_over_the_identity_basis_selects_as_quest(smollm2_dir):
+    # the full-rank identity basis leaves keys and queries as they are: the same pages
+    ident = LowRankProjection(torch.eye(64).expand(30, 3, 64, 64).contiguous(), 0,
+                              (1.0,) * 30)
+    ident.save(projection_path(smollm2_dir, EngineArgs().resolved_cache_dir, 64))
+    kw = dict(sparse_budget=128, sparse_local_tokens=32, sparse_sink_tokens=16)
+    _, quest = _run(smollm2_dir, selector="quest", **kw)
+    engine, low = _run(smollm2_dir, selector="lowrank", lowrank_rank=64, **kw)
+    assert low == quest
+    assert engine.store.stats.snapshot().selected_count > 0
