@@ -17,6 +17,7 @@ bench/results/kv_codec.json and .png.
 """
 from __future__ import annotations
 
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ def run(args) -> dict:
             print(f"round {r + 1}/{args.rounds}: --kv-tier-codec {codec} ...", flush=True)
             over = {**TIERS, "kv_tier_codec": codec, "pipeline": args.pipeline}
             res = run_arm(f"codec-{codec}", root, over, args)
+            shutil.rmtree(res["engine"]["kv_disk_path"], ignore_errors=True)   # GBs of pages
             by_codec[codec].append(res)
             print(f"  step {res['step_ms_median']:.0f} ms, disk -> device "
                   f"{res['bytes_per_step'].get('disk->device', 0) / 2**20:.1f} MiB/step",
