@@ -155,9 +155,10 @@ def config_prior_share(name: str, default: float) -> float:
 
 
 def config_codec(name: str) -> str:
-    """sparse-N-int8 / -int4: every page as the KV tier codec stores it (below)."""
+    """sparse-N-int8 / -int4 (/ -int4g32: groups of 32 channels): every page as the KV tier
+    codec stores it (below)."""
     parts = name.split("-")[2:]
-    return next((c for c in ("int8", "int4") if c in parts), "none")
+    return next((p for p in parts if p.startswith(("int8", "int4"))), "none")
 
 
 def apply_codec(engine: LLMEngine, codec_name: str, chunk: int = 4096) -> None:
@@ -169,7 +170,8 @@ def apply_codec(engine: LLMEngine, codec_name: str, chunk: int = 4096) -> None:
     if codec_name == "none":
         return
     store = engine.store
-    codec = PageCodec.from_name(codec_name, store.page_shape)
+    name, _, group = codec_name.partition("g")
+    codec = PageCodec.from_name(name, store.page_shape, int(group or 64))   # -int4: groups of 64
     pool = store.tiers.device_tier.pool
     for i in range(0, pool.shape[0], chunk):
         pool[i:i + chunk] = codec.round_trip(pool[i:i + chunk])

@@ -366,6 +366,11 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
                    f"{row['disk_to_device_bytes_per_step'] / 2**20:.1f} | "
                    f"{row.get('fewer_disk_bytes_x', 1.0):.2f}x | {row['step_ms_median']:.0f} | "
                    f"{_needle_cells(accs, base if codec != 'none' else {}) or '-'} |")
+    g32 = _needle_pct(results, "needle_codec_4k_int4g32.json", "sparse-1024-int4g32")
+    if g32:
+        out += ["", "The rows were measured at groups of 64 channels. int4 at groups of 32 (its "
+                "default since: the same disk bytes, twice the scales in memory): needle "
+                f"{_needle_cells(g32, base)} (`--configs sparse-1024-int4g32`)."]
     return out + [""]
 
 

@@ -87,7 +87,8 @@ class EngineArgs:
                                  "2x or 4x fewer bytes read and more context per disk GB, at "
                                  "some accuracy", TIER_CODECS, group="kv")
     kv_tier_codec_group: int = setting(_KV.tier_codec_group, "channels per scale of "
-                                       "--kv-tier-codec (32 or 64)", (32, 64), group="kv")
+                                       "--kv-tier-codec (0: 64 for int8, 32 for int4, which "
+                                       "loses fewer needles at 64)", (0, 32, 64), group="kv")
     prefix_cache: str = setting("on" if _KV.prefix_cache else "off", "reuse the KV of full "
                                 "pages of earlier prompts (a document or conversation resent "
                                 "is prefilled once); kept across restarts on the disk tier",

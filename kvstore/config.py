@@ -41,7 +41,7 @@ class KVStoreConfig:
     prefix_cache: bool = True            # --prefix-cache: reuse the KV of full pages of earlier prompts
     force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this tier (tests, diagnostics)
     tier_codec: str = "none"             # --kv-tier-codec: pages on disk as 8- or 4-bit codes
-    tier_codec_group: int = 64           # --kv-tier-codec-group: channels per scale
+    tier_codec_group: int = 0            # --kv-tier-codec-group: channels per scale (0: 64 for int8, 32 for int4)
 
     def __post_init__(self):
         if self.device_bytes <= 0:
@@ -81,8 +81,8 @@ class KVStoreConfig:
         if self.tier_codec != "none" and self.disk_bytes == 0:
             raise ValueError("--kv-tier-codec encodes the disk tier's pages: it needs "
                              "--kv-disk-gb > 0")
-        if self.tier_codec_group not in (32, 64):
-            raise ValueError(f"--kv-tier-codec-group must be 32 or 64, got "
+        if self.tier_codec_group not in (0, 32, 64):
+            raise ValueError(f"--kv-tier-codec-group must be 32 or 64 (0: by codec), got "
                              f"{self.tier_codec_group}")
         if self.residency not in RESIDENCY_POLICIES:
             raise ValueError(f"--residency must be one of {', '.join(RESIDENCY_POLICIES)}, "
