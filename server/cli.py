@@ -173,29 +173,12 @@ def prepare_model(args: argparse.Namespace) -> int:
 
 def calibrate_command(args: argparse.Namespace) -> int:
     """`strata calibrate`: the keys' low-rank basis of --selector lowrank, written where
-    serve looks for it (kvstore/lowrank.py)."""
-    import torch
-    from tqdm import tqdm
-
+    serve looks for it (engine/calibration.py)."""
     from engine.args import EngineArgs
-    from engine.gguf_convert import ensure_hf_folder, gguf_source
-    from engine.model_config import ModelConfig
-    from engine.model_loader import load_model
-    from kvstore.lowrank import calibrate, calibration_texts, projection_path
+    from engine.calibration import calibrate_model
     eargs = EngineArgs(model=args.model, cache_dir=args.cache_dir,
                        lowrank_rank=args.lowrank_rank)
-    folder = ensure_hf_folder(eargs.model, eargs.resolved_cache_dir)
-    cfg = ModelConfig.from_hf(folder)
-    model = load_model(folder, cfg, dtype=torch.float32, device=torch.device("cpu"),
-                       max_model_len=4096, gguf=gguf_source(eargs.model))
-    texts = calibration_texts(folder / "tokenizer.json", args.tokens, files=args.text)
-    bar = tqdm(total=sum(map(len, texts)), unit="tok", desc="calibrating")
-    proj = calibrate(model, texts, eargs.lowrank_rank,
-                     lambda done, total: bar.update(done - bar.n))
-    bar.close()
-    path = projection_path(folder, eargs.resolved_cache_dir, eargs.lowrank_rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    proj.save(path)
+    path, proj = calibrate_model(eargs, args.tokens, args.text)
     print(f"{path}: rank {proj.rank} keeps {100 * min(proj.energy):.1f}-"
           f"{100 * max(proj.energy):.1f}% of the keys' energy per layer "
           f"({proj.tokens} tokens)")

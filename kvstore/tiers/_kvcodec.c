@@ -193,21 +193,13 @@ static AVX2 void decode_avx2(const fmt_t *f, const uint8_t *codes, const uint16_
 static AVX512 void decode_avx512(const fmt_t *f, const uint8_t *codes, const uint16_t *meta,
                                  void *dst) {
     const Py_ssize_t groups = f->hd / f->group;
-    const __m128i low = _mm_set1_epi8(0x0f);
     for (Py_ssize_t r = 0; r < f->rows; r++)
         for (Py_ssize_t g = 0; g < groups; g++) {
             const __m512 s = _mm512_set1_ps(_cvtsh_ss(meta[2 * (r * groups + g)]));
             const __m512 m = _mm512_set1_ps(_cvtsh_ss(meta[2 * (r * groups + g) + 1]));
             const Py_ssize_t at = r * f->hd + g * f->group;
             for (Py_ssize_t e = at; e < at + f->group; e += 16) {
-                __m128i c;
-                if (f->bits == 8) {
-                    c = _mm_loadu_si128((const __m128i *)(codes + e));
-                } else {
-                    const __m128i b = _mm_loadl_epi64((const __m128i *)(codes + (e >> 1)));
-                    c = _mm_unpacklo_epi8(_mm_and_si128(b, low),
-                                          _mm_and_si128(_mm_srli_epi16(b, 4), low));
-                }
+                const __m128i c = codes16(codes, e, f->bits);
                 const __m512 y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c)), s,
                                                  m);
                 if (f->bf16) {

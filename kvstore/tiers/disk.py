@@ -9,10 +9,8 @@ while pages bound to it live (`unbind` lets them go): the prefix cache keeps pag
 records them in the segment's index log (`record`), so a restarted server finds them again
 (`restore`).
 
-Codec (`codec`, codec.py): pages are stored as 8- or 4-bit codes, packed at their own size
-(rounded up to 512 bytes), encoded on the I/O thread before a write and decoded there after a
-read, into the caller's pages; the per-group scales stay in memory (`_meta`, beside `_crc`)
-and travel in the index records. Checksums cover the stored codes.
+Codec (codec.py): pages stored as 8-/4-bit codes at their own size, coded on the I/O thread;
+the scales stay in memory (`_meta`, beside `_crc`) and travel in the index records.
 
 I/O (extent_io.py): a batch is sorted by (file, offset), coalesced into extents of adjacent
 pages (one preadv/pwritev each), run on a thread pool, O_DIRECT when the filesystem allows it
@@ -193,8 +191,7 @@ class DiskTier(Tier):
         """Index cached pages whose bytes are on disk in every layer (they survive a
         restart). Returns bool [n]: recorded (best effort: a failed index write is logged)."""
         pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
-        layers = np.arange(self.layout.num_layers)
-        at = layers[None, :] * self.max_pages + pids[:, None]            # [n, layers] keys
+        at = self._layer_keys(pids)
         meta = None if self.codec is None else [m.tobytes() for m in self._meta[at]]
         return self.segments.record(pids, keys, self._crc[at], summaries, meta)
 
@@ -238,7 +235,7 @@ class DiskTier(Tier):
         checked against their recorded checksums when read (meta: their codec scales)."""
         pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
         self.segments.bind_restored(handle, pids, indices)
-        keys = np.arange(self.layout.num_layers)[None, :] * self.max_pages + pids[:, None]
+        keys = self._layer_keys(pids)
         self._crc[keys] = crcs
         if self.codec is not None:
             self._meta[keys] = np.frombuffer(b"".join(meta), dtype=np.float16).reshape(
@@ -330,6 +327,10 @@ class DiskTier(Tier):
 
     # -- internals --------------------------------------------------------------------------
 
+    def _layer_keys(self, pids: np.ndarray) -> np.ndarray:
+        """int64 [n, layers]: the keys of page ids [n] in every layer."""
+        return np.arange(self.layout.num_layers)[None, :] * self.max_pages + pids[:, None]
+
     def _keys(self, keys) -> np.ndarray:
         return self._check_keys(keys, self.max_keys).numpy()
 
@@ -371,16 +372,16 @@ class DiskTier(Tier):
             if (sk[1:] == sk[:-1]).any():
                 raise ValueError("disk tier: a key repeats in one put batch")
         first = order[starts]
-        transform, stage = None, None
-        if self.codec is not None:
+        rows, transform, whole = rows[order], None, None           # job order from here
+        if self.codec is not None:      # the I/O moves codes through a staging buffer
             whole = self._staging.take(keys.shape[0] * self.codec.code_bytes)
-            transform, stage = self.codec.io_transform(op, whole, keys[order], buf,
-                                                       rows[order], self._meta)
-            buf, rows, keep_alive = stage, np.arange(keys.shape[0]), (keep_alive, stage)
+            transform, buf = self.codec.io_transform(op, whole, keys[order], buf, rows,
+                                                     self._meta)
+            rows, keep_alive = np.arange(keys.shape[0]), (keep_alive, buf)
         busy = np.unique(slot)
         segs.begin_io(busy)                 # descriptors of released files open until end_io
         try:
-            job = ExtentJob(op, buf, rows[order] if stage is None else rows, keys[order],
+            job = ExtentJob(op, buf, rows, keys[order],
                             segs.table[slot[first], 1], segs.table[slot[first], 2],
                             self.layout.offsets(pn[first]), starts, ends, self.fault,
                             keep_alive, pn[order] if gap else None, transform)
@@ -389,13 +390,13 @@ class DiskTier(Tier):
             future = self._io.submit(job)
         except BaseException:
             segs.end_io(busy)
-            if stage is not None:
+            if whole is not None:
                 self._staging.give(whole)
             raise
 
         def done(_: Future) -> None:
             segs.end_io(busy)
-            if stage is not None:
+            if whole is not None:
                 self._staging.give(whole)
         future.add_done_callback(done)
         return future
