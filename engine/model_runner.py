@@ -83,7 +83,8 @@ class ModelRunner:
         self.store = TieredKVStore(kv, config.num_hidden_layers, config.num_key_value_heads,
                                    config.head_dim, DENSE[plan.kv_dtype], self.device,
                                    model_id=f"{model_id}|act={plan.dtype}",
-                                   projection=projection)
+                                   projection=projection, hidden_size=config.hidden_size,
+                                   kv_from_inputs=self.model.kv_from_inputs)
         self.page_size = kv.page_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
