@@ -72,12 +72,13 @@ class RecomputePlan:
 
 
 def measure_compute(fn: KVFromInputs, page_size: int, hidden: int, dtype: torch.dtype) -> float:
-    """Seconds to recompute one page's K/V: the best of 3 timings over PROBE_PAGES pages."""
+    """Seconds to recompute one page's K/V: the best of 5 timings over PROBE_PAGES pages."""
     x = torch.randn(PROBE_PAGES * page_size, hidden).to(dtype)
     pos = torch.arange(PROBE_PAGES * page_size)
-    fn(0, x, pos)                                   # warm (first-call allocations)
+    for _ in range(2):                              # warm (first-call allocations, kernels)
+        fn(0, x, pos)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         fn(0, x, pos)
         best = min(best, time.perf_counter() - t0)
@@ -208,7 +209,7 @@ class Recompute:
         dst = slots.long()
         pool[dst, 0] = k.view(n, ps, *k.shape[1:]).transpose(1, 2).to(pool.dtype)
         pool[dst, 1] = v.view(n, ps, *v.shape[1:]).transpose(1, 2).to(pool.dtype)
-        if n >= 4:      # a few pages time too coarsely to steer by
-            per = (time.perf_counter() - t0) / n
-            c = 0.8 * self.cost.compute_page_s + 0.2 * per
-            self.cost = dataclasses.replace(self.cost, compute_page_s=c)
+        # NOTE: weighted by pages: a fill of a few pages times too coarsely to steer by alone
+        w = min(0.5, 0.02 * n)
+        c = (1 - w) * self.cost.compute_page_s + w * (time.perf_counter() - t0) / n
+        self.cost = dataclasses.replace(self.cost, compute_page_s=c)
