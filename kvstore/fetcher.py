@@ -302,10 +302,13 @@ class Fetcher:
             return
         try:
             self.demote()
+            rec = self.tiers.recompute
             if res.input_keys.numel():      # first: their recompute overlaps the K/V reads
-                res.inputs = self.tiers.recompute.read(res.input_keys)
+                res.inputs = rec.read(res.input_keys)
             if res.disk_keys.numel():
                 res.reads = self.tiers.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
+                if rec is not None:         # the cost model follows the reads' time
+                    rec.time_reads(res.reads, res.disk_keys.numel())
         except Exception as exc:   # noqa: BLE001 - raised by fill, which handles its errors
             res.reads = Future()
             res.reads.set_exception(exc)

@@ -14,8 +14,10 @@ seconds to recompute one page. While c s < d (n - s) more recompute shortens the
 best s is the crossover n d / (c + d), rounded to whichever neighbour is faster, and 0 when
 a >= d (the inputs are no smaller: every GQA model with hidden >= 2 kv_heads head_dim, the
 bundled SmolLM2 among them). a and d come from a read probe of the disk folder at start-up, c
-from timing the model's own K/V projection then, and c follows the measured recompute times
-afterwards (the threads a decode step runs with are not the start-up's).
+from timing the model's own K/V projection then; afterwards all three follow what the fills
+measure (reads from issue to completion, the recompute itself): the start-up probe is not the
+fills' I/O (io_uring, 64 extents in flight), nor the decode step's threads the start-up's. A
+split predicted to save under MIN_GAIN of the fill is not taken.
 
 `--kv-recompute auto` plans every fill so; a number in [0, 1] recomputes that share of every
 fill (A/B runs, tests); `off` stores no inputs.
@@ -42,6 +44,9 @@ logger = logging.getLogger(__name__)
 KVFromInputs = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 PROBE_PAGES = 32          # pages recomputed per timing at start-up
 PLAN_PAGES = 64           # the fill size whose split decides whether recompute is on at all
+# a split predicted to save less than this share of a fill is not taken: below it the
+# estimates' error (and the recompute's fixed costs) can turn the gain into a loss
+MIN_GAIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -55,13 +60,15 @@ class RecomputeCost:
         """Predicted fill time of n disk pages, s of them recomputed (KVPR's Eq. 10)."""
         return self.input_page_s * s + max(self.compute_page_s * s, self.kv_page_s * (n - s))
 
-    def split(self, n: int) -> int:
-        """The s in [0, n] with the least predicted time (the smaller s on a tie)."""
+    def split(self, n: int, min_gain: float = 0.0) -> int:
+        """The s in [0, n] with the least predicted time (the smaller s on a tie); 0 unless
+        it saves at least `min_gain` of the all-K/V time."""
         if n <= 0 or self.input_page_s >= self.kv_page_s:
             return 0
         x = n * self.kv_page_s / (self.compute_page_s + self.kv_page_s)
         cands = sorted({0, min(n, math.floor(x)), min(n, math.floor(x) + 1)})
-        return min(cands, key=lambda s: self.seconds(n, s))
+        s = min(cands, key=lambda s: self.seconds(n, s))
+        return s if self.seconds(n, s) <= (1 - min_gain) * self.seconds(n, 0) else 0
 
 
 @dataclass(frozen=True)
@@ -113,7 +120,7 @@ def plan_recompute(mode: str, page_shape: PageShape, kv_page_bytes: int, hidden:
     spb = read_seconds_per_byte(disk_root)
     comp = measure_compute(fn, page_shape.page_size, hidden, page_shape.dtype)
     cost = RecomputeCost(stride * spb, kv_page_bytes * spb, comp)
-    s = cost.split(PLAN_PAGES)
+    s = cost.split(PLAN_PAGES, MIN_GAIN)
     logger.info("KV recompute (KVPR): disk %.2f GB/s, a page's inputs %d bytes (%.1f us), its "
                 "K/V %d bytes (%.1f us), recomputing it %.1f us: of %d pages a fill recomputes "
                 "%d (predicted %.0f%% of the all-K/V read time)%s", 1e-9 / spb, stride,
@@ -179,7 +186,8 @@ class Recompute:
         stored: pages restored after a restart have none)."""
         n = keys.numel()
         avail = self.inputs.contains(keys)
-        s = self.cost.split(n) if self.plan.share is None else round(self.plan.share * n)
+        s = self.cost.split(n, MIN_GAIN) if self.plan.share is None \
+            else round(self.plan.share * n)
         s = min(s, int(avail.sum()))
         pick = torch.zeros(n, dtype=torch.bool)
         if s > 0:
@@ -189,7 +197,21 @@ class Recompute:
     def read(self, keys: torch.Tensor) -> tuple[Future, torch.Tensor]:
         """Start reading the inputs of pages keys; returns (future, the buffer they land in)."""
         buf = torch.empty(keys.numel(), *self.shape.shape, dtype=self.shape.dtype)
-        return self.inputs.get_async(keys, buf), buf
+        fut = self.inputs.get_async(keys, buf)
+        self._time(fut, "input_page_s", keys.numel())
+        return fut, buf
+
+    def time_reads(self, fut: Future, pages: int) -> None:
+        """A fill's K/V reads, issued now: their time steers kv_page_s."""
+        self._time(fut, "kv_page_s", pages)
+
+    def _time(self, fut: Future, field: str, pages: int) -> None:
+        t0 = time.perf_counter()
+
+        def done(f: Future) -> None:
+            if f.exception() is None:
+                self.observe(field, pages, time.perf_counter() - t0)
+        fut.add_done_callback(done)
 
     def rebuild(self, keys: torch.Tensor, reading: tuple[Future, torch.Tensor],
                 pool: torch.Tensor, slots: torch.Tensor) -> None:
@@ -209,7 +231,14 @@ class Recompute:
         dst = slots.long()
         pool[dst, 0] = k.view(n, ps, *k.shape[1:]).transpose(1, 2).to(pool.dtype)
         pool[dst, 1] = v.view(n, ps, *v.shape[1:]).transpose(1, 2).to(pool.dtype)
-        # NOTE: weighted by pages: a fill of a few pages times too coarsely to steer by alone
-        w = min(0.5, 0.02 * n)
-        c = (1 - w) * self.cost.compute_page_s + w * (time.perf_counter() - t0) / n
-        self.cost = dataclasses.replace(self.cost, compute_page_s=c)
+        self.observe("compute_page_s", n, time.perf_counter() - t0)
+
+    def observe(self, field: str, pages: int, seconds: float) -> None:
+        """A measured time of `pages` pages' reading (input_page_s, kv_page_s: issue to
+        completion) or recompute: the cost model's estimate moves towards it, weighted by
+        pages (a fill of a few pages times too coarsely to steer by alone)."""
+        if pages <= 0:
+            return
+        w = min(0.5, 0.02 * pages)
+        old = getattr(self.cost, field)
+        self.cost = dataclasses.replace(self.cost, **{field: (1 - w) * old + w * seconds / pages})

@@ -112,12 +112,12 @@ def test_outputs_are_the_same_at_every_split(mha_folder, tmp_path, dtype):
     _, exact = run("off")
     for mode in ("0.25", "0.5", "0.75", "1", "auto"):
         engine, got = run(mode)
-        tiers = engine.store.tiers
-        assert tiers.recompute is not None
-        st = engine.store.stats.snapshot()
-        if mode != "auto":
-            assert st.recomputed["disk"] > 0, mode
         assert got == exact, mode
+        tiers = engine.store.tiers
+        if mode == "auto" and tiers.recompute is None:      # this machine: no gain predicted
+            continue
+        if mode != "auto":
+            assert engine.store.stats.snapshot().recomputed["disk"] > 0, mode
         # the pages' inputs went with them: nothing is left in the sidecar, nor a file
         assert tiers.disk_tier.inputs.num_pages == 0
         assert not list((tmp_path / mode / "inputs").glob("seg-*"))
@@ -148,3 +148,11 @@ def test_rebuilt_pages_equal_the_stored_ones(mha_folder, tmp_path):
         rec.rebuild(k, rec.read(k), rebuilt, torch.arange(k.numel()))
         assert torch.equal(rebuilt, stored), (rebuilt - stored).abs().max()
     engine_helpers.drive(engine, ["r0"])
+
+
+def test_a_split_that_saves_too_little_is_not_taken():
+    cost = RecomputeCost(input_page_s=1.0, kv_page_s=2.0, compute_page_s=20.0)
+    s = cost.split(100)
+    assert s > 0 and cost.seconds(100, s) > 0.95 * cost.seconds(100, 0)    # ~4.5% saved
+    assert cost.split(100, min_gain=0.05) == 0
+    assert RecomputeCost(1.0, 2.0, 6.0).split(100, min_gain=0.05) == 25
