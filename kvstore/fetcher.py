@@ -341,8 +341,9 @@ class Fetcher:
                         pool.index_copy_(0, res.host_dst.to(pool.device),
                                          buf.to(pool.device, non_blocking=True))
                     tiers.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
-                if res.inputs is not None:
-                    tiers.recompute.rebuild(res.input_keys, res.inputs, pool, res.input_dst)
+                if res.inputs is not None and not tiers.recompute.rebuild(
+                        res.input_keys, res.inputs, pool, res.input_dst, tiers.disk_tier):
+                    n, res.inputs = n + res.input_keys.numel(), None    # read as K/V
             finally:
                 if reads is not None:    # never return with reads still landing in the pool
                     reads.result()
@@ -357,14 +358,15 @@ class Fetcher:
         # NOTE: after a failure the slots stay pinned until `forget` drops them
         tiers.device_pinned[res.host_dst] = False
         tiers.device_pinned[res.disk_slots] = False
-        r = res.input_keys.numel()
+        r = res.input_keys.numel() if res.inputs is not None else 0
         if n + r == 0:
             return
         if res.counted:
             tiers.stats.count("hits", "disk", n + r)
         moved = n * tiers.backing_page_bytes
         if r:
-            tiers.stats.count("recomputed", "disk", r)
+            if res.counted:
+                tiers.stats.count("recomputed", "disk", r)
             moved += r * tiers.recompute.page_bytes
         tiers.stats.add_transfer("disk", "device", moved)
 
@@ -412,7 +414,10 @@ class Fetcher:
             k, p = keys[idx], pages[idx]
             fut = backing.put_async(k, p)
             if tiers.recompute is not None:     # the pages' inputs go beside them
-                written, inputs = tiers.recompute.write(k, slots[idx])
-                fut, p = joined(fut, written), (p, inputs)
+                try:
+                    written, inputs = tiers.recompute.write(k, slots[idx])
+                    fut, p = joined(fut, written), (p, inputs)
+                except Exception:   # noqa: BLE001 - without inputs they are read as K/V
+                    logger.exception("KV recompute: writing layer inputs failed")
             # NOTE: the tier set keeps `p` alive with the future until the write is applied
             tiers.track_write(rid, fut, k, p)

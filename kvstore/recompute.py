@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from kvstore.tiers.base import PageShape, round_up
+from kvstore.tiers.errors import TierError
 from kvstore.tiers.direct_io import read_seconds_per_byte
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ class RecomputePlan:
 def measure_compute(fn: KVFromInputs, page_size: int, hidden: int, dtype: torch.dtype) -> float:
     """Seconds to recompute one page's K/V: the best of 5 timings over PROBE_PAGES pages."""
     x = torch.randn(PROBE_PAGES * page_size, hidden).to(dtype)
-    pos = torch.arange(PROBE_PAGES * page_size)
+    pos = torch.arange(PROBE_PAGES * page_size) % page_size     # within any model's positions
     for _ in range(2):                              # warm (first-call allocations, kernels)
         fn(0, x, pos)
     best = float("inf")
@@ -135,14 +137,17 @@ def plan_recompute(mode: str, page_shape: PageShape, kv_page_bytes: int, hidden:
 
 
 def joined(a: Future, b: Future) -> Future:
-    """A future done when both are, raising the first one's error (else the second's)."""
+    """A future done when both are, with a's outcome (b's error is b's own business: a page
+    whose inputs failed to write is absent from the sidecar, and is read as K/V)."""
     out: Future = Future()
+    lock = threading.Lock()
 
     def check(_: Future) -> None:
-        if a.done() and b.done() and not out.done():
-            exc = a.exception() or b.exception()
-            if exc is not None:
-                out.set_exception(exc)
+        with lock:          # both may complete at once, on two I/O threads
+            if not (a.done() and b.done()) or out.done():
+                return
+            if a.exception() is not None:
+                out.set_exception(a.exception())
             else:
                 out.set_result(None)
     a.add_done_callback(check)
@@ -168,6 +173,8 @@ class Recompute:
         self.pool = torch.zeros(slots, *self.shape.shape, dtype=self.shape.dtype)
         self._rows = self.pool.view(slots, self.page_size, hidden)
         self.page_bytes = plan.input_stride
+        # keys whose stored inputs failed to read back: read as K/V from then on
+        self._bad = np.zeros(inputs.max_keys, dtype=bool)
         logger.info("KV recompute: layer inputs of pages being written %.0f MiB (beside the "
                     "device tier)", self.pool.numel() * self.pool.element_size() / 2**20)
 
@@ -185,7 +192,7 @@ class Recompute:
         """bool [n]: which of a fill's disk pages to recompute (only pages whose inputs are
         stored: pages restored after a restart have none)."""
         n = keys.numel()
-        avail = self.inputs.contains(keys)
+        avail = self.inputs.contains(keys) & ~torch.from_numpy(self._bad[keys.numpy()])
         s = self.cost.split(n, MIN_GAIN) if self.plan.share is None \
             else round(self.plan.share * n)
         s = min(s, int(avail.sum()))
@@ -214,11 +221,20 @@ class Recompute:
         fut.add_done_callback(done)
 
     def rebuild(self, keys: torch.Tensor, reading: tuple[Future, torch.Tensor],
-                pool: torch.Tensor, slots: torch.Tensor) -> None:
+                pool: torch.Tensor, slots: torch.Tensor, kv_disk) -> bool:
         """Wait for the inputs of pages keys (one layer) and write their recomputed K/V into
-        pool[slots] ([S, 2, kv_heads, ps, head_dim]); the cost model's c follows the time."""
+        pool[slots] ([S, 2, kv_heads, ps, head_dim]); the cost model's c follows the time.
+        Inputs that cannot be read (an I/O error, a checksum) are no loss: those pages are
+        read as K/V from `kv_disk` instead, now and from then on (returns False)."""
         fut, buf = reading
-        fut.result()
+        try:
+            fut.result()
+        except TierError as exc:
+            logger.warning("KV recompute: %d pages' layer inputs unreadable (%s); reading "
+                           "their K/V instead", keys.numel(), exc)
+            self._bad[keys.numpy()] = True
+            kv_disk.get_into(keys, pool, slots).result()
+            return False
         t0 = time.perf_counter()
         n, ps = keys.numel(), self.page_size
         layers = keys // self.max_pages
@@ -232,6 +248,7 @@ class Recompute:
         pool[dst, 0] = k.view(n, ps, *k.shape[1:]).transpose(1, 2).to(pool.dtype)
         pool[dst, 1] = v.view(n, ps, *v.shape[1:]).transpose(1, 2).to(pool.dtype)
         self.observe("compute_page_s", n, time.perf_counter() - t0)
+        return True
 
     def observe(self, field: str, pages: int, seconds: float) -> None:
         """A measured time of `pages` pages' reading (input_page_s, kv_page_s: issue to

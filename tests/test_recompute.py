@@ -66,13 +66,18 @@ def test_an_mha_model_measures_costs_and_plans(tmp_path):
     assert plan.cost.input_page_s < plan.cost.kv_page_s and plan.cost.compute_page_s > 0
 
 
-def test_joined_raises_either_error():
+def test_joined_waits_for_both_and_carries_the_first_ones_outcome():
     from concurrent.futures import Future
     a, b = Future(), Future()
     j = joined(a, b)
     a.set_result(None)
     assert not j.done()
-    b.set_exception(OSError("disk full"))
+    b.set_exception(OSError("disk full"))       # the inputs' write: not the page's failure
+    assert j.result() is None
+    a, b = Future(), Future()
+    j = joined(a, b)
+    b.set_result(None)
+    a.set_exception(OSError("disk full"))       # the K/V write: the page's failure
     with pytest.raises(OSError):
         j.result()
 
@@ -145,7 +150,7 @@ def test_rebuilt_pages_equal_the_stored_ones(mha_folder, tmp_path):
         stored = torch.empty(k.numel(), *tiers.page_shape.shape, dtype=tiers.page_shape.dtype)
         disk.get(k, stored)
         rebuilt = torch.zeros_like(stored)
-        rec.rebuild(k, rec.read(k), rebuilt, torch.arange(k.numel()))
+        assert rec.rebuild(k, rec.read(k), rebuilt, torch.arange(k.numel()), disk)
         assert torch.equal(rebuilt, stored), (rebuilt - stored).abs().max()
     engine_helpers.drive(engine, ["r0"])
 
@@ -156,3 +161,42 @@ def test_a_split_that_saves_too_little_is_not_taken():
     assert s > 0 and cost.seconds(100, s) > 0.95 * cost.seconds(100, 0)    # ~4.5% saved
     assert cost.split(100, min_gain=0.05) == 0
     assert RecomputeCost(1.0, 2.0, 6.0).split(100, min_gain=0.05) == 25
+
+
+def test_strata_cache_clear_takes_the_inputs_too(tmp_path):
+    from kvstore.cache_files import clear_cache
+    from kvstore.tiers.disk_inputs import inputs_path
+    (tmp_path / "seg-1.kv").write_bytes(b"k")
+    (tmp_path / "seg-1.idx").write_bytes(b"i")
+    inputs_path(tmp_path).mkdir()
+    (inputs_path(tmp_path) / "seg-4.kv").write_bytes(b"x")     # left by a crashed server
+    (inputs_path(tmp_path) / "notes.txt").write_text("not ours")
+    assert clear_cache(tmp_path) == 3
+    assert [p.name for p in inputs_path(tmp_path).iterdir()] == ["notes.txt"]
+
+
+def test_unreadable_inputs_are_read_as_kv_instead(mha_folder, tmp_path):
+    """A corrupt inputs file fails nobody: those pages are read as K/V, outputs unchanged."""
+    from engine.args import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from kvstore.tiers.disk_inputs import inputs_path
+    from tests import engine_helpers
+    prompt = [1] + [(3 * i + 7) % 250 + 3 for i in range(130)]
+
+    def engine(mode, path):
+        return LLMEngine(EngineArgs(model=str(mha_folder), page_size=16, kv_device_gb=0.01,
+                                    kv_disk_gb=0.05, kv_disk_path=path, kv_force_tier="disk",
+                                    prefix_cache="off", dtype="bf16", kv_recompute=mode))
+    exact, errors = engine_helpers.run(engine("off", tmp_path / "off"), [prompt], 10)
+    assert not errors
+    eng = engine("1", tmp_path / "on")
+    eng.add_request("r0", prompt, engine_helpers.greedy(10))
+    eng.step()                                      # the prefill writes every full page
+    eng.store.tiers.wait_writes()
+    files = list(inputs_path(tmp_path / "on").glob("seg-*.kv"))
+    assert files
+    for f in files:
+        engine_helpers.flip_bytes(f, 1 << 16)
+    got, errors = engine_helpers.drive(eng, ["r0"])
+    assert not errors and got["r0"] == exact["r0"][1:]
+    assert eng.store.stats.snapshot().recomputed.get("disk", 0) == 0     # all read as K/V

@@ -18,9 +18,7 @@ import torch
 
 from kvstore.tiers.base import PageShape
 from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.errors import TierFull
-
-INPUTS_FOLDER = "inputs"
+from kvstore.tiers.disk_layout import INPUTS_FOLDER
 
 
 def input_page_shape(page_size: int, hidden: int, dtype: torch.dtype) -> PageShape:
@@ -47,7 +45,7 @@ class DiskWithInputs(DiskTier):
         self.inputs.register_request(request_handle, capacity_pages_per_layer)
         try:
             super().register_request(request_handle, capacity_pages_per_layer)
-        except (TierFull, ValueError):
+        except BaseException:
             self.inputs.release_request(request_handle)
             raise
 
@@ -72,9 +70,12 @@ class DiskWithInputs(DiskTier):
         self.inputs.delete(keys)
 
     def close(self) -> None:
-        super().close()
-        self.inputs.close()
+        try:
+            super().close()
+        finally:
+            self.inputs.close()
 
 
 def inputs_path(disk_path: str | Path) -> Path:
+    """Where the sidecar of a KV folder lives (what `strata cache clear` clears too)."""
     return Path(disk_path) / INPUTS_FOLDER
