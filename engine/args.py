@@ -93,8 +93,9 @@ class EngineArgs:
                                 "fetches from disk as their layer inputs and recompute their "
                                 "K/V, overlapped with reading the rest (auto: the share a cost "
                                 "model measured at start-up gives, none where inputs are no "
-                                "smaller than the K/V, as on GQA models; off; or a fixed share "
-                                "in [0, 1])", group="kv")
+                                "smaller than the K/V, as on GQA models; or a fixed share in "
+                                "[0, 1]); off by default: no split has paid on a CPU yet",
+                                group="kv")
     prefix_cache: str = setting("on" if _KV.prefix_cache else "off", "reuse the KV of full "
                                 "pages of earlier prompts (a document or conversation resent "
                                 "is prefilled once); kept across restarts on the disk tier",

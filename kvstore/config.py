@@ -42,7 +42,7 @@ class KVStoreConfig:
     force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this tier (tests, diagnostics)
     tier_codec: str = "none"             # --kv-tier-codec: pages on disk as 8- or 4-bit codes
     tier_codec_group: int = 0            # --kv-tier-codec-group: channels per scale (0: 64 for int8, 32 for int4)
-    recompute: str = "auto"              # --kv-recompute: auto | off | a share of each fill's disk pages (KVPR)
+    recompute: str = "off"               # --kv-recompute: off | auto | a share of each fill's disk pages (KVPR)
 
     def __post_init__(self):
         if self.device_bytes <= 0:
