@@ -12,6 +12,7 @@ workload is bench/throughput.py's sparse-tiered row with smaller memory tiers, s
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -82,7 +83,8 @@ def child(root: str, spec: str) -> None:
     for _ in range(3):
         engine.step()
     disk = engine.store.tiers.disk_tier
-    before = engine.store.stats.snapshot().transfer_bytes
+    snap = engine.store.stats.snapshot()
+    before, before_rec = snap.transfer_bytes, getattr(snap, "recomputed", {})
     reads0 = (disk.bytes_read, disk.preadv_calls) if disk is not None else (0, 0)
     walls = []
     for _ in range(cfg["steps"]):
@@ -93,7 +95,12 @@ def child(root: str, spec: str) -> None:
     moved = {f"{a}->{b}": (v - before.get((a, b), 0)) / cfg["steps"]
              for (a, b), v in st.transfer_bytes.items()}
     reads = (disk.bytes_read, disk.preadv_calls) if disk is not None else (0, 0)
-    print(json.dumps({"prefill_s": prefill, "step_ms": [1e3 * w for w in walls],
+    rec = getattr(engine.store.tiers, "recompute", None)      # KV recompute (older: none)
+    extra = {} if rec is None else {
+        "recompute_cost": dataclasses.asdict(rec.cost),
+        "recomputed_per_step": (st.recomputed.get("disk", 0)
+                                - before_rec.get("disk", 0)) / cfg["steps"]}
+    print(json.dumps({**extra, "prefill_s": prefill, "step_ms": [1e3 * w for w in walls],
                       "tiers": engine.store.tier_usage(),
                       "transfer_bytes": {f"{a}->{b}": v for (a, b), v
                                          in st.transfer_bytes.items()},

@@ -198,11 +198,9 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
                     len(s.times) - c for s, c in zip(streams, c0)) >= CALIBRATION_WAIT,
                             streams, timeout, poll=0.25)
             m0 = scrape(base) if metrics else {}
-            t0 = time.perf_counter()
             c0 = [len(s.times) for s in streams]
             await _wait(lambda: min(len(s.times) - c for s, c in zip(streams, c0)) >= steps,
                          streams, timeout)
-            t1 = time.perf_counter()
             m1 = scrape(base) if metrics else {}
             tokens = sum(len(s.times) - c for s, c in zip(streams, c0))
             # each request's own window: `steps` gaps between its token timestamps

@@ -89,6 +89,13 @@ class EngineArgs:
     kv_tier_codec_group: int = setting(_KV.tier_codec_group, "channels per scale of "
                                        "--kv-tier-codec (0: 64 for int8, 32 for int4, which "
                                        "loses fewer needles at 64)", (0, 32, 64), group="kv")
+    kv_recompute: str = setting(_KV.recompute, "KVPR: read a share of the pages a step "
+                                "fetches from disk as their layer inputs and recompute their "
+                                "K/V, overlapped with reading the rest (auto: the share a cost "
+                                "model measured at start-up gives, none where inputs are no "
+                                "smaller than the K/V, as on GQA models; or a fixed share in "
+                                "[0, 1]); off by default: no split has paid on a CPU yet",
+                                group="kv")
     prefix_cache: str = setting("on" if _KV.prefix_cache else "off", "reuse the KV of full "
                                 "pages of earlier prompts (a document or conversation resent "
                                 "is prefilled once); kept across restarts on the disk tier",
@@ -167,6 +174,7 @@ class EngineArgs:
             micro_batch=self.micro_batch,
             max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier,
             tier_codec=self.kv_tier_codec, tier_codec_group=self.kv_tier_codec_group,
+            recompute=self.kv_recompute,
             prefix_cache=self.prefix_cache == "on")
 
     def torch_threads(self) -> tuple[int, int]:

@@ -79,16 +79,31 @@ class DecoderLayer(nn.Module):
         q = q.reshape(x.shape[0], self.num_heads, self.head_dim)
         return RotaryEmbedding.apply(q, cos, sin)
 
+    def kv_from_inputs(self, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (with RoPE) and V [n, KVH, D] of tokens whose normed inputs are xn [n, hidden]
+        (KV recompute, kvstore/recompute.py): the k|v rows of the dense fused weight."""
+        w = self.qkv_proj[self.q_size:]
+        b = None if self.qkv_bias is None else self.qkv_bias[self.q_size:]
+        k, v = F.linear(xn.to(w.dtype), w, b).split([self.kv_size, self.kv_size], dim=-1)
+        n = xn.shape[0]
+        k = RotaryEmbedding.apply(k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
+        return k, v.reshape(n, self.num_kv_heads, self.head_dim)
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; rope = (cos, sin) [T, 1, head_dim] of the step."""
         t = x.shape[0]
-        qkv = self.qkv(self.input_layernorm(x))                              # [T, q+2kv]
+        xn = self.input_layernorm(x)
+        qkv = self.qkv(xn)                                                   # [T, q+2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         cos, sin = rope
         q = RotaryEmbedding.apply(q.view(t, self.num_heads, self.head_dim), cos, sin)
         k = RotaryEmbedding.apply(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        o = kv.attend(self.index, q, k, v, self.scale)                       # [T, H, D]
+        if getattr(kv, "keeps_inputs", False):     # KV recompute stores the layer's inputs
+            o = kv.attend(self.index, q, k, v, self.scale, inputs=xn)
+        else:
+            o = kv.attend(self.index, q, k, v, self.scale)                   # [T, H, D]
         x = x + self.o(o.reshape(t, self.q_size))
         gate_up = self.gate_up(self.post_attention_layernorm(x))
         gate, up = gate_up.chunk(2, dim=-1)
@@ -174,6 +189,14 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, rope, kv)
         x = self.norm(x[logits_indices])                                     # [S, hidden]
         return self.head(x).float()
+
+    @torch.inference_mode()
+    def kv_from_inputs(self, layer: int, xn: torch.Tensor, positions: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K, V [n, KVH, D] of tokens at `positions` [n] from their normed
+        inputs xn [n, hidden] (what the KV store's recompute calls)."""
+        cos, sin = self.rope.cos_sin(positions.to(self.rope.cos.device), self.dtype)
+        return self.layers[layer].kv_from_inputs(xn, cos, sin)
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -83,7 +83,8 @@ class ModelRunner:
         self.store = TieredKVStore(kv, config.num_hidden_layers, config.num_key_value_heads,
                                    config.head_dim, DENSE[plan.kv_dtype], self.device,
                                    model_id=f"{model_id}|act={plan.dtype}",
-                                   projection=projection)
+                                   projection=projection, hidden_size=config.hidden_size,
+                                   kv_from_inputs=self._recompute_fn(plan, kv))
         self.page_size = kv.page_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
@@ -91,6 +92,18 @@ class ModelRunner:
         self._prompt_vocab: dict[str, list[int]] = {}
         self.grammars = GrammarTable(folder / "tokenizer.json", config.vocab_size,
                                      tuple(config.eos_token_ids))
+
+    def _recompute_fn(self, plan: WeightPlan, kv: KVStoreConfig):
+        """The model's K/V projection for KV recompute, or None where recomputing would not
+        reproduce the K/V: decode steps that run other weights than the dense ones (a packed
+        or lower-precision decode form) computed theirs with those. A fixed share (A/B runs)
+        is given it anyway."""
+        if plan.two_forms and kv.recompute == "auto":
+            logger.info("KV recompute off: decode steps run %s weights, whose K/V a recompute "
+                        "with the dense %s ones would not reproduce", plan.decode_format,
+                        plan.dtype)
+            return None
+        return self.model.kv_from_inputs
 
     def release(self, request_id: str) -> None:
         """The request ended: its generator and its KV in every tier go."""

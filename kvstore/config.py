@@ -42,6 +42,7 @@ class KVStoreConfig:
     force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this tier (tests, diagnostics)
     tier_codec: str = "none"             # --kv-tier-codec: pages on disk as 8- or 4-bit codes
     tier_codec_group: int = 0            # --kv-tier-codec-group: channels per scale (0: 64 for int8, 32 for int4)
+    recompute: str = "off"               # --kv-recompute: off | auto | a share of each fill's disk pages (KVPR)
 
     def __post_init__(self):
         if self.device_bytes <= 0:
@@ -84,6 +85,14 @@ class KVStoreConfig:
         if self.tier_codec_group not in (0, 32, 64):
             raise ValueError(f"--kv-tier-codec-group must be 32 or 64 (0: by codec), got "
                              f"{self.tier_codec_group}")
+        if self.recompute not in ("auto", "off"):
+            try:
+                share = float(self.recompute)
+            except ValueError:
+                share = -1.0
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"--kv-recompute must be auto, off or a share in [0, 1], got "
+                                 f"{self.recompute!r}")
         if self.residency not in RESIDENCY_POLICIES:
             raise ValueError(f"--residency must be one of {', '.join(RESIDENCY_POLICIES)}, "
                              f"got {self.residency!r}")

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvstore import native_evict
 from kvstore.errors import RequestKVError
+from kvstore.recompute import joined
 from kvstore.tiers.base import page_rows
 from kvstore.tiers.errors import TierError
 from kvstore.tiers.memory_pool import copy_pages
@@ -22,11 +23,16 @@ class DeviceTierTooSmall(RuntimeError):
     pass
 
 
+_NONE = torch.empty(0, dtype=torch.int64)
+
+
 @dataclass
 class Resolution:
     """Where each page a micro-batch needs is, decided by `Fetcher.resolve`: every key has a
     device slot (hits keep theirs, misses got a reserved one); misses are filled from the host
-    tier (host_src -> host_dst) or from disk (disk_keys -> disk_dst) by `Fetcher.fill`."""
+    tier (host_src -> host_dst) or from disk (disk_keys -> disk_dst) by `Fetcher.fill`; with
+    KV recompute, some disk pages are rebuilt from their layer inputs instead (input_keys ->
+    input_dst, kvstore/recompute.py)."""
     slots: torch.Tensor                  # int32 [n] device slot of each key
     host_src: torch.Tensor               # int64 host slots to copy from (pinned until filled)
     host_dst: torch.Tensor               # int64 device slots they go to
@@ -35,17 +41,22 @@ class Resolution:
     counted: bool = True                 # lookups/hits counted (not for speculative prefetch)
     reads: Future | None = None          # the disk reads, once issued (`Fetcher.start_reads`)
     keys: torch.Tensor | None = None     # the keys resolved (slots[i] holds keys[i])
+    input_keys: torch.Tensor = field(default_factory=lambda: _NONE)   # recomputed disk pages
+    input_dst: torch.Tensor = field(default_factory=lambda: _NONE)
+    inputs: tuple[Future, torch.Tensor] | None = None    # their inputs' read, once issued
 
     @property
     def misses(self) -> int:
-        return self.host_src.numel() + self.disk_keys.numel()
+        return self.host_src.numel() + self.disk_keys.numel() + self.input_keys.numel()
+
+    @property
+    def disk_slots(self) -> torch.Tensor:
+        """The device slots filled from disk (read or recomputed)."""
+        return torch.cat([self.disk_dst, self.input_dst])
 
     def fills(self, slots: torch.Tensor) -> torch.Tensor:
         """bool per device slot of `slots`: whether this resolution's fill writes it (a miss)."""
-        return torch.isin(slots.long(), torch.cat([self.host_dst, self.disk_dst]))
-
-
-_NONE = torch.empty(0, dtype=torch.int64)
+        return torch.isin(slots.long(), torch.cat([self.host_dst, self.disk_slots]))
 
 
 class Fetcher:
@@ -123,7 +134,13 @@ class Fetcher:
         # NOTE: never evicted until `fill` has written them (or `forget` dropped them): a fill
         # may still run on the fetch stage when a later resolve makes room
         tiers.device_pinned[new_slots] = True
-        return Resolution(slots, host_src, host_dst, rest_keys, rest_slots, count, keys=keys)
+        res = Resolution(slots, host_src, host_dst, rest_keys, rest_slots, count, keys=keys)
+        if tiers.recompute is not None and rest_keys.numel():
+            pick = tiers.recompute.choose(rest_keys)
+            if bool(pick.any()):
+                res.input_keys, res.input_dst = rest_keys[pick], rest_slots[pick]
+                res.disk_keys, res.disk_dst = rest_keys[~pick], rest_slots[~pick]
+        return res
 
     def _make_room(self, n: int, protect: torch.Tensor) -> None:
         tiers, dev = self.tiers, self.tiers.device_tier
@@ -280,11 +297,18 @@ class Fetcher:
         The demotions recorded so far are made first: the reads overwrite evicted slots. An
         error is kept in `res.reads` and raised by `fill`."""
         pool = self.tiers.device_tier.pool
-        if res.reads is not None or res.disk_keys.numel() == 0 or pool.device.type != "cpu":
+        if res.reads is not None or res.inputs is not None or pool.device.type != "cpu" \
+                or res.disk_keys.numel() + res.input_keys.numel() == 0:
             return
         try:
             self.demote()
-            res.reads = self.tiers.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
+            rec = self.tiers.recompute
+            if res.input_keys.numel():      # first: their recompute overlaps the K/V reads
+                res.inputs = rec.read(res.input_keys)
+            if res.disk_keys.numel():
+                res.reads = self.tiers.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
+                if rec is not None:         # the cost model follows the reads' time
+                    rec.time_reads(res.reads, res.disk_keys.numel())
         except Exception as exc:   # noqa: BLE001 - raised by fill, which handles its errors
             res.reads = Future()
             res.reads.set_exception(exc)
@@ -317,6 +341,9 @@ class Fetcher:
                         pool.index_copy_(0, res.host_dst.to(pool.device),
                                          buf.to(pool.device, non_blocking=True))
                     tiers.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
+                if res.inputs is not None and not tiers.recompute.rebuild(
+                        res.input_keys, res.inputs, pool, res.input_dst, tiers.disk_tier):
+                    n, res.inputs = n + res.input_keys.numel(), None    # read as K/V
             finally:
                 if reads is not None:    # never return with reads still landing in the pool
                     reads.result()
@@ -330,18 +357,26 @@ class Fetcher:
             tiers.host_pinned[res.host_src] = False
         # NOTE: after a failure the slots stay pinned until `forget` drops them
         tiers.device_pinned[res.host_dst] = False
-        tiers.device_pinned[res.disk_dst] = False
-        if n == 0:
+        tiers.device_pinned[res.disk_slots] = False
+        r = res.input_keys.numel() if res.inputs is not None else 0
+        if n + r == 0:
             return
         if res.counted:
-            tiers.stats.count("hits", "disk", n)
-        tiers.stats.add_transfer("disk", "device", n * tiers.backing_page_bytes)
+            tiers.stats.count("hits", "disk", n + r)
+        moved = n * tiers.backing_page_bytes
+        if r:
+            if res.counted:
+                tiers.stats.count("recomputed", "disk", r)
+            moved += r * tiers.recompute.page_bytes
+        tiers.stats.add_transfer("disk", "device", moved)
 
     def abandon(self, res: Resolution) -> None:
         """A resolution whose fill will never run (the job handing it over failed): wait
         for its disk reads, if issued, unpin its host pages and drop its slots (`forget`)."""
         if res.reads is not None:
             wait([res.reads])            # no read may land in a slot given to another page
+        if res.inputs is not None:
+            wait([res.inputs[0]])
         self.tiers.host_pinned[res.host_src] = False
         self.forget(res)
 
@@ -353,7 +388,7 @@ class Fetcher:
         if res is None or res.misses == 0:
             return
         dev = self.tiers.device_tier
-        slots = torch.cat([res.host_dst, res.disk_dst])
+        slots = torch.cat([res.host_dst, res.disk_slots])
         dev.delete(dev.slot_keys[slots])
         self.tiers.device_pinned[slots] = False
 
@@ -377,5 +412,12 @@ class Fetcher:
         for rid, rows in by_req.items():
             idx = torch.tensor(rows, dtype=torch.int64)
             k, p = keys[idx], pages[idx]
+            fut = backing.put_async(k, p)
+            if tiers.recompute is not None:     # the pages' inputs go beside them
+                try:
+                    written, inputs = tiers.recompute.write(k, slots[idx])
+                    fut, p = joined(fut, written), (p, inputs)
+                except Exception:   # noqa: BLE001 - without inputs they are read as K/V
+                    logger.exception("KV recompute: writing layer inputs failed")
             # NOTE: the tier set keeps `p` alive with the future until the write is applied
-            tiers.track_write(rid, backing.put_async(k, p), k, p)
+            tiers.track_write(rid, fut, k, p)

@@ -326,7 +326,7 @@ class Pipeline:
                 part.resolved(res)
                 if res.misses == 0:         # every page resident: nothing to hand over
                     return True
-                if res.disk_keys.numel():   # issued on the resolve thread meanwhile
+                if res.disk_keys.numel() + res.input_keys.numel():   # reads: the resolve thread
                     res = resolver.submit(self._start_reads_job, stages, res)
             part.filled = fetcher.submit(self.fill_job, stages, res)
             return True

@@ -23,6 +23,7 @@ class KVStats:
     lookups: Counter = field(default_factory=Counter)          # tier -> pages looked up
     hits: Counter = field(default_factory=Counter)             # tier -> pages found there
     evictions: Counter = field(default_factory=Counter)        # tier -> pages evicted
+    recomputed: Counter = field(default_factory=Counter)       # tier -> pages rebuilt from inputs
     dense_fallbacks: Counter = field(default_factory=Counter)  # reason -> (request, layer) steps
     selected_buckets: list[int] = field(default_factory=lambda: [0] * (len(SELECTED_TOKEN_BUCKETS) + 1))
     selected_sum: int = 0
@@ -63,7 +64,7 @@ class KVStats:
             self.stage_stall[stage] += seconds
 
     def count(self, counter: str, tier: str, n: int) -> None:
-        """counter in lookups | hits | evictions (thread-safe: pipeline stages run on threads)."""
+        """counter in lookups | hits | evictions | recomputed (thread-safe: pipeline stages run on threads)."""
         with self._lock:
             getattr(self, counter)[tier] += n
 
@@ -87,7 +88,7 @@ class KVStats:
                                    {st: tuple(b) for st, b in self.stage_buckets.items()},
                                    dict(self.stage_busy), dict(self.stage_stall),
                                    dict(self.stage_count), self.lookahead_hits,
-                                   self.lookahead_exact)
+                                   self.lookahead_exact, dict(self.recomputed))
 
 
 @dataclass(frozen=True)
@@ -106,3 +107,4 @@ class KVStatsSnapshot:
     stage_count: dict = field(default_factory=dict)     # stage -> observations
     lookahead_hits: int = 0
     lookahead_exact: int = 0
+    recomputed: dict = field(default_factory=dict)     # tier -> pages rebuilt from inputs

@@ -143,9 +143,15 @@ class StepKV:
         if layer >= self.cfg.dense_layers and layer < self.tiers.num_layers:
             self._q_pred[layer] = q_pred
 
+    @property
+    def keeps_inputs(self) -> bool:
+        """Whether `attend` wants the layer's inputs (KV recompute stores them with the K/V)."""
+        return self.tiers.recompute is not None
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> attention output [T, H, D]."""
+               scale: float, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> attention output [T, H, D];
+        inputs [T, hidden]: the normed layer inputs they were computed from (`keeps_inputs`)."""
         tiers, pipe, cfg = self.tiers, self.pipe, self.cfg
         P = tiers.max_pages
         pool = tiers.pool                                    # [S, 2, KVH, ps, D]
@@ -159,6 +165,8 @@ class StepKV:
         tok_slots = tiers.device_slots(layer * P + self.tok_pid).long()
         pool[tok_slots, 0, :, self.tok_off] = k.to(pool.dtype)   # indexed view: [T, KVH, D]
         pool[tok_slots, 1, :, self.tok_off] = v.to(pool.dtype)
+        if inputs is not None and tiers.recompute is not None:
+            tiers.recompute.keep(tok_slots, self.tok_off, inputs)
         if cfg.sparse_budget > 0:      # summaries only serve selection
             # NOTE: recomputed from the page contents, so a retried step cannot double count
             # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]

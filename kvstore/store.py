@@ -33,6 +33,7 @@ from kvstore.fetcher import Fetcher
 from kvstore.placement import RecencyPlacement
 from kvstore.prefix import PrefixReuse
 from kvstore.prefix_cache import PrefixCache, namespace_key
+from kvstore.recompute import KVFromInputs, plan_recompute
 from kvstore.requests import RequestKV, RequestTable
 from kvstore.selection import PageSelection
 from kvstore.step import SeqKV, StepKV, StepParts
@@ -55,10 +56,12 @@ _RECONFIGURABLE = {"sparse_budget", "sink_tokens", "local_tokens", "dense_layers
 class TieredKVStore:
     def __init__(self, cfg: KVStoreConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", model_id: str = "",
-                 projection: LowRankProjection | None = None):
+                 projection: LowRankProjection | None = None, hidden_size: int = 0,
+                 kv_from_inputs: KVFromInputs | None = None):
         """model_id: what else shapes the KV bytes (the weights, the activation dtype): part
         of the prefix cache's namespace, so another model's pages never hit; projection: the
-        keys' low-rank basis (--selector lowrank)."""
+        keys' low-rank basis (--selector lowrank); hidden_size, kv_from_inputs: the model's
+        width and K/V projection, for KV recompute (--kv-recompute)."""
         self.cfg = cfg
         self.num_layers = num_layers
         self.page_shape = PageShape(cfg.page_size, num_kv_heads, head_dim, dtype)
@@ -67,6 +70,12 @@ class TieredKVStore:
         # NOTE: with the codec a disk page takes its codes' bytes: more pages fit the budget
         page_bytes = codec.stride if codec is not None and cfg.backing == "disk" \
             else self.page_shape.nbytes
+        plan = plan_recompute(cfg.recompute, self.page_shape,
+                              codec.stride if codec is not None else self.page_shape.nbytes_aligned,
+                              hidden_size, kv_from_inputs,
+                              cfg.disk_path if cfg.disk_bytes else None, device.type == "cpu")
+        if plan is not None:         # each page's inputs share the disk budget
+            page_bytes += plan.input_stride
         layer_bytes = page_bytes * num_layers
         budgets = cfg.budgets(device.type)
         backing_bytes = next(budgets[t] for t in ("disk", "host", "device") if budgets[t])
@@ -87,7 +96,9 @@ class TieredKVStore:
                                   layout=DiskLayout.version, **extra)
         self._tiers = TierSet(cfg, self.page_shape, num_layers, max_pages, device, self.stats,
                               owners=self._allocator.holders, namespace=namespace, codec=codec,
-                              summary_dim=self._selection.summary_dim)
+                              summary_dim=self._selection.summary_dim,
+                              recompute=None if plan is None else (plan, kv_from_inputs,
+                                                                   hidden_size))
         disk = self._tiers.disk_tier
         self._requests = RequestTable(disk.next_handle if disk is not None else 0)
         if cfg.force_tier == "host" and self._tiers.host_tier is None and cfg.disk_bytes == 0:

@@ -28,12 +28,14 @@ import torch
 
 from kvstore.config import KVStoreConfig
 from kvstore.errors import RequestKVError
+from kvstore.recompute import KVFromInputs, Recompute, RecomputePlan
 from kvstore.residency import make_residency
 from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
 from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_inputs import DiskWithInputs, input_page_shape, inputs_path
 from kvstore.tiers.host import HostTier
 
 logger = logging.getLogger(__name__)
@@ -43,9 +45,11 @@ class TierSet:
     def __init__(self, cfg: KVStoreConfig, page_shape: PageShape, num_layers: int,
                  max_pages: int, device: torch.device, stats: KVStats,
                  owners: Callable[[set[int]], list[str]], namespace: bytes = b"",
-                 codec: PageCodec | None = None, summary_dim: int | None = None):
+                 codec: PageCodec | None = None, summary_dim: int | None = None,
+                 recompute: tuple[RecomputePlan, KVFromInputs, int] | None = None):
         """namespace: the prefix cache's, which the disk tier's index logs carry; codec: the
-        disk tier's (None: pages stored as they are)."""
+        disk tier's (None: pages stored as they are); recompute: (plan, the model's K/V
+        projection, hidden size) when fills recompute a share of their pages (KVPR)."""
         self.page_shape = page_shape
         self.num_layers = num_layers
         self.max_pages = max_pages
@@ -62,11 +66,15 @@ class TierSet:
         self.summary_dim = summary_dim or page_shape.head_dim
         summary_bytes = num_layers * page_shape.num_kv_heads * 3 * self.summary_dim \
             * page_shape.dtype.itemsize
-        self.disk_tier = (DiskTier(page_shape, cfg.disk_bytes, cfg.disk_path, max_keys,
-                                   num_layers, max_pages, threads=cfg.disk_threads,
-                                   namespace=namespace, summary_bytes=summary_bytes,
-                                   codec=codec)
-                          if cfg.disk_bytes else None)
+        disk_args = (page_shape, cfg.disk_bytes, cfg.disk_path, max_keys, num_layers, max_pages)
+        disk_kw = dict(threads=cfg.disk_threads, namespace=namespace,
+                       summary_bytes=summary_bytes, codec=codec)
+        self.disk_tier, self.recompute = None, None
+        if cfg.disk_bytes and recompute is not None:
+            self.disk_tier, self.recompute = self._recomputing_disk(
+                recompute, disk_args, disk_kw, cfg.disk_threads)
+        elif cfg.disk_bytes:
+            self.disk_tier = DiskTier(*disk_args, **disk_kw)
         self._tiers = [t for t in (self.device_tier, self.host_tier, self.disk_tier)
                        if t is not None]
         self.backing = self._tiers[-1]
@@ -100,6 +108,22 @@ class TierSet:
         self._lost: set[int] = set()        # page ids lost since `take_lost`
         self.step_counter = 0
         self.clock_now = 0          # layer clock (`clock_of`) of the layer being computed
+
+    def _recomputing_disk(self, recompute, disk_args, disk_kw, threads: int):
+        """The disk tier with its sidecar of layer inputs (the disk budget split between
+        them in proportion to their pages' bytes), and the Recompute that uses it."""
+        plan, fn, hidden = recompute
+        shape, disk_bytes, path, max_keys, num_layers, max_pages = disk_args
+        kv_stride = disk_kw["codec"].stride if disk_kw["codec"] is not None \
+            else shape.nbytes_aligned
+        in_bytes = -(-disk_bytes * plan.input_stride // (kv_stride + plan.input_stride))
+        inputs = DiskTier(input_page_shape(shape.page_size, hidden, shape.dtype), in_bytes,
+                          inputs_path(path), max_keys, num_layers, max_pages, threads=threads,
+                          stride=plan.input_stride)
+        disk = DiskWithInputs(shape, disk_bytes - in_bytes, *disk_args[2:], inputs=inputs,
+                              **disk_kw)
+        return disk, Recompute(plan, fn, shape, hidden, self.device_tier.capacity_pages,
+                               max_pages, inputs)
 
     def use_residency(self, name: str) -> None:
         """Swap both memory tiers' residency policy; their stamps carry over (benchmarks)."""

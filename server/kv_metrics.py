@@ -57,7 +57,10 @@ def kv_families(stats):
     for name, doc, values in (
             ("strata_kv_page_lookups", "KV pages looked up per tier.", kv.lookups),
             ("strata_kv_page_hits", "KV pages found per tier.", kv.hits),
-            ("strata_kv_evictions", "KV pages evicted per tier.", kv.evictions)):
+            ("strata_kv_evictions", "KV pages evicted per tier.", kv.evictions),
+            ("strata_kv_recomputed_pages", "KV pages a fill rebuilt from their stored layer "
+             "inputs instead of reading them (KVPR), per tier they came from.",
+             kv.recomputed)):
         fam = CounterMetricFamily(name, doc, labels=["tier"])
         for tier in TIERS:
             fam.add_metric([tier], values.get(tier, 0))

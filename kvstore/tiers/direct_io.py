@@ -1,9 +1,12 @@
-"""Probe whether a directory's filesystem supports O_DIRECT (once, at disk tier start-up)."""
+"""Probe a directory's filesystem at start-up: whether it supports O_DIRECT (the disk tier),
+how fast random extent reads are (the recompute planner)."""
 from __future__ import annotations
 
 import logging
 import mmap
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvstore.tiers.base import ALIGN
@@ -39,3 +42,44 @@ def probe_direct_io(root: Path, fault: DiskFault | None = None, align: int = ALI
         return False
     finally:
         probe.unlink(missing_ok=True)
+
+
+def read_seconds_per_byte(root: Path, extent: int = 1 << 17, total: int = 1 << 25,
+                          depth: int = 8) -> float:
+    """Seconds per byte of reads of `extent` bytes at random offsets of a `total`-byte scratch
+    file under `root`, `depth` in flight, with O_DIRECT where the filesystem allows it (else
+    through the page cache, which is then what a fill reads from): the link a KV fill reads
+    over, measured once at start-up (kvstore/recompute.py)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f".read-probe-{os.getpid()}"
+    n = max(depth, total // extent)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            block = os.urandom(extent)
+            for i in range(n):
+                os.pwrite(fd, block, i * extent)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            fd = os.open(path, os.O_RDONLY)
+        order = [(i * 7919) % n for i in range(n)]       # a fixed scatter over the file
+
+        def stripe(j: int) -> None:
+            buf = mmap.mmap(-1, extent)
+            for i in order[j::depth]:
+                os.preadv(fd, [buf], i * extent)
+        try:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(depth) as pool:
+                list(pool.map(stripe, range(depth)))
+            return (time.perf_counter() - t0) / (n * extent)
+        finally:
+            os.close(fd)
+    finally:
+        path.unlink(missing_ok=True)

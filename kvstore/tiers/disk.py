@@ -65,10 +65,11 @@ class DiskTier(Tier):
                  max_keys: int, num_layers: int, max_pages: int, threads: int = 8,
                  fault: DiskFault | None = None, max_extent_bytes: int = 1 << 20,
                  read_gap_pages: int = 3, namespace: bytes = b"", summary_bytes: int = 0,
-                 codec: PageCodec | None = None):
+                 codec: PageCodec | None = None, stride: int | None = None):
         """namespace: the prefix cache's (segment logs of another one are left alone);
         summary_bytes: bytes of one page's summaries in a record; codec: store pages as
-        8- or 4-bit codes (None: as they are)."""
+        8- or 4-bit codes (None: as they are); stride: bytes between pages on disk, a
+        multiple of 512 (default: the codec's, else the page rounded up to 4096)."""
         if max_keys != num_layers * max_pages:
             raise ValueError(f"disk tier: max_keys ({max_keys}) must equal num_layers * "
                              f"max_pages ({num_layers} * {max_pages})")
@@ -76,7 +77,7 @@ class DiskTier(Tier):
         self.max_keys, self.max_pages = int(max_keys), int(max_pages)
         self.codec = codec
         self.layout = DiskLayout(path, page_shape, num_layers,
-                                 codec.stride if codec is not None else None)
+                                 stride or (codec.stride if codec is not None else None))
         self.layout.root.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self.layout.lock()          # held while the process lives
         self._capacity_bytes = int(capacity_bytes)
@@ -90,8 +91,9 @@ class DiskTier(Tier):
         # syscall costs 10-30 us of CPU, about what reading 3 extra 12 KB pages costs
         self.read_gap_pages = int(read_gap_pages)
         self.layout.clear_stale_files()
+        # NOTE: a stride that is no multiple of 4096 needs sector-aligned O_DIRECT (512)
         self.direct_io = probe_direct_io(self.layout.root, fault,
-                                         codec.ALIGN if codec is not None else ALIGN)
+                                         ALIGN if self.layout.stride % ALIGN == 0 else 512)
         self._stored = np.zeros(self.max_keys, dtype=bool)      # [max_keys] write completed
         self._crc = np.zeros(self.max_keys, dtype=np.uint64)    # [max_keys] XXH64 of page
         # [max_keys, meta values] float16: the codec's scales (memory is committed as keys are
@@ -176,6 +178,11 @@ class DiskTier(Tier):
         """Live page ids at indices [first_index, first_index + n) of the request's file
         (pages of an earlier run of the request that the prefix cache kept)."""
         return self.segments.occupants(request_handle, first_index, n)
+
+    def page_indices(self, page_ids: np.ndarray) -> np.ndarray:
+        """int64 [n]: each bound page's index in its request's page list (its position / page
+        size: a shared page sits at the same index in every request that holds it)."""
+        return self.segments.page_index[page_ids]
 
     def unbind(self, page_ids) -> None:
         """Pages nobody holds any more: absent, and gone from their file."""

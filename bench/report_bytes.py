@@ -1,0 +1,132 @@
+"""The README Results sections of issue 31's benches (fewer bytes per step): the KV tier codec,
+low-rank selection metadata, KV recompute. Called by bench/report.py."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.common import RESULTS, read_json
+
+
+def _load(path: Path) -> dict | None:
+    return read_json(path) if path.exists() else None
+
+
+def _needle_pct(results: Path, name: str, config: str) -> dict[str, float]:
+    """length -> accuracy % of a config in bench/needle.py's JSON `name` (missing: {})."""
+    rep = _load(results / name)
+    if rep is None:
+        return {}
+    acc = next(iter(rep["formats"].values()))["accuracy_pct"].get(config, {})
+    return {k: v for k, v in acc.items() if k != "all"}
+
+
+def _needle_counts(results: Path, names: list[str]) -> str:
+    """"~4000: 25 prompts, ..." of the needle JSONs that exist."""
+    out = []
+    for name in names:
+        rep = _load(results / name)
+        if rep is not None:
+            n = rep["per_depth"] * len(rep["depths"])
+            out += [f"~{length}: {n} prompts" for length in rep["lengths"]]
+    return ", ".join(out) or "not run yet"
+
+
+def _needle_cells(accs: dict[str, float], base: dict[str, float]) -> str:
+    return " / ".join(f"{v:.1f}% ({v - base[k]:+.1f})" if k in base else f"{v:.1f}%"
+                      for k, v in sorted(accs.items(), key=lambda kv: int(kv[0])))
+
+
+def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
+    m = rep["machine"]
+    out = ["### Fewer bytes per step: the KV tier codec", "",
+           f"`.venv/bin/python bench/kv_codec.py`: {rep['batch']} x {rep['context']} tokens, "
+           f"sparse budget {rep['tiers']['sparse_budget']}, {rep['tiers']['kv_device_gb']} + "
+           f"{rep['tiers']['kv_host_gb']} GB of DRAM KV, the rest on disk "
+           f"(`--pipeline {rep['pipeline']}`); each codec in its own process, in turns. "
+           f"{m['cpu']}. Needle accuracy: `bench/needle.py --configs sparse-1024 "
+           "sparse-1024-int8 sparse-1024-int4` (every page through the codec: the worst case; "
+           f"{_needle_counts(results, ['needle_codec_4k.json', 'needle_codec_7k.json'])}; "
+           "change against uncompressed in brackets).", "",
+           f"![codec]({png})", "",
+           "| `--kv-tier-codec` | disk bytes a page | pages from disk a step | MiB from disk "
+           "a step | fewer bytes | decode step ms | needle ~4K / ~7K |",
+           "|---|---|---|---|---|---|---|"]
+    base = {}
+    for length in ("4k", "7k"):
+        base.update(_needle_pct(results, f"needle_codec_{length}.json", "sparse-1024"))
+    for codec, row in rep["codecs"].items():
+        cfg = "sparse-1024" if codec == "none" else f"sparse-1024-{codec}"
+        accs = {}
+        for length in ("4k", "7k"):
+            accs.update(_needle_pct(results, f"needle_codec_{length}.json", cfg))
+        out.append(f"| {codec} | {row['disk_page_bytes']} | "
+                   f"{row['disk_to_device_bytes_per_step'] / row['disk_page_bytes']:.0f} | "
+                   f"{row['disk_to_device_bytes_per_step'] / 2**20:.1f} | "
+                   f"{row.get('fewer_disk_bytes_x', 1.0):.2f}x | {row['step_ms_median']:.0f} | "
+                   f"{_needle_cells(accs, base if codec != 'none' else {}) or '-'} |")
+    g32 = _needle_pct(results, "needle_codec_4k_int4g32.json", "sparse-1024-int4g32")
+    if g32:
+        out += ["", "The rows were measured at groups of 64 channels. int4 at groups of 32 (its "
+                "default since: the same disk bytes, twice the scales in memory): needle "
+                f"{_needle_cells(g32, base)} (`--configs sparse-1024-int4g32`)."]
+    return out + [""]
+
+
+def selector_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
+    quick = " --quick" if png.endswith("_quick.png") else ""
+    out = ["### Smaller selection metadata: low-rank keys", "",
+           f"`.venv/bin/python bench/selector_recall.py{quick}`: needle and RULER prompts, "
+           f"{rep['steps']} greedy decode steps each; at each step, layer and KV head, each "
+           f"selector's top pages at budget {rep['budget']} against the pages holding the most "
+           f"attention (page recall / attention-mass recall). `lowrank` is rank {rep['rank']} "
+           "(`strata calibrate` on the bundled essays). Needle accuracy at budget 1024: "
+           "`bench/needle.py --selector lowrank --configs sparse-1024`, against `quest` on "
+           "the same prompts.", "",
+           f"![selectors]({png})", "",
+           "| | " + " | ".join(rep["summary_share_of_kv"]) + " |",
+           "|---|" + "---|" * len(rep["summary_share_of_kv"])]
+    sels = list(rep["summary_share_of_kv"])
+    for name, by_sel in rep["sets"].items():
+        out.append(f"| recall, {name} | " + " | ".join(
+            f"{by_sel[s]['page_recall']:.2f} / {by_sel[s]['mass_recall']:.2f}" for s in sels)
+            + " |")
+    out.append("| summary memory / KV | " + " | ".join(
+        f"1/{1 / rep['summary_share_of_kv'][s]:.0f}" for s in sels) + " |")
+    out.append("| select ms per layer, 8 x 7K | " + " | ".join(
+        f"{rep['select_ms_per_layer'][s]:.2f}" for s in sels) + " |")
+    quest = {}
+    low = {}
+    for length in ("4k", "7k"):
+        quest.update(_needle_pct(results, f"needle_codec_{length}.json", "sparse-1024"))
+        low.update(_needle_pct(results, f"needle_lowrank_{length}.json", "sparse-1024"))
+    if low:
+        out.append(f"| needle ~4K / ~7K, budget 1024 | {_needle_cells(quest, {})} | - | "
+                   f"{_needle_cells(low, quest)} |")
+    return out + [""]
+
+
+def recompute_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
+    """KV recompute (bench/recompute.py): the SmolLM2-shaped MHA run, and the narrow
+    model's (recompute_small.json) when there is one."""
+    out = ["### Recompute instead of fetch: KV recompute (KVPR)", "",
+           "`.venv/bin/python bench/recompute.py` (and `--shape small`): random-weight "
+           "multi-head models (the bundled SmolLM2 is GQA, where `auto` recomputes nothing: its "
+           "layer inputs are larger than its K/V), dense decode with every page on disk, so each "
+           "step reads every page of every layer; `--kv-recompute off`, `auto` and fixed "
+           "shares, each in its own process, in turns. \"model\": the step the cost model "
+           "predicts from its (measured) per-page costs.", ""]
+    small = png.replace("recompute", "recompute_small")
+    for r, image in ((rep, png), (_load(results / "recompute_small.json"), small)):
+        if r is None:
+            continue
+        out += [f"![recompute]({image})", "",f"{r['model']}, {r['batch']} x {r['context']} tokens "
+                f"({r['pages_per_fill']} pages a layer's fill):", "",
+                "| `--kv-recompute` | pages recomputed a step | MiB from disk a step | decode "
+                "step ms | vs off | model's step ms |", "|---|---|---|---|---|---|"]
+        for mode, row in r["modes"].items():
+            out.append(f"| {mode} | {row['recomputed_per_step']:.0f} | "
+                       f"{row['disk_to_device_bytes_per_step'] / 2**20:.1f} | "
+                       f"{row['step_ms_median']:.0f} | {row.get('step_vs_off', 1.0):.2f}x | "
+                       f"{row.get('predicted_step_ms', row['step_ms_median']):.0f} |")
+        out.append("")
+    return out
