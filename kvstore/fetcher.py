@@ -11,7 +11,6 @@ import torch
 
 from kvstore import native_evict
 from kvstore.errors import RequestKVError
-from kvstore.recompute import joined
 from kvstore.tiers.base import page_rows
 from kvstore.tiers.errors import TierError
 from kvstore.tiers.memory_pool import copy_pages
@@ -414,10 +413,7 @@ class Fetcher:
             k, p = keys[idx], pages[idx]
             fut = backing.put_async(k, p)
             if tiers.recompute is not None:     # the pages' inputs go beside them
-                try:
-                    written, inputs = tiers.recompute.write(k, slots[idx])
-                    fut, p = joined(fut, written), (p, inputs)
-                except Exception:   # noqa: BLE001 - without inputs they are read as K/V
-                    logger.exception("KV recompute: writing layer inputs failed")
+                fut, inputs = tiers.recompute.write_beside(k, slots[idx], fut)
+                p = (p, inputs)
             # NOTE: the tier set keeps `p` alive with the future until the write is applied
             tiers.track_write(rid, fut, k, p)

@@ -78,6 +78,13 @@ class RecomputePlan:
     cost: RecomputeCost
     share: float | None           # a fixed share of every fill (None: the cost model's split)
     input_stride: int             # bytes of a page of inputs on disk (512-aligned)
+    kv_stride: int                # bytes of a page of K/V on disk (the codec's codes with one)
+    hidden: int                   # values of a token's inputs
+    fn: KVFromInputs              # the model's K/V projection
+
+    def input_bytes(self, disk_bytes: int) -> int:
+        """The inputs' part of a disk budget: in proportion to their pages' bytes."""
+        return -(-disk_bytes * self.input_stride // (self.kv_stride + self.input_stride))
 
 
 def measure_compute(fn: KVFromInputs, page_size: int, hidden: int, dtype: torch.dtype) -> float:
@@ -133,7 +140,7 @@ def plan_recompute(mode: str, page_shape: PageShape, kv_page_bytes: int, hidden:
         logger.info("KV recompute (KVPR) off: recomputing is slower than reading on this "
                     "machine")
         return None
-    return RecomputePlan(cost, share, stride)
+    return RecomputePlan(cost, share, stride, kv_page_bytes, hidden, fn)
 
 
 def joined(a: Future, b: Future) -> Future:
@@ -160,18 +167,18 @@ class Recompute:
     (by device slot, until they are written beside the K/V), plans each fill's split, reads
     the chosen pages' inputs and rebuilds their K/V in their device slots."""
 
-    def __init__(self, plan: RecomputePlan, fn: KVFromInputs, page_shape: PageShape,
-                 hidden: int, slots: int, max_pages: int, inputs):
+    def __init__(self, plan: RecomputePlan, page_size: int, slots: int, max_pages: int,
+                 inputs):
         """inputs: the disk tier's sidecar of inputs (kvstore/tiers/disk_inputs.py)."""
         self.plan, self.cost = plan, plan.cost
-        self._fn = fn
-        self.page_size, self.hidden = page_shape.page_size, hidden
+        self._fn = plan.fn
+        self.page_size, self.hidden = page_size, plan.hidden
         self.max_pages = max_pages
         self.inputs = inputs
         self.shape = inputs.page_shape
         # [slots] pages in the sidecar's geometry; `_rows` views them as [slots, ps, hidden]
         self.pool = torch.zeros(slots, *self.shape.shape, dtype=self.shape.dtype)
-        self._rows = self.pool.view(slots, self.page_size, hidden)
+        self._rows = self.pool.view(slots, self.page_size, self.hidden)
         self.page_bytes = plan.input_stride
         # keys whose stored inputs failed to read back: read as K/V from then on
         self._bad = np.zeros(inputs.max_keys, dtype=bool)
@@ -182,11 +189,18 @@ class Recompute:
         """This step's inputs x [T, hidden] of tokens at (device slot, offset) [T]."""
         self._rows[slots, offsets] = x.to(self._rows.dtype)
 
-    def write(self, keys: torch.Tensor, slots: torch.Tensor) -> tuple[Future, torch.Tensor]:
-        """Start writing the inputs of full pages (keys, in device slots); returns the future
-        and the pages written from (keep them alive until it is done)."""
-        pages = self.pool[slots.long()]
-        return self.inputs.put_async(keys, pages), pages
+    def write_beside(self, keys: torch.Tensor, slots: torch.Tensor, written: Future
+                     ) -> tuple[Future, torch.Tensor | None]:
+        """Start writing the inputs of full pages (keys, in device slots) whose K/V write is
+        `written`; returns the future of both (the K/V write's outcome: pages whose inputs
+        fail to write are read as K/V) and the inputs written from (keep them alive until
+        it is done; None when the inputs' write could not start)."""
+        try:
+            pages = self.pool[slots.long()]
+            return joined(written, self.inputs.put_async(keys, pages)), pages
+        except Exception:   # noqa: BLE001 - without inputs the pages are read as K/V
+            logger.exception("KV recompute: writing layer inputs failed")
+            return written, None
 
     def choose(self, keys: torch.Tensor) -> torch.Tensor:
         """bool [n]: which of a fill's disk pages to recompute (only pages whose inputs are

@@ -165,7 +165,7 @@ class StepKV:
         tok_slots = tiers.device_slots(layer * P + self.tok_pid).long()
         pool[tok_slots, 0, :, self.tok_off] = k.to(pool.dtype)   # indexed view: [T, KVH, D]
         pool[tok_slots, 1, :, self.tok_off] = v.to(pool.dtype)
-        if inputs is not None and tiers.recompute is not None:
+        if inputs is not None:          # only given when `keeps_inputs`
             tiers.recompute.keep(tok_slots, self.tok_off, inputs)
         if cfg.sparse_budget > 0:      # summaries only serve selection
             # NOTE: recomputed from the page contents, so a retried step cannot double count

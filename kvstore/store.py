@@ -97,8 +97,7 @@ class TieredKVStore:
         self._tiers = TierSet(cfg, self.page_shape, num_layers, max_pages, device, self.stats,
                               owners=self._allocator.holders, namespace=namespace, codec=codec,
                               summary_dim=self._selection.summary_dim,
-                              recompute=None if plan is None else (plan, kv_from_inputs,
-                                                                   hidden_size))
+                              recompute=plan)
         disk = self._tiers.disk_tier
         self._requests = RequestTable(disk.next_handle if disk is not None else 0)
         if cfg.force_tier == "host" and self._tiers.host_tier is None and cfg.disk_bytes == 0:

@@ -28,7 +28,7 @@ import torch
 
 from kvstore.config import KVStoreConfig
 from kvstore.errors import RequestKVError
-from kvstore.recompute import KVFromInputs, Recompute, RecomputePlan
+from kvstore.recompute import Recompute, RecomputePlan
 from kvstore.residency import make_residency
 from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
@@ -46,10 +46,10 @@ class TierSet:
                  max_pages: int, device: torch.device, stats: KVStats,
                  owners: Callable[[set[int]], list[str]], namespace: bytes = b"",
                  codec: PageCodec | None = None, summary_dim: int | None = None,
-                 recompute: tuple[RecomputePlan, KVFromInputs, int] | None = None):
+                 recompute: RecomputePlan | None = None):
         """namespace: the prefix cache's, which the disk tier's index logs carry; codec: the
-        disk tier's (None: pages stored as they are); recompute: (plan, the model's K/V
-        projection, hidden size) when fills recompute a share of their pages (KVPR)."""
+        disk tier's (None: pages stored as they are); recompute: the plan when fills
+        recompute a share of their pages (KVPR)."""
         self.page_shape = page_shape
         self.num_layers = num_layers
         self.max_pages = max_pages
@@ -71,8 +71,8 @@ class TierSet:
                        summary_bytes=summary_bytes, codec=codec)
         self.disk_tier, self.recompute = None, None
         if cfg.disk_bytes and recompute is not None:
-            self.disk_tier, self.recompute = self._recomputing_disk(
-                recompute, disk_args, disk_kw, cfg.disk_threads)
+            self.disk_tier, self.recompute = self._recomputing_disk(recompute, disk_args,
+                                                                    disk_kw)
         elif cfg.disk_bytes:
             self.disk_tier = DiskTier(*disk_args, **disk_kw)
         self._tiers = [t for t in (self.device_tier, self.host_tier, self.disk_tier)
@@ -109,20 +109,17 @@ class TierSet:
         self.step_counter = 0
         self.clock_now = 0          # layer clock (`clock_of`) of the layer being computed
 
-    def _recomputing_disk(self, recompute, disk_args, disk_kw, threads: int):
-        """The disk tier with its sidecar of layer inputs (the disk budget split between
-        them in proportion to their pages' bytes), and the Recompute that uses it."""
-        plan, fn, hidden = recompute
+    def _recomputing_disk(self, plan: RecomputePlan, disk_args, disk_kw):
+        """The disk tier with its sidecar of layer inputs (their share of the disk budget),
+        and the Recompute that uses it."""
         shape, disk_bytes, path, max_keys, num_layers, max_pages = disk_args
-        kv_stride = disk_kw["codec"].stride if disk_kw["codec"] is not None \
-            else shape.nbytes_aligned
-        in_bytes = -(-disk_bytes * plan.input_stride // (kv_stride + plan.input_stride))
-        inputs = DiskTier(input_page_shape(shape.page_size, hidden, shape.dtype), in_bytes,
-                          inputs_path(path), max_keys, num_layers, max_pages, threads=threads,
-                          stride=plan.input_stride)
+        in_bytes = plan.input_bytes(disk_bytes)
+        inputs = DiskTier(input_page_shape(shape.page_size, plan.hidden, shape.dtype), in_bytes,
+                          inputs_path(path), max_keys, num_layers, max_pages,
+                          threads=disk_kw["threads"], stride=plan.input_stride)
         disk = DiskWithInputs(shape, disk_bytes - in_bytes, *disk_args[2:], inputs=inputs,
                               **disk_kw)
-        return disk, Recompute(plan, fn, shape, hidden, self.device_tier.capacity_pages,
+        return disk, Recompute(plan, shape.page_size, self.device_tier.capacity_pages,
                                max_pages, inputs)
 
     def use_residency(self, name: str) -> None:

@@ -37,10 +37,6 @@ class DiskWithInputs(DiskTier):
         super().__init__(*args, **kw)
         self.inputs = inputs
 
-    @property
-    def stored_bytes(self) -> int:
-        return super().stored_bytes + self.inputs.stored_bytes
-
     def register_request(self, request_handle: int, capacity_pages_per_layer: int) -> None:
         self.inputs.register_request(request_handle, capacity_pages_per_layer)
         try:
