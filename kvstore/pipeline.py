@@ -55,7 +55,8 @@ from kernels.page_select import SelectedPages, cat_selected
 from kvstore.ahead import ReuseAhead, prefetch_predicted
 from kvstore.calibration import MicroBatchCalibration
 from kvstore.config import PIPELINES
-from kvstore.fetcher import Fetcher, Resolution
+from kvstore.fetcher import Fetcher
+from kvstore.resolution import Resolution
 from kvstore.stages import ComputeFn, LayerPart, LayerStages, filled, merge_sparse
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from kernels.page_select import SelectedPages, cat_selected
-from kvstore.fetcher import Resolution
+from kvstore.resolution import Resolution
 
 _I64 = dict(dtype=torch.int64)
 
