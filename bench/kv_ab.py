@@ -80,10 +80,14 @@ def child(root: str, spec: str) -> None:
         engine.step()
     prefill = time.perf_counter() - t0
     torch.set_num_threads(decode_threads)
+    first = engine.store.stats.snapshot().transfer_bytes
     for _ in range(3):
         engine.step()
     disk = engine.store.tiers.disk_tier
     snap = engine.store.stats.snapshot()
+    # the first decode steps after the prefills: what the placement left to read
+    first_disk = (snap.transfer_bytes.get(("disk", "device"), 0)
+                  - first.get(("disk", "device"), 0)) / 3
     before, before_rec = snap.transfer_bytes, getattr(snap, "recomputed", {})
     reads0 = (disk.bytes_read, disk.preadv_calls) if disk is not None else (0, 0)
     walls = []
@@ -100,6 +104,9 @@ def child(root: str, spec: str) -> None:
         "recompute_cost": dataclasses.asdict(rec.cost),
         "recomputed_per_step": (st.recomputed.get("disk", 0)
                                 - before_rec.get("disk", 0)) / cfg["steps"]}
+    extra["first_steps_disk_bytes_per_step"] = first_disk
+    extra["hits"] = {t: st.hits.get(t, 0) - snap.hits.get(t, 0) for t in st.lookups}
+    extra["lookups"] = {t: st.lookups.get(t, 0) - snap.lookups.get(t, 0) for t in st.lookups}
     print(json.dumps({**extra, "prefill_s": prefill, "step_ms": [1e3 * w for w in walls],
                       "tiers": engine.store.tier_usage(),
                       "transfer_bytes": {f"{a}->{b}": v for (a, b), v

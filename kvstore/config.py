@@ -7,7 +7,7 @@ from pathlib import Path
 FORCE_TIERS = ("none", "host", "disk")
 HEAD_PAGES = ("per-head", "union")
 PIPELINES = ("sequential", "sfc", "layer-ahead")
-RESIDENCY_POLICIES = ("cycle", "lru")       # kvstore/residency.py
+RESIDENCY_POLICIES = ("cycle", "lru", "score")       # kvstore/residency.py
 OBS_REDUCE = ("sum", "max")
 SELECTORS = ("quest", "mean", "lowrank")    # kernels/page_select.py (a test checks they match)
 TIER_CODECS = ("none", "int8", "int4")      # kvstore/tiers/codec.py
@@ -34,7 +34,7 @@ class KVStoreConfig:
     obs_reduce: str = "max"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
     head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
-    residency: str = "cycle"             # --residency: cycle | lru (device and host tiers)
+    residency: str = "cycle"             # --residency: cycle | lru | score (device and host tiers)
     max_num_seqs: int = 16               # for per-request placement quotas
     pipeline: str = "sequential"         # --pipeline: sequential | sfc | layer-ahead
     micro_batch: int = 0                 # --micro-batch: sequences per SFC micro-batch; 0: calibrate

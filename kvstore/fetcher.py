@@ -148,7 +148,11 @@ class Fetcher:
             if self._native is None:
                 self._native = native_evict.NativeEviction(tiers)
             return self._native.evict(want, protect, need)
-        victims = tiers.residency.victims(want, self._evictable(protect), tiers.clock_now)
+        cheap = None
+        if tiers.residency.weighs_cost and tiers.host_is_cache:    # a DRAM copy away
+            cheap = tiers.host_tier.contains(tiers.device_tier.slot_keys.clamp(min=0))
+        victims = tiers.residency.victims(want, self._evictable(protect), tiers.clock_now,
+                                          cheap)
         if victims.numel() < need:
             return False
         self.evict_device(victims, defer=True)

@@ -156,9 +156,13 @@ class TierSet:
         """int32 device slot of each key (-1: not resident)."""
         return self.device_tier.slots(keys)
 
-    def touch(self, slots: torch.Tensor, clocks: int | torch.Tensor) -> None:
-        """Device `slots` were used at layer clocks `clocks` (the residency policy's input)."""
+    def touch(self, slots: torch.Tensor, clocks: int | torch.Tensor,
+              weak: torch.Tensor | None = None) -> None:
+        """Device `slots` were used at layer clocks `clocks` (the residency policy's input);
+        `weak`: those of them whose page the step before did not select."""
         self.residency.touch(slots, clocks)
+        if weak is not None:
+            self.residency.mark_weak(weak)
 
     def is_clean(self, keys: torch.Tensor) -> torch.Tensor:
         """bool per key: its page is safe in the backing tier."""
