@@ -1,7 +1,8 @@
 """Which pages stay in DRAM: device hit rate and disk bytes per step per --residency policy
 (cycle | lru | score) and --kv-placement (recency | mass), side by side.
 
-    .venv/bin/python bench/residency.py                 # 8 x 7K tokens, 1 round x 12 steps
+    .venv/bin/python bench/residency.py                 # 8 x 7K tokens, 2 rounds x 12 steps
+    .venv/bin/python bench/residency.py --arms cycle lru score --rounds 1
     .venv/bin/python bench/residency.py --quick         # 4 x 4K tokens, 1 round x 6 steps
     .venv/bin/python bench/residency.py --replot bench/results/residency.json
 
@@ -31,7 +32,8 @@ from bench.kv_ab import run_arm  # noqa: E402
 TIERS = dict(kv_device_gb=0.064, kv_host_gb=0.256, kv_disk_gb=8, sparse_budget=1024,
              pipeline="sequential")
 ARMS = {"cycle": {"residency": "cycle"}, "lru": {"residency": "lru"},
-        "score": {"residency": "score"}}
+        "score": {"residency": "score"}, "cycle+mass": {"kv_placement": "mass"},
+        "score+mass": {"residency": "score", "kv_placement": "mass"}}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -126,8 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=7000)
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--arms", nargs="+", default=["cycle", "score", "score+mass"],
+                    choices=list(ARMS))
     ap.add_argument("--quick", action="store_true")
     add_out_arg(ap, "residency", quick=True)
     add_replot_arg(ap)

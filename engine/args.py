@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.settings import check_choices, setting
-from kvstore.config import (FORCE_TIERS, HEAD_PAGES, OBS_REDUCE, PIPELINES, RESIDENCY_POLICIES,
-                            SELECTORS, TIER_CODECS, KVStoreConfig)
+from kvstore.config import (FORCE_TIERS, HEAD_PAGES, OBS_REDUCE, PIPELINES, PLACEMENTS,
+                            RESIDENCY_POLICIES, SELECTORS, TIER_CODECS, KVStoreConfig)
 from scheduler.scheduler import SchedulerConfig
 
 DTYPES = ("auto", "bf16", "fp32")
@@ -135,8 +135,14 @@ class EngineArgs:
     micro_batch: int = setting(_KV.micro_batch, "sequences per SFC micro-batch (0: calibrate "
                                "on the first decode steps)", group="pipeline")
     residency: str = setting(_KV.residency, "which pages the device and host tiers evict: "
-                             "cycle (a fixed share of a step's layers stays) or lru",
-                             RESIDENCY_POLICIES, group="pipeline")
+                             "cycle (a fixed share of a step's layers stays), lru, or score "
+                             "(cycle, but pages the step before did not select, and pages a "
+                             "DRAM copy away, go first)", RESIDENCY_POLICIES, group="pipeline")
+    kv_placement: str = setting(_KV.placement, "which of a prompt's pages stay in the faster "
+                                "tiers after prefill: the first and newest of each layer, or "
+                                "the ones the observation window attended most (KVDrive's "
+                                "warm-up; dense layers' pages first)", PLACEMENTS,
+                                group="pipeline")
     kv_force_tier: str = setting(_KV.force_tier, "diagnostics: evict pages down to this tier "
                                  "after every step", FORCE_TIERS, group="pipeline")
     device: str = "cpu"
@@ -170,7 +176,7 @@ class EngineArgs:
             lowrank_rank=self.lowrank_rank,
             head_pages=self.sparse_head_pages, obs_window=self.sparse_obs_window,
             prior_share=self.sparse_prior_share, obs_reduce=self.sparse_obs_reduce,
-            pipeline=self.pipeline, residency=self.residency,
+            pipeline=self.pipeline, residency=self.residency, placement=self.kv_placement,
             micro_batch=self.micro_batch,
             max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier,
             tier_codec=self.kv_tier_codec, tier_codec_group=self.kv_tier_codec_group,

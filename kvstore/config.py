@@ -8,6 +8,7 @@ FORCE_TIERS = ("none", "host", "disk")
 HEAD_PAGES = ("per-head", "union")
 PIPELINES = ("sequential", "sfc", "layer-ahead")
 RESIDENCY_POLICIES = ("cycle", "lru", "score")       # kvstore/residency.py
+PLACEMENTS = ("recency", "mass")            # kvstore/placement.py
 OBS_REDUCE = ("sum", "max")
 SELECTORS = ("quest", "mean", "lowrank")    # kernels/page_select.py (a test checks they match)
 TIER_CODECS = ("none", "int8", "int4")      # kvstore/tiers/codec.py
@@ -35,6 +36,7 @@ class KVStoreConfig:
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
     head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
     residency: str = "cycle"             # --residency: cycle | lru | score (device and host tiers)
+    placement: str = "recency"           # --kv-placement: recency | mass (which prompt pages stay in DRAM after prefill)
     max_num_seqs: int = 16               # for per-request placement quotas
     pipeline: str = "sequential"         # --pipeline: sequential | sfc | layer-ahead
     micro_batch: int = 0                 # --micro-batch: sequences per SFC micro-batch; 0: calibrate
@@ -93,6 +95,9 @@ class KVStoreConfig:
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"--kv-recompute must be auto, off or a share in [0, 1], got "
                                  f"{self.recompute!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"--kv-placement must be one of {', '.join(PLACEMENTS)}, "
+                             f"got {self.placement!r}")
         if self.residency not in RESIDENCY_POLICIES:
             raise ValueError(f"--residency must be one of {', '.join(RESIDENCY_POLICIES)}, "
                              f"got {self.residency!r}")
