@@ -46,9 +46,11 @@ class Fetcher:
 
     def resolve(self, keys: torch.Tensor, protect: torch.Tensor, count: bool = True,
                 locate: bool = True) -> Resolution:
-        """Device slots for keys [n] (unique): hits keep their slot, misses get a reserved one
+        """Device slots for keys [n]: hits keep their slot, misses get a reserved one
         (evicting unprotected clean pages if needed); with `locate`, misses are looked up in
-        the host tier (found slots are pinned until `fill`) and the rest go to disk."""
+        the host tier (found slots are pinned until `fill`) and the rest go to disk. A key
+        may repeat (a page several sequences of the batch share: a prefix-cache hit): it is
+        looked up, counted and read once."""
         tiers, dev = self.tiers, self.tiers.device_tier
         slots = dev.slots(keys)
         miss_mask = slots < 0
@@ -59,6 +61,8 @@ class Fetcher:
         if n_miss == 0:
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count, keys=keys)
         miss = keys[miss_mask]
+        if n_miss > 1:
+            miss = torch.unique(miss)
         host = tiers.host_tier if locate else None
         in_host = hslots = None
         if host is not None:
