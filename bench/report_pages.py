@@ -7,7 +7,7 @@ from bench import residency
 
 def residency_section(rep: dict, png: str) -> list[str]:
     t = rep["tiers"]
-    arms = ", ".join(f"`{a}`: " + (" ".join(f"--{k.replace('_', '-')} {v}" for k, v in over.items()))
+    arms = ", ".join(f"`{a}`: " + " ".join(_flag(k, v) for k, v in over.items())
                      for a, over in rep["arms"].items())
     table = residency.report(rep).splitlines()[1:]          # without its machine line
     return ["### Which pages stay in DRAM: residency and placement", "",
@@ -18,3 +18,9 @@ def residency_section(rep: dict, png: str) -> list[str]:
             f"turns ({arms}). {rep['machine']['cpu']}. Hit rate: pages a step needed that DRAM "
             "held (KVDrive's Table 3); the first 3 steps follow the prefills (placement).", "",
             f"![residency]({png})", "", *table, ""]
+
+
+def _flag(field: str, value) -> str:
+    if field == "disk_folders":
+        return f"--kv-disk-path over {value} folders"
+    return f"--{field.replace('_', '-')} {value}"

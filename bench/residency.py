@@ -28,12 +28,15 @@ if not __package__:                     # run as a script: import from the check
 from bench.common import (add_out_arg, add_replot_arg, code_version, cpu_line,  # noqa: E402
                           machine, parser, pyplot, replot_or_run, save_figure)
 from bench.kv_ab import run_arm  # noqa: E402
+from engine.args import disk_folders  # noqa: E402
 
 TIERS = dict(kv_device_gb=0.064, kv_host_gb=0.256, kv_disk_gb=8, sparse_budget=1024,
              pipeline="sequential")
 ARMS = {"cycle": {"residency": "cycle"}, "lru": {"residency": "lru"},
         "score": {"residency": "score"}, "cycle+mass": {"kv_placement": "mass"},
-        "score+mass": {"residency": "score", "kv_placement": "mass"}}
+        "score+mass": {"residency": "score", "kv_placement": "mass"},
+        # two folders (kvstore/tiers/disk_set.py; one drive on this box): the reads' split
+        "score+2folders": {"residency": "score", "disk_folders": 2}}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -48,7 +51,10 @@ def summarize(runs: list[dict]) -> dict:
             "disk_reads_per_step": med(lambda r: r["disk_reads_per_step"]),
             "first_steps_disk_bytes_per_step": med(
                 lambda r: r["first_steps_disk_bytes_per_step"]),
-            "disk_page_bytes": runs[0]["disk_page_bytes"], "rounds": len(runs)}
+            "disk_page_bytes": runs[0]["disk_page_bytes"], "rounds": len(runs),
+            "per_path_read_bytes_per_step": {
+                Path(p).name: statistics.median(r["per_path_read_bytes_per_step"][p] for r in runs)
+                for p in runs[0].get("per_path_read_bytes_per_step", {})}}
 
 
 def run(args) -> dict:
@@ -58,7 +64,8 @@ def run(args) -> dict:
         for arm in args.arms:
             print(f"round {r + 1}/{args.rounds}: {arm} ...", flush=True)
             res = run_arm(f"residency-{arm}", root, {**TIERS, **ARMS[arm]}, args)
-            shutil.rmtree(res["engine"]["kv_disk_path"], ignore_errors=True)   # GBs of pages
+            for folder in disk_folders(res["engine"]["kv_disk_path"]):      # GBs of pages
+                shutil.rmtree(folder, ignore_errors=True)
             by_arm[arm].append(res)
             print(f"  step {res['step_ms_median']:.0f} ms, disk -> device "
                   f"{res['bytes_per_step'].get('disk->device', 0) / 2**20:.1f} MiB/step",
@@ -97,6 +104,11 @@ def report(res: dict) -> str:
             f"{row['disk_reads_per_step']:.0f} | "
             f"{row['first_steps_disk_bytes_per_step'] / 2**20:.1f} | "
             f"{row['step_ms_median']:.0f} | {row.get('step_ms_median_vs_cycle', 1):.2f} |")
+    for a, row in res["rows"].items():
+        if row.get("per_path_read_bytes_per_step"):
+            lines.append("")
+            lines.append(f"`{a}`: drive MiB read per step per folder: " + ", ".join(
+                f"{p} {v / 2**20:.1f}" for p, v in row["per_path_read_bytes_per_step"].items()))
     return "\n".join(lines)
 
 

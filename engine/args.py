@@ -81,7 +81,9 @@ class EngineArgs:
     kv_disk_gb: float = setting(_KV.disk_bytes / _GB, "disk KV tier, the backing store when "
                                 "set (0: none)", group="kv")
     kv_disk_path: Path | None = setting(None, "folder for the disk tier's files (default: "
-                                        "beside the model cache)", group="kv")
+                                        "beside the model cache); several folders, one per "
+                                        "drive, comma-separated: pages are striped over them",
+                                        group="kv")
     kv_tier_codec: str = setting(_KV.tier_codec, "store the disk tier's pages as 8- or 4-bit "
                                  "codes with a scale per group of channels (LeoAM's codec): "
                                  "2x or 4x fewer bytes read and more context per disk GB, at "
@@ -166,11 +168,13 @@ class EngineArgs:
         disk_path = self.kv_disk_path
         if self.kv_disk_gb and disk_path is None:
             disk_path = self.resolved_cache_dir.parent / "kv"
+        paths = disk_folders(disk_path)
         return KVStoreConfig(
             page_size=self.page_size, device_bytes=int(self.kv_device_gb * gb),
             host_bytes=int(self.kv_host_gb * gb), merge_host=self.kv_host_pool == "auto",
             disk_bytes=int(self.kv_disk_gb * gb),
-            disk_path=Path(disk_path) if disk_path else None, sparse_budget=self.sparse_budget,
+            disk_path=paths[0] if paths else None,
+            disk_paths=tuple(paths) if len(paths) > 1 else (), sparse_budget=self.sparse_budget,
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,
             lowrank_rank=self.lowrank_rank,
@@ -200,3 +204,10 @@ class EngineArgs:
     @property
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+
+
+def disk_folders(value: str | Path | None) -> list[Path]:
+    """--kv-disk-path's folders: one, or several comma-separated (one per drive)."""
+    if value is None:
+        return []
+    return [Path(p.strip()) for p in str(value).split(",") if p.strip()]

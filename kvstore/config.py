@@ -23,7 +23,8 @@ class KVStoreConfig:
     # (False: a separate host pool, the GPU-shaped three tiers, for tests)
     merge_host: bool = True
     disk_bytes: int = 0                  # --kv-disk-gb: files under disk_path (the backing store)
-    disk_path: Path | None = None        # --kv-disk-path
+    disk_path: Path | None = None        # --kv-disk-path (its first folder)
+    disk_paths: tuple[Path, ...] = ()    # --kv-disk-path A,B,...: every folder, pages striped (disk_set.py)
     disk_threads: int = 8
     sparse_budget: int = 0               # --sparse-budget tokens per request/layer/KV head; 0: dense
     sink_tokens: int = 16                # --sparse-sink-tokens: first tokens always attended
@@ -51,6 +52,11 @@ class KVStoreConfig:
             raise ValueError("--kv-device-gb must be > 0")
         if self.host_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("--kv-host-gb and --kv-disk-gb must be >= 0")
+        if self.disk_paths and (len(self.disk_paths) < 2 or self.disk_paths[0] != self.disk_path):
+            raise ValueError("disk_paths lists every folder of a disk set, disk_path first")
+        if self.disk_paths and self.recompute != "off":
+            raise ValueError("--kv-recompute keeps the pages' layer inputs beside them in one "
+                             "folder: it takes a single --kv-disk-path")
         if self.disk_bytes > 0 and self.disk_path is None:
             raise ValueError("--kv-disk-gb needs --kv-disk-path")
         if self.sparse_budget < 0:

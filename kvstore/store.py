@@ -381,6 +381,11 @@ class TieredKVStore:
         """tier -> (used bytes, capacity bytes)."""
         return self._tiers.usage()
 
+    def disk_io(self) -> dict[str, dict[str, int]]:
+        """Disk folder -> bytes read and written so far (and reads); {} without a disk tier."""
+        disk = self._tiers.disk_tier
+        return disk.per_path() if disk is not None else {}
+
     def close(self) -> None:
         self.pipeline.close()
         if self._prefix is not None and self._tiers.disk_tier is not None:

@@ -36,6 +36,7 @@ from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_inputs import DiskWithInputs, input_page_shape, inputs_path
+from kvstore.tiers.disk_set import DiskSet
 from kvstore.tiers.host import HostTier
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class TierSet:
         if cfg.disk_bytes and recompute is not None:
             self.disk_tier, self.recompute = self._recomputing_disk(recompute, disk_args,
                                                                     disk_kw)
+        elif cfg.disk_bytes and cfg.disk_paths:          # several folders: pages striped
+            self.disk_tier = DiskSet(page_shape, cfg.disk_bytes, list(cfg.disk_paths),
+                                     *disk_args[3:], **disk_kw)
         elif cfg.disk_bytes:
             self.disk_tier = DiskTier(*disk_args, **disk_kw)
         self._tiers = [t for t in (self.device_tier, self.host_tier, self.disk_tier)

@@ -138,6 +138,12 @@ class DiskTier(Tier):
         """Bytes of pages actually written and present now."""
         return self.num_pages * self.layout.stride
 
+    def per_path(self) -> dict[str, dict[str, int]]:
+        """Bytes the drive read and wrote so far (gap pages of reads too), by folder."""
+        return {str(self.layout.root): {"bytes_read": self.bytes_read,
+                                        "bytes_written": self.bytes_written,
+                                        "reads": self.preadv_calls}}
+
     preadv_calls = property(lambda self: self._io.preadv_calls)
     pwritev_calls = property(lambda self: self._io.pwritev_calls)
     bytes_read = property(lambda self: self._io.bytes_read)        # cumulative
