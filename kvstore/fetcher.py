@@ -49,8 +49,9 @@ class Fetcher:
         """Device slots for keys [n]: hits keep their slot, misses get a reserved one
         (evicting unprotected clean pages if needed); with `locate`, misses are looked up in
         the host tier (found slots are pinned until `fill`) and the rest go to disk. A key
-        may repeat (a page several sequences of the batch share: a prefix-cache hit): it is
-        looked up, counted and read once."""
+        may repeat (a page several sequences of the batch share: a prefix-cache hit): it
+        takes one slot and is looked up in the host tier and read from disk once (the device
+        tier's lookups count each sequence's need)."""
         tiers, dev = self.tiers, self.tiers.device_tier
         slots = dev.slots(keys)
         miss_mask = slots < 0

@@ -58,9 +58,10 @@ class MassPlacement(RecencyPlacement):
         # certain pages first (dense layers before the others: read first in a step), then
         # by mass; ties (no mass) newest first
         layer_rank = torch.arange(L, dtype=torch.float32)[:, None].expand(L, n)
-        newest = torch.arange(n, dtype=torch.float32)[None, :].expand(L, n) / (n + 1)
-        score = torch.where(sure, 2.0 + 1.0 / (1.0 + layer_rank), weight) + 1e-9 * newest
-        order = torch.argsort(score.reshape(-1), descending=True, stable=True)
+        score = torch.where(sure, 2.0 + 1.0 / (1.0 + layer_rank), weight).flip(1).reshape(-1)
+        # stable on pages newest first (flipped), so equal scores keep the newest first
+        order = torch.argsort(score, descending=True, stable=True)
+        order = (order // n) * n + (n - 1 - order % n)            # back to page order
         dev_quota, host_quota = _quotas(tiers, cfg)
         pids = torch.tensor(page_ids, dtype=torch.int64)
         keys = (torch.arange(L, dtype=torch.int64)[:, None] * tiers.max_pages

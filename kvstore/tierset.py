@@ -29,7 +29,7 @@ import torch
 from kvstore.config import KVStoreConfig
 from kvstore.errors import RequestKVError
 from kvstore.recompute import Recompute, RecomputePlan
-from kvstore.residency import make_residency
+from kvstore.residency import WEAK_FLAG, make_residency
 from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
 from kvstore.tiers.codec import PageCodec
@@ -131,7 +131,9 @@ class TierSet:
         for attr in ("residency", "host_residency"):
             old = getattr(self, attr)
             new = make_residency(name, 0, self.num_layers)
-            new.last_used = old.last_used
+            stamps = old.last_used
+            # `score`'s flag means nothing to the others (they would read a very new page)
+            new.last_used = torch.where(stamps >= 0, stamps & ~WEAK_FLAG, stamps)
             setattr(self, attr, new)
 
     def __iter__(self):

@@ -146,3 +146,37 @@ def test_outputs_and_a_restart_through_two_folders(smollm2_dir, prompt, tmp_path
     assert cli_main(["cache", "clear", "--kv-disk-path", two]) == 0
     assert not any(p.suffix in (".kv", ".idx") for d in ("a", "b")
                    for p in (tmp_path / d).iterdir())
+
+
+def test_a_request_as_big_as_the_budget_fits_and_a_refused_bind_binds_nothing(tmp_path):
+    pages = 5                                   # per layer: 3 in the first folder, 2 in the other
+    tier = make_set(tmp_path, capacity_pages=pages * NUM_LAYERS)
+    tier.register_request(1, pages)
+    assert tier.used_bytes <= tier.capacity_bytes
+    tier.bind([0, 1, 2, 3, 4], 1, 0)
+    with pytest.raises(ValueError):
+        tier.bind([10, 11, 12], 1, 3)           # indices 3-5: past the request's pages
+    assert not bool(tier.contains(keys_of([10, 11, 12])).any())
+    tier.unbind([10, 11, 12, 40])               # never bound: ignored, as DiskTier does
+    tier.unbind([3, 4])
+    tier.bind([10, 11], 1, 3)                   # the freed indices take new pages
+    assert tier.page_indices(np.array([10, 11])).tolist() == [3, 4]
+    tier.close()
+
+
+def test_a_read_failing_in_every_folder_names_every_folders_pages(tmp_path):
+    import errno
+
+    from kvstore.tiers.disk_fault import DiskFault
+    from kvstore.tiers.errors import TierIOError
+    tier = make_set(tmp_path)
+    tier.register_request(1, 4)
+    tier.bind([0, 1, 2, 3], 1, 0)
+    keys = keys_of([0, 1, 2, 3], layers=[0])
+    tier.put(keys, random_pages(SHAPE, 4))
+    tier.fault = DiskFault(read_errno=errno.EIO)
+    with pytest.raises(TierIOError) as info:
+        tier.get(keys, torch.empty(4, *SHAPE.shape, dtype=SHAPE.dtype))
+    assert sorted(info.value.keys.tolist()) == keys.tolist()
+    tier.fault = None
+    tier.close()

@@ -26,13 +26,19 @@ import torch
 
 from kvstore.tiers.base import PageShape, Tier
 from kvstore.tiers.disk import DiskTier, RestoredPages
-from kvstore.tiers.errors import PageMissing
+from kvstore.tiers.errors import PageMissing, TierError, TierFull
 
 
 def member_namespace(namespace: bytes, member: int, members: int) -> bytes:
     """The 16-byte namespace member `member` of a set of `members` folders writes."""
     return hashlib.blake2b(namespace + f"/disk-set {member} of {members}".encode(),
                            digest_size=16).digest()
+
+
+def probe_stride(page_shape: PageShape, kw: dict) -> int:
+    """Bytes a page takes on disk in a member (DiskLayout's stride: as DiskTier sets it)."""
+    codec = kw.get("codec")
+    return kw.get("stride") or (codec.stride if codec is not None else page_shape.nbytes_aligned)
 
 
 def local_count(n: int, member: int, members: int) -> int:
@@ -54,9 +60,16 @@ class DiskSet(Tier):
         self.page_shape = page_shape
         self.max_keys, self.max_pages = int(max_keys), int(max_pages)
         self.members: list[DiskTier] = []
+        # NOTE: a request of `cap` pages takes ceil(cap / N) of them in its first folders:
+        # each folder gets a page per layer beyond its share, so that any request the whole
+        # budget holds fits; the budget itself is checked over the set (register_request)
+        self._stride = probe_stride(page_shape, kw)
+        self._num_layers = num_layers
+        self._capacity_bytes = int(capacity_bytes)
+        share = capacity_bytes // n + num_layers * self._stride
         try:
             for m, path in enumerate(paths):
-                self.members.append(DiskTier(page_shape, capacity_bytes // n, path, max_keys,
+                self.members.append(DiskTier(page_shape, share, path, max_keys,
                                              num_layers, max_pages,
                                              namespace=member_namespace(namespace, m, n), **kw))
         except BaseException:
@@ -70,9 +83,9 @@ class DiskSet(Tier):
     def _sum(self, attr: str) -> int:
         return sum(getattr(m, attr) for m in self.members)
 
-    capacity_bytes = property(lambda self: self._sum("capacity_bytes"))
+    capacity_bytes = property(lambda self: self._capacity_bytes)      # --kv-disk-gb
     used_bytes = property(lambda self: self._sum("used_bytes"))
-    capacity_pages = property(lambda self: self._sum("capacity_pages"))
+    capacity_pages = property(lambda self: self._capacity_bytes // self._stride)
     num_pages = property(lambda self: self._sum("num_pages"))
     stored_bytes = property(lambda self: self._sum("stored_bytes"))
     preadv_calls = property(lambda self: self._sum("preadv_calls"))
@@ -98,12 +111,19 @@ class DiskSet(Tier):
 
     # -- requests ---------------------------------------------------------------------------
     def register_request(self, request_handle: int, capacity_pages_per_layer: int) -> None:
+        """As DiskTier.register_request, over the set's budget (TierFull reserves nothing)."""
+        n = len(self.members)
+        shares = [max(1, local_count(capacity_pages_per_layer, i, n)) for i in range(n)]
+        need = sum(shares) * self._num_layers * self._stride
+        free = self._capacity_bytes - self.used_bytes
+        if need > free:
+            hint = ("the request can never fit: raise --kv-disk-gb"
+                    if need > self._capacity_bytes else "retry when requests finish")
+            raise TierFull(self.name, [], need, free, hint=hint)
         done = []
         try:
-            for i, m in enumerate(self.members):
-                m.register_request(request_handle,
-                                   max(1, local_count(capacity_pages_per_layer, i,
-                                                      len(self.members))))
+            for m, share in zip(self.members, shares):
+                m.register_request(request_handle, share)
                 done.append(m)
         except BaseException:
             for m in done:
@@ -115,13 +135,25 @@ class DiskSet(Tier):
             m.skip(request_handle, local_count(n, i, len(self.members)))
 
     def bind(self, page_ids, request_handle: int, first_index: int) -> None:
+        """As DiskTier.bind, all or nothing: a folder that refuses unbinds what the others
+        bound. A page id still bound in another folder leaves it first."""
         pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
         idx = first_index + np.arange(pids.shape[0])
         n = len(self.members)
-        for i, m in enumerate(self.members):
-            sel = idx % n == i
-            if sel.any():
-                m.bind(pids[sel], request_handle, int(idx[sel][0]) // n)
+        moved = (self._member[pids] >= 0) & (self._member[pids] != idx % n)
+        if moved.any():
+            self.unbind(pids[moved])
+        done = []
+        try:
+            for i, m in enumerate(self.members):
+                sel = idx % n == i
+                if sel.any():
+                    m.bind(pids[sel], request_handle, int(idx[sel][0]) // n)
+                    done.append((m, pids[sel]))
+        except BaseException:
+            for m, part in done:
+                m.unbind(part)
+            raise
         self._member[pids] = idx % n
 
     def occupants(self, request_handle: int, first_index: int, n: int) -> list[int]:
@@ -144,6 +176,7 @@ class DiskSet(Tier):
         return local * len(self.members) + member
 
     def unbind(self, page_ids) -> None:
+        """As DiskTier.unbind (page ids not bound are ignored)."""
         pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
         for i, part in self._split_pids(pids):
             self.members[i].unbind(pids[part])
@@ -274,10 +307,8 @@ class DiskSet(Tier):
         return outer
 
     def _split_pids(self, pids: np.ndarray):
-        """(member, bool mask) per member holding some of the page ids."""
+        """(member, bool mask) per member holding some of the page ids (unbound: none)."""
         member = self._member[pids]
-        if (member < 0).any():
-            raise PageMissing(self.name, pids[member < 0], "pages not bound to a request")
         for i in range(len(self.members)):
             part = member == i
             if part.any():
@@ -322,7 +353,11 @@ def _joined(futures: list[Future]) -> Future:
         if last:
             errors = [f.exception() for f in futures if f.exception() is not None]
             if errors:
-                out.set_exception(errors[0])
+                first = errors[0]
+                if len(errors) > 1 and all(isinstance(e, TierError) for e in errors):
+                    # every folder's failed pages, so the fill loses them all at once
+                    first.keys = torch.cat([e.keys for e in errors])
+                out.set_exception(first)
             else:
                 out.set_result(None)
     for f in futures:
