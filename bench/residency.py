@@ -105,7 +105,7 @@ def report(res: dict) -> str:
             f"{row['first_steps_disk_bytes_per_step'] / 2**20:.1f} | "
             f"{row['step_ms_median']:.0f} | {row.get('step_ms_median_vs_cycle', 1):.2f} |")
     for a, row in res["rows"].items():
-        if row.get("per_path_read_bytes_per_step"):
+        if len(row.get("per_path_read_bytes_per_step", {})) > 1:      # a disk set
             lines.append("")
             lines.append(f"`{a}`: drive MiB read per step per folder: " + ", ".join(
                 f"{p} {v / 2**20:.1f}" for p, v in row["per_path_read_bytes_per_step"].items()))
