@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvstore.tiers.base import PageShape, Tier
-from kvstore.tiers.disk import DiskTier, RestoredPages
+from kvstore.tiers.disk import DiskTier, RestoredPages, read_via_buffer
 from kvstore.tiers.errors import PageMissing, TierError, TierFull
 
 
@@ -276,8 +276,9 @@ class DiskSet(Tier):
         k = self._check_keys(keys, self.max_keys).numpy()
         self._check_pages(out, k.shape[0], "out")
         rows = torch.arange(k.shape[0])
-        return self.get_into(torch.from_numpy(k), out, rows) \
-            if out.device.type == "cpu" and out.is_contiguous() else self._get_copy(k, out)
+        if out.device.type == "cpu" and out.is_contiguous():
+            return self.get_into(torch.from_numpy(k), out, rows)
+        return read_via_buffer(out, lambda tmp: self.get_into(torch.from_numpy(k), tmp, rows))
 
     def get_into(self, keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> Future:
         k = self._check_keys(keys, self.max_keys).numpy()
@@ -292,20 +293,6 @@ class DiskSet(Tier):
             torch.from_numpy(k[part]), pool, slots[torch.from_numpy(part)]))
 
     # -- internals --------------------------------------------------------------------------
-    def _get_copy(self, k: np.ndarray, out: torch.Tensor) -> Future:
-        tmp = torch.empty(out.shape, dtype=out.dtype, pin_memory=torch.cuda.is_available())
-        inner = self.get_into(torch.from_numpy(k), tmp, torch.arange(k.shape[0]))
-        outer: Future = Future()
-
-        def finish(f: Future) -> None:
-            if f.exception() is not None:
-                outer.set_exception(f.exception())
-            else:
-                out.copy_(tmp)
-                outer.set_result(None)
-        inner.add_done_callback(finish)
-        return outer
-
     def _split_pids(self, pids: np.ndarray):
         """(member, bool mask) per member holding some of the page ids (unbound: none)."""
         member = self._member[pids]
