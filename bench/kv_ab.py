@@ -80,10 +80,15 @@ def child(root: str, spec: str) -> None:
         engine.step()
     prefill = time.perf_counter() - t0
     torch.set_num_threads(decode_threads)
+    first = engine.store.stats.snapshot().transfer_bytes
     for _ in range(3):
         engine.step()
     disk = engine.store.tiers.disk_tier
     snap = engine.store.stats.snapshot()
+    per_path0 = disk.per_path() if hasattr(disk, "per_path") else {}
+    # the first decode steps after the prefills: what the placement left to read
+    first_disk = (snap.transfer_bytes.get(("disk", "device"), 0)
+                  - first.get(("disk", "device"), 0)) / 3
     before, before_rec = snap.transfer_bytes, getattr(snap, "recomputed", {})
     reads0 = (disk.bytes_read, disk.preadv_calls) if disk is not None else (0, 0)
     walls = []
@@ -100,6 +105,13 @@ def child(root: str, spec: str) -> None:
         "recompute_cost": dataclasses.asdict(rec.cost),
         "recomputed_per_step": (st.recomputed.get("disk", 0)
                                 - before_rec.get("disk", 0)) / cfg["steps"]}
+    extra["first_steps_disk_bytes_per_step"] = first_disk
+    if per_path0:           # a disk set: what each folder read per timed step
+        extra["per_path_read_bytes_per_step"] = {
+            p: (c["bytes_read"] - per_path0[p]["bytes_read"]) / cfg["steps"]
+            for p, c in disk.per_path().items()}
+    extra["hits"] = {t: st.hits.get(t, 0) - snap.hits.get(t, 0) for t in st.lookups}
+    extra["lookups"] = {t: st.lookups.get(t, 0) - snap.lookups.get(t, 0) for t in st.lookups}
     print(json.dumps({**extra, "prefill_s": prefill, "step_ms": [1e3 * w for w in walls],
                       "tiers": engine.store.tier_usage(),
                       "transfer_bytes": {f"{a}->{b}": v for (a, b), v
@@ -115,7 +127,10 @@ def child(root: str, spec: str) -> None:
 
 def run_arm(name: str, root: Path, over: dict, args) -> dict:
     disk = KV_TMP / f"kv_ab-{name}"
-    engine = {**BASE, "kv_disk_path": str(disk), **over}
+    over = dict(over)
+    folders = int(over.pop("disk_folders", 1))      # several: a disk set (one folder per drive)
+    path = ",".join(str(disk / f"d{i}") for i in range(folders)) if folders > 1 else str(disk)
+    engine = {**BASE, "kv_disk_path": path, **over}
     spec = json.dumps({"engine": engine, "batch": args.batch, "context": args.context,
                        "steps": args.steps,
                        "serial_prefill": getattr(args, "serial_prefill", False),

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.settings import check_choices, setting
-from kvstore.config import (FORCE_TIERS, HEAD_PAGES, OBS_REDUCE, PIPELINES, RESIDENCY_POLICIES,
-                            SELECTORS, TIER_CODECS, KVStoreConfig)
+from kvstore.config import (FORCE_TIERS, HEAD_PAGES, OBS_REDUCE, PIPELINES, PLACEMENTS,
+                            RESIDENCY_POLICIES, SELECTORS, TIER_CODECS, KVStoreConfig)
 from scheduler.scheduler import SchedulerConfig
 
 DTYPES = ("auto", "bf16", "fp32")
@@ -81,7 +81,9 @@ class EngineArgs:
     kv_disk_gb: float = setting(_KV.disk_bytes / _GB, "disk KV tier, the backing store when "
                                 "set (0: none)", group="kv")
     kv_disk_path: Path | None = setting(None, "folder for the disk tier's files (default: "
-                                        "beside the model cache)", group="kv")
+                                        "beside the model cache); several folders, one per "
+                                        "drive, comma-separated: pages are striped over them",
+                                        group="kv")
     kv_tier_codec: str = setting(_KV.tier_codec, "store the disk tier's pages as 8- or 4-bit "
                                  "codes with a scale per group of channels (LeoAM's codec): "
                                  "2x or 4x fewer bytes read and more context per disk GB, at "
@@ -135,8 +137,14 @@ class EngineArgs:
     micro_batch: int = setting(_KV.micro_batch, "sequences per SFC micro-batch (0: calibrate "
                                "on the first decode steps)", group="pipeline")
     residency: str = setting(_KV.residency, "which pages the device and host tiers evict: "
-                             "cycle (a fixed share of a step's layers stays) or lru",
-                             RESIDENCY_POLICIES, group="pipeline")
+                             "cycle (a fixed share of a step's layers stays), lru, or score "
+                             "(cycle, but pages the step before did not select, and pages a "
+                             "DRAM copy away, go first)", RESIDENCY_POLICIES, group="pipeline")
+    kv_placement: str = setting(_KV.placement, "which of a prompt's pages stay in the faster "
+                                "tiers after prefill: the first and newest of each layer, or "
+                                "the ones the observation window attended most (KVDrive's "
+                                "warm-up; dense layers' pages first)", PLACEMENTS,
+                                group="pipeline")
     kv_force_tier: str = setting(_KV.force_tier, "diagnostics: evict pages down to this tier "
                                  "after every step", FORCE_TIERS, group="pipeline")
     device: str = "cpu"
@@ -160,17 +168,19 @@ class EngineArgs:
         disk_path = self.kv_disk_path
         if self.kv_disk_gb and disk_path is None:
             disk_path = self.resolved_cache_dir.parent / "kv"
+        paths = disk_folders(disk_path)
         return KVStoreConfig(
             page_size=self.page_size, device_bytes=int(self.kv_device_gb * gb),
             host_bytes=int(self.kv_host_gb * gb), merge_host=self.kv_host_pool == "auto",
             disk_bytes=int(self.kv_disk_gb * gb),
-            disk_path=Path(disk_path) if disk_path else None, sparse_budget=self.sparse_budget,
+            disk_path=paths[0] if paths else None,
+            disk_paths=tuple(paths) if len(paths) > 1 else (), sparse_budget=self.sparse_budget,
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,
             lowrank_rank=self.lowrank_rank,
             head_pages=self.sparse_head_pages, obs_window=self.sparse_obs_window,
             prior_share=self.sparse_prior_share, obs_reduce=self.sparse_obs_reduce,
-            pipeline=self.pipeline, residency=self.residency,
+            pipeline=self.pipeline, residency=self.residency, placement=self.kv_placement,
             micro_batch=self.micro_batch,
             max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier,
             tier_codec=self.kv_tier_codec, tier_codec_group=self.kv_tier_codec_group,
@@ -194,3 +204,10 @@ class EngineArgs:
     @property
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir) if self.cache_dir else default_cache_dir()
+
+
+def disk_folders(value: str | Path | None) -> list[Path]:
+    """--kv-disk-path's folders: one, or several comma-separated (one per drive)."""
+    if value is None:
+        return []
+    return [Path(p.strip()) for p in str(value).split(",") if p.strip()]

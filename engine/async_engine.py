@@ -97,6 +97,7 @@ class AsyncEngine:
             prefix_queried_tokens=e.scheduler.prefix_queried_tokens,
             prefix_hit_tokens=e.scheduler.prefix_hit_tokens,
             prefix_pages=dict(e.store.prefix_pages()),
+            kv_disk_io=e.store.disk_io(),
         )
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],

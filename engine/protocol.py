@@ -50,6 +50,7 @@ class EngineStats:
     prefix_queried_tokens: int = 0      # prompt tokens of admitted requests
     prefix_hit_tokens: int = 0          # of which the prefix cache held the KV
     prefix_pages: dict = field(default_factory=dict)   # tier -> cached pages
+    kv_disk_io: dict = field(default_factory=dict)     # disk folder -> bytes_read, bytes_written
 
 
 class EngineClient(Protocol):

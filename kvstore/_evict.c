@@ -4,15 +4,17 @@
  *
  * It is Fetcher._evictable + residency.victims + Fetcher.evict_device(defer=True) of
  * kvstore/fetcher.py and kvstore/residency.py (the reference, and the path for other policies),
- * for the stock policies: cycle and lru. In torch that pass is ~60 small ops over the device's
- * and the host's slots (~1.4 ms, bench/evict_pass.py) on the pipeline's resolve thread, each
+ * for the stock policies: cycle, lru and score. In torch that pass is ~60 small ops over the
+ * device's and the host's slots (~1.4 ms, bench/evict_pass.py) on the pipeline's resolve thread, each
  * taking the GIL back from the engine thread's decode; here it is one call.
  *
  * Scores, larger evicted first (ties in no particular order):
  *   lru:   -last_used
  *   cycle: last_used <= now - period ? STALE + (now - last_used) : last_used
+ *   score: cycle's over the stamp without its WEAK_FLAG; a live page with the flag adds WEAK,
+ *          and on the device tier a live page the host holds too adds CHEAP
  * Host admission of demoted pages (incoming, last used at `used`):
- *   cycle: the `excess` worst of residents and incoming stay out (residents the device holds
+ *   cycle, score: the `excess` worst of residents and incoming stay out (residents the device holds
  *          too rank below every other live one, SPARE less); admitted pages keep `used`
  *   lru:   every page is admitted, stamped `now`; the residents the device holds too go first
  *          (in slot order), then the least recently used.
@@ -24,6 +26,10 @@
 
 #define STALE ((int64_t)1 << 61)
 #define SPARE ((int64_t)1 << 60)
+#define WEAK_FLAG ((int64_t)1 << 58)      /* kvstore/residency.py: ScoreResidency */
+#define WEAK ((int64_t)1 << 57)
+#define CHEAP ((int64_t)1 << 58)
+enum { LRU = 0, CYCLE = 1, SCORE = 2 };
 
 typedef struct {
     int32_t *slot_of;      /* [max_keys] key -> slot, -1 absent */
@@ -32,7 +38,7 @@ typedef struct {
     uint8_t *pinned;       /* [n] bool: never evicted */
     int64_t *last_used;    /* [n] the policy's stamps */
     long long n, top;
-    int cycle;             /* 1: cycle, 0: lru */
+    int kind;              /* LRU, CYCLE or SCORE */
     long long period;
 } tier_t;
 
@@ -44,15 +50,15 @@ typedef struct {
 static int parse_tier(PyObject *o, tier_t *t) {
     unsigned long long a[5];
     if (!PyArg_ParseTuple(o, "KKKKKLLiL;a tier is (slot_of, key_of, free, pinned, last_used "
-                          "addresses, slots, free count, cycle, period)", &a[0], &a[1], &a[2],
-                          &a[3], &a[4], &t->n, &t->top, &t->cycle, &t->period))
+                          "addresses, slots, free count, kind, period)", &a[0], &a[1], &a[2],
+                          &a[3], &a[4], &t->n, &t->top, &t->kind, &t->period))
         return -1;
     t->slot_of = (int32_t *)(uintptr_t)a[0];
     t->key_of = (int64_t *)(uintptr_t)a[1];
     t->free_ = (int32_t *)(uintptr_t)a[2];
     t->pinned = (uint8_t *)(uintptr_t)a[3];
     t->last_used = (int64_t *)(uintptr_t)a[4];
-    if (t->n < 0 || t->top < 0 || t->top > t->n) {
+    if (t->n < 0 || t->top < 0 || t->top > t->n || t->kind < LRU || t->kind > SCORE) {
         PyErr_SetString(PyExc_ValueError, "tier sizes out of range");
         return -1;
     }
@@ -60,9 +66,14 @@ static int parse_tier(PyObject *o, tier_t *t) {
 }
 
 static inline int64_t score(const tier_t *t, int64_t used, int64_t now) {
-    if (!t->cycle)
+    if (t->kind == LRU)
         return -used;
-    return used <= now - t->period ? STALE + (now - used) : used;
+    int64_t add = 0;
+    if (t->kind == SCORE && used >= 0 && (used & WEAK_FLAG)) {
+        used -= WEAK_FLAG;
+        add = WEAK;
+    }
+    return used <= now - t->period ? STALE + (now - used) : used + add;
 }
 
 /* The `cap` largest scores seen: a min-heap in a[0:n], whose root is the score to beat once it
@@ -121,11 +132,11 @@ static void admit_host(tier_t *h, const tier_t *d, int64_t na, const int64_t *us
     int64_t excess = na - h->top;
     for (int64_t i = 0; i < na; i++) {
         admit[i] = 1;
-        stamps[i] = h->cycle ? used[i] : now;
+        stamps[i] = h->kind != LRU ? used[i] : now;
     }
     if (excess <= 0)
         return;
-    if (h->cycle) {
+    if (h->kind != LRU) {
         top_t top = {items, 0, excess};
         for (int64_t i = 0; i < na; i++)
             top_push(&top, (item_t){score(h, used[i], now), -1 - i});
@@ -191,8 +202,12 @@ static void run(tier_t *d, tier_t *h, const uint8_t *clean, const int64_t *prote
     top_t top = {items, 0, want < d->n ? want : d->n};
     for (int64_t s = 0; s < d->n; s++) {
         int64_t k = d->key_of[s];
-        if (k >= 0 && !d->pinned[s] && !mark[s] && clean[k])
-            top_push(&top, (item_t){score(d, d->last_used[s], now), s});
+        if (k >= 0 && !d->pinned[s] && !mark[s] && clean[k]) {
+            int64_t b = score(d, d->last_used[s], now);
+            if (d->kind == SCORE && h != NULL && b < STALE && h->slot_of[k] >= 0)
+                b += CHEAP;                             /* a DRAM copy away */
+            top_push(&top, (item_t){b, s});
+        }
     }
     int64_t nv = top.n;
     if (nv < need || nv == 0)

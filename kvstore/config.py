@@ -7,7 +7,8 @@ from pathlib import Path
 FORCE_TIERS = ("none", "host", "disk")
 HEAD_PAGES = ("per-head", "union")
 PIPELINES = ("sequential", "sfc", "layer-ahead")
-RESIDENCY_POLICIES = ("cycle", "lru")       # kvstore/residency.py
+RESIDENCY_POLICIES = ("cycle", "lru", "score")       # kvstore/residency.py
+PLACEMENTS = ("recency", "mass")            # kvstore/placement.py
 OBS_REDUCE = ("sum", "max")
 SELECTORS = ("quest", "mean", "lowrank")    # kernels/page_select.py (a test checks they match)
 TIER_CODECS = ("none", "int8", "int4")      # kvstore/tiers/codec.py
@@ -22,7 +23,8 @@ class KVStoreConfig:
     # (False: a separate host pool, the GPU-shaped three tiers, for tests)
     merge_host: bool = True
     disk_bytes: int = 0                  # --kv-disk-gb: files under disk_path (the backing store)
-    disk_path: Path | None = None        # --kv-disk-path
+    disk_path: Path | None = None        # --kv-disk-path (its first folder)
+    disk_paths: tuple[Path, ...] = ()    # --kv-disk-path A,B,...: every folder, pages striped (disk_set.py)
     disk_threads: int = 8
     sparse_budget: int = 0               # --sparse-budget tokens per request/layer/KV head; 0: dense
     sink_tokens: int = 16                # --sparse-sink-tokens: first tokens always attended
@@ -34,7 +36,8 @@ class KVStoreConfig:
     obs_reduce: str = "max"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
     head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
-    residency: str = "cycle"             # --residency: cycle | lru (device and host tiers)
+    residency: str = "cycle"             # --residency: cycle | lru | score (device and host tiers)
+    placement: str = "recency"           # --kv-placement: recency | mass (which prompt pages stay in DRAM after prefill)
     max_num_seqs: int = 16               # for per-request placement quotas
     pipeline: str = "sequential"         # --pipeline: sequential | sfc | layer-ahead
     micro_batch: int = 0                 # --micro-batch: sequences per SFC micro-batch; 0: calibrate
@@ -49,6 +52,11 @@ class KVStoreConfig:
             raise ValueError("--kv-device-gb must be > 0")
         if self.host_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("--kv-host-gb and --kv-disk-gb must be >= 0")
+        if self.disk_paths and (len(self.disk_paths) < 2 or self.disk_paths[0] != self.disk_path):
+            raise ValueError("disk_paths lists every folder of a disk set, disk_path first")
+        if self.disk_paths and self.recompute != "off":
+            raise ValueError("--kv-recompute keeps the pages' layer inputs beside them in one "
+                             "folder: it takes a single --kv-disk-path")
         if self.disk_bytes > 0 and self.disk_path is None:
             raise ValueError("--kv-disk-gb needs --kv-disk-path")
         if self.sparse_budget < 0:
@@ -93,6 +101,9 @@ class KVStoreConfig:
             if not 0.0 <= share <= 1.0:
                 raise ValueError(f"--kv-recompute must be auto, off or a share in [0, 1], got "
                                  f"{self.recompute!r}")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"--kv-placement must be one of {', '.join(PLACEMENTS)}, "
+                             f"got {self.placement!r}")
         if self.residency not in RESIDENCY_POLICIES:
             raise ValueError(f"--residency must be one of {', '.join(RESIDENCY_POLICIES)}, "
                              f"got {self.residency!r}")

@@ -46,9 +46,12 @@ class Fetcher:
 
     def resolve(self, keys: torch.Tensor, protect: torch.Tensor, count: bool = True,
                 locate: bool = True) -> Resolution:
-        """Device slots for keys [n] (unique): hits keep their slot, misses get a reserved one
+        """Device slots for keys [n]: hits keep their slot, misses get a reserved one
         (evicting unprotected clean pages if needed); with `locate`, misses are looked up in
-        the host tier (found slots are pinned until `fill`) and the rest go to disk."""
+        the host tier (found slots are pinned until `fill`) and the rest go to disk. A key
+        may repeat (a page several sequences of the batch share: a prefix-cache hit): it
+        takes one slot and is looked up in the host tier and read from disk once (the device
+        tier's lookups count each sequence's need)."""
         tiers, dev = self.tiers, self.tiers.device_tier
         slots = dev.slots(keys)
         miss_mask = slots < 0
@@ -59,6 +62,8 @@ class Fetcher:
         if n_miss == 0:
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count, keys=keys)
         miss = keys[miss_mask]
+        if n_miss > 1:
+            miss = torch.unique(miss)
         host = tiers.host_tier if locate else None
         in_host = hslots = None
         if host is not None:
@@ -148,7 +153,11 @@ class Fetcher:
             if self._native is None:
                 self._native = native_evict.NativeEviction(tiers)
             return self._native.evict(want, protect, need)
-        victims = tiers.residency.victims(want, self._evictable(protect), tiers.clock_now)
+        cheap = None
+        if tiers.residency.weighs_cost and tiers.host_is_cache:    # a DRAM copy away
+            cheap = tiers.host_tier.contains(tiers.device_tier.slot_keys.clamp(min=0))
+        victims = tiers.residency.victims(want, self._evictable(protect), tiers.clock_now,
+                                          cheap)
         if victims.numel() < need:
             return False
         self.evict_device(victims, defer=True)

@@ -1,5 +1,5 @@
 """The device tier's eviction pass in C without the GIL (kvstore/_evict.c), for the stock
-residency policies (`cycle`, `lru`): victims, their demotion to the host tier with host
+residency policies (`cycle`, `lru`, `score`): victims, their demotion to the host tier with host
 admission, and both tiers' slot maps, in one call.
 
 The torch path (Fetcher._evictable, the policy's `victims`, Fetcher.evict_device) is the
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from kvstore import _evict
-from kvstore.residency import CycleResidency, LRUResidency
+from kvstore.residency import CycleResidency, LRUResidency, ScoreResidency
 
-_KINDS = {CycleResidency: 1, LRUResidency: 0}
+_KINDS = {CycleResidency: 1, LRUResidency: 0, ScoreResidency: 2}
 
 
 def serves(tiers) -> bool:

@@ -16,12 +16,17 @@ import torch
 from kvstore.config import RESIDENCY_POLICIES
 
 _NONE = torch.empty(0, dtype=torch.int64)
-# badness offsets (clocks stay far below 2**60): stale pages first, spare copies last
+# badness offsets (clocks stay far below 2**56): stale pages first, spare copies last
 _STALE, _SPARE = 1 << 61, 1 << 60
+# `score`: a flag in a slot's stamp (the page's next use is uncertain), and the badness it adds
+# to a live page; a live page the host tier holds too adds _CHEAP (refetched from DRAM)
+WEAK_FLAG, _WEAK, _CHEAP = 1 << 58, 1 << 57, 1 << 58
 
 
 class LRUResidency:
     """Least recently used slot first. `last_used` [num_slots] int64 layer clocks."""
+
+    weighs_cost = False         # whether `victims` takes `cheap`
 
     def __init__(self, num_slots: int):
         self.last_used = torch.zeros(num_slots, dtype=torch.int64)
@@ -31,14 +36,20 @@ class LRUResidency:
         if slots.numel():
             self.last_used[slots.long()] = now
 
+    def mark_weak(self, slots: torch.Tensor) -> None:
+        """`slots`, just touched, may well not be used next step (`score` ranks them lower;
+        the other policies ignore it)."""
+
     def age(self, slots: torch.Tensor) -> None:
         """Make slots the first candidates for eviction (placement of cold pages)."""
         if slots.numel():
             self.last_used[slots.long()] = -1
 
-    def victims(self, n: int, evictable: torch.Tensor, now: int = 0) -> torch.Tensor:
+    def victims(self, n: int, evictable: torch.Tensor, now: int = 0,
+                cheap: torch.Tensor | None = None) -> torch.Tensor:
         """The n slots to evict first among `evictable` [num_slots] bool (fewer if there are
-        not enough), as int64 [<= n], at clock `now`."""
+        not enough), as int64 [<= n], at clock `now`. `cheap` [num_slots] bool: pages a
+        slower memory tier holds too (only `score` weighs it)."""
         cand = evictable.nonzero().squeeze(1)
         if cand.numel() <= n:
             return cand
@@ -75,12 +86,19 @@ class CycleResidency(LRUResidency):
         super().__init__(num_slots)
         self.period = period
 
-    def victims(self, n: int, evictable: torch.Tensor, now: int = 0) -> torch.Tensor:
+    def victims(self, n: int, evictable: torch.Tensor, now: int = 0,
+                cheap: torch.Tensor | None = None) -> torch.Tensor:
         cand = evictable.nonzero().squeeze(1)
         if cand.numel() <= n:
             return cand
         bad = self._badness(self.last_used[cand], now)
+        if cheap is not None:
+            bad = bad + self._cost(bad, cheap[cand])
         return cand[torch.topk(bad, n, sorted=False).indices]
+
+    def _cost(self, bad: torch.Tensor, cheap: torch.Tensor) -> torch.Tensor:
+        """What a page's refetch cost adds to its badness (cycle: nothing)."""
+        return torch.zeros_like(bad)
 
     def admit(self, used: torch.Tensor, evictable: torch.Tensor, spare: torch.Tensor,
               free: int, now: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -109,10 +127,42 @@ class CycleResidency(LRUResidency):
         return torch.where(stale, _STALE + (now - used), used)
 
 
+class ScoreResidency(CycleResidency):
+    """`cycle` with a guess at each page's next use (KVDrive's lookahead eviction, SWARM's
+    frequency / cost cache). A page a sparse decode selected that the step before did not
+    select is *weak*: on bench/pipeline.py's workload such a page is selected again at the next
+    step 53% of the time, a page selected two steps running 69%, ten 98% (the prompt's top
+    pages, sinks and recent pages: always); dense layers' pages always. Eviction order: stale
+    pages (as cycle), then live pages the host tier holds too (a DRAM copy away), then live weak
+    pages, then the rest; newest first within each (cycle's Belady order). In a step whose pages
+    do not all fit, cycle gives up pages that are needed next step for pages that are not; an
+    offline replay of that workload's selections puts score's misses 18% under cycle's (Belady's
+    optimum: 46% under), docs/kvstore.md. The flag lives in the stamp (WEAK_FLAG), so the C pass
+    (kvstore/_evict.c) reads it with the stamps."""
+
+    weighs_cost = True
+
+    def mark_weak(self, slots: torch.Tensor) -> None:
+        if slots.numel():
+            s = slots.long()
+            self.last_used[s] = self.last_used[s] | WEAK_FLAG
+
+    def _badness(self, used: torch.Tensor, now: int) -> torch.Tensor:
+        weak = (used >= 0) & ((used & WEAK_FLAG) != 0)
+        used = torch.where(weak, used - WEAK_FLAG, used)
+        return super()._badness(used, now) + torch.where(
+            weak & (used > now - self.period), _WEAK, 0)
+
+    def _cost(self, bad: torch.Tensor, cheap: torch.Tensor) -> torch.Tensor:
+        return torch.where(cheap & (bad < _STALE), _CHEAP, 0)
+
+
 def make_residency(name: str, num_slots: int, period: int) -> LRUResidency:
     """The policy `name` for a tier of `num_slots` slots; `period`: clock ticks per step."""
     if name == "cycle":
         return CycleResidency(num_slots, period)
+    if name == "score":
+        return ScoreResidency(num_slots, period)
     if name == "lru":
         return LRUResidency(num_slots)
     raise ValueError(f"--residency must be one of {', '.join(RESIDENCY_POLICIES)}, got {name!r}")

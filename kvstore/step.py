@@ -208,9 +208,10 @@ class StepKV:
         # pages that became full go to the backing tier (once)
         touched = torch.cat([slots_all, t_slots.int()])
         full = (t_keys[self.t_full], t_slots[self.t_full]) if self.t_full_rids else None
+        weak = _weak_slots(parts)
 
         def bookkeeping():
-            tiers.touch(touched, now)
+            tiers.touch(touched, now, weak)
             if full is not None:
                 self.fetcher.write_back(full[0], full[1], self.t_full_rids)
 
@@ -395,3 +396,11 @@ class StepKV:
         last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
         return PageTable(sel.union_indptr.to(torch.int32), union_slots.to(torch.int32), last,
                          self.cfg.page_size)
+
+
+def _weak_slots(parts) -> torch.Tensor | None:
+    """Device slots of the pages a sparse decode selected that the step before did not (the
+    residency policy's guess at pages it may not need next step)."""
+    weak = [p.slots[~p.reused] for p in parts
+            if p.reused is not None and p.slots is not None and p.reused.numel()]
+    return torch.cat(weak) if weak else None

@@ -30,7 +30,7 @@ from kvstore.errors import KVFull, KVNeverFits, RequestKVError
 from kvstore.page_allocator import PageAllocator
 from kvstore.pipeline import Pipeline
 from kvstore.fetcher import Fetcher
-from kvstore.placement import RecencyPlacement
+from kvstore.placement import make_placement
 from kvstore.prefix import PrefixReuse
 from kvstore.prefix_cache import PrefixCache, namespace_key
 from kvstore.recompute import KVFromInputs, plan_recompute
@@ -110,7 +110,7 @@ class TieredKVStore:
         self._parts = StepParts(cfg, self._tiers, self._fetcher, self._requests,
                                 self._selection, self.pipeline, self.stats,
                                 make_attention_backend(device), self.sparse_attention)
-        self._placement = RecencyPlacement()
+        self._placement = make_placement(cfg.placement)
         self._prefix = None
         if cfg.prefix_cache:
             self._prefix = PrefixReuse(cfg, PrefixCache(namespace, cfg.page_size),
@@ -334,7 +334,8 @@ class TieredKVStore:
             rkv = self._requests.get(rid)
             if rkv is not None and not rkv.prefilled:
                 rkv.prefilled = True
-                self._placement.place(self._tiers, self._allocator.pages(rid), self.cfg)
+                self._placement.place(self._tiers, self._allocator.pages(rid), self.cfg,
+                                      rkv.prior)
         if self.cfg.force_tier != "none":
             self._force_down()
         failed = self._tiers.check_writes()
@@ -379,6 +380,11 @@ class TieredKVStore:
     def tier_usage(self) -> dict[str, tuple[int, int]]:
         """tier -> (used bytes, capacity bytes)."""
         return self._tiers.usage()
+
+    def disk_io(self) -> dict[str, dict[str, int]]:
+        """Disk folder -> bytes read and written so far (and reads); {} without a disk tier."""
+        disk = self._tiers.disk_tier
+        return disk.per_path() if disk is not None else {}
 
     def close(self) -> None:
         self.pipeline.close()

@@ -29,13 +29,14 @@ import torch
 from kvstore.config import KVStoreConfig
 from kvstore.errors import RequestKVError
 from kvstore.recompute import Recompute, RecomputePlan
-from kvstore.residency import make_residency
+from kvstore.residency import WEAK_FLAG, make_residency
 from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
 from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_inputs import DiskWithInputs, input_page_shape, inputs_path
+from kvstore.tiers.disk_set import DiskSet
 from kvstore.tiers.host import HostTier
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class TierSet:
         if cfg.disk_bytes and recompute is not None:
             self.disk_tier, self.recompute = self._recomputing_disk(recompute, disk_args,
                                                                     disk_kw)
+        elif cfg.disk_bytes and cfg.disk_paths:          # several folders: pages striped
+            self.disk_tier = DiskSet(page_shape, cfg.disk_bytes, list(cfg.disk_paths),
+                                     *disk_args[3:], **disk_kw)
         elif cfg.disk_bytes:
             self.disk_tier = DiskTier(*disk_args, **disk_kw)
         self._tiers = [t for t in (self.device_tier, self.host_tier, self.disk_tier)
@@ -127,7 +131,9 @@ class TierSet:
         for attr in ("residency", "host_residency"):
             old = getattr(self, attr)
             new = make_residency(name, 0, self.num_layers)
-            new.last_used = old.last_used
+            stamps = old.last_used
+            # `score`'s flag means nothing to the others (they would read a very new page)
+            new.last_used = torch.where(stamps >= 0, stamps & ~WEAK_FLAG, stamps)
             setattr(self, attr, new)
 
     def __iter__(self):
@@ -156,9 +162,13 @@ class TierSet:
         """int32 device slot of each key (-1: not resident)."""
         return self.device_tier.slots(keys)
 
-    def touch(self, slots: torch.Tensor, clocks: int | torch.Tensor) -> None:
-        """Device `slots` were used at layer clocks `clocks` (the residency policy's input)."""
+    def touch(self, slots: torch.Tensor, clocks: int | torch.Tensor,
+              weak: torch.Tensor | None = None) -> None:
+        """Device `slots` were used at layer clocks `clocks` (the residency policy's input);
+        `weak`: those of them whose page the step before did not select."""
         self.residency.touch(slots, clocks)
+        if weak is not None:
+            self.residency.mark_weak(weak)
 
     def is_clean(self, keys: torch.Tensor) -> torch.Tensor:
         """bool per key: its page is safe in the backing tier."""

@@ -187,24 +187,25 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 def cache_command(args: argparse.Namespace) -> int:
     """`strata cache ls | clear`: the segment files and index logs under --kv-disk-path."""
-    from engine.args import EngineArgs
+    from engine.args import EngineArgs, disk_folders
     from kvstore.cache_files import clear_cache, format_listing, list_cache
     from kvstore.tiers.disk_layout import DiskPathInUse
-    root = Path(args.kv_disk_path) if args.kv_disk_path else \
-        EngineArgs(cache_dir=args.cache_dir).resolved_cache_dir.parent / "kv"
-    if not root.is_dir():
-        print(f"no KV disk folder at {root}")
-        return 0
-    if args.action == "ls":
-        print(f"{root}:")
-        print(format_listing(list_cache(root)))
-        return 0
-    try:
-        print(f"removed {clear_cache(root)} files from {root}")
-    except DiskPathInUse as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    roots = disk_folders(args.kv_disk_path) if args.kv_disk_path else \
+        [EngineArgs(cache_dir=args.cache_dir).resolved_cache_dir.parent / "kv"]
+    status = 0
+    for root in roots:          # several folders (one per drive): each in turn
+        if not root.is_dir():
+            print(f"no KV disk folder at {root}")
+        elif args.action == "ls":
+            print(f"{root}:")
+            print(format_listing(list_cache(root)))
+        else:
+            try:
+                print(f"removed {clear_cache(root)} files from {root}")
+            except DiskPathInUse as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                status = 1
+    return status
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,14 @@ def kv_families(stats):
                                 "--pipeline sfc (0 while the start-up calibration runs).",
                                 value=mb)
     yield from prefix_families(stats)
+    if stats.kv_disk_io:
+        disk = CounterMetricFamily("strata_kv_disk_bytes", "Bytes the disk tier's drives read "
+                                   "and wrote, per folder (--kv-disk-path; reads count the gap "
+                                   "pages a coalesced read spans).", labels=["path", "op"])
+        for path, io in sorted(stats.kv_disk_io.items()):
+            disk.add_metric([path, "read"], io["bytes_read"])
+            disk.add_metric([path, "write"], io["bytes_written"])
+        yield disk
     kv = stats.kv
     if kv is None:
         return

@@ -159,3 +159,32 @@ def test_forcing_pages_to_a_host_tier_that_joined_the_device_pool_is_refused():
     with pytest.raises(ValueError, match="--kv-host-pool separate"):
         TieredKVStore(cfg, LAYERS, 1, 8, torch.float32)
     TieredKVStore(dataclasses.replace(cfg, merge_host=False), LAYERS, 1, 8, torch.float32)
+
+
+def test_a_page_several_sequences_need_is_read_from_disk_once(tmp_path):
+    """Sequences sharing prefix pages select the same keys: one slot, one disk read each."""
+    store = _store(tmp_path, disk=True)
+    store.add_request("r", 64)
+    assert store.allocate("r", 48)
+    keys = _write_pages(store, "r")
+    tiers = store.tiers
+    slots = tiers.device_slots(keys).long()
+    pages = tiers.pool[slots].clone()
+    tiers.disk_tier.put(keys, pages)
+    tiers.clean[keys] = True
+    store._fetcher.evict_device(slots.int())
+    assert not bool((tiers.device_slots(keys) >= 0).any())
+    twice = torch.cat([keys, keys.flip(0), keys[:1]])            # as two sequences' unions
+    before = tiers.disk_tier.bytes_read
+    res = store._fetcher.resolve(twice, twice)
+    assert sorted(res.disk_keys.tolist()) == sorted(keys.tolist())
+    store._fetcher.fill(res)
+    got = tiers.device_slots(twice).long()
+    assert torch.equal(got[:keys.numel()], got[keys.numel():2 * keys.numel()].flip(0))
+    assert torch.equal(tiers.pool[got[:keys.numel()]], pages)
+    # each page once (and the one gap page between the two layers' runs, read and dropped)
+    assert tiers.disk_tier.bytes_read - before <= (keys.numel() + 1) * tiers.disk_tier.page_bytes
+    assert store.stats.snapshot().lookups["disk"] == keys.numel()
+    assert tiers.device_tier.num_free == tiers.device_tier.capacity_pages - keys.numel()
+    store.release("r")
+    store.close()

@@ -12,6 +12,7 @@ import torch
 
 from kvstore.config import KVStoreConfig
 from kvstore.fetcher import DeviceTierTooSmall, Fetcher
+from kvstore.residency import WEAK_FLAG
 from kvstore.store import TieredKVStore
 from tests.server_helpers import REPO
 
@@ -44,6 +45,9 @@ def fill_randomly(store: TieredKVStore, seed: int, host_full: bool, now: int) ->
     store.tiers.clean[:] = torch.rand(max_keys, generator=g) < 0.9
     stamps = torch.randperm(dev.num_slots + (host.num_slots if host else 0), generator=g)
     stamps = now - (1 + seed % 2) * stamps      # most live (even seeds) or half stale (odd)
+    if store.cfg.residency == "score":          # some pages flagged weak (kvstore/residency.py)
+        stamps = torch.where(torch.rand(stamps.numel(), generator=g) < 0.4,
+                             stamps | WEAK_FLAG, stamps)
     store.tiers.residency.last_used[:] = stamps[:dev.num_slots]
     store.tiers.device_pinned[:] = torch.rand(dev.num_slots, generator=g) < 0.05
     if host is not None:
@@ -94,7 +98,7 @@ def run_pass(store, native: bool, want: int, need: int, protect: torch.Tensor):
     return ok, state(store), demoted(store, before)
 
 
-@pytest.mark.parametrize("residency", ["cycle", "lru"])
+@pytest.mark.parametrize("residency", ["cycle", "lru", "score"])
 @pytest.mark.parametrize("host_full", [True, False])
 def test_native_pass_evicts_and_demotes_what_the_torch_pass_does(tmp_path, residency, host_full):
     demotions = 0

@@ -141,10 +141,11 @@ def test_residency_policies_give_the_same_output_from_different_tiers(smollm2_di
     """A step reads every layer in turn: a cycle. With a host tier of half the device and host
     share of a step's pages (0.005 GB), LRU evicts each page just before its next use and
     `cycle` keeps a share resident; when they nearly hold it (0.01 GB, `make`'s), LRU's recency
-    list through device and host does better on disk reads, and `cycle` on copies. Only where
-    pages come from changes, never the output."""
+    list through device and host does better on disk reads, and `cycle` on copies. `score`
+    (cycle, with pages new to the selection and pages the host holds too going first) needs
+    the same pages. Only where pages come from changes, never the output."""
     got, st = {}, {}
-    for policy in ("cycle", "lru"):
+    for policy in ("cycle", "lru", "score"):
         if policy == "cycle" and host_gb == 0.01:        # the default: the fixture's run
             got[policy], st[policy] = sequential
             continue
@@ -153,9 +154,10 @@ def test_residency_policies_give_the_same_output_from_different_tiers(smollm2_di
         got[policy], errors = run(engine, prompts)
         assert not errors
         st[policy] = engine.store.stats.snapshot()
-    assert got["cycle"] == got["lru"] == sequential[0]
+    assert got["cycle"] == got["lru"] == got["score"] == sequential[0]
     cyc, lru = st["cycle"], st["lru"]
     assert cyc.lookups["device"] == lru.lookups["device"]        # the same pages were needed
+    assert st["score"].lookups["device"] == cyc.lookups["device"]
     assert cyc.hits["device"] > 2 * lru.hits["device"]      # the device keeps a share too
 
     def moved(s, src, dst):

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvstore.residency import CycleResidency, LRUResidency, make_residency
+from kvstore.residency import (WEAK_FLAG, CycleResidency, LRUResidency, ScoreResidency,
+                               make_residency)
 
 
 class Cache:
@@ -19,7 +20,7 @@ class Cache:
         self.key_of = [-1] * slots
         self.hits = self.misses = 0
 
-    def use(self, key: int, now: int) -> None:
+    def use(self, key: int, now: int, weak: bool = False) -> None:
         slot = self.slot_of.get(key)
         if slot is None:
             self.misses += 1
@@ -33,6 +34,8 @@ class Cache:
         else:
             self.hits += 1
         self.policy.touch(torch.tensor([slot]), now)
+        if weak:
+            self.policy.mark_weak(torch.tensor([slot]))
 
 
 def run_steps(cache: Cache, keys_per_layer: list[list[int]], steps: range) -> None:
@@ -106,8 +109,65 @@ def test_lru_admits_every_demoted_page_over_spare_copies_first():
     assert stamps.tolist() == [14, 14]           # a demotion counts as a use
 
 
+def test_score_keeps_the_pages_selected_again_over_the_ones_that_come_and_go():
+    """Each step a layer needs 6 stable pages and 3 new ones that are never needed again (the
+    selection's churn), through slots for 2/3 of a step: cycle keeps a share of everything and
+    so gives up stable pages for the churn; score, told which pages the step before did not
+    select, gives up the churn first and keeps (nearly) every stable page."""
+    layers, slots, steps = 6, 36, 8
+    hits = {}
+    for policy in (CycleResidency(slots, layers), ScoreResidency(slots, layers)):
+        cache = Cache(policy, slots)
+        for step in range(steps):
+            for layer in range(layers):
+                now = step * layers + layer
+                for p in range(6):
+                    cache.use(layer * 1000 + p, now)
+                for p in range(3):                       # new this step: weak
+                    cache.use(layer * 1000 + 100 + step * 10 + p, now, weak=True)
+            if step == 1:
+                cache.hits = 0
+        hits[type(policy).__name__] = cache.hits
+    stable = (steps - 2) * layers * 6
+    assert hits["ScoreResidency"] >= 0.9 * stable
+    assert hits["CycleResidency"] < 0.8 * hits["ScoreResidency"]
+
+
+def test_score_evicts_stale_then_cheap_then_weak_then_the_rest_newest_first():
+    pol = ScoreResidency(8, period=10)
+    now = 100
+    # slots 0-1 stale (unused for a period); 2-3 live with a DRAM copy; 4-5 live, weak; 6-7 live
+    pol.touch(torch.arange(8), torch.tensor([80, 85, 95, 96, 97, 98, 99, 100]))
+    pol.mark_weak(torch.tensor([1, 4, 5]))          # a stale page's flag changes nothing
+    cheap = torch.zeros(8, dtype=torch.bool)
+    cheap[[2, 3]] = True
+    evictable = torch.ones(8, dtype=torch.bool)
+    order = [pol.victims(k, evictable, now, cheap).tolist() for k in range(1, 9)]
+    firsts = [sorted(set(o) - set(p)) for o, p in zip(order, [[]] + order[:-1])]
+    assert [f[0] for f in firsts] == [0, 1, 3, 2, 5, 4, 7, 6]
+    assert int(pol.last_used[4]) == 97 | WEAK_FLAG
+    pol.touch(torch.tensor([4]), 101)                # a new use clears the flag
+    assert int(pol.last_used[4]) == 101
+    # without `cheap` (no host cache) the copies are plain live pages
+    assert sorted(pol.victims(3, evictable, now + 1).tolist()) == [0, 1, 5]
+
+
+def test_score_admits_demoted_pages_with_their_flags():
+    """The host tier ranks a weak page demoted from the device as the device did."""
+    pol = ScoreResidency(4, period=10)
+    pol.touch(torch.arange(4), torch.tensor([96, 97, 98, 99]))
+    evictable = torch.ones(4, dtype=torch.bool)
+    spare = torch.zeros(4, dtype=torch.bool)
+    # a weak page last used at 95 goes before any resident; a strong one at 95 after all
+    victims, admit, stamps = pol.admit(torch.tensor([95 | WEAK_FLAG, 95]), evictable, spare,
+                                       0, 100)
+    assert admit.tolist() == [False, True] and victims.tolist() == [3]
+    assert stamps.tolist() == [95]
+
+
 def test_make_residency_names_the_policies():
     assert isinstance(make_residency("cycle", 4, period=3), CycleResidency)
     assert type(make_residency("lru", 4, period=3)) is LRUResidency
-    with pytest.raises(ValueError, match="cycle, lru"):
+    assert type(make_residency("score", 4, period=3)) is ScoreResidency
+    with pytest.raises(ValueError, match="cycle, lru, score"):
         make_residency("fifo", 4, period=3)

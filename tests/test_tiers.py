@@ -8,6 +8,7 @@ import torch
 from kvstore.tiers.base import PageShape, Tier
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.disk import DiskTier
+from kvstore.tiers.disk_set import DiskSet
 from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.errors import PageMissing, TierFull
 from kvstore.tiers.host import HostTier
@@ -80,10 +81,16 @@ def shape(request) -> PageShape:
     return SHAPES[request.param]
 
 
-@pytest.fixture(params=["device", "host", "disk", "disk-buffered"])
+@pytest.fixture(params=["device", "host", "disk", "disk-buffered", "disk-set"])
 def case(request, shape, tmp_path):
     kind = request.param
-    if kind == "device":
+    if kind == "disk-set":            # two folders, pages striped (kvstore/tiers/disk_set.py)
+        tier = DiskSet(shape, CAPACITY * shape.nbytes_aligned, [tmp_path / "a", tmp_path / "b"],
+                       max_keys=NUM_LAYERS * MAX_PAGES, num_layers=NUM_LAYERS,
+                       max_pages=MAX_PAGES, threads=2)
+        yield DiskCase(tier)
+        tier.close()
+    elif kind == "device":
         yield Case(DeviceTier(shape, CAPACITY * shape.nbytes, NUM_LAYERS * MAX_PAGES, "cpu"))
     elif kind == "host":
         yield Case(HostTier(shape, CAPACITY * shape.nbytes, NUM_LAYERS * MAX_PAGES))

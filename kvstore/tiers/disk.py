@@ -58,6 +58,23 @@ class RestoredPages:
     meta: list[bytes | None]        # the codec's scales of each page, all layers
 
 
+def read_via_buffer(out: torch.Tensor, read) -> Future:
+    """Read into `out` (a GPU or non-contiguous tensor) through a host buffer: `read(tmp)`
+    starts the read into tmp; the returned Future resolves once out holds the pages."""
+    tmp = torch.empty(out.shape, dtype=out.dtype, pin_memory=torch.cuda.is_available())
+    inner = read(tmp)
+    outer: Future = Future()
+
+    def finish(f: Future) -> None:
+        if f.exception() is not None:
+            outer.set_exception(f.exception())
+        else:
+            out.copy_(tmp)
+            outer.set_result(None)
+    inner.add_done_callback(finish)
+    return outer
+
+
 class DiskTier(Tier):
     name = "disk"
 
@@ -137,6 +154,12 @@ class DiskTier(Tier):
     def stored_bytes(self) -> int:
         """Bytes of pages actually written and present now."""
         return self.num_pages * self.layout.stride
+
+    def per_path(self) -> dict[str, dict[str, int]]:
+        """Bytes the drive read and wrote so far (gap pages of reads too), by folder."""
+        return {str(self.layout.root): {"bytes_read": self.bytes_read,
+                                        "bytes_written": self.bytes_written,
+                                        "reads": self.preadv_calls}}
 
     preadv_calls = property(lambda self: self._io.preadv_calls)
     pwritev_calls = property(lambda self: self._io.pwritev_calls)
@@ -305,18 +328,8 @@ class DiskTier(Tier):
         self._check_pages(out, k.shape[0], "out")
         if out.device.type == "cpu" and out.is_contiguous():
             return self._submit("read", k, self._rows_of(out), np.arange(k.shape[0]), out)
-        tmp = torch.empty(out.shape, dtype=out.dtype, pin_memory=torch.cuda.is_available())
-        inner = self._submit("read", k, self._rows_of(tmp), np.arange(k.shape[0]), tmp)
-        outer: Future = Future()
-
-        def finish(f: Future) -> None:
-            if f.exception() is not None:
-                outer.set_exception(f.exception())
-            else:
-                out.copy_(tmp)
-                outer.set_result(None)
-        inner.add_done_callback(finish)
-        return outer
+        return read_via_buffer(out, lambda tmp: self._submit(
+            "read", k, self._rows_of(tmp), np.arange(k.shape[0]), tmp))
 
     def get_into(self, keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> Future:
         """Read page i into pool[slots[i]] in place (pool: a CPU slot pool such as
