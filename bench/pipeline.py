@@ -12,7 +12,7 @@ store's pipeline object is swapped between them), so the noise of this shared 2-
 every mode alike. Before the rounds, SFC runs without --micro-batch and calibrates it
 (candidates 1, 2, 4, 8 sequences); the rounds use the calibrated size (and --micro-batch values
 given with --micro-batches).
-`sequential-lru` is sequential with --residency lru (the others run the default, cycle).
+`sequential-lru` is sequential with --residency lru (the others run the default policy).
 `sfc-whole` is sfc with KVDrive's whole-batch compute (attention once every fetch of the layer
 is in) instead of each micro-batch's attention as soon as its own fetch is in; `sfc-ahead2`
 fetches the last step's pages two layers ahead instead of one, `sfc-no-ahead` not at all.
@@ -127,7 +127,7 @@ def run(args) -> dict:
             for m, mb, b in runs:
                 rec = per_mode[key[m, mb, b]]
                 set_budget(store, b)
-                store.tiers.use_residency("lru" if m == "sequential-lru" else "cycle")
+                store.tiers.use_residency("lru" if m == "sequential-lru" else eargs.residency)
                 store.use_pipeline("sfc" if m.startswith("sfc") else m.removesuffix("-lru"), mb,
                                    resolve_thread=m == "sfc-3threads",
                                    whole_batch_compute=m == "sfc-whole",

@@ -36,7 +36,7 @@ class KVStoreConfig:
     obs_reduce: str = "max"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
     head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
-    residency: str = "cycle"             # --residency: cycle | lru | score (device and host tiers)
+    residency: str = "score"             # --residency: cycle | lru | score (device and host tiers)
     placement: str = "recency"           # --kv-placement: recency | mass (which prompt pages stay in DRAM after prefill)
     max_num_seqs: int = 16               # for per-request placement quotas
     pipeline: str = "sequential"         # --pipeline: sequential | sfc | layer-ahead

@@ -7,7 +7,8 @@ buffer or KVDrive's score lookahead plug in here.
 Stamps are layer clocks (`TieredKVStore.clock_of`: step * layers + layer). A decode step
 reads each layer's pages once, layer after layer, so a tier that cannot hold a step's pages
 sees a cycle: LRU then evicts exactly the page needed next (on bench/pipeline.py:
-1-3% host hits). `cycle`, the default, evicts the page needed last instead.
+1-3% host hits). `cycle` evicts the page needed last instead; `score`, the default, is cycle
+with the pages new to the selection evicted first.
 """
 from __future__ import annotations
 

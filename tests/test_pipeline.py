@@ -146,7 +146,7 @@ def test_residency_policies_give_the_same_output_from_different_tiers(smollm2_di
     the same pages. Only where pages come from changes, never the output."""
     got, st = {}, {}
     for policy in ("cycle", "lru", "score"):
-        if policy == "cycle" and host_gb == 0.01:        # the default: the fixture's run
+        if policy == "score" and host_gb == 0.01:        # the default: the fixture's run
             got[policy], st[policy] = sequential
             continue
         engine = make(smollm2_dir, tmp_path / policy, pipeline="sequential",
@@ -190,7 +190,9 @@ def test_sfc_evicts_for_the_next_layer_while_a_layer_computes(smollm2_dir, promp
     engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2)
     got, errors = run(engine, prompts)
     assert not errors and got == sequential[0]
-    assert evicted["strata-resolve"] > 3 * evicted[threading.main_thread().name]
+    # measured on this test's tiers: over 3x with --residency cycle, 2.8x with score (the
+    # default): score picks other victims, and more of the shortfall falls to the engine
+    assert evicted["strata-resolve"] > 2 * evicted[threading.main_thread().name]
 
 
 @pytest.mark.parametrize("n", [1, 4])
