@@ -117,3 +117,11 @@ def merge_sparse(parts: list[LayerPart]) -> list[LayerPart]:
         torch.cat([p.keys for p in sparse]), torch.cat([p.slots for p in sparse]),
         reused=None if any(p.reused is None for p in sparse)
         else torch.cat([p.reused for p in sparse]))]
+
+
+def weak_slots(parts) -> torch.Tensor | None:
+    """Device slots of the pages a sparse decode selected that the step before did not (the
+    residency policy's guess at pages it may not need next step)."""
+    weak = [p.slots[~p.reused] for p in parts
+            if p.reused is not None and p.slots is not None and p.reused.numel()]
+    return torch.cat(weak) if weak else None

@@ -22,7 +22,7 @@ from kvstore.config import KVStoreConfig
 from kvstore.fetcher import Fetcher
 from kvstore.requests import RequestTable
 from kvstore.selection import PageSelection
-from kvstore.stages import LayerPart, LayerStages
+from kvstore.stages import LayerPart, LayerStages, weak_slots
 from kvstore.stats import KVStats
 from kvstore.tierset import TierSet
 
@@ -208,7 +208,7 @@ class StepKV:
         # pages that became full go to the backing tier (once)
         touched = torch.cat([slots_all, t_slots.int()])
         full = (t_keys[self.t_full], t_slots[self.t_full]) if self.t_full_rids else None
-        weak = _weak_slots(parts)
+        weak = weak_slots(parts)
 
         def bookkeeping():
             tiers.touch(touched, now, weak)
@@ -397,10 +397,3 @@ class StepKV:
         return PageTable(sel.union_indptr.to(torch.int32), union_slots.to(torch.int32), last,
                          self.cfg.page_size)
 
-
-def _weak_slots(parts) -> torch.Tensor | None:
-    """Device slots of the pages a sparse decode selected that the step before did not (the
-    residency policy's guess at pages it may not need next step)."""
-    weak = [p.slots[~p.reused] for p in parts
-            if p.reused is not None and p.slots is not None and p.reused.numel()]
-    return torch.cat(weak) if weak else None

@@ -42,7 +42,7 @@ from kvstore.tiers.errors import PageMissing, TierFull
 from kvstore.tiers.extent_io import ExtentIO, ExtentJob, plan_extents
 from kvstore.tiers.segment_log import SegmentLog, parse
 from kvstore.tiers.segments import Segments
-from kvstore.tiers.staging import StagingBuffers
+from kvstore.tiers.staging import StagingBuffers, read_via_buffer
 
 logger = logging.getLogger(__name__)
 
@@ -56,23 +56,6 @@ class RestoredPages:
     crcs: np.ndarray               # uint64 [n, layers] checksums of their bytes
     summaries: list[bytes | None]
     meta: list[bytes | None]        # the codec's scales of each page, all layers
-
-
-def read_via_buffer(out: torch.Tensor, read) -> Future:
-    """Read into `out` (a GPU or non-contiguous tensor) through a host buffer: `read(tmp)`
-    starts the read into tmp; the returned Future resolves once out holds the pages."""
-    tmp = torch.empty(out.shape, dtype=out.dtype, pin_memory=torch.cuda.is_available())
-    inner = read(tmp)
-    outer: Future = Future()
-
-    def finish(f: Future) -> None:
-        if f.exception() is not None:
-            outer.set_exception(f.exception())
-        else:
-            out.copy_(tmp)
-            outer.set_result(None)
-    inner.add_done_callback(finish)
-    return outer
 
 
 class DiskTier(Tier):

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from kvstore.tiers.base import PageShape, Tier
-from kvstore.tiers.disk import DiskTier, RestoredPages, read_via_buffer
+from kvstore.tiers.disk import DiskTier, RestoredPages
+from kvstore.tiers.staging import read_via_buffer
 from kvstore.tiers.errors import PageMissing, TierError, TierFull
 
 

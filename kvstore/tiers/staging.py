@@ -1,10 +1,13 @@
 """StagingBuffers: reused, 4096-aligned byte buffers for the disk tier's codec I/O."""
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import mmap
 import threading
 
 import numpy as np
+import torch
 
 from kvstore.tiers.base import ALIGN, round_up
 
@@ -33,3 +36,20 @@ class StagingBuffers:
             if len(self._free) > 8:                    # keep the largest few
                 self._free.pop(min(range(len(self._free)),
                                    key=lambda i: self._free[i].shape[0]))
+
+
+def read_via_buffer(out: torch.Tensor, read) -> Future:
+    """Read into `out` (a GPU or non-contiguous tensor) through a host buffer: `read(tmp)`
+    starts the read into tmp; the returned Future resolves once out holds the pages."""
+    tmp = torch.empty(out.shape, dtype=out.dtype, pin_memory=torch.cuda.is_available())
+    inner = read(tmp)
+    outer: Future = Future()
+
+    def finish(f: Future) -> None:
+        if f.exception() is not None:
+            outer.set_exception(f.exception())
+        else:
+            out.copy_(tmp)
+            outer.set_result(None)
+    inner.add_done_callback(finish)
+    return outer
