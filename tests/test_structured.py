@@ -165,7 +165,7 @@ def dense_engine(smollm2_dir) -> LLMEngine:
 
 
 @pytest.mark.slow
-def test_constrained_and_free_requests_in_one_batch_match_each_alone(dense_engine, tokenizer):
+def test_constrained_and_free_requests_in_one_batch_do_not_interfere(dense_engine, tokenizer):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                                "rain": {"type": "boolean"}},
               "required": ["city", "rain"], "additionalProperties": False}
@@ -174,17 +174,21 @@ def test_constrained_and_free_requests_in_one_batch_match_each_alone(dense_engin
                                  grammar=GrammarSpec("json_schema", json.dumps(schema)))
     free = SamplingParams(max_tokens=40, temperature=0.0)
     engine = dense_engine
-    alone = {}
-    for rid, params in (("c", constrained), ("f", free)):
-        engine.add_request(rid, prompt, params)
-        alone.update(drive(engine, [rid])[0])
-    engine.add_request("c", prompt, constrained)
-    engine.add_request("f", prompt, free)
-    together, errors = drive(engine, ["c", "f"])
-    assert not errors
-    assert together == alone
-    assert json.loads(tokenizer.decode(alone["c"]))["city"]
-    assert alone["c"] != alone["f"]
+    # NOTE: compared batch against batch of the same shape: a matmul over 2 rows may round
+    # differently from one over 1 (bf16 GEMM kernels on AVX512_BF16 CPUs do), so "alone"
+    # would test the BLAS, not the grammar. What must hold: the grammar of one request
+    # changes nothing in the other's rows, and the constrained one follows its schema.
+    runs = {}
+    for name, first in (("with-grammar", constrained), ("without", free)):
+        engine.add_request("c", prompt, first)
+        engine.add_request("f", prompt, free)
+        runs[name], errors = drive(engine, ["c", "f"])
+        assert not errors
+    assert runs["with-grammar"]["f"] == runs["without"]["f"]
+    assert runs["without"]["c"] == runs["without"]["f"]          # same prompt, same rows
+    answer = json.loads(tokenizer.decode(runs["with-grammar"]["c"]))
+    jsonschema.validate(answer, schema)
+    assert answer["city"] and runs["with-grammar"]["c"] != runs["with-grammar"]["f"]
 
 
 @pytest.mark.slow
