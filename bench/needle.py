@@ -17,7 +17,9 @@ steps, which is what sparse decode changes.
 Configs: `dense` (sparse budget 0) and `sparse-N` (budget N tokens per request, layer and KV
 head; the server's defaults otherwise: Quest selector, the observation-window prior with
 --sparse-prior-share 0.25, per-head pages, --dense-layers 2; every page on the device tier);
-suffixes combine: `-union` (--sparse-head-pages union), `-mean` (mean-key selector), `-pS`
+suffixes combine: `-union` (--sparse-head-pages union), `-mean` (mean-key selector),
+`-centroid` (the centroid index), `-plan` (--budget-plan's budget per layer and KV head),
+`-pS`
 (--sparse-prior-share S; `-p0` is Quest's bound alone), `-int8` / `-int4` (every page through
 the KV tier codec's round trip: the worst case of --kv-tier-codec, as if every page attended
 came back from the compressed disk tier; forked runs only). --obs-reduce sets
@@ -137,9 +139,10 @@ def config_head_pages(name: str) -> str:
 
 
 def config_selector(name: str, default: str) -> str:
-    """sparse-N-mean: the mean-key selector; sparse-N-quest: Quest's bound."""
+    """sparse-N-mean: the mean-key selector; sparse-N-quest: Quest's bound; sparse-N-centroid:
+    the centroid index (kvstore/centroids.py)."""
     parts = name.split("-")[2:]
-    for sel in ("mean", "quest"):
+    for sel in ("mean", "quest", "centroid"):
         if sel in parts:
             return sel
     return default
@@ -149,9 +152,26 @@ def config_prior_share(name: str, default: float) -> float:
     """sparse-N-p0.25: a quarter of the free budget goes to the pages the prompt's observation
     window attended most (--sparse-prior-share); sparse-N-p0: the selector alone."""
     for part in name.split("-")[2:]:
-        if part.startswith("p"):
+        if part.startswith("p") and part[1:].replace(".", "", 1).isdigit():
             return float(part[1:])
     return default
+
+
+BUDGET_PLAN: str | None = None      # --budget-plan: the file `-plan` configs load
+
+
+def config_plan(name: str) -> tuple:
+    """sparse-N-plan: the budget per (layer, KV head) of --budget-plan (`strata profile` at
+    budget N), instead of N for every head."""
+    if "plan" not in name.split("-")[2:]:
+        return ()
+    from kvstore.budget_plan import BudgetPlan
+    if BUDGET_PLAN is None:
+        raise SystemExit(f"config {name}: give --budget-plan FILE")
+    plan = BudgetPlan.load(BUDGET_PLAN)
+    if plan.budget != config_budget(name):
+        raise SystemExit(f"config {name}: {BUDGET_PLAN} is for budget {plan.budget}")
+    return plan.budgets
 
 
 def config_codec(name: str) -> str:
@@ -211,7 +231,7 @@ def decode_child(engine: LLMEngine, name: str, first: dict[str, list[int]], path
     store = engine.store
     selector = config_selector(name, store.cfg.selector)
     store.reconfigure(sparse_budget=config_budget(name), head_pages=config_head_pages(name),
-                      selector=selector,
+                      selector=selector, budget_plan=config_plan(name),
                       prior_share=config_prior_share(name, store.cfg.prior_share))
     apply_codec(engine, config_codec(name))
     outs = {rid: list(t) for rid, t in first.items()}
@@ -222,7 +242,8 @@ def decode_child(engine: LLMEngine, name: str, first: dict[str, list[int]], path
     sel = snap.selected_sum / snap.selected_count if snap.selected_count else None
     with open(path, "w") as f:
         json.dump({"outs": outs, "errors": errors, "decode_s": time.perf_counter() - t0,
-                   "steps": steps, "mean_selected_tokens": sel}, f)
+                   "steps": steps, "mean_selected_tokens": sel,
+                   "pages_looked_up": snap.lookups.get("device", 0)}, f)
 
 
 def run_forked(engine: LLMEngine, batch: list[Prompt], configs: list[str], max_tokens: int,
@@ -306,6 +327,10 @@ def evaluate(prompts: list[Prompt], configs: list[str], args) -> tuple[list[dict
                 timing[name].setdefault("mean_selected_tokens", [])
                 if r["mean_selected_tokens"] is not None:
                     timing[name]["mean_selected_tokens"].append(r["mean_selected_tokens"])
+                # pages every layer of a step looked up (what a tier below would serve)
+                timing[name]["pages_looked_up"] = timing[name].get("pages_looked_up", 0) \
+                    + r["pages_looked_up"]
+                timing[name]["steps"] = timing[name].get("steps", 0) + r["steps"]
                 add_rows(batch, name, r["outs"], r["errors"])
         return rows, timing
     for name in configs:
@@ -396,6 +421,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--dense-layers", type=int, default=2)
     ap.add_argument("--selector", default="quest")
+    ap.add_argument("--budget-plan", default=None, metavar="JSON",
+                    help="`strata profile`'s plan for the -plan configs")
     ap.add_argument("--obs-reduce", default=EngineArgs.sparse_obs_reduce, choices=("sum", "max"),
                     help="--sparse-obs-reduce of every sparse config")
     add_thread_args(ap, decode_threads=None)
@@ -407,6 +434,8 @@ def main() -> None:
     add_out_arg(ap, "needle", quick=True)
     add_replot_arg(ap)
     args = ap.parse_args()
+    global BUDGET_PLAN
+    BUDGET_PLAN = args.budget_plan
     if args.replot:
         replot(Path(args.replot))
         return

@@ -75,34 +75,82 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
 
 def selector_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
     quick = " --quick" if png.endswith("_quick.png") else ""
-    out = ["### Smaller selection metadata: low-rank keys", "",
+    shares = rep.get("index_share_of_kv") or rep["summary_share_of_kv"]
+    sels = list(shares)
+    out = ["### Smaller selection metadata: low-rank keys, the centroid index", "",
            f"`.venv/bin/python bench/selector_recall.py{quick}`: needle and RULER prompts, "
            f"{rep['steps']} greedy decode steps each; at each step, layer and KV head, each "
            f"selector's top pages at budget {rep['budget']} against the pages holding the most "
            f"attention (page recall / attention-mass recall). `lowrank` is rank {rep['rank']} "
-           "(`strata calibrate` on the bundled essays). Needle accuracy at budget 1024: "
-           "`bench/needle.py --selector lowrank --configs sparse-1024`, against `quest` on "
-           "the same prompts.", "",
+           "(`strata calibrate` on the bundled essays); `centroid` is KVDrive's index, one "
+           f"centroid per {rep.get('centroid_pages', 4)} pages. Index bytes: what each "
+           "selector reads to rank the pages, against the KV. Needle accuracy at budget 1024: "
+           "`bench/needle.py --configs sparse-1024 sparse-1024-mean sparse-1024-centroid` "
+           f"({_needle_counts(results, ['needle_centroid_4k.json'])}; lowrank: "
+           "`--selector lowrank`, against `quest` on its own prompts).", "",
            f"![selectors]({png})", "",
-           "| | " + " | ".join(rep["summary_share_of_kv"]) + " |",
-           "|---|" + "---|" * len(rep["summary_share_of_kv"])]
-    sels = list(rep["summary_share_of_kv"])
+           "| | " + " | ".join(sels) + " |", "|---|" + "---|" * len(sels)]
     for name, by_sel in rep["sets"].items():
         out.append(f"| recall, {name} | " + " | ".join(
             f"{by_sel[s]['page_recall']:.2f} / {by_sel[s]['mass_recall']:.2f}" for s in sels)
             + " |")
-    out.append("| summary memory / KV | " + " | ".join(
-        f"1/{1 / rep['summary_share_of_kv'][s]:.0f}" for s in sels) + " |")
+    out.append("| index bytes / KV | " + " | ".join(f"1/{1 / shares[s]:.0f}" for s in sels)
+               + " |")
     out.append("| select ms per layer, 8 x 7K | " + " | ".join(
         f"{rep['select_ms_per_layer'][s]:.2f}" for s in sels) + " |")
-    quest = {}
-    low = {}
+    same = {s: _needle_pct(results, "needle_centroid_4k.json", cfg) for s, cfg in
+            (("quest", "sparse-1024"), ("mean", "sparse-1024-mean"),
+             ("centroid", "sparse-1024-centroid"))}
+    if same["quest"]:
+        out.append("| needle ~4K, budget 1024 | " + " | ".join(
+            _needle_cells(same[s], same["quest"] if s != "quest" else {}) if same.get(s)
+            else "-" for s in sels) + " |")
+    quest, low = {}, {}
     for length in ("4k", "7k"):
         quest.update(_needle_pct(results, f"needle_codec_{length}.json", "sparse-1024"))
         low.update(_needle_pct(results, f"needle_lowrank_{length}.json", "sparse-1024"))
     if low:
-        out.append(f"| needle ~4K / ~7K, budget 1024 | {_needle_cells(quest, {})} | - | "
-                   f"{_needle_cells(low, quest)} |")
+        out.append("| needle ~4K / ~7K, budget 1024, lowrank's prompts | "
+                   + " | ".join(_needle_cells(quest, {}) if s == "quest" else
+                                _needle_cells(low, quest) if s == "lowrank" else "-"
+                                for s in sels) + " |")
+    return out + [""] + plan_section(results)
+
+
+def plan_section(results: Path = RESULTS) -> list[str]:
+    """--sparse-budget-plan against the uniform budget (budget_plan_1024.json of `strata
+    profile`, needle_plan_4k.json of bench/needle.py)."""
+    plan, needle = _load(results / "budget_plan_1024.json"), _load(results / "needle_plan_4k.json")
+    if plan is None or needle is None:
+        return []
+    fmt = next(iter(needle["formats"].values()))
+    heads = [b for layer in plan["budgets"][plan["dense_layers"]:] for b in layer]
+    spread = ", ".join(f"{b}: {heads.count(b)}" for b in sorted(set(heads)))
+    out = ["### A budget per layer and KV head", "",
+           "`.venv/bin/python -m server.cli profile --sparse-budget 1024 --out "
+           "bench/results/budget_plan_1024.json` (16K tokens of the bundled essays), then "
+           "`bench/needle.py --budget-plan bench/results/budget_plan_1024.json --configs "
+           "sparse-1024 sparse-1024-plan sparse-1024-p0 sparse-1024-plan-p0` "
+           f"({_needle_counts(results, ['needle_plan_4k.json'])}; `-p0`: the selector alone, "
+           f"without the prompt's prior; the change against the same config without the "
+           f"plan in brackets). The plan's heads per budget: {spread}.", "",
+           "![plan](bench/results/needle_plan_4k.png)", "",
+           "| config | needle ~4K | selected tokens a head | pages looked up a step |",
+           "|---|---|---|---|"]
+    rows = [(cfg, fmt) for cfg in needle["configs"]]
+    floor = _load(results / "needle_plan_floor512_4k.json")
+    if floor is not None:                 # the same recall table, no head below 512 tokens
+        ffmt = next(iter(floor["formats"].values()))
+        rows += [(cfg, ffmt) for cfg in floor["configs"]]
+    for cfg, f in rows:
+        t = f["timing_s"][cfg]
+        acc = {k: v for k, v in f["accuracy_pct"][cfg].items() if k != "all"}
+        base = {k: v for k, v in fmt["accuracy_pct"].get(cfg.replace("-plan", ""), {}).items()
+                if k != "all"} if "-plan" in cfg else {}
+        pages = t["pages_looked_up"] / t["steps"] if t.get("steps") else float("nan")
+        name = cfg + (" (no head below 512)" if f is not fmt else "")
+        out.append(f"| {name} | {_needle_cells(acc, base)} | {t['mean_selected_tokens']:.0f} | "
+                   f"{pages:.0f} |")
     return out + [""]
 
 

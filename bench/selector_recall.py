@@ -1,5 +1,6 @@
-"""Recall of each page selector against the pages that really get the attention, its summary
-memory and its selection time: `quest`, `mean` and `lowrank` (--lowrank-rank r) side by side.
+"""Recall of each page selector against the pages that really get the attention, its index
+bytes and its selection time: `quest`, `mean`, `lowrank` (--lowrank-rank r) and `centroid`
+(--centroid-pages) side by side.
 
     .venv/bin/python bench/selector_recall.py              # needle ~4K/~7K + RULER ~4K/~7K
     .venv/bin/python bench/selector_recall.py --quick      # fewer prompts, ~4K only
@@ -15,10 +16,16 @@ ranks the pages; the sink and local pages (always attended) are set aside, and e
 top k pages (k = the budget's pages less those) are compared with the true top k: page recall
 (the share of the true top k it picked) and mass recall (the attention its k pages hold over
 what the true k hold). The selectors score through the serving code (kernels/page_summary.py's
-summaries, kernels/page_select.py's scores); lowrank's projection is the one serving uses
-(calibrated on the bundled essays if absent). Selection time: the C select call of a layer for
-8 sequences of ~7K tokens (random summaries), per selector, interleaved. Results:
-bench/results/selector_recall.json and .png.
+summaries, kernels/page_select.py's scores, kvstore/centroids.py's index, built at each step over
+the pages outside the local window); lowrank's projection is the one serving uses
+(calibrated on the bundled essays if absent). Index bytes: what a selector keeps per page and
+KV head to rank pages (Quest's min and max rows, the mean row, the projected min and max in
+bf16; centroid: the index's bf16 centroids and int32 labels, measured on the prompts),
+per token against its K and V in bf16. Selection time: the select call of a layer for 8
+sequences of ~7K tokens (random summaries), per selector, interleaved: C for quest, mean and
+lowrank, the serving path of kvstore/selection.py for centroid (its index built before), and
+quest with a budget per KV head (`quest-per-head`: --sparse-budget-plan's torch path).
+Results: bench/results/selector_recall.json and .png.
 """
 from __future__ import annotations
 
@@ -35,7 +42,7 @@ from kvstore.lowrank import causal_attention  # noqa: E402
 from bench.common import (add_out_arg, add_replot_arg, code_version, cpu_line,  # noqa: E402
                           essay_ids, machine, parser, pyplot, replot_or_run, save_figure)
 
-SELECTORS = ("quest", "mean", "lowrank")
+SELECTORS = ("quest", "mean", "lowrank", "centroid")
 
 
 class _DenseSeam:
@@ -68,10 +75,14 @@ def decode_queries(model, ids: list[int], steps: int) -> _DenseSeam:
     return seam
 
 
-def page_recall(seam: _DenseSeam, proj, cfg, args) -> dict[str, list[tuple[float, float]]]:
-    """Per selector: (page recall, mass recall) of every (step, layer, KV head)."""
+def page_recall(seam: _DenseSeam, proj, cfg, args, index_bytes: list[float]
+                ) -> dict[str, list[tuple[float, float]]]:
+    """Per selector: (page recall, mass recall) of every (step, layer, KV head); appends the
+    centroid index's bytes per indexed page and KV head of each (step, layer) to
+    index_bytes."""
     from kernels.page_select import mean_scores, quest_scores
     from kernels.page_summary import summarize_pages
+    from kvstore.centroids import CentroidIndex
     ps, kvh, group = args.page_size, cfg.num_key_value_heads, \
         cfg.num_attention_heads // cfg.num_key_value_heads
     out = {s: [] for s in SELECTORS}
@@ -100,10 +111,15 @@ def page_recall(seam: _DenseSeam, proj, cfg, args) -> dict[str, list[tuple[float
             summ = summarize_pages(kp, valid)
             summ_lr = summarize_pages(proj.keys(layer, kp), valid)
             qb = q[None]
+            index = CentroidIndex(pages)
+            indexed = pages - args.local_pages
+            index.update(layer, summ, indexed, args.centroid_pages)
+            index_bytes.append(index.nbytes(layer) / (indexed * kvh))
             scores = {"quest": quest_scores(qb, [summ], [pages], group)[0],
                       "mean": mean_scores(qb, [summ], [pages], group)[0],
                       "lowrank": quest_scores(proj.queries(layer, qb, group), [summ_lr],
-                                              [pages], group)[0]}
+                                              [pages], group)[0],
+                      "centroid": index.page_keys(layer, q.view(kvh, group, -1), pages)}
             for name, sc in scores.items():
                 top = sc[:, free].topk(kk, -1).indices
                 hits = [len(set(a.tolist()) & set(b.tolist())) / kk
@@ -114,8 +130,12 @@ def page_recall(seam: _DenseSeam, proj, cfg, args) -> dict[str, list[tuple[float
 
 
 def select_time(proj, cfg, args, reps: int = 30) -> dict[str, float]:
-    """ms per layer of the C select for 8 sequences of ~7K tokens, per selector."""
+    """ms per layer of the select call for 8 sequences of ~7K tokens, per selector."""
     from kernels.page_select import make_selector
+    from kvstore.centroids import CentroidIndex
+    from kvstore.config import KVStoreConfig
+    from kvstore.selection import PageSelection
+    from kvstore.stats import KVStats
     g = torch.Generator().manual_seed(0)
     pages, kvh, d = 438, cfg.num_key_value_heads, cfg.head_dim
     group = cfg.num_attention_heads // kvh
@@ -125,18 +145,35 @@ def select_time(proj, cfg, args, reps: int = 30) -> dict[str, float]:
            for _ in range(8)]
     sel = {"quest": make_selector("quest"), "mean": make_selector("mean")}
     budget = args.budget // args.page_size
+    ccfg = KVStoreConfig(page_size=args.page_size, sparse_budget=args.budget,
+                         sink_tokens=args.sink_pages * args.page_size,
+                         local_tokens=args.local_pages * args.page_size, obs_window=0,
+                         selector="centroid", centroid_pages=args.centroid_pages)
+    csel = PageSelection(ccfg, 1, KVStats(), d)
+    indexes = [CentroidIndex(pages) for _ in range(8)]
+    csel.select(5, q, full, [pages] * 8, [args.page_size] * 8, kvh, observe=False,
+                indexes=indexes)                       # builds the indexes (end of prefill)
 
     def run(name):
+        if name == "centroid":
+            return csel.select(5, q, full, [pages] * 8, [args.page_size] * 8, kvh,
+                               observe=False, indexes=indexes)
         if name == "lowrank":
             return sel["quest"].select(proj.queries(5, q, group), low, [pages] * 8, group,
                                        budget, args.sink_pages, args.local_pages)
         return sel[name].select(q, full, [pages] * 8, group, budget, args.sink_pages,
                                 args.local_pages)
-    times = {s: [] for s in SELECTORS}
+    per_head = torch.full((kvh,), budget, dtype=torch.int64)
+
+    def run_plan():             # quest with a budget per KV head (--sparse-budget-plan)
+        return sel["quest"].select(q, full, [pages] * 8, group, per_head, args.sink_pages,
+                                   args.local_pages)
+    names = SELECTORS + ("quest-per-head",)
+    times = {s: [] for s in names}
     for _ in range(reps):
-        for name in SELECTORS:
+        for name in names:
             t0 = time.perf_counter()
-            run(name)
+            run_plan() if name == "quest-per-head" else run(name)
             times[name].append(time.perf_counter() - t0)
     return {s: 1e3 * statistics.median(t) for s, t in times.items()}
 
@@ -168,10 +205,11 @@ def run(args) -> dict:
     proj = engine.store.selection.projection
     tok = Tokenizer.from_folder(engine.model_folder)
     per_set: dict[str, dict[str, list]] = {}
+    index_bytes: list[float] = []
     for name, ids in tqdm(build_prompts(tok, args), desc="prompts"):
         with torch.inference_mode():
             seam = decode_queries(model, ids, args.steps)
-        for sel, pairs in page_recall(seam, proj, cfg, args).items():
+        for sel, pairs in page_recall(seam, proj, cfg, args, index_bytes).items():
             per_set.setdefault(name, {}).setdefault(sel, []).extend(pairs)
     rows = {}
     for name, by_sel in per_set.items():
@@ -179,44 +217,47 @@ def run(args) -> dict:
                             "mass_recall": statistics.mean(m for _, m in pairs),
                             "rows": len(pairs)} for sel, pairs in by_sel.items()}
     kv_token = 2 * cfg.head_dim * 2                 # K and V of a token and KV head, bf16
-    memory = {s: 3 * (proj.rank if s == "lowrank" else cfg.head_dim) * 2 / args.page_size
-              for s in SELECTORS}
+    memory = {"quest": 2 * cfg.head_dim * 2, "mean": cfg.head_dim * 2,
+              "lowrank": 2 * proj.rank * 2, "centroid": statistics.mean(index_bytes)}
+    memory = {s: b / args.page_size for s, b in memory.items()}     # per token and KV head
     return {"bench": "selector_recall", "machine": machine(), "code": code_version(),
             "budget": args.budget, "page_size": args.page_size, "rank": proj.rank,
             "energy_kept": list(proj.energy), "steps": args.steps,
-            "dense_layers": args.dense_layers, "sets": rows,
-            "summary_bytes_per_token": memory,
-            "summary_share_of_kv": {s: b / kv_token for s, b in memory.items()},
+            "dense_layers": args.dense_layers, "centroid_pages": args.centroid_pages,
+            "sets": rows, "index_bytes_per_token": memory,
+            "index_share_of_kv": {s: b / kv_token for s, b in memory.items()},
             "select_ms_per_layer": select_time(proj, cfg, args)}
 
 
 def report(res: dict) -> str:
     m = res["machine"]
+    sels = list(res["index_share_of_kv"])
     lines = [f"{cpu_line(m)}; budget {res['budget']}, rank {res['rank']}, "
              f"{res['steps']} decode steps a prompt",
-             "| prompts | " + " | ".join(f"{s} page / mass recall" for s in SELECTORS) + " |",
-             "|---|" + "---|" * len(SELECTORS)]
+             "| prompts | " + " | ".join(f"{s} page / mass recall" for s in sels) + " |",
+             "|---|" + "---|" * len(sels)]
     for name, by_sel in res["sets"].items():
         lines.append(f"| {name} | " + " | ".join(
             f"{by_sel[s]['page_recall']:.3f} / {by_sel[s]['mass_recall']:.3f}"
-            for s in SELECTORS) + " |")
-    lines.append("| summary memory / KV | " + " | ".join(
-        f"1/{1 / res['summary_share_of_kv'][s]:.1f}" for s in SELECTORS) + " |")
+            for s in sels) + " |")
+    lines.append("| index bytes / KV | " + " | ".join(
+        f"1/{1 / res['index_share_of_kv'][s]:.1f}" for s in sels) + " |")
     lines.append("| select ms / layer (8 x 7K) | " + " | ".join(
-        f"{res['select_ms_per_layer'][s]:.2f}" for s in SELECTORS) + " |")
+        f"{res['select_ms_per_layer'][s]:.2f}" for s in sels) + " |")
     return "\n".join(lines)
 
 
 def plot(res: dict, path: Path) -> None:
     plt = pyplot()
     sets = list(res["sets"])
+    sels = list(res["index_share_of_kv"])
     fig, ax = plt.subplots(figsize=(8, 3.6))
-    width = 0.8 / len(SELECTORS)
-    for i, s in enumerate(SELECTORS):
+    width = 0.8 / len(sels)
+    for i, s in enumerate(sels):
         ax.bar([j + i * width for j in range(len(sets))],
                [res["sets"][n][s]["mass_recall"] for n in sets], width,
-               label=f"{s} (summaries 1/{1 / res['summary_share_of_kv'][s]:.0f} of the KV)")
-    ax.set_xticks([j + width for j in range(len(sets))], sets)
+               label=f"{s} (index 1/{1 / res['index_share_of_kv'][s]:.0f} of the KV)")
+    ax.set_xticks([j + width * (len(sels) - 1) / 2 for j in range(len(sets))], sets)
     ax.set_ylabel("attention mass recall")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=8, loc="lower right")
@@ -233,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--centroid-pages", type=int, default=2)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--sink-pages", type=int, default=1)
     ap.add_argument("--local-pages", type=int, default=4)

@@ -104,6 +104,10 @@ class EngineArgs:
                                 ("on", "off"), group="kv")
     sparse_budget: int = setting(_KV.sparse_budget, "KV tokens attended per request, layer "
                                  "and KV head in decode (0: dense attention)", group="sparse")
+    sparse_budget_plan: str = setting("", "a budget per layer and KV head (JSON from `strata "
+                                      "profile`: KVDrive's 2D window scaling), spending the "
+                                      "total of its uniform --sparse-budget, which it sets",
+                                      group="sparse")
     sparse_sink_tokens: int = setting(_KV.sink_tokens, "first tokens always attended in "
                                       "sparse decode", group="sparse")
     sparse_local_tokens: int = setting(_KV.local_tokens, "most recent tokens always attended "
@@ -111,12 +115,16 @@ class EngineArgs:
     dense_layers: int = setting(_KV.dense_layers, "the first layers always attend densely",
                                 group="sparse")
     selector: str = setting(_KV.selector, "page scoring: Quest's min/max bound, the mean "
-                            "key, or Quest's bound over keys projected to --lowrank-rank "
+                            "key, Quest's bound over keys projected to --lowrank-rank "
                             "dims (KVSwap's low-rank keys: at rank 16 a quarter of Quest's summaries; "
                             "the projection is calibrated once per model, `strata "
-                            "calibrate`)", SELECTORS, group="sparse")
+                            "calibrate`), or KVDrive's centroid index (k-means over the "
+                            "pages' mean keys, whole clusters best first)", SELECTORS,
+                            group="sparse")
     lowrank_rank: int = setting(_KV.lowrank_rank, "dims of the keys' low-rank projection "
                                 "(--selector lowrank)", group="sparse")
+    centroid_pages: int = setting(_KV.centroid_pages, "pages per k-means centroid of the "
+                                  "centroid index (--selector centroid)", group="sparse")
     sparse_head_pages: str = setting(_KV.head_pages, "each KV head attends to its own "
                                      "selected pages, or to the union of all heads' pages",
                                      HEAD_PAGES, group="sparse")
@@ -169,15 +177,24 @@ class EngineArgs:
         if self.kv_disk_gb and disk_path is None:
             disk_path = self.resolved_cache_dir.parent / "kv"
         paths = disk_folders(disk_path)
+        budget, plan = self.sparse_budget, ()
+        if self.sparse_budget_plan:
+            from kvstore.budget_plan import BudgetPlan      # plain JSON: no torch
+            bp = BudgetPlan.load(self.sparse_budget_plan)
+            if budget not in (0, bp.budget) or bp.page_size != self.page_size:
+                raise ValueError(f"--sparse-budget-plan {self.sparse_budget_plan} was made for "
+                                 f"--sparse-budget {bp.budget} and --page-size {bp.page_size}")
+            budget, plan = bp.budget, bp.budgets
         return KVStoreConfig(
             page_size=self.page_size, device_bytes=int(self.kv_device_gb * gb),
             host_bytes=int(self.kv_host_gb * gb), merge_host=self.kv_host_pool == "auto",
             disk_bytes=int(self.kv_disk_gb * gb),
             disk_path=paths[0] if paths else None,
-            disk_paths=tuple(paths) if len(paths) > 1 else (), sparse_budget=self.sparse_budget,
+            disk_paths=tuple(paths) if len(paths) > 1 else (), sparse_budget=budget,
+            budget_plan=plan,
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,
-            lowrank_rank=self.lowrank_rank,
+            lowrank_rank=self.lowrank_rank, centroid_pages=self.centroid_pages,
             head_pages=self.sparse_head_pages, obs_window=self.sparse_obs_window,
             prior_share=self.sparse_prior_share, obs_reduce=self.sparse_obs_reduce,
             pipeline=self.pipeline, residency=self.residency, placement=self.kv_placement,

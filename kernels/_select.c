@@ -209,13 +209,13 @@ static int64_t mark_top(const float *key, const uint8_t *eligible, int64_t n, in
 
 static PyObject *select_pages(PyObject *self, PyObject *args) {
     unsigned long long q, summ_addrs, prior_addrs, n_pages, indptr, indices, uindptr, uindices,
-        scores_out;
+        scores_out, head_budgets = 0;
     int bf16, quest, b_size, kvh, g, d, simd = 1;
     long long k, sink, local, prior_pages;
-    if (!PyArg_ParseTuple(args, "KKKiiiiiiKLLLLKKKKK|p", &q, &summ_addrs, &prior_addrs, &bf16,
+    if (!PyArg_ParseTuple(args, "KKKiiiiiiKLLLLKKKKK|pK", &q, &summ_addrs, &prior_addrs, &bf16,
                           &quest, &b_size, &kvh, &g, &d, &n_pages, &k, &sink, &local,
                           &prior_pages, &indptr, &indices, &uindptr, &uindices, &scores_out,
-                          &simd))
+                          &simd, &head_budgets))
         return NULL;
     if (d < 1 || d > MAX_D || g < 1 || g > MAX_G || kvh < 1 || b_size < 0 || k < 1) {
         PyErr_Format(PyExc_ValueError, "unsupported shape: head_dim %d (<= %d), group %d "
@@ -223,6 +223,8 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
         return NULL;
     }
     const int64_t *np_ = (const int64_t *)(uintptr_t)n_pages;
+    /* optional [2, kvh]: each KV head's budget, then its prior pages (k: their largest) */
+    const int64_t *hb = (const int64_t *)(uintptr_t)head_budgets;
     const uint64_t *sa = (const uint64_t *)(uintptr_t)summ_addrs;
     const uint64_t *pa = (const uint64_t *)(uintptr_t)prior_addrs;
     int64_t *ip = (int64_t *)(uintptr_t)indptr, *ix = (int64_t *)(uintptr_t)indices;
@@ -263,6 +265,13 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
             for (int h = 0; h < kvh; h++) {
                 const int64_t r = (int64_t)b * kvh + h;
                 uint8_t *ch = chosen + (size_t)stride * h;
+                int64_t kh = kk, ph = pk;
+                if (hb) {               /* this head's own budget and prior share */
+                    kh = hb[h] > sink + local ? hb[h] : sink + local;
+                    if (kh > p_max) kh = p_max;
+                    ph = kh - (kh < sink + local ? kh : sink + local);
+                    if (ph > hb[kvh + h]) ph = hb[kvh + h];
+                }
                 float *key = sc + stride * h;
                 memset(ch, 0, (size_t)n);
                 if (so)
@@ -272,16 +281,16 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
                 for (int64_t p = 0; p < n; p++)
                     if (p < sink || p >= n - local) { ch[p] = 1; c++; }
                 /* prior: the top pk finite priors among the others */
-                if (pa && pa[b] && pk > 0) {
+                if (pa && pa[b] && ph > 0) {
                     const float *pr = (const float *)(uintptr_t)pa[b];
                     for (int64_t p = 0; p < n; p++) {
                         pv[p] = pr[p * kvh + h];
                         elig[p] = !ch[p] && pv[p] > -INFINITY;
                     }
-                    c += mark_top(pv, elig, n, pk, scratch, ch);
+                    c += mark_top(pv, elig, n, ph, scratch, ch);
                 }
                 /* the best-scoring others, NaN and -inf last */
-                int64_t want = (n < kk ? n : kk) - c;
+                int64_t want = (n < kh ? n : kh) - c;
                 if (want > 0) {
                     for (int64_t p = 0; p < n; p++) {
                         float v = key[p];
@@ -318,7 +327,8 @@ static PyMethodDef methods[] = {
      "uint64 [B] of [>= n_b, KVH, 3, D] summaries; prior_addrs uint64 [B] of [>= n_b, KVH] "
      "float32 priors, 0 for none, or 0 for no array; n_pages int64 [B]; outputs int64 "
      "[B*KVH+1], [B*KVH*k], [B+1], [B*P_max]; scores_out float32 [B*KVH, P_max] or 0; simd: "
-     "the AVX-512 scoring where the CPU has it); without the GIL"},
+     "the AVX-512 scoring where the CPU has it; head_budgets: 0 or int64 [2, KVH], each KV head's "
+     "budget then its prior pages, budget their largest); without the GIL"},
     {NULL, NULL, 0, NULL},
 };
 

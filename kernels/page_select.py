@@ -126,19 +126,12 @@ class _Selector:
         """select_pages(score(...)), with `priors` (per sequence [>= num_pages[b], KVH]
         float32, or None) as its prior when prior_pages > 0."""
         counts = _as_counts(num_pages)
-        priors = priors if prior_pages > 0 else None
+        priors = priors if _any(prior_pages) else None
         if self.native and native_select_serves(q, summaries, priors):
             return native_select(q, summaries, counts, group, self.quest, budget_pages,
                                  sink_pages, local_pages, priors, prior_pages)[0]
-        scores = self.score(q, summaries, counts, group)
-        prior = None
-        if priors is not None:
-            prior = torch.full_like(scores, -float("inf"))
-            for b, p in enumerate(priors):
-                if p is not None:
-                    prior[b, :, :counts[b]] = p[:counts[b]].t()
-        return select_pages(scores, counts, budget_pages, sink_pages, local_pages, prior,
-                            prior_pages)
+        return select_with_priors(self.score(q, summaries, counts, group), counts,
+                                  budget_pages, sink_pages, local_pages, priors, prior_pages)
 
 
 class QuestSelector(_Selector):
@@ -195,45 +188,18 @@ class SelectedPages:
         return self.union_indices[int(self.union_indptr[b]):int(self.union_indptr[b + 1])]
 
 
-def window_page_mass(q_obs: torch.Tensor, k_pages: torch.Tensor, kv_len: int, scale: float,
-                     group: int, reduce: str = "sum") -> torch.Tensor:
-    """Attention mass each page gets from an observation window of queries (SnapKV's window:
-    the last prompt tokens, which hold the question), per KV head: [n, KVH] float32.
-
-    q_obs [w, H, D] are the queries of positions kv_len - w .. kv_len - 1 (each attends
-    causally); k_pages [n, KVH, ps, D] the keys of the sequence's pages, n * ps >= kv_len. Each
-    query head's softmax rows sum to one, so every head of a GQA group weighs the same (a
-    retrieval head's one sharp page counts as much as a diffuse head's spread); the mass of a
-    page is summed over its tokens, then over the window's queries and the group's heads
-    (reduce="sum", SnapKV's vote) or the largest of them is kept (reduce="max": one question
-    token that looks hard at a page, e.g. "passcode" at the needle's "passcode", is enough).
-    """
-    w, h, d = q_obs.shape
-    n, kvh, ps, _ = k_pages.shape
-    k = k_pages.float().permute(1, 0, 2, 3).reshape(kvh, n * ps, d)[:, :kv_len]
-    qg = q_obs.float().view(w, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * w, d)
-    logits = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)           # [KVH, group * w, kv_len]
-    # query j of the window sits at position kv_len - w + j: it sees keys <= that position
-    future = torch.arange(kv_len) > (kv_len - w + torch.arange(w))[:, None]      # [w, kv_len]
-    logits.view(kvh, group, w, kv_len).masked_fill_(future, -float("inf"))
-    if reduce not in ("sum", "max"):
-        raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
-    rows = torch.zeros(kvh, group * w, n * ps, dtype=torch.float32)
-    rows[:, :, :kv_len] = torch.softmax(logits, dim=-1)
-    per_page = rows.view(kvh, group * w, n, ps).sum(dim=-1)         # [KVH, group * w, n]
-    mass = per_page.sum(dim=1) if reduce == "sum" else per_page.amax(dim=1)
-    return mass.t().contiguous()
-
-
-def _check_budget(budget_pages: int, sink_pages: int, local_pages: int) -> None:
+def _check_budget(budget_pages: int | torch.Tensor, sink_pages: int, local_pages: int) -> None:
+    if isinstance(budget_pages, torch.Tensor):
+        budget_pages = int(budget_pages.min()) if budget_pages.numel() else 0
     if budget_pages < 1 or sink_pages < 0 or local_pages < 0:
         raise ValueError(f"need budget_pages >= 1 and sink/local pages >= 0, got budget "
                          f"{budget_pages}, sink {sink_pages}, local {local_pages}")
 
 
 def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
-                 budget_pages: int, sink_pages: int, local_pages: int,
-                 prior: torch.Tensor | None = None, prior_pages: int = 0) -> SelectedPages:
+                 budget_pages: int | torch.Tensor, sink_pages: int, local_pages: int,
+                 prior: torch.Tensor | None = None,
+                 prior_pages: int | torch.Tensor = 0) -> SelectedPages:
     """Top pages per (sequence, KV head), with the sink pages and the local window always kept.
 
     scores [B, KVH, P_max] (entries past num_pages[b] are ignored). Row (b, h) keeps
@@ -246,8 +212,14 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     prior [B, KVH, P_max] (optional, e.g. window_page_mass of the prompt): the prior_pages
     pages of each row with the highest finite prior (sink and local pages aside) are kept too,
     within the same budget; -inf marks pages, or whole rows, without a prior.
+
+    budget_pages and prior_pages may be int64 tensors [KVH] instead: a budget per KV head
+    (--sparse-budget-plan), the same for every sequence.
     """
     _check_budget(budget_pages, sink_pages, local_pages)
+    if isinstance(budget_pages, torch.Tensor) or isinstance(prior_pages, torch.Tensor):
+        return _select_per_head(scores, num_pages, budget_pages, sink_pages, local_pages,
+                                prior, prior_pages)
     b_size, kvh, p_max = scores.shape
     dev = scores.device
     n = torch.as_tensor(num_pages, dtype=torch.int64, device=dev)
@@ -285,6 +257,69 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     return SelectedPages(indptr, page_indices, union_indptr, hit.nonzero()[:, 1], kvh)
 
 
+def _select_per_head(scores: torch.Tensor, num_pages, budget_pages, sink_pages: int,
+                     local_pages: int, prior: torch.Tensor | None, prior_pages
+                     ) -> SelectedPages:
+    """select_pages with a budget (and prior pages) per KV head: the row's best pages in
+    order, cut at its own count."""
+    b_size, kvh, p_max = scores.shape
+    n = torch.as_tensor(num_pages, dtype=torch.int64)
+    if n.shape != (b_size,):
+        raise ValueError(f"num_pages has shape {tuple(n.shape)}, expected ({b_size},)")
+    budgets = torch.as_tensor(budget_pages, dtype=torch.int64).expand(kvh)
+    k_row = budgets.clamp(min=sink_pages + local_pages).clamp(max=p_max)       # [KVH]
+    pos = torch.arange(p_max)
+    forced = (pos < sink_pages) | (pos >= n[:, None] - local_pages)             # [B, P]
+    past = (pos >= n[:, None])[:, None, :]
+    finfo = torch.finfo(torch.float32)
+    key = torch.nan_to_num(scores.float(), nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
+    key = key.masked_fill_(forced[:, None, :], float("inf")).masked_fill_(past, -float("inf"))
+    if prior is not None:
+        pk = torch.minimum(torch.as_tensor(prior_pages, dtype=torch.int64).expand(kvh),
+                           k_row - (k_row.clamp(max=sink_pages + local_pages)))       # [KVH]
+        if int(pk.max()) > 0:
+            pri = prior.float().masked_fill(forced[:, None, :] | past, -float("inf"))
+            pval, ptop = torch.topk(pri, int(pk.max()), dim=-1, sorted=True)
+            live = (pval > -float("inf")) & (torch.arange(ptop.shape[-1]) < pk[:, None])
+            key.scatter_(-1, ptop, torch.where(live, float("inf"), key.gather(-1, ptop)))
+    k = int(k_row.max())
+    val, top = torch.topk(key, k, dim=-1, sorted=True)                          # [B, KVH, k]
+    # the row's first k_row[h] picks (forced pages first: they are +inf), live ones only
+    keep = (val != -float("inf")) & (torch.arange(k) < k_row[:, None])
+    top = torch.where(keep, top, p_max)
+    chosen = torch.zeros(b_size * kvh, p_max + 1, dtype=torch.bool)
+    chosen = chosen.scatter_(1, top.view(b_size * kvh, k), True)[:, :p_max].contiguous()
+    indptr = torch.zeros(b_size * kvh + 1, dtype=torch.int64)
+    torch.cumsum(chosen.sum(dim=1), 0, out=indptr[1:])
+    hit = chosen.view(b_size, kvh, p_max).amax(dim=1)
+    union_indptr = torch.zeros(b_size + 1, dtype=torch.int64)
+    torch.cumsum(hit.sum(dim=1), 0, out=union_indptr[1:])
+    return SelectedPages(indptr, chosen.nonzero()[:, 1], union_indptr, hit.nonzero()[:, 1],
+                         kvh)
+
+
+def _any(pages: int | torch.Tensor) -> bool:
+    """Whether a page count (or any of a tensor of them) is positive."""
+    return bool((torch.as_tensor(pages) > 0).any())
+
+
+def select_with_priors(scores: torch.Tensor, counts: list[int],
+                       budget_pages: int | torch.Tensor, sink_pages: int, local_pages: int,
+                       priors: Sequence[torch.Tensor | None] | None = None,
+                       prior_pages: int | torch.Tensor = 0) -> SelectedPages:
+    """select_pages over scores [B, KVH, P_max] with per-sequence priors ([>= counts[b], KVH]
+    float32 each, or None) as its prior when prior_pages > 0 (budgets and prior pages per KV
+    head as select_pages takes them)."""
+    prior = None
+    if priors is not None and _any(prior_pages):
+        prior = torch.full_like(scores, -float("inf"))
+        for b, p in enumerate(priors):
+            if p is not None:
+                prior[b, :, :counts[b]] = p[:counts[b]].t()
+    return select_pages(scores, counts, budget_pages, sink_pages, local_pages, prior,
+                        prior_pages)
+
+
 # kernels/_select.c scores with AVX-512 where the CPU has it (and the summary row is a multiple
 # of 16 floats); False: its portable scoring everywhere (the two round differently)
 NATIVE_SIMD = True
@@ -305,16 +340,22 @@ def native_select_serves(q: torch.Tensor, summaries: Sequence[torch.Tensor],
 
 
 def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: list[int],
-                  group: int, quest: bool, budget_pages: int, sink_pages: int,
+                  group: int, quest: bool, budget_pages: int | torch.Tensor, sink_pages: int,
                   local_pages: int, priors: Sequence[torch.Tensor | None] | None = None,
-                  prior_pages: int = 0, scores: bool = False
+                  prior_pages: int | torch.Tensor = 0, scores: bool = False
                   ) -> tuple[SelectedPages, torch.Tensor | None]:
     """select_pages over quest_scores (quest) or mean_scores, in C (`native_select_serves`
-    inputs). Returns (the selection, the scores [B, KVH, P_max] when `scores`, else None);
+    inputs); budgets and prior pages one for all or one per KV head. Returns (the selection, the scores [B, KVH, P_max] when `scores`, else None);
     ties at the cut go to the lower page number."""
     _check_budget(budget_pages, sink_pages, local_pages)
     b_size, h, d = q.shape
     kvh = h // group
+    heads = None
+    if isinstance(budget_pages, torch.Tensor) or isinstance(prior_pages, torch.Tensor):
+        heads = torch.stack([torch.as_tensor(budget_pages, dtype=torch.int64).expand(kvh),
+                             torch.as_tensor(prior_pages, dtype=torch.int64).expand(kvh)])
+        heads = heads.contiguous()
+        budget_pages, prior_pages = int(heads[0].max()), int(heads[1].max())
     # NOTE: the C code trusts these shapes (it reads n pages of each)
     for b, (s, n) in enumerate(zip(summaries, counts)):
         if s.dim() != 4 or s.shape[0] < n or s.shape[1:] != (kvh, 3, d):
@@ -342,7 +383,8 @@ def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: li
                          int(summaries[0].dtype == torch.bfloat16), int(quest), b_size, kvh,
                          group, d, n.data_ptr(), budget_pages, sink_pages, local_pages,
                          prior_pages, indptr.data_ptr(), indices.data_ptr(), uindptr.data_ptr(),
-                         uindices.data_ptr(), 0 if out is None else out.data_ptr(), NATIVE_SIMD)
+                         uindices.data_ptr(), 0 if out is None else out.data_ptr(), NATIVE_SIMD,
+                         0 if heads is None else heads.data_ptr())
     sel = SelectedPages(indptr, indices[:int(indptr[-1])], uindptr,
                         uindices[:int(uindptr[-1])], kvh)
     return sel, out

@@ -10,7 +10,7 @@ PIPELINES = ("sequential", "sfc", "layer-ahead")
 RESIDENCY_POLICIES = ("cycle", "lru", "score")       # kvstore/residency.py
 PLACEMENTS = ("recency", "mass")            # kvstore/placement.py
 OBS_REDUCE = ("sum", "max")
-SELECTORS = ("quest", "mean", "lowrank")    # kernels/page_select.py (a test checks they match)
+SELECTORS = ("quest", "mean", "lowrank", "centroid")   # kernels/page_select.py, kvstore/centroids.py
 TIER_CODECS = ("none", "int8", "int4")      # kvstore/tiers/codec.py
 
 
@@ -27,11 +27,14 @@ class KVStoreConfig:
     disk_paths: tuple[Path, ...] = ()    # --kv-disk-path A,B,...: every folder, pages striped (disk_set.py)
     disk_threads: int = 8
     sparse_budget: int = 0               # --sparse-budget tokens per request/layer/KV head; 0: dense
+    # --sparse-budget-plan: tokens per [layer][KV head] (kvstore/budget_plan.py); (): uniform
+    budget_plan: tuple[tuple[int, ...], ...] = ()
     sink_tokens: int = 16                # --sparse-sink-tokens: first tokens always attended
     local_tokens: int = 64               # --sparse-local-tokens: last tokens always attended
     dense_layers: int = 2                # --dense-layers: the first layers always run dense
     selector: str = "quest"              # --selector: quest | mean | lowrank
     lowrank_rank: int = 16               # --lowrank-rank: dims of the projected keys (lowrank)
+    centroid_pages: int = 2              # --centroid-pages: pages per k-means centroid (centroid)
     obs_window: int = 32                 # --sparse-obs-window: last prompt tokens whose attention ranks pages at prefill; 0: off
     obs_reduce: str = "max"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
     prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
@@ -61,6 +64,9 @@ class KVStoreConfig:
             raise ValueError("--kv-disk-gb needs --kv-disk-path")
         if self.sparse_budget < 0:
             raise ValueError("--sparse-budget must be >= 0 (0 means dense)")
+        if self.budget_plan and (self.sparse_budget == 0
+                                 or min(min(b) for b in self.budget_plan) < 1):
+            raise ValueError("--sparse-budget-plan needs a sparse budget and positive budgets")
         if self.force_tier not in FORCE_TIERS:
             raise ValueError(f"--kv-force-tier must be one of {FORCE_TIERS}")
         if self.force_tier == "host" and self.host_bytes == 0 and self.disk_bytes == 0:
@@ -84,6 +90,8 @@ class KVStoreConfig:
                              f"got {self.selector!r}")
         if self.lowrank_rank < 1:
             raise ValueError(f"--lowrank-rank must be >= 1, got {self.lowrank_rank}")
+        if self.centroid_pages < 1:
+            raise ValueError(f"--centroid-pages must be >= 1, got {self.centroid_pages}")
         if self.tier_codec not in TIER_CODECS:
             raise ValueError(f"--kv-tier-codec must be one of {', '.join(TIER_CODECS)}, "
                              f"got {self.tier_codec!r}")
@@ -132,14 +140,32 @@ class KVStoreConfig:
     def sink_pages(self) -> int:
         return self.pages(self.sink_tokens)
 
+    def check_plan(self, num_layers: int, num_kv_heads: int) -> None:
+        """A budget plan must be the model's shape."""
+        if self.budget_plan and (len(self.budget_plan), len(self.budget_plan[0])) != \
+                (num_layers, num_kv_heads):
+            raise ValueError(f"--sparse-budget-plan is for {len(self.budget_plan)} layers x "
+                             f"{len(self.budget_plan[0])} KV heads, the model has {num_layers} "
+                             f"x {num_kv_heads}: run `strata profile` for it")
+
+    def head_budget_pages(self, layer: int) -> list[int] | None:
+        """The plan's budget of each KV head in `layer`, in pages; None without a plan."""
+        if not self.budget_plan:
+            return None
+        return [self.pages(b) for b in self.budget_plan[layer]]
+
+    def head_prior_pages(self, budget_pages: int) -> int:
+        """prior_pages for a head whose budget is budget_pages."""
+        if self.obs_window == 0:
+            return 0
+        free = max(0, budget_pages - self.sink_pages - self.local_pages)
+        return int(round(self.prior_share * free))
+
     @property
     def prior_pages(self) -> int:
         """Pages per (request, layer, KV head) picked by the prompt's observation window: a
         share of what the budget leaves after the sink and local pages."""
-        if self.obs_window == 0:
-            return 0
-        free = max(0, self.budget_pages - self.sink_pages - self.local_pages)
-        return int(round(self.prior_share * free))
+        return self.head_prior_pages(self.budget_pages)
 
     @property
     def local_pages(self) -> int:

@@ -91,7 +91,7 @@ class LowRankProjection:
                    tuple(float(e) for e in data["energy"]))
 
 
-class _CaptureKV:
+class CaptureKV:
     """The model's KV seam for one sequence of T tokens at positions 0..T-1: causal attention
     over the step's own K/V, each layer's queries [T, H, D] and keys [T, KVH, D] handed to
     `on_layer`."""
@@ -145,7 +145,7 @@ def collect(model, texts: Iterable[list[int]],
         qf = q.double().view(q.shape[0], kvh, -1, d).permute(1, 0, 2, 3).reshape(kvh, -1, d)
         gq[layer] += qf.transpose(1, 2) @ qf
 
-    kv = _CaptureKV(on_layer)
+    kv = CaptureKV(on_layer)
     done = 0
     for ids in seqs:
         model(torch.tensor(ids, dtype=torch.int64), torch.arange(len(ids)), kv,

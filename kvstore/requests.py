@@ -2,14 +2,16 @@
 
 A request's pages are the page allocator's (kvstore/page_allocator.py); its backing writes in
 flight are the tier set's (kvstore/tierset.py). What is here is the request's own: its disk
-file handle, its reserved capacity, the page summaries sparse decode selects with and the
-observation-window prior.
+file handle, its reserved capacity, the page summaries sparse decode selects with, the
+observation-window prior and the centroid index (--selector centroid).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from kvstore.centroids import CentroidIndex
 
 
 @dataclass
@@ -23,6 +25,7 @@ class RequestKV:
     # set at the end of prefill (-inf: none, e.g. pages generated later)
     prior: torch.Tensor | None = None
     prefilled: bool = False                  # placement applied after the prompt was computed
+    centroids: CentroidIndex | None = None   # --selector centroid: built by the first selection
 
 
 class RequestTable:

@@ -2,7 +2,10 @@
 
 Holds the selector kernel (kernels/page_select.py: Quest's min/max bound or the mean key; with
 `--selector lowrank` Quest's bound over keys and queries projected by the model's low-rank
-basis, kvstore/lowrank.py, which this class owns), the budget settings, and per key the last completed step whose sparse decode selected the page
+basis, kvstore/lowrank.py, which this class owns; with `--selector centroid` the ranking of
+each request's centroid index, kvstore/centroids.py, which the request owns and this class
+updates), the budget settings, and per key the last completed step whose sparse decode
+selected the page
 (sfc's reuse of the last step's pages, kvstore/ahead.py; the C kernel attends to those first).
 The per-request inputs (page summaries, the observation-window prior) belong to the requests
 (kvstore/requests.py) and are passed in.
@@ -11,15 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from kernels.page_select import make_selector
+from kernels.page_select import make_selector, select_with_priors
+from kvstore.centroids import CentroidIndex
 from kvstore.config import KVStoreConfig
 from kvstore.lowrank import LowRankProjection
 from kvstore.stats import KVStats
 
 
 def _kernel(selector: str) -> str:
-    """The scoring kernel of a selector: lowrank is Quest's bound in the projected space."""
-    return "quest" if selector == "lowrank" else selector
+    """The scoring kernel of a selector: lowrank is Quest's bound in the projected space;
+    centroid ranks pages by its index (the kernel serves nothing then)."""
+    return {"lowrank": "quest", "centroid": "mean"}.get(selector, selector)
 
 
 class PageSelection:
@@ -61,24 +66,57 @@ class PageSelection:
 
     def select(self, layer: int, qd: torch.Tensor, summaries: list[torch.Tensor],
                n_pages: list[int], last_len: list[int], num_kv_heads: int,
-               priors: list | None = None, observe: bool = True):
+               priors: list | None = None, observe: bool = True,
+               indexes: list[CentroidIndex] | None = None):
         """Top pages for sequences with queries qd [B, H, D] over their page `summaries`
         (one layer's, [pages, KVH, 3, summary_dim] each) and `priors` (the prompt's
-        observation window, [pages, KVH] each, or None)."""
+        observation window, [pages, KVH] each, or None); `indexes`: the sequences' centroid
+        indexes (--selector centroid)."""
         cfg = self.cfg
         if self.projected:
             qd = self.projection.queries(layer, qd, qd.shape[1] // num_kv_heads)
         if cfg.prior_pages <= 0:
             priors = None
-        sel = self.selector.select(qd, summaries, n_pages, qd.shape[1] // num_kv_heads,
-                                   cfg.budget_pages, cfg.sink_pages, cfg.local_pages, priors,
-                                   cfg.prior_pages)
+        group = qd.shape[1] // num_kv_heads
+        budget, prior_pages = self._budgets(layer)
+        if cfg.selector == "centroid":
+            sel = self._select_centroid(layer, qd.view(qd.shape[0], num_kv_heads, group, -1),
+                                        summaries, n_pages, indexes, priors, budget,
+                                        prior_pages)
+        else:
+            sel = self.selector.select(qd, summaries, n_pages, group, budget, cfg.sink_pages,
+                                       cfg.local_pages, priors, prior_pages)
         if observe:
             per_row = (sel.indptr[1:] - sel.indptr[:-1]) * cfg.page_size      # [B * KVH]
             partial = cfg.page_size - torch.tensor(last_len, dtype=torch.int64)
             self.stats.observe_selected(
                 (per_row - partial.repeat_interleave(num_kv_heads)).tolist())
         return sel
+
+    def _budgets(self, layer: int) -> tuple[int | torch.Tensor, int | torch.Tensor]:
+        """(budget pages, prior pages) of the layer: ints, or per KV head with a plan."""
+        cfg = self.cfg
+        heads = cfg.head_budget_pages(layer)
+        if heads is None:
+            return cfg.budget_pages, cfg.prior_pages
+        return (torch.tensor(heads, dtype=torch.int64),
+                torch.tensor([cfg.head_prior_pages(b) for b in heads], dtype=torch.int64))
+
+    def _select_centroid(self, layer: int, qg: torch.Tensor, summaries: list[torch.Tensor],
+                         n_pages: list[int], indexes: list[CentroidIndex] | None,
+                         priors: list | None, budget, prior_pages):
+        """select_pages over the centroid indexes' page ranking, qg [B, KVH, group, D]; each
+        index first takes in the pages that left the local window."""
+        cfg = self.cfg
+        if indexes is None or len(indexes) != len(n_pages):
+            raise ValueError("--selector centroid needs each sequence's centroid index")
+        keys = torch.full((len(n_pages), qg.shape[1], max(n_pages, default=0)),
+                          -float("inf"))
+        for b, (index, n) in enumerate(zip(indexes, n_pages)):
+            index.update(layer, summaries[b], n - cfg.local_pages, cfg.centroid_pages)
+            keys[b, :, :n] = index.page_keys(layer, qg[b], n)
+        return select_with_priors(keys, n_pages, budget, cfg.sink_pages, cfg.local_pages,
+                                  priors, prior_pages)
 
     def reused(self, keys: torch.Tensor) -> torch.Tensor:
         """bool per key: the last completed step selected its page too."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.attention import AttentionBatch
-from kernels.page_select import window_page_mass
+from kernels.page_prior import window_page_mass
 from kernels.page_summary import summarize_pages
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode
@@ -365,7 +365,8 @@ class StepKV:
         return self.selection.select(layer, qd, [r.summaries[layer] for r in reqs],
                                      [self.n_pages[i] for i in idx],
                                      [self.last_len[i] for i in idx],
-                                     self.tiers.page_shape.num_kv_heads, priors, observe)
+                                     self.tiers.page_shape.num_kv_heads, priors, observe,
+                                     [r.centroids for r in reqs])
 
     def reused(self, keys: torch.Tensor) -> torch.Tensor:
         """Which of a selection's `keys` the last completed step selected too (bool [n]);

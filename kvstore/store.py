@@ -39,6 +39,7 @@ from kvstore.selection import PageSelection
 from kvstore.step import SeqKV, StepKV, StepParts
 from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
+from kvstore.centroids import CentroidIndex
 from kvstore.lowrank import LowRankProjection
 from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.disk_layout import DiskLayout
@@ -50,6 +51,7 @@ __all__ = ["KVFull", "KVNeverFits", "RequestKVError", "TieredKVStore"]
 logger = logging.getLogger(__name__)
 
 _RECONFIGURABLE = {"sparse_budget", "sink_tokens", "local_tokens", "dense_layers", "selector",
+                   "centroid_pages", "budget_plan",
                    "obs_reduce", "prior_share", "head_pages", "force_tier"}
 
 
@@ -84,6 +86,7 @@ class TieredKVStore:
             raise ValueError(f"the {cfg.backing} tier ({backing_bytes / 2**30:.3f} GB) holds no "
                              f"page of {cfg.page_size} tokens over {num_layers} layers "
                              f"({layer_bytes} bytes); raise --kv-{cfg.backing}-gb")
+        cfg.check_plan(num_layers, num_kv_heads)
         self.stats = KVStats()
         self._allocator = PageAllocator(max_pages, cfg.page_size)
         self._selection = PageSelection(cfg, max_pages * num_layers, self.stats, head_dim,
@@ -169,7 +172,8 @@ class TieredKVStore:
         prior = None
         if cfg.sparse_budget > 0 and cfg.obs_window > 0:
             prior = torch.full((self.num_layers, cap, shape.num_kv_heads), -float("inf"))
-        self._requests.add(RequestKV(request_id, handle, cap, summaries, prior=prior))
+        self._requests.add(RequestKV(request_id, handle, cap, summaries, prior=prior,
+                                     centroids=CentroidIndex(cap)))
 
     def _make_disk_room(self, handle: int, cap: int) -> None:
         """Register the request's file once room is made: files of finished requests may

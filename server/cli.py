@@ -46,6 +46,25 @@ def build_parser() -> argparse.ArgumentParser:
                        help="calibration text file (repeatable; default: the bundled essays)")
     calib.add_argument("--tokens", type=int, default=32768,
                        help="calibration tokens, in sequences of 2048 (default 32768)")
+    prof = commands.add_parser("profile", help="measure per layer and KV head how the "
+                               "selector's recall grows with the budget, and write a budget "
+                               "plan for --sparse-budget-plan (KVDrive's 2D window scaling)")
+    add_flags(prof, EngineArgs, only=("model", "cache_dir", "sparse_budget", "page_size",
+                                      "sparse_sink_tokens", "sparse_local_tokens",
+                                      "dense_layers", "selector"))
+    prof.add_argument("--out", default=None, metavar="JSON",
+                      help="the plan file (default: budget-plan-<budget>.json here)")
+    prof.add_argument("--text", action="append", default=None, metavar="FILE",
+                      help="calibration text file (repeatable; default: the bundled essays)")
+    prof.add_argument("--tokens", type=int, default=16384,
+                      help="calibration tokens (default 16384)")
+    prof.add_argument("--length", type=int, default=8192,
+                      help="tokens per calibration sequence, at most the model's positions "
+                      "(default 8192)")
+    prof.add_argument("--window", type=int, default=32,
+                      help="last positions of each sequence taken as decode queries")
+    prof.add_argument("--options", default=None, metavar="N,N,...",
+                      help="budgets (tokens) a head may get (default 128,256,...,4096)")
     cache = commands.add_parser("cache", help="list or empty the prefix cache kept on the "
                                 "disk tier (--kv-disk-path)")
     cache.add_argument("action", choices=("ls", "clear"))
@@ -185,6 +204,24 @@ def calibrate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def profile_command(args: argparse.Namespace) -> int:
+    """`strata profile`: a budget plan for --sparse-budget-plan (engine/profile.py)."""
+    from engine.args import EngineArgs
+    from engine.profile import profile_model, write_plan
+    if not args.sparse_budget or args.sparse_budget <= 0:
+        print("error: strata profile needs --sparse-budget N (the uniform budget whose total "
+              "the plan spends)", file=sys.stderr)
+        return 2
+    given = {name: getattr(args, name) for name in (
+        "model", "cache_dir", "sparse_budget", "page_size", "sparse_sink_tokens",
+        "sparse_local_tokens", "dense_layers", "selector") if getattr(args, name) is not None}
+    eargs = EngineArgs(**given)                 # flags not given keep their defaults
+    options = [int(o) for o in args.options.split(",")] if args.options else None
+    plan = profile_model(eargs, args.tokens, args.length, args.window, options, args.text)
+    print(write_plan(plan, args.out or f"budget-plan-{args.sparse_budget}.json"))
+    return 0
+
+
 def cache_command(args: argparse.Namespace) -> int:
     """`strata cache ls | clear`: the segment files and index logs under --kv-disk-path."""
     from engine.args import EngineArgs, disk_folders
@@ -219,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         return cache_command(args)
     if args.command == "calibrate":
         return calibrate_command(args)
+    if args.command == "profile":
+        return profile_command(args)
     return serve(args)
 
 

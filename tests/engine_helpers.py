@@ -37,6 +37,27 @@ def run(engine: LLMEngine, prompts, steps: int, ids=None):
     return drive(engine, ids)
 
 
+def code_prompt(model_dir) -> list[int]:
+    """A ~700-token chat prompt with one fact to recall (a code amid filler): sparse budgets
+    of 128 tokens select within it, 4096 cover it."""
+    from server.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(model_dir)
+    text = ("The lighthouse keeper wrote in his log every night. " * 30
+            + "The secret code is 4921. Remember it. " + "Waves hit the rocks. " * 30)
+    return tok.encode_chat([{"role": "user", "content": text + " What is the code?"}])
+
+
+def run_code_prompt(model_dir, **engine_args) -> tuple[LLMEngine, list[int]]:
+    """A fresh engine (EngineArgs `engine_args`, 0.1 GB of device KV, no prefix cache)
+    decoding code_prompt greedily for 24 tokens: (the engine, its tokens)."""
+    from engine.args import EngineArgs
+    engine = LLMEngine(EngineArgs(model=str(model_dir), page_size=16, kv_device_gb=0.1,
+                                  prefix_cache="off", **engine_args))
+    got, errors = run(engine, [code_prompt(model_dir)], 24)
+    assert not errors
+    return engine, got["r0"]
+
+
 def flip_bytes(path: Path, nbytes: int) -> None:
     """Invert the first `nbytes` bytes of a file in place (a corrupt page on disk)."""
     with open(path, "r+b") as f:

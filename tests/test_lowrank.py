@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from engine.args import EngineArgs
-from engine.llm_engine import LLMEngine
 from kvstore.lowrank import (LowRankProjection, calibrate, calibration_texts, collect, fit,
                              projection_path)
 from tests import engine_helpers
@@ -64,20 +63,8 @@ def test_projected_queries_and_keys_keep_dot_products_in_the_basis_span(rank8):
     assert torch.allclose(approx, exact, atol=1e-3)
 
 
-def _prompt(smollm2_dir):
-    from server.tokenizer import Tokenizer
-    tok = Tokenizer.from_folder(smollm2_dir)
-    text = ("The lighthouse keeper wrote in his log every night. " * 30
-            + "The secret code is 4921. Remember it. " + "Waves hit the rocks. " * 30)
-    return tok.encode_chat([{"role": "user", "content": text + " What is the code?"}])
-
-
 def _run(smollm2_dir, **kw):
-    engine = LLMEngine(EngineArgs(model=str(smollm2_dir), page_size=16, kv_device_gb=0.1,
-                                  prefix_cache="off", **kw))
-    got, errors = engine_helpers.run(engine, [_prompt(smollm2_dir)], 24)
-    assert not errors
-    return engine, got["r0"]
+    return engine_helpers.run_code_prompt(smollm2_dir, **kw)
 
 
 def test_lowrank_with_a_budget_covering_the_context_equals_dense(rank8, smollm2_dir):

@@ -7,7 +7,8 @@ import torch
 from kernels import page_select
 from kernels.page_select import (MeanKeySelector, QuestSelector, SelectedPages, Selector,
                                  make_selector, mean_scores, native_select, quest_scores,
-                                 select_pages, window_page_mass)
+                                 select_pages)
+from kernels.page_prior import window_page_mass
 from kernels.page_summary import summarize_pages
 
 AWKWARD_LENS = [27, 61, 113, 577]
