@@ -114,7 +114,9 @@ class CentroidIndex:
                 return
             if upto <= 0:
                 return
-            x = summaries[:upto, :, SUMMARY_MEAN].float().transpose(0, 1).contiguous()
+            # NOTE: a non-finite mean (an overflowed key) would stop k-means++'s draw: zeroed
+            x = torch.nan_to_num(summaries[:upto, :, SUMMARY_MEAN].float(), nan=0.0,
+                                 posinf=0.0, neginf=0.0).transpose(0, 1).contiguous()
             cent, labels, counts = kmeans(x, -(-upto // pages_per_centroid))
             table = torch.empty(self.capacity_pages, x.shape[0], dtype=torch.int32)
             table[:upto] = labels.t()
@@ -125,7 +127,8 @@ class CentroidIndex:
     def _join(st: _LayerIndex, summaries: torch.Tensor, upto: int) -> None:
         """Pages st.indexed .. upto-1 join their nearest clusters, whose centroids move to the
         mean of their pages."""
-        x = summaries[st.indexed:upto, :, SUMMARY_MEAN].float().transpose(0, 1)   # [H, m, D]
+        x = torch.nan_to_num(summaries[st.indexed:upto, :, SUMMARY_MEAN].float(), nan=0.0,
+                             posinf=0.0, neginf=0.0).transpose(0, 1)            # [H, m, D]
         h, m, d = x.shape
         cent = st.centroids.float()
         labels = nearest(x, cent)

@@ -309,6 +309,7 @@ class TieredKVStore:
         rkv = self._requests.get(request_id)
         if rkv is not None:
             rkv.prefilled = False
+            rkv.centroids = CentroidIndex(rkv.capacity_pages)   # rebuilt from the new pages
         if self._prefix is not None:
             self._prefix.before_free(request_id)
         gone = self._allocator.release(request_id)
@@ -369,7 +370,9 @@ class TieredKVStore:
         bad = set(changes) - _RECONFIGURABLE
         if bad:
             raise ValueError(f"cannot change {sorted(bad)} on a running KV store")
-        self.cfg = dataclasses.replace(self.cfg, **changes)
+        cfg = dataclasses.replace(self.cfg, **changes)
+        cfg.check_plan(self.num_layers, self.page_shape.num_kv_heads)
+        self.cfg = cfg
         self._selection.reconfigure(self.cfg)
         self._parts = dataclasses.replace(self._parts, cfg=self.cfg)
 

@@ -67,6 +67,17 @@ def test_index_clusters_then_extends_then_clusters_again_when_doubled():
     assert index.clusters(3) == 10
 
 
+def test_a_non_finite_mean_key_does_not_stop_the_index():
+    summ = _summaries(torch.randn(20, 2, 8))
+    summ[3, 1, SUMMARY_MEAN, 0] = float("inf")
+    summ[4, 0, SUMMARY_MEAN, 2] = float("nan")
+    index = CentroidIndex(24)
+    index.update(0, summ, 16, 2)
+    index.update(0, summ, 20, 2)                               # joins too
+    keys = index.page_keys(0, torch.randn(2, 1, 8), 20)
+    assert torch.isfinite(keys[:, :20]).all() and index.clusters(0) == 8
+
+
 def test_index_bytes_are_under_half_of_quests_summaries():
     """Quest keeps min and max rows (2 x head_dim in the KV dtype) per page and KV head; the
     index one centroid in the KV dtype per 2 pages (the default) and an int32 label."""
