@@ -245,16 +245,22 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     # forced-or-finite ones: exactly min(num_pages[b], k) of them, every forced page included.
     val, top = torch.topk(key, k, dim=-1, sorted=False)            # [B, KVH, k]
     top = torch.where(val != -float("inf"), top, p_max)             # dead entries -> column P
+    return _picked(top, p_max)
+
+
+def _picked(top: torch.Tensor, p_max: int) -> SelectedPages:
+    """SelectedPages of the picks top [B, KVH, k] (page numbers; p_max marks a dead pick):
+    each row ascending, and each sequence's union over its heads."""
+    b_size, kvh, k = top.shape
+    chosen = torch.zeros(b_size * kvh, p_max + 1, dtype=torch.bool, device=top.device)
     # NOTE: a row mask + nonzero yields ascending page numbers without sorting each row
-    chosen = torch.zeros(b_size * kvh, p_max + 1, dtype=torch.bool, device=dev)
-    chosen = chosen.scatter_(1, top.view(b_size * kvh, k), True)[:, :p_max].contiguous()
-    page_indices = chosen.nonzero()[:, 1]
-    indptr = torch.zeros(b_size * kvh + 1, dtype=torch.int64, device=dev)
+    chosen = chosen.scatter_(1, top.reshape(b_size * kvh, k), True)[:, :p_max].contiguous()
+    indptr = torch.zeros(b_size * kvh + 1, dtype=torch.int64, device=top.device)
     torch.cumsum(chosen.sum(dim=1), 0, out=indptr[1:])
     hit = chosen.view(b_size, kvh, p_max).amax(dim=1)               # [B, P]: any head
-    union_indptr = torch.zeros(b_size + 1, dtype=torch.int64, device=dev)
+    union_indptr = torch.zeros(b_size + 1, dtype=torch.int64, device=top.device)
     torch.cumsum(hit.sum(dim=1), 0, out=union_indptr[1:])
-    return SelectedPages(indptr, page_indices, union_indptr, hit.nonzero()[:, 1], kvh)
+    return SelectedPages(indptr, chosen.nonzero()[:, 1], union_indptr, hit.nonzero()[:, 1], kvh)
 
 
 def _select_per_head(scores: torch.Tensor, num_pages, budget_pages, sink_pages: int,
@@ -287,15 +293,7 @@ def _select_per_head(scores: torch.Tensor, num_pages, budget_pages, sink_pages: 
     # the row's first k_row[h] picks (forced pages first: they are +inf), live ones only
     keep = (val != -float("inf")) & (torch.arange(k) < k_row[:, None])
     top = torch.where(keep, top, p_max)
-    chosen = torch.zeros(b_size * kvh, p_max + 1, dtype=torch.bool)
-    chosen = chosen.scatter_(1, top.view(b_size * kvh, k), True)[:, :p_max].contiguous()
-    indptr = torch.zeros(b_size * kvh + 1, dtype=torch.int64)
-    torch.cumsum(chosen.sum(dim=1), 0, out=indptr[1:])
-    hit = chosen.view(b_size, kvh, p_max).amax(dim=1)
-    union_indptr = torch.zeros(b_size + 1, dtype=torch.int64)
-    torch.cumsum(hit.sum(dim=1), 0, out=union_indptr[1:])
-    return SelectedPages(indptr, chosen.nonzero()[:, 1], union_indptr, hit.nonzero()[:, 1],
-                         kvh)
+    return _picked(top, p_max)
 
 
 def _any(pages: int | torch.Tensor) -> bool:
