@@ -214,11 +214,9 @@ class NativeSparseDecode:
         return out, lse
 
 
-def make_sparse_decode(device: torch.device | str) -> "NativeSparseDecode | TorchSparseDecode":
-    """The sparse decode kernel for the KV pool's device: the C one on the CPU when built."""
-    if torch.device(device).type == "cpu" and _decode is not None:
-        return NativeSparseDecode()
-    return TorchSparseDecode()
+def native_decode_built() -> bool:
+    """Whether the C kernel (kernels/_decode.c) is built (`make setup` builds it)."""
+    return _decode is not None
 
 
 def sparse_decode_attention(q: torch.Tensor, kv_pool: torch.Tensor, head_table: PageTable,

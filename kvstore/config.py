@@ -49,6 +49,9 @@ class KVStoreConfig:
     tier_codec: str = "none"             # --kv-tier-codec: pages on disk as 8- or 4-bit codes
     tier_codec_group: int = 0            # --kv-tier-codec-group: channels per scale (0: 64 for int8, 32 for int4)
     recompute: str = "off"               # --kv-recompute: off | auto | a share of each fill's disk pages (KVPR)
+    # fills into a device pool that is not host memory: "auto" a CUDA copy stream on a GPU
+    # (in place on a CPU); "thread" its CPU stand-in (kvstore/tiers/transfers.py; tests)
+    copy_stream: str = "auto"
 
     def __post_init__(self):
         if self.device_bytes <= 0:

@@ -82,6 +82,8 @@ class Fetcher:
         slots = dev.slots(keys)
         if not locate:
             self.demote()            # the caller writes into the new slots right away
+            if tiers.copies is not None:    # after any copy still landing in a freed slot
+                tiers.copies.wait_all()
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count, keys=keys)
         rest_keys, rest_slots = miss, new_slots
         host_src = host_dst = _NONE
@@ -103,6 +105,8 @@ class Fetcher:
         # may still run on the fetch stage when a later resolve makes room
         tiers.device_pinned[new_slots] = True
         res = Resolution(slots, host_src, host_dst, rest_keys, rest_slots, count, keys=keys)
+        if tiers.copies is not None:    # the copies go after every read of the evicted pages
+            res.after = tiers.copies.mark()
         if tiers.recompute is not None and rest_keys.numel():
             pick = tiers.recompute.choose(rest_keys)
             if bool(pick.any()):
@@ -219,9 +223,10 @@ class Fetcher:
             while tiers.demotions:
                 src, dst = tiers.demotions.popleft()
                 dev, host = tiers.device_tier.pool, tiers.host_tier.pool
-                if dev.device.type == "cpu":
+                if tiers.copies is None:
                     copy_pages(host, dst, dev, src)
                 else:
+                    tiers.copies.wait_all()     # a fill's copy may still be landing in src
                     buf = tiers.staging(src.numel(), "demote")
                     buf.copy_(dev[src.to(dev.device)])
                     page_rows(host).index_copy_(0, dst, page_rows(buf))
@@ -269,7 +274,7 @@ class Fetcher:
         The demotions recorded so far are made first: the reads overwrite evicted slots. An
         error is kept in `res.reads` and raised by `fill`."""
         pool = self.tiers.device_tier.pool
-        if res.reads is not None or res.inputs is not None or pool.device.type != "cpu" \
+        if res.reads is not None or res.inputs is not None or self.tiers.copies is not None \
                 or res.disk_keys.numel() + res.input_keys.numel() == 0:
             return
         try:
@@ -289,29 +294,26 @@ class Fetcher:
         """Copy the misses of `res` into their device slots: disk reads are issued first
         (straight into the slots when the device pool is in host memory; earlier if
         `start_reads` did) and run on the disk threads while this thread copies the host
-        pages. Unpins the host slots even when a disk read fails (RequestKVError names the
+        pages. Behind a copy stream, the pages are gathered into staging buffers and go up
+        asynchronously; `res.ready` is the last copy's event (`arrived` waits for it).
+        Unpins the host slots even when a disk read fails (RequestKVError names the
         owners)."""
         tiers = self.tiers
         self.demote()       # evictions of this resolve (and earlier ones) free the slots
-        pool = tiers.device_tier.pool
+        pool, copies = tiers.device_tier.pool, tiers.copies
         nbytes = tiers.page_shape.nbytes
         n = res.disk_keys.numel()
-        on_cpu = pool.device.type == "cpu"
         try:
             self.start_reads(res)           # unless the pipeline already did
             reads = res.reads
             try:
                 if res.host_src.numel():
                     host = tiers.host_tier.pool
-                    if on_cpu:
+                    if copies is None:
                         copy_pages(pool, res.host_dst, host, res.host_src)
                     else:
-                        # NOTE: through a reused buffer: a fresh [n, page] temporary
-                        # page-faults
-                        buf = tiers.staging(res.host_src.numel(), "fill")
-                        torch.index_select(page_rows(host), 0, res.host_src, out=page_rows(buf))
-                        pool.index_copy_(0, res.host_dst.to(pool.device),
-                                         buf.to(pool.device, non_blocking=True))
+                        self._copy_up(res, res.host_dst, lambda buf: torch.index_select(
+                            page_rows(host), 0, res.host_src, out=page_rows(buf)))
                     tiers.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
                 if res.inputs is not None and not tiers.recompute.rebuild(
                         res.input_keys, res.inputs, pool, res.input_dst, tiers.disk_tier):
@@ -319,10 +321,9 @@ class Fetcher:
             finally:
                 if reads is not None:    # never return with reads still landing in the pool
                     reads.result()
-            if n and not on_cpu:
-                staging = tiers.staging(n)
-                tiers.disk_tier.get(res.disk_keys, staging)
-                pool.index_copy_(0, res.disk_dst, staging.to(pool.device, non_blocking=True))
+            if copies is not None and res.disk_keys.numel():
+                self._copy_up(res, res.disk_dst,
+                              lambda buf: tiers.disk_tier.get(res.disk_keys, buf))
         except TierError as exc:
             raise tiers.lost(exc.keys, str(exc)) from exc
         finally:
@@ -341,6 +342,26 @@ class Fetcher:
                 tiers.stats.count("recomputed", "disk", r)
             moved += r * tiers.recompute.page_bytes
         tiers.stats.add_transfer("disk", "device", moved)
+
+    def _copy_up(self, res: Resolution, dst: torch.Tensor, gather) -> None:
+        """Pages into device slots `dst` through the copy stream: `gather(buf)` writes them
+        into a staging buffer, whose copy up then runs after `res.after`; `res.ready` becomes
+        its event (the copy stream runs in order, so it covers the fill's earlier copies)."""
+        copies = self.tiers.copies
+        buf = copies.staging.take(dst.numel())
+        try:
+            gather(buf)
+        except BaseException:
+            copies.staging.release(buf, None)
+            raise
+        res.ready = copies.to_device(self.tiers.device_tier.pool, dst, buf, res.after)
+        copies.staging.release(buf, res.ready)
+
+    def arrived(self, res: Resolution | None) -> None:
+        """Compute that reads the pages `res` filled waits for their copies (a copy stream's
+        event; nothing to wait for where fills write the pool in place)."""
+        if res is not None and res.ready is not None:
+            self.tiers.copies.wait(res.ready)
 
     def abandon(self, res: Resolution) -> None:
         """A resolution whose fill will never run (the job handing it over failed): wait

@@ -150,6 +150,7 @@ class Pipeline:
             layer, job = self._predicted
             res, exc = job.result()
             if exc is None:
+                self.fetcher.arrived(res)
                 predicted = (layer, res.keys)
             else:           # a prediction is only a hint
                 self.fetcher.forget(res)
@@ -262,7 +263,9 @@ class Pipeline:
         """Wait for a fill job: (its resolution, its error); after an error the unfilled slots
         are dropped."""
         res, exc = filled.result()
-        if exc is not None:
+        if exc is None:
+            self.fetcher.arrived(res)       # its copies, where a copy stream makes them
+        else:
             # NOTE: a next layer's resolve may run meanwhile (one tier mutator at a time)
             wait([f for f in (self.ahead and self.ahead.resolving(),
                               self._predicted and self._predicted[1]) if f])
@@ -292,6 +295,7 @@ class Pipeline:
         except Exception:
             stages.step.fetcher.forget(res)
             raise
+        self.fetcher.arrived(res)
         st.observe_stage("fetch", time.perf_counter() - t1)
         n = dense_keys.numel()
         parts = []

@@ -23,8 +23,7 @@ import logging
 
 import torch
 
-from kernels.backends import make_attention_backend
-from kernels.sparse_attention import make_sparse_decode
+from kernels.backends import make_attention_backend, make_sparse_decode
 from kvstore.config import KVStoreConfig
 from kvstore.errors import KVFull, KVNeverFits, RequestKVError
 from kvstore.page_allocator import PageAllocator

@@ -19,6 +19,10 @@ os.environ.setdefault("STRATA_CACHE_DIR", str(REPO_ROOT / ".cache" / "models"))
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped on CPU-only machines)")
     config.addinivalue_line("markers", "slow: loads a real model or runs for seconds")
+    # NOTE: `--device auto` takes a GPU where torch sees one; the suite checks the CPU path
+    # (engines and servers it starts included) unless the GPU tests are asked for: -m gpu
+    if "gpu" not in (config.option.markexpr or ""):
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 
 @pytest.fixture(scope="session")
