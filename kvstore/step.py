@@ -359,6 +359,10 @@ class StepKV:
     def select(self, layer: int, qd: torch.Tensor, idx: list[int], observe: bool = True):
         """Top pages of layer `layer` for the step's sequences `idx`, queries qd [B, H, D]."""
         reqs = [self.parts.requests[self.seqs[i].request_id] for i in idx]
+        # NOTE: the summaries are in host memory (RequestKV): on a GPU the queries come down,
+        # one small copy a micro-batch and layer (selection on the GPU: not built yet)
+        if reqs:
+            qd = qd.to(reqs[0].summaries.device)
         priors = None
         if self.cfg.prior_pages > 0:        # per layer and request: only when they are used
             priors = [None if r.prior is None else r.prior[layer] for r in reqs]

@@ -75,15 +75,16 @@ def sequential(smollm2_dir, prompts, tmp_path_factory):  # noqa: F811 - the fixt
     engine = make_mode(smollm2_dir, tmp_path_factory.mktemp("seq"), "sequential", 0)
     got, errors = run(engine, prompts)
     assert not errors
-    return prompts, got
+    return got
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,micro_batch", [("sequential", 0), ("sfc", 2), ("sfc-whole", 2),
                                               ("layer-ahead", 0)])
-def test_fills_through_a_copy_stream_give_the_same_output(smollm2_dir, sequential, tmp_path,
-                                                          monkeypatch, mode, micro_batch):
-    prompts, want = sequential
+def test_fills_through_a_copy_stream_give_the_same_output(smollm2_dir, prompts,  # noqa: F811
+                                                          sequential, tmp_path, monkeypatch,
+                                                          mode, micro_batch):
+    want = sequential
     stand_in(monkeypatch, 0.001)
     engine = make_mode(smollm2_dir, tmp_path, mode, micro_batch)
     copies = engine.store.tiers.copies
@@ -101,11 +102,11 @@ def test_fills_through_a_copy_stream_give_the_same_output(smollm2_dir, sequentia
 
 
 @pytest.mark.slow
-def test_compute_that_does_not_wait_for_its_copies_reads_other_pages(smollm2_dir, sequential,
-                                                                     tmp_path, monkeypatch):
+def test_compute_that_does_not_wait_for_its_copies_reads_other_pages(
+        smollm2_dir, prompts, sequential, tmp_path, monkeypatch):  # noqa: F811
     # the check above can fail: without the wait for each fill's copy event, attention runs
     # over slots whose pages are still on the copy stream
-    prompts, want = sequential
+    want = sequential
     stand_in(monkeypatch, 0.005)
     monkeypatch.setattr(Fetcher, "arrived", lambda self, res: None)
     engine = make_mode(smollm2_dir, tmp_path, "sfc", 2)
