@@ -268,22 +268,28 @@ class Fetcher:
 
     # ---------------------------------------------------------------- fills
     def start_reads(self, res: Resolution) -> None:
-        """Issue the disk reads of `res` now, straight into their device slots (a device pool
-        in host memory), so that they run on the disk threads while the caller selects and
-        resolves the next micro-batch; `fill` then copies the host pages and waits for them.
-        The demotions recorded so far are made first: the reads overwrite evicted slots. An
-        error is kept in `res.reads` and raised by `fill`."""
-        pool = self.tiers.device_tier.pool
-        if res.reads is not None or res.inputs is not None or self.tiers.copies is not None \
+        """Issue the disk reads of `res` now, so that they run on the disk threads while the
+        caller selects and resolves the next micro-batch: straight into their device slots (a
+        device pool in host memory), else into a staging buffer that `fill` copies up; `fill`
+        then copies the host pages and waits for them. The demotions recorded so far are made
+        first: the reads overwrite evicted slots. An error is kept in `res.reads` and raised
+        by `fill`."""
+        tiers = self.tiers
+        pool, copies = tiers.device_tier.pool, tiers.copies
+        if res.reads is not None or res.inputs is not None \
                 or res.disk_keys.numel() + res.input_keys.numel() == 0:
             return
         try:
             self.demote()
-            rec = self.tiers.recompute
+            rec = tiers.recompute
             if res.input_keys.numel():      # first: their recompute overlaps the K/V reads
                 res.inputs = rec.read(res.input_keys)
             if res.disk_keys.numel():
-                res.reads = self.tiers.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
+                if copies is None:
+                    res.reads = tiers.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
+                else:
+                    res.staged = copies.staging.take(res.disk_keys.numel())
+                    res.reads = tiers.disk_tier.get_async(res.disk_keys, res.staged)
                 if rec is not None:         # the cost model follows the reads' time
                     rec.time_reads(res.reads, res.disk_keys.numel())
         except Exception as exc:   # noqa: BLE001 - raised by fill, which handles its errors
@@ -321,13 +327,15 @@ class Fetcher:
             finally:
                 if reads is not None:    # never return with reads still landing in the pool
                     reads.result()
-            if copies is not None and res.disk_keys.numel():
-                self._copy_up(res, res.disk_dst,
-                              lambda buf: tiers.disk_tier.get(res.disk_keys, buf))
+            if res.staged is not None:          # read into staging: up it goes
+                res.ready = copies.to_device(pool, res.disk_dst, res.staged, res.after)
+                copies.staging.release(res.staged, res.ready)
+                res.staged = None
         except TierError as exc:
             raise tiers.lost(exc.keys, str(exc)) from exc
         finally:
             tiers.host_pinned[res.host_src] = False
+            self._unstage(res)
         # NOTE: after a failure the slots stay pinned until `forget` drops them
         tiers.device_pinned[res.host_dst] = False
         tiers.device_pinned[res.disk_slots] = False
@@ -357,6 +365,12 @@ class Fetcher:
         res.ready = copies.to_device(self.tiers.device_tier.pool, dst, buf, res.after)
         copies.staging.release(buf, res.ready)
 
+    def _unstage(self, res: Resolution) -> None:
+        """A staging buffer whose reads will never be copied up (a failure) is free again."""
+        if res.staged is not None:
+            self.tiers.copies.staging.release(res.staged, None)
+            res.staged = None
+
     def arrived(self, res: Resolution | None) -> None:
         """Compute that reads the pages `res` filled waits for their copies (a copy stream's
         event; nothing to wait for where fills write the pool in place)."""
@@ -368,6 +382,7 @@ class Fetcher:
         for its disk reads, if issued, unpin its host pages and drop its slots (`forget`)."""
         if res.reads is not None:
             wait([res.reads])            # no read may land in a slot given to another page
+        self._unstage(res)
         if res.inputs is not None:
             wait([res.inputs[0]])
         self.tiers.host_pinned[res.host_src] = False

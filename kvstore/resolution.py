@@ -32,6 +32,7 @@ class Resolution:
     # event the fill's copies wait for (`mark` at resolve), and the fill's last copy event
     after: object = None
     ready: object = None
+    staged: torch.Tensor | None = None   # the staging buffer its disk reads land in
 
     @property
     def misses(self) -> int:

@@ -23,6 +23,9 @@ def test_a_staging_buffer_is_reused_only_once_its_copy_is_done(monkeypatch):
     copies = ThreadCopies("cpu", SHAPE)
     pool = torch.zeros(8, *SHAPE.shape)
     buf = copies.staging.take(2)
+    taken = copies.staging.take(1)          # handed out, no copy yet: never handed out again
+    assert taken.data_ptr() != buf.data_ptr()
+    copies.staging.release(taken, None)
     buf.fill_(7.0)
     ev = copies.to_device(pool, torch.tensor([1, 5]), buf, copies.mark())
     copies.staging.release(buf, ev)
@@ -32,8 +35,9 @@ def test_a_staging_buffer_is_reused_only_once_its_copy_is_done(monkeypatch):
     copies.wait(ev)
     assert bool((pool[[1, 5]] == 7).all()) and not bool(pool[[0, 2, 3, 4, 6, 7]].any())
     copies.staging.release(other, None)
-    assert copies.staging.take(2).data_ptr() in (buf.data_ptr(), other.data_ptr())
-    assert copies.staging.count == 2
+    assert copies.staging.take(2).data_ptr() in (buf.data_ptr(), other.data_ptr(),
+                                                 taken.data_ptr())
+    assert copies.staging.count == 3
     copies.close()
 
 

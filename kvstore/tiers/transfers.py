@@ -48,7 +48,7 @@ class _Staging:
         with self._lock:
             for entry in self._bufs:
                 buf, ev = entry
-                if buf.shape[0] >= n and (ev is None or self._done(ev)):
+                if buf.shape[0] >= n and ev is not _BUSY and (ev is None or self._done(ev)):
                     entry[1] = _BUSY
                     return buf[:n]
             if len(self._bufs) >= _MAX_BUFFERS:     # drop a free one, or wait for the oldest
