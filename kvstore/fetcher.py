@@ -227,6 +227,8 @@ class Fetcher:
                     copy_pages(host, dst, dev, src)
                 else:
                     tiers.copies.wait_all()     # a fill's copy may still be landing in src
+                    # NOTE: synchronous (a pageable host buffer): done before any fill can
+                    # enqueue a copy into these slots
                     buf = tiers.staging(src.numel(), "demote")
                     buf.copy_(dev[src.to(dev.device)])
                     page_rows(host).index_copy_(0, dst, page_rows(buf))
