@@ -409,8 +409,15 @@ class Fetcher:
         backing = tiers.backing
         if backing is tiers.device_tier:
             return          # device-only store: pages live (and stay) on the device
-        pages = tiers.device_tier.pool[slots.long()]          # a copy the writer can own
+        copies = tiers.copies
+        ready = None
         nbytes = tiers.page_shape.nbytes
+        if copies is not None and backing is not tiers.host_tier:
+            # NOTE: down on the copy stream, after the kernels that wrote the pages; the
+            # disk writes start once it is in (no wait on this thread)
+            pages, ready = copies.to_host(tiers.device_tier.pool, slots.long(), copies.mark())
+        else:
+            pages = tiers.device_tier.pool[slots.long()]      # a copy the writer can own
         if backing is tiers.host_tier:
             backing.put(keys, pages)
             tiers.clean[keys] = True
@@ -421,8 +428,13 @@ class Fetcher:
             by_req.setdefault(rid, []).append(u)
         for rid, rows in by_req.items():
             idx = torch.tensor(rows, dtype=torch.int64)
-            k, p = keys[idx], pages[idx]
-            fut = backing.put_async(k, p)
+            k = keys[idx]
+            if ready is None:
+                p = pages[idx]
+                fut = backing.put_async(k, p)
+            else:       # NOTE: the rows are taken once the pages are in
+                p = pages
+                fut = copies.then(ready, lambda k=k, idx=idx: backing.put_async(k, pages[idx]))
             if tiers.recompute is not None:     # the pages' inputs go beside them
                 fut, inputs = tiers.recompute.write_beside(k, slots[idx], fut)
                 p = (p, inputs)

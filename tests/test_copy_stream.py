@@ -55,6 +55,26 @@ def test_copies_run_in_order_and_an_event_covers_the_copies_before_it(monkeypatc
     copies.close()
 
 
+def test_pages_copied_down_are_in_before_the_work_that_reads_them_starts(monkeypatch):
+    monkeypatch.setattr(ThreadCopies, "delay", 0.05)
+    copies = ThreadCopies("cpu", SHAPE)
+    pool = torch.randn(6, *SHAPE.shape)
+    pages, ev = copies.to_host(pool, torch.tensor([4, 1]), copies.mark())
+    seen = copies.then(ev, lambda: _done(pages.clone()))
+    assert torch.equal(seen.result(), pool[[4, 1]])
+    failed = copies.then(ev, lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failed.result()
+    copies.close()
+
+
+def _done(value):
+    from concurrent.futures import Future
+    f = Future()
+    f.set_result(value)
+    return f
+
+
 def test_a_cpu_pool_fills_in_place_and_the_stand_in_is_asked_for():
     assert make_copies(torch.device("cpu"), SHAPE) is None
     stand_in = make_copies(torch.device("cpu"), SHAPE, "thread")

@@ -40,6 +40,24 @@ def test_copies_land_after_their_mark_and_compute_waits_for_them():
     copies.close()
 
 
+def test_pages_copied_down_land_in_pinned_memory_before_their_writer_runs():
+    from concurrent.futures import Future
+
+    from kvstore.tiers.transfers import CudaCopies
+    copies = CudaCopies(torch.device("cuda"), SHAPE)
+    pool = torch.randn(16, *SHAPE.shape, device="cuda").to(SHAPE.dtype)
+    slots = torch.tensor([3, 9, 0])
+
+    def read():
+        f = Future()
+        f.set_result(pages.clone())
+        return f
+    pages, ev = copies.to_host(pool, slots, copies.mark())
+    assert pages.is_pinned()
+    assert torch.equal(copies.then(ev, read).result(), pool[slots.cuda()].cpu())
+    copies.close()
+
+
 def test_tier_round_trip_device_pinned_host_disk(tmp_path):
     from kvstore.tiers.device import DeviceTier
     from kvstore.tiers.disk import DiskTier

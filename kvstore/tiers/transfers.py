@@ -89,6 +89,8 @@ class CudaCopies:
         self.compute = torch.cuda.default_stream(self.device)
         self.staging = _Staging(page_shape, True, lambda ev: ev.query(),
                                 lambda ev: ev.synchronize())
+        # waits for copies down to the host before the work that reads them (`then`)
+        self._waiter = ThreadPoolExecutor(1, thread_name_prefix="strata-copy-wait")
 
     def mark(self):
         """An event after every kernel enqueued on the compute stream so far."""
@@ -110,6 +112,24 @@ class CudaCopies:
             ev.record(self.stream)
         return ev
 
+    def to_host(self, pool: torch.Tensor, slots: torch.Tensor, after=None):
+        """pool[slots] into a fresh pinned host tensor on the copy stream, after `after`:
+        -> (the pages, the copy's event); they hold the pages once the event is done."""
+        out = torch.empty(slots.numel(), *pool.shape[1:], dtype=pool.dtype, pin_memory=True)
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            idx = slots.to(self.device, torch.int64, non_blocking=True)
+            out.copy_(pool.index_select(0, idx), non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return out, ev
+
+    def then(self, event, start) -> Future:
+        """`start()` (which returns a Future) once `event` is done, on the waiter thread: ->
+        a Future of its result (the host waits there, not here)."""
+        return _chain(self._waiter, lambda: event.synchronize(), start)
+
     def wait(self, event) -> None:
         """The compute stream waits for `event` (the host does not)."""
         if event is not None:
@@ -120,6 +140,7 @@ class CudaCopies:
         self.compute.wait_stream(self.stream)
 
     def close(self) -> None:
+        self._waiter.shutdown(wait=True)
         self.stream.synchronize()
 
 
@@ -143,6 +164,7 @@ class ThreadCopies:
                   after=None) -> Future:
         delay = self.delay
 
+        @torch.inference_mode()
         def copy():
             if delay:
                 time.sleep(delay)
@@ -150,6 +172,23 @@ class ThreadCopies:
         self.copies += 1
         self._last = self._worker.submit(copy)
         return self._last
+
+    def to_host(self, pool: torch.Tensor, slots: torch.Tensor, after=None):
+        out = torch.empty(slots.numel(), *pool.shape[1:], dtype=pool.dtype)
+        delay = self.delay
+
+        @torch.inference_mode()
+        def copy():
+            if delay:
+                time.sleep(delay)
+            torch.index_select(pool, 0, slots.to(torch.int64), out=out)
+        self.copies += 1
+        self._last = self._worker.submit(copy)
+        return out, self._last
+
+    def then(self, event: Future, start) -> Future:
+        # NOTE: the worker runs in order: `event`, a copy it was given earlier, is done
+        return _chain(self._worker, event.result, start)
 
     def wait(self, event: Future | None) -> None:
         if event is not None:
@@ -160,6 +199,30 @@ class ThreadCopies:
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def _chain(executor: ThreadPoolExecutor, wait, start) -> Future:
+    """On `executor`: `wait()`, then `start()` (a Future): -> a Future of the latter's result."""
+    out: Future = Future()
+
+    def settle(inner: Future) -> None:
+        exc = inner.exception()
+        if exc is not None:
+            out.set_exception(exc)
+        else:
+            out.set_result(inner.result())
+
+    @torch.inference_mode()
+    def run() -> None:
+        try:
+            wait()
+            inner = start()
+        except BaseException as exc:   # noqa: BLE001 - the caller's Future carries it
+            out.set_exception(exc)
+            return
+        inner.add_done_callback(settle)
+    executor.submit(run)
+    return out
 
 
 def make_copies(device: torch.device, page_shape: PageShape, kind: str = "auto"):
