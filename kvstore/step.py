@@ -172,11 +172,14 @@ class StepKV:
             # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]
             summ = summarize_pages(self.selection.summary_keys(layer, pool[t_slots, 0]),
                                    self.t_valid)
-            u = 0
+            u, prompts = 0, []
             for i, j0, n in self.t_runs:
                 rkv = self.parts.requests[self.seqs[i].request_id]
                 rkv.summaries[layer, j0:j0 + n] = summ[u:u + n]
                 u += n
+                if self.seqs[i].q_len > 1:
+                    prompts.append((rkv, self.n_pages[i]))
+            self.selection.index_prompts(layer, prompts)
 
         # 2-3. select, resolve, fetch: dense sequences need every page, sparse decodes their
         # top pages; micro-batched and overlapped unless the pipeline is sequential
