@@ -98,9 +98,9 @@ class KVStoreConfig:
         if self.tier_codec not in TIER_CODECS:
             raise ValueError(f"--kv-tier-codec must be one of {', '.join(TIER_CODECS)}, "
                              f"got {self.tier_codec!r}")
-        if self.tier_codec != "none" and self.disk_bytes == 0:
-            raise ValueError("--kv-tier-codec encodes the disk tier's pages: it needs "
-                             "--kv-disk-gb > 0")
+        if self.tier_codec != "none" and self.disk_bytes == 0 and self.host_bytes == 0:
+            raise ValueError("--kv-tier-codec encodes the host and disk tiers' pages: it needs "
+                             "--kv-disk-gb or --kv-host-gb > 0")
         if self.tier_codec_group not in (0, 32, 64):
             raise ValueError(f"--kv-tier-codec-group must be 32 or 64 (0: by codec), got "
                              f"{self.tier_codec_group}")

@@ -11,9 +11,7 @@ import torch
 from kvstore import native_evict
 from kvstore.errors import RequestKVError
 from kvstore.resolution import NONE as _NONE, Resolution
-from kvstore.tiers.base import page_rows
 from kvstore.tiers.errors import TierError
-from kvstore.tiers.memory_pool import copy_pages
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +202,7 @@ class Fetcher:
                     hslots = host.alloc_slots(hk).long()
                     tiers.demotions.append((ds, hslots))
                     tiers.host_residency.touch(hslots, stamps[:k])
-                    tiers.stats.add_transfer("device", "host", k * tiers.page_shape.nbytes)
+                    tiers.stats.add_transfer("device", "host", k * host.page_bytes)
         dev.delete(keys)
         tiers.stats.count("evictions", "device", keys.numel())
         if not defer:
@@ -222,16 +220,16 @@ class Fetcher:
         with tiers.demote_lock:
             while tiers.demotions:
                 src, dst = tiers.demotions.popleft()
-                dev, host = tiers.device_tier.pool, tiers.host_tier.pool
+                dev, host = tiers.device_tier.pool, tiers.host_tier
                 if tiers.copies is None:
-                    copy_pages(host, dst, dev, src)
+                    host.store_from(dev, src, dst)
                 else:
                     tiers.copies.wait_all()     # a fill's copy may still be landing in src
                     # NOTE: synchronous (a pageable host buffer): done before any fill can
                     # enqueue a copy into these slots
                     buf = tiers.staging(src.numel(), "demote")
                     buf.copy_(dev[src.to(dev.device)])
-                    page_rows(host).index_copy_(0, dst, page_rows(buf))
+                    host.store_from(buf, torch.arange(src.numel()), dst)
 
     def _make_host_room(self, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Room in the host tier for pages demoted from the device, last used at clocks `used`
@@ -309,20 +307,20 @@ class Fetcher:
         tiers = self.tiers
         self.demote()       # evictions of this resolve (and earlier ones) free the slots
         pool, copies = tiers.device_tier.pool, tiers.copies
-        nbytes = tiers.page_shape.nbytes
         n = res.disk_keys.numel()
         try:
             self.start_reads(res)           # unless the pipeline already did
             reads = res.reads
             try:
                 if res.host_src.numel():
-                    host = tiers.host_tier.pool
+                    host = tiers.host_tier
                     if copies is None:
-                        copy_pages(pool, res.host_dst, host, res.host_src)
+                        host.load_into(pool, res.host_dst, res.host_src)
                     else:
-                        self._copy_up(res, res.host_dst, lambda buf: torch.index_select(
-                            page_rows(host), 0, res.host_src, out=page_rows(buf)))
-                    tiers.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
+                        self._copy_up(res, res.host_dst, lambda buf: host.load_into(
+                            buf, torch.arange(res.host_src.numel()), res.host_src))
+                    tiers.stats.add_transfer("host", "device",
+                                             res.host_src.numel() * host.page_bytes)
                 if res.inputs is not None and not tiers.recompute.rebuild(
                         res.input_keys, res.inputs, pool, res.input_dst, tiers.disk_tier):
                     n, res.inputs = n + res.input_keys.numel(), None    # read as K/V
@@ -411,7 +409,6 @@ class Fetcher:
             return          # device-only store: pages live (and stay) on the device
         copies = tiers.copies
         ready = None
-        nbytes = tiers.page_shape.nbytes
         if copies is not None and backing is not tiers.host_tier:
             # NOTE: down on the copy stream, after the kernels that wrote the pages; the
             # disk writes start once it is in (no wait on this thread)
@@ -421,7 +418,7 @@ class Fetcher:
         if backing is tiers.host_tier:
             backing.put(keys, pages)
             tiers.clean[keys] = True
-            tiers.stats.add_transfer("device", "host", keys.numel() * nbytes)
+            tiers.stats.add_transfer("device", "host", keys.numel() * backing.page_bytes)
             return
         by_req: dict[str, list[int]] = {}
         for u, rid in enumerate(request_ids):

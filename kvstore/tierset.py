@@ -63,7 +63,9 @@ class TierSet:
         budgets = cfg.budgets(device.type)
         device_bytes, host_bytes = budgets["device"], budgets["host"]
         self.device_tier = DeviceTier(page_shape, device_bytes, max_keys, device)
-        self.host_tier = HostTier(page_shape, host_bytes, max_keys) if host_bytes else None
+        # NOTE: the codec stores the host tier's pages too (a separate host pool only)
+        self.host_tier = HostTier(page_shape, host_bytes, max_keys, codec=codec) \
+            if host_bytes else None
         # None: fills write the pool in place (host memory); else its copy stream
         self.copies = make_copies(device, page_shape, cfg.copy_stream)
         # values per page summary row (kvstore/selection.py): what cached pages carry
