@@ -1,6 +1,6 @@
 """Fetcher: moves pages between tiers for a step. Hits and misses per tier, evictions with
-demotion to the host tier, fills from host or disk into device slots, and write-back of full
-pages to the backing tier (asynchronous for disk, so it overlaps with compute)."""
+demotion to the host tier, fills from host or disk into device slots (write-back of full
+pages to the backing tier: kvstore/write_back.py)."""
 from __future__ import annotations
 
 import logging
@@ -399,41 +399,3 @@ class Fetcher:
         slots = torch.cat([res.host_dst, res.disk_slots])
         dev.delete(dev.slot_keys[slots])
         self.tiers.device_pinned[slots] = False
-
-    # ---------------------------------------------------------------- write-back
-    def write_back(self, keys: torch.Tensor, slots: torch.Tensor, request_ids: list[str]) -> None:
-        """Pages that became full: copy them to the backing tier once."""
-        tiers = self.tiers
-        backing = tiers.backing
-        if backing is tiers.device_tier:
-            return          # device-only store: pages live (and stay) on the device
-        copies = tiers.copies
-        ready = None
-        if copies is not None and backing is not tiers.host_tier:
-            # NOTE: down on the copy stream, after the kernels that wrote the pages; the
-            # disk writes start once it is in (no wait on this thread)
-            pages, ready = copies.to_host(tiers.device_tier.pool, slots.long(), copies.mark())
-        else:
-            pages = tiers.device_tier.pool[slots.long()]      # a copy the writer can own
-        if backing is tiers.host_tier:
-            backing.put(keys, pages)
-            tiers.clean[keys] = True
-            tiers.stats.add_transfer("device", "host", keys.numel() * backing.page_bytes)
-            return
-        by_req: dict[str, list[int]] = {}
-        for u, rid in enumerate(request_ids):
-            by_req.setdefault(rid, []).append(u)
-        for rid, rows in by_req.items():
-            idx = torch.tensor(rows, dtype=torch.int64)
-            k = keys[idx]
-            if ready is None:
-                p = pages[idx]
-                fut = backing.put_async(k, p)
-            else:       # NOTE: the rows are taken once the pages are in
-                p = pages
-                fut = copies.then(ready, lambda k=k, idx=idx: backing.put_async(k, pages[idx]))
-            if tiers.recompute is not None:     # the pages' inputs go beside them
-                fut, inputs = tiers.recompute.write_beside(k, slots[idx], fut)
-                p = (p, inputs)
-            # NOTE: the tier set keeps `p` alive with the future until the write is applied
-            tiers.track_write(rid, fut, k, p)

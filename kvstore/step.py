@@ -25,6 +25,7 @@ from kvstore.selection import PageSelection
 from kvstore.stages import LayerPart, LayerStages, weak_slots
 from kvstore.stats import KVStats
 from kvstore.tierset import TierSet
+from kvstore.write_back import write_back
 
 _I64 = dict(dtype=torch.int64)
 
@@ -216,7 +217,7 @@ class StepKV:
         def bookkeeping():
             tiers.touch(touched, now, weak)
             if full is not None:
-                self.fetcher.write_back(full[0], full[1], self.t_full_rids)
+                write_back(tiers, full[0], full[1], self.t_full_rids)
 
         pipe.overlap(bookkeeping)
         return out
