@@ -77,10 +77,10 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
                 "too (the needle column is every page through the codec)."]
     g32 = _needle_pct(results, "needle_codec_4k_int4g32.json", "sparse-1024-int4g32")
     if g32:
-        out += ["", "The bytes, step times and the ~4K int4 needle were measured at groups of "
-                "64 channels; the ~7K needle at 32 (int4's default since: the same disk bytes, "
-                f"twice the scales in memory). int4 at 32, ~4K: {_needle_cells(g32, base)} "
-                "(`--configs sparse-1024-int4g32`)."]
+        out += ["", "The ~4K int4 needle was measured at groups of 64 channels, the ~7K one "
+                "at 32 (int4's default since: the same disk bytes, twice the scales in "
+                f"memory; the bytes and steps above are at the defaults). int4 at 32, ~4K: "
+                f"{_needle_cells(g32, base)} (`--configs sparse-1024-int4g32`)."]
     return out + [""]
 
 

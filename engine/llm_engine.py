@@ -40,6 +40,8 @@ class LLMEngine:
                              f"{cfg.max_position_embeddings} positions")
         self.device = resolve_device(args.device)
         logger.info("device: %s", describe(self.device))
+        if self.device.type == "cuda":      # code that takes "the current device" takes it
+            torch.cuda.set_device(self.device)
         gguf = gguf_source(args.model)
         native = native_format(gguf) if gguf is not None else None
         self.weight_plan = plan_weights(cfg, args.dtype, args.weights, native,
@@ -117,6 +119,8 @@ class LLMEngine:
         self.num_preemptions += len(batch.preempted_ids)
         if batch.is_empty:
             return []
+        if self.device.type == "cuda":      # the current device is per thread
+            torch.cuda.set_device(self.device)
         if self.threads is not None:
             n = self.threads[1 if batch.decode_only else 0]
             if torch.get_num_threads() != n:

@@ -40,6 +40,7 @@ class Fetcher:
         res = self.resolve(keys, protect, count=fill, locate=fill)
         if fill:
             self.fill(res)
+            self.arrived(res)
         return res.slots
 
     def resolve(self, keys: torch.Tensor, protect: torch.Tensor, count: bool = True,
@@ -290,11 +291,16 @@ class Fetcher:
                 else:
                     res.staged = copies.staging.take(res.disk_keys.numel())
                     res.reads = tiers.disk_tier.get_async(res.disk_keys, res.staged)
-                if rec is not None:         # the cost model follows the reads' time
-                    rec.time_reads(res.reads, res.disk_keys.numel())
         except Exception as exc:   # noqa: BLE001 - raised by fill, which handles its errors
-            res.reads = Future()
-            res.reads.set_exception(exc)
+            if res.reads is None:   # NOTE: never replace reads under way: fill waits for them
+                res.reads = Future()
+                res.reads.set_exception(exc)
+            return
+        if rec is not None and res.reads is not None:   # the cost model follows the reads
+            try:
+                rec.time_reads(res.reads, res.disk_keys.numel())
+            except Exception:   # noqa: BLE001 - a missed timing is no reason to fail a fill
+                logger.exception("KV recompute: timing the reads failed")
 
     def fill(self, res: Resolution) -> None:
         """Copy the misses of `res` into their device slots: disk reads are issued first

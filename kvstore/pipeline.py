@@ -227,7 +227,8 @@ class Pipeline:
         early = compute_early if not self.whole_batch_compute and error is None else None
         try:
             for p in parts if early is not None else ():
-                if p.early and p.filled is not None and not p.filled.done():
+                if p.early and p.filled is not None and not p.filled.done() \
+                        and self._reused_in(p):
                     early(p)
             for k, p in enumerate(parts):
                 if error is not None:
@@ -250,6 +251,14 @@ class Pipeline:
         sels = [p.sel for p in parts if p.sel is not None]
         slots = torch.cat([p.slots for p in parts]) if parts else torch.empty(0, **_I64)
         return slots, (cat_selected(sels) if sels else None)
+
+    def _reused_in(self, part: LayerPart) -> bool:
+        """Whether the pages of `part` the last step selected are in their slots now: a page
+        it shares with an earlier micro-batch (a prefix page) may still be on its way there
+        (its slot pinned until that fill is done); behind a copy stream, no early half."""
+        if self.tiers.copies is not None:
+            return False
+        return not bool(self.tiers.device_pinned[part.slots[part.reused].long()].any())
 
     def _settle(self, part: LayerPart) -> BaseException | None:
         """Wait for a part's fill; set its slots, or (on an error) return the error."""

@@ -253,6 +253,11 @@ class StepKV:
         pool = self.tiers.pool
         idx, sel = part.idx, part.sel
         rows = self.query_rows(idx)
+        qr = q[rows]
+        group = q.shape[1] // self.tiers.page_shape.num_kv_heads
+        kernel = self._c_kernel(qr, group)
+        if early and (kernel is None or part.reused is None or self.cfg.head_pages == "union"):
+            return          # no first half to compute apart: all of it once the fill is in
         if self.cfg.head_pages == "union":
             # every head attends to the pages any head selected (fetched anyway): the
             # dense kernel gathers 2 KB head runs of them, and a page one head missed
@@ -260,11 +265,8 @@ class StepKV:
             table = self._union_table(idx, sel, part.slots)
             batch = AttentionBatch(torch.arange(len(idx) + 1, dtype=torch.int32),
                                    table, torch.empty(0, **_I64))
-            out[rows] = parts.dense_attention.forward(q[rows], pool, batch, scale)
+            out[rows] = parts.dense_attention.forward(qr, pool, batch, scale)
             return
-        qr = q[rows]
-        group = q.shape[1] // self.tiers.page_shape.num_kv_heads
-        kernel = self._c_kernel(qr, group)
         if part.reused is None or kernel is None:
             table, _ = self._sparse_table(idx, sel, part.slots)
             out[rows] = parts.sparse_attention.forward(qr, pool, table, group, scale)

@@ -3,6 +3,7 @@ and (registered below) the real-server fixtures of tests/server_fixtures.py."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: loads a real model or runs for seconds")
     # NOTE: `--device auto` takes a GPU where torch sees one; the suite checks the CPU path
     # (engines and servers it starts included) unless the GPU tests are asked for: -m gpu
-    if "gpu" not in (config.option.markexpr or ""):
-        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    if not re.search(r"(?<!not )\bgpu\b", config.option.markexpr or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(scope="session")

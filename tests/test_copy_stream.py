@@ -5,6 +5,7 @@ back, so a compute that reads a slot before its copy's event would read the wron
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ SHAPE = PageShape(page_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
 
 
 def test_a_staging_buffer_is_reused_only_once_its_copy_is_done(monkeypatch):
-    monkeypatch.setattr(ThreadCopies, "delay", 0.2)
+    gate = threading.Event()
+    monkeypatch.setattr(ThreadCopies, "hold", gate)
     copies = ThreadCopies("cpu", SHAPE)
     pool = torch.zeros(8, *SHAPE.shape)
     buf = copies.staging.take(2)
@@ -32,6 +34,7 @@ def test_a_staging_buffer_is_reused_only_once_its_copy_is_done(monkeypatch):
     other = copies.staging.take(2)          # the copy still reads the first buffer
     assert other.data_ptr() != buf.data_ptr()
     assert not bool(pool.any())             # held back: nothing landed yet
+    gate.set()
     copies.wait(ev)
     assert bool((pool[[1, 5]] == 7).all()) and not bool(pool[[0, 2, 3, 4, 6, 7]].any())
     copies.staging.release(other, None)
@@ -119,7 +122,7 @@ def test_fills_through_a_copy_stream_give_the_same_output(smollm2_dir, prompts, 
     st = engine.store.stats.snapshot()
     assert st.transfer_bytes.get(("host", "device"), 0) > 0
     assert st.transfer_bytes.get(("disk", "device"), 0) > 0
-    assert copies.copies > 0
+    assert copies.copies > 0 and copies.staging.busy == 0     # every buffer given back
     store = engine.store
     assert not bool(store.tiers.host_pinned.any()) and not bool(store.tiers.device_pinned.any())
     assert store.num_used_pages == 0

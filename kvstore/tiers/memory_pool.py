@@ -199,8 +199,9 @@ class MemoryPool(Tier):
         repeats in the batch, which of its pages is kept is unspecified."""
         self._check_pages(pages, torch.as_tensor(keys).numel(), "pages")
         slots = self.alloc_slots(keys)
-        src = pages.to(self.device, non_blocking=True)
-        idx = slots.to(self.device, torch.int64, non_blocking=True)
+        # NOTE: blocking across devices: the copy must be in before the pool is read
+        src = pages.to(self.device)
+        idx = slots.to(self.device, torch.int64)
         if src.is_contiguous():
             page_rows(self._pool).index_copy_(0, idx, page_rows(src))
         else:
@@ -214,11 +215,11 @@ class MemoryPool(Tier):
         missing = slots < 0
         if bool(missing.any()):
             raise PageMissing(self.name, keys[missing])
-        index = slots.to(self.device, torch.int64, non_blocking=True)
+        index = slots.to(self.device, torch.int64)
         if out.device == self.device and out.is_contiguous():
             torch.index_select(self._pool, 0, index, out=out)
-        else:
-            out.copy_(self._pool.index_select(0, index), non_blocking=True)
+        else:           # NOTE: blocking: `out` holds the pages on return
+            out.copy_(self._pool.index_select(0, index))
 
     def store_from(self, src: torch.Tensor, src_slots: torch.Tensor,
                    dst_slots: torch.Tensor) -> None:

@@ -75,6 +75,12 @@ class _Staging:
     def count(self) -> int:
         return len(self._bufs)
 
+    @property
+    def busy(self) -> int:
+        """Buffers handed out whose copy was never enqueued nor the buffer given back."""
+        with self._lock:
+            return sum(e[1] is _BUSY for e in self._bufs)
+
 
 _BUSY = object()      # a buffer handed out whose copy is not enqueued yet
 
@@ -94,7 +100,7 @@ class CudaCopies:
 
     def mark(self):
         """An event after every kernel enqueued on the compute stream so far."""
-        ev = torch.cuda.Event()
+        ev = _event()
         ev.record(self.compute)
         return ev
 
@@ -103,12 +109,13 @@ class CudaCopies:
         """pool[slots] = pages (pinned host [n, ...]) on the copy stream, after `after` (a
         `mark`); returns the copy's event. `pages` must not change until it is done."""
         with torch.cuda.stream(self.stream):
+            # NOTE: the transfer goes up at once; only the write into the slots waits
+            idx = slots.to(self.device, torch.int64, non_blocking=True)
+            src = page_rows(pages).to(self.device, non_blocking=True)
             if after is not None:
                 self.stream.wait_event(after)
-            idx = slots.to(self.device, torch.int64, non_blocking=True)
-            page_rows(pool).index_copy_(0, idx, page_rows(pages).to(self.device,
-                                                                    non_blocking=True))
-            ev = torch.cuda.Event()
+            page_rows(pool).index_copy_(0, idx, src)
+            ev = _event()
             ev.record(self.stream)
         return ev
 
@@ -121,7 +128,7 @@ class CudaCopies:
                 self.stream.wait_event(after)
             idx = slots.to(self.device, torch.int64, non_blocking=True)
             out.copy_(pool.index_select(0, idx), non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = _event()
             ev.record(self.stream)
         return out, ev
 
@@ -148,11 +155,13 @@ class ThreadCopies:
     """The CPU stand-in of CudaCopies (module docstring): a worker thread is the copy stream."""
 
     delay = 0.0            # seconds each copy waits before it runs (tests)
+    hold: threading.Event | None = None     # copies wait until it is set (tests)
 
     def __init__(self, device: torch.device, page_shape: PageShape):
         self.device = torch.device(device)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="strata-copy")
         self._last: Future | None = None
+        self._lock = threading.Lock()           # the fetch and write-back threads submit
         self.staging = _Staging(page_shape, False, lambda ev: ev.done(),
                                 lambda ev: ev.exception())
         self.copies = 0                         # copies enqueued (tests)
@@ -164,27 +173,37 @@ class ThreadCopies:
                   after=None) -> Future:
         delay = self.delay
 
+        hold = self.hold
+
         @torch.inference_mode()
         def copy():
+            if hold is not None:
+                hold.wait()
             if delay:
                 time.sleep(delay)
             page_rows(pool).index_copy_(0, slots.to(torch.int64), page_rows(pages))
-        self.copies += 1
-        self._last = self._worker.submit(copy)
-        return self._last
+        return self._submit(copy)
+
+    def _submit(self, job) -> Future:
+        with self._lock:
+            self.copies += 1
+            self._last = self._worker.submit(job)
+            return self._last
 
     def to_host(self, pool: torch.Tensor, slots: torch.Tensor, after=None):
         out = torch.empty(slots.numel(), *pool.shape[1:], dtype=pool.dtype)
         delay = self.delay
 
+        hold = self.hold
+
         @torch.inference_mode()
         def copy():
+            if hold is not None:
+                hold.wait()
             if delay:
                 time.sleep(delay)
             torch.index_select(pool, 0, slots.to(torch.int64), out=out)
-        self.copies += 1
-        self._last = self._worker.submit(copy)
-        return out, self._last
+        return out, self._submit(copy)
 
     def then(self, event: Future, start) -> Future:
         # NOTE: the worker runs in order: `event`, a copy it was given earlier, is done
@@ -195,10 +214,17 @@ class ThreadCopies:
             event.result()
 
     def wait_all(self) -> None:
-        self.wait(self._last)
+        with self._lock:
+            last = self._last
+        self.wait(last)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+
+def _event():
+    """A CUDA event whose `synchronize` yields the CPU rather than spinning on it."""
+    return torch.cuda.Event(blocking=True)
 
 
 def _chain(executor: ThreadPoolExecutor, wait, start) -> Future:
