@@ -17,7 +17,6 @@ import torch
 
 from kvstore.tiers.base import PageShape
 from kvstore.tiers.codec import PageCodec, best_simd
-from kvstore.tiers.errors import PageMissing
 from kvstore.tiers.memory_pool import MemoryPool
 
 
@@ -83,15 +82,10 @@ class HostTier(MemoryPool):
     def get(self, keys: torch.Tensor, out: torch.Tensor) -> None:
         if self.codec is None:
             return super().get(keys, out)
-        keys = self._check_keys(keys, self.max_keys)
-        self._check_pages(out, keys.numel(), "out")
-        slots = self._slot_of[keys]
-        missing = slots < 0
-        if bool(missing.any()):
-            raise PageMissing(self.name, keys[missing])
+        slots = self._slots_to_read(keys, out)
         direct = out.device.type == "cpu" and out.is_contiguous()
         dst = out if direct else torch.empty(out.shape, dtype=out.dtype)
-        self.load_into(dst, torch.arange(keys.numel()), slots)
+        self.load_into(dst, torch.arange(slots.numel()), slots)
         if not direct:
             out.copy_(dst)
 

@@ -209,12 +209,7 @@ class MemoryPool(Tier):
 
     def get(self, keys: torch.Tensor, out: torch.Tensor) -> None:
         """out [n, 2, kvh, ps, hd], any device: one `index_select` from the slots."""
-        keys = self._check_keys(keys, self.max_keys)
-        self._check_pages(out, keys.numel(), "out")
-        slots = self._slot_of[keys]
-        missing = slots < 0
-        if bool(missing.any()):
-            raise PageMissing(self.name, keys[missing])
+        slots = self._slots_to_read(keys, out)
         index = slots.to(self.device, torch.int64)
         if out.device == self.device and out.is_contiguous():
             torch.index_select(self._pool, 0, index, out=out)
@@ -231,6 +226,17 @@ class MemoryPool(Tier):
                   src_slots: torch.Tensor) -> None:
         """dst[dst_slots] = the pages in this tier's slots src_slots (dst as in `store_from`)."""
         copy_pages(dst, dst_slots, self._pool, src_slots)
+
+    def _slots_to_read(self, keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The slots of keys [n] that `get` reads into out [n, ...]; PageMissing if any is
+        absent."""
+        keys = self._check_keys(keys, self.max_keys)
+        self._check_pages(out, keys.numel(), "out")
+        slots = self._slot_of[keys]
+        missing = slots < 0
+        if bool(missing.any()):
+            raise PageMissing(self.name, keys[missing])
+        return slots
 
     def delete(self, keys: torch.Tensor) -> None:
         keys = self._check_keys(keys, self.max_keys)

@@ -171,39 +171,29 @@ class ThreadCopies:
 
     def to_device(self, pool: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor,
                   after=None) -> Future:
-        delay = self.delay
+        return self._copy(lambda: page_rows(pool).index_copy_(0, slots.to(torch.int64),
+                                                              page_rows(pages)))
 
-        hold = self.hold
+    def to_host(self, pool: torch.Tensor, slots: torch.Tensor, after=None):
+        out = torch.empty(slots.numel(), *pool.shape[1:], dtype=pool.dtype)
+        return out, self._copy(lambda: torch.index_select(pool, 0, slots.to(torch.int64),
+                                                          out=out))
+
+    def _copy(self, move) -> Future:
+        """Run `move` on the worker (the copy stream), held back as the tests ask."""
+        hold, delay = self.hold, self.delay
 
         @torch.inference_mode()
-        def copy():
+        def job():
             if hold is not None:
                 hold.wait()
             if delay:
                 time.sleep(delay)
-            page_rows(pool).index_copy_(0, slots.to(torch.int64), page_rows(pages))
-        return self._submit(copy)
-
-    def _submit(self, job) -> Future:
+            move()
         with self._lock:
             self.copies += 1
             self._last = self._worker.submit(job)
             return self._last
-
-    def to_host(self, pool: torch.Tensor, slots: torch.Tensor, after=None):
-        out = torch.empty(slots.numel(), *pool.shape[1:], dtype=pool.dtype)
-        delay = self.delay
-
-        hold = self.hold
-
-        @torch.inference_mode()
-        def copy():
-            if hold is not None:
-                hold.wait()
-            if delay:
-                time.sleep(delay)
-            torch.index_select(pool, 0, slots.to(torch.int64), out=out)
-        return out, self._submit(copy)
 
     def then(self, event: Future, start) -> Future:
         # NOTE: the worker runs in order: `event`, a copy it was given earlier, is done
