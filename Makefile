@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # converted models live beside the checkout, so serve, test and bench share one conversion
 export STRATA_CACHE_DIR ?= $(CURDIR)/.cache/models
 
-.PHONY: setup model prometheus peers serve test bench bench-suite clean
+.PHONY: setup model prometheus peers serve test test-gpu bench bench-suite clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,10 @@ serve: model
 
 test: model prometheus
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+# on a machine with CUDA (and the `gpu` extra: pip install -e '.[gpu]'): the tests marked gpu
+test-gpu: model
+	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
 
 bench: model
 	$(PY) bench/serving.py $(ARGS)

@@ -73,7 +73,18 @@ def machine() -> dict:
     except (OSError, ValueError, IndexError):
         pass
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "mem_gib": round(mem, 1),
-            "cpu_flags": cpu_flags(), "gpu": "none", "python": platform.python_version()}
+            "cpu_flags": cpu_flags(), "gpu": gpu_name(), "python": platform.python_version()}
+
+
+def gpu_name() -> str:
+    """The GPUs nvidia-smi lists (comma-separated), or "none"."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "none"
+    names = [n.strip() for n in out.stdout.splitlines() if n.strip()]
+    return ", ".join(names) if out.returncode == 0 and names else "none"
 
 
 def cpu_line(m: dict) -> str:

@@ -6,7 +6,8 @@
 
 The workload is bench/pipeline.py's: `--batch` essay prompts of `--context` tokens (a
 different stretch of the bundled essays each, and a question; prefilled one after another, so
-that greedy decoding follows the same text whatever the codec), sparse budget 1024, --kv-device-gb 0.064 --kv-host-gb 0.256 (on a CPU one DRAM pool of 0.32 GB), the
+that greedy decoding follows the same text whatever the codec), sparse budget 1024, --kv-device-gb 0.064 --kv-host-gb 0.256 (on a CPU one DRAM pool of 0.32 GB; with
+`int8-host` / `int4-host` a separate host pool of 0.256 GB that stores codes too), the
 rest on disk; --pipeline as given (default sequential). Each codec runs in its own process
 (bench/kv_ab.py's arms: its own disk folder and format), the codecs taking turns for
 `--rounds`, so the box's noise falls on all alike. Per codec: median decode step, what the
@@ -28,7 +29,8 @@ from bench.common import (add_out_arg, add_replot_arg, code_version, cpu_line,  
                           machine, parser, pyplot, replot_or_run, save_figure)
 from bench.kv_ab import run_arm  # noqa: E402
 
-CODECS = ("none", "int8", "int4")
+# "-host": with a separate host pool (--kv-host-pool separate), which the codec stores too
+CODECS = ("none", "int8", "int4", "int8-host", "int4-host")
 TIERS = dict(kv_device_gb=0.064, kv_host_gb=0.256, kv_disk_gb=8, sparse_budget=1024)
 
 
@@ -42,7 +44,9 @@ def summarize(runs: list[dict]) -> dict:
             "disk_read_bytes_per_step": med("disk_read_bytes_per_step"),
             "disk_reads_per_step": med("disk_reads_per_step"),
             "disk_page_bytes": runs[0]["disk_page_bytes"], "max_pages": runs[0]["max_pages"],
-            "prefill_s": med("prefill_s"), "rounds": len(runs)}
+            "prefill_s": med("prefill_s"), "rounds": len(runs),
+            "host_to_device_bytes_per_step": statistics.median(
+                r["bytes_per_step"].get("host->device", 0) for r in runs)}
 
 
 def run(args) -> dict:
@@ -51,7 +55,9 @@ def run(args) -> dict:
     for r in range(args.rounds):
         for codec in args.codecs:
             print(f"round {r + 1}/{args.rounds}: --kv-tier-codec {codec} ...", flush=True)
-            over = {**TIERS, "kv_tier_codec": codec, "pipeline": args.pipeline}
+            name, _, host = codec.partition("-")
+            over = {**TIERS, "kv_tier_codec": name, "pipeline": args.pipeline,
+                    **({"kv_host_pool": "separate"} if host else {})}
             res = run_arm(f"codec-{codec}", root, over, args)
             shutil.rmtree(res["engine"]["kv_disk_path"], ignore_errors=True)   # GBs of pages
             by_codec[codec].append(res)
@@ -113,7 +119,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--pipeline", default="sequential")
-    ap.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS)
+    ap.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS,
+                    help="-host: a separate host pool (DRAM split as --kv-device-gb 0.064 "
+                         "--kv-host-gb 0.256), stored as codes too")
     ap.add_argument("--quick", action="store_true")
     add_out_arg(ap, "kv_codec", quick=True)
     add_replot_arg(ap)

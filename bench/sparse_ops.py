@@ -22,8 +22,8 @@ from kernels import page_select
 from kernels.page_select import make_selector, native_select_serves, select_pages
 from kernels.page_summary import summarize_pages, update_summaries
 from kernels.page_table import build_head_page_table
-from kernels.sparse_attention import (NativeSparseDecode, TorchSparseDecode,
-                                      make_sparse_decode)
+from kernels.backends import make_sparse_decode
+from kernels.sparse_attention import NativeSparseDecode, TorchSparseDecode
 
 
 def _median_ms(fn, repeats: int) -> float:

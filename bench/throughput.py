@@ -68,16 +68,24 @@ CONFIGS: dict[str, list[str]] = {
                       "--kv-disk-gb", "8"],
     "sparse-sfc": ["--sparse-budget", "1024", "--kv-device-gb", "0.5", "--kv-host-gb", "1",
                    "--kv-disk-gb", "8", "--pipeline", "sfc"],
+    # the GPU shape of issue 30: ~10% of 8 x 7K tokens' KV (1.3 GB for SmolLM2) on the device
+    "sparse-tiered-10": ["--sparse-budget", "1024", "--kv-device-gb", "0.13", "--kv-host-gb",
+                         "1", "--kv-disk-gb", "8"],
+    "sparse-sfc-10": ["--sparse-budget", "1024", "--kv-device-gb", "0.13", "--kv-host-gb", "1",
+                      "--kv-disk-gb", "8", "--pipeline", "sfc"],
 }
+DEFAULT_CONFIGS = ["dense", "flexgen", "sparse-tiered", "sparse-sfc"]
 PEERS = ("llama.cpp", "transformers-fp32", "transformers")
 DEFAULT_PEERS = ["llama.cpp", "transformers-fp32"]
 CALIBRATION_WAIT = 40   # decode steps at most before timing, for sfc's micro-batch calibration
 
 
 # ------------------------------------------------------------------------------ servers
-def start_strata(config: str, disk_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+def start_strata(config: str, disk_dir: Path, log: Path,
+                 device: str | None = None) -> tuple[subprocess.Popen, str]:
     return start_server(["--max-model-len", str(MODEL_LEN), "--max-num-seqs", str(MAX_SEQS),
-                         "--kv-disk-path", str(disk_dir), *CONFIGS[config]], log)
+                         "--kv-disk-path", str(disk_dir), *CONFIGS[config],
+                         *(["--device", device] if device else [])], log)
 
 
 def scrape(base: str) -> dict[str, float]:
@@ -328,7 +336,7 @@ def run(args) -> dict:
         disk_dir.mkdir(parents=True)
         bar.set_description(f"{config} (starting)")
         log = logs / f"throughput-{config}.log"
-        proc, base = start_strata(config, disk_dir, log)
+        proc, base = start_strata(config, disk_dir, log, args.device)
         strata_weights[config] = weight_lines(log)
         try:
             cells += run_server_cells(config, base, "SmolLM2-135M-Instruct", texts, lens,
@@ -351,6 +359,7 @@ def run(args) -> dict:
                          "peer_concurrency": args.peer_concurrency, "steps": args.steps,
                          "burst": bursts, "burst_tokens": burst_tokens,
                          "configs": {c: CONFIGS[c] for c in args.configs}, "peers": peers,
+                         "device": args.device or "auto",
                          "model": "SmolLM2-135M-Instruct", "strata_weights": strata_weights,
                          "peer_dtypes": {p: hf_transformers.DTYPES[p] for p in peers
                                          if p in hf_transformers.DTYPES}, **peer_info},
@@ -359,8 +368,11 @@ def run(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = parser(__doc__, paragraph=True)
-    ap.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=list(CONFIGS),
-                    help="Strata configurations (none: `--configs` alone, peers only)")
+    ap.add_argument("--configs", nargs="*", choices=list(CONFIGS), default=DEFAULT_CONFIGS,
+                    help="Strata configurations (none: `--configs` alone, peers only); "
+                         "sparse-*-10: the device tier ~10%% of 8 x 7K tokens' KV (a GPU run)")
+    ap.add_argument("--device", default=None,
+                    help="Strata's --device (default: its own, auto)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1000, 4000, 7000])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])
     ap.add_argument("--peers", nargs="*", choices=PEERS, default=list(DEFAULT_PEERS),

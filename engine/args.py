@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.devices import check_device_spec
 from engine.settings import check_choices, setting
 from kvstore.config import (FORCE_TIERS, HEAD_PAGES, OBS_REDUCE, PIPELINES, PLACEMENTS,
                             RESIDENCY_POLICIES, SELECTORS, TIER_CODECS, KVStoreConfig)
@@ -155,10 +156,13 @@ class EngineArgs:
                                 group="pipeline")
     kv_force_tier: str = setting(_KV.force_tier, "diagnostics: evict pages down to this tier "
                                  "after every step", FORCE_TIERS, group="pipeline")
-    device: str = "cpu"
+    device: str = setting("auto", "where the model runs and the device KV tier lives: auto "
+                          "(the first CUDA device torch sees, else cpu), cpu, cuda or cuda:N",
+                          group="model")
 
     def __post_init__(self):
         check_choices(self)
+        check_device_spec(self.device)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"--page-size must be a power of two, got {self.page_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):

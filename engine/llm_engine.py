@@ -6,6 +6,7 @@ import logging
 import torch
 
 from engine.args import EngineArgs
+from engine.devices import describe, resolve_device
 from engine.gguf_convert import ensure_hf_folder, gguf_source, model_fingerprint
 from engine.gguf_weights import native_format
 from engine.model_config import ModelConfig
@@ -37,15 +38,19 @@ class LLMEngine:
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions")
+        self.device = resolve_device(args.device)
+        logger.info("device: %s", describe(self.device))
+        if self.device.type == "cuda":      # code that takes "the current device" takes it
+            torch.cuda.set_device(self.device)
         gguf = gguf_source(args.model)
         native = native_format(gguf) if gguf is not None else None
         self.weight_plan = plan_weights(cfg, args.dtype, args.weights, native,
-                                        args.torch_threads(), args.device)
+                                        args.torch_threads(), self.device)
         # NOTE: a GGUF model's weights come from the file itself (quantized blocks as they
         # are, dequantized exactly in float32); the converted folder gives config and tokenizer
         self.runner = ModelRunner(self.model_folder, cfg, self.weight_plan,
                                   args.kv_store_config(), self.max_model_len,
-                                  device=args.device, gguf=gguf,
+                                  device=self.device, gguf=gguf,
                                   model_id=model_fingerprint(self.model_folder, gguf),
                                   lowrank_path=projection_path(self.model_folder,
                                                                args.resolved_cache_dir,
@@ -114,6 +119,8 @@ class LLMEngine:
         self.num_preemptions += len(batch.preempted_ids)
         if batch.is_empty:
             return []
+        if self.device.type == "cuda":      # the current device is per thread
+            torch.cuda.set_device(self.device)
         if self.threads is not None:
             n = self.threads[1 if batch.decode_only else 0]
             if torch.get_num_threads() != n:

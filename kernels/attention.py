@@ -114,15 +114,17 @@ class TorchPagedAttention:
         self._workspace: torch.Tensor | None = None   # gathered K/V, grown on demand
         self._upcast = Upcast()                       # float32 K/V where that is faster
 
-    def plan(self, batch: AttentionBatch, *_, **__) -> None:
-        """Host-side metadata for `batch`, reused by every layer of the step."""
+    def plan(self, batch: AttentionBatch, *_, device: torch.device | None = None,
+             **__) -> None:
+        """Metadata for `batch`, reused by every layer of the step, on `device` (the KV's;
+        default: the batch's)."""
         pt = batch.page_table
         ps = pt.page_size
         qo = batch.qo_indptr.tolist()
         indptr = pt.indptr.tolist()
         last = pt.last_page_len.tolist()
-        indices = pt.indices.to(torch.int64)
-        dev = batch.qo_indptr.device
+        dev = batch.qo_indptr.device if device is None else device
+        indices = pt.indices.to(dev, torch.int64)
         n_pages = [indptr[i + 1] - indptr[i] for i in range(len(last))]
         kv_lens = [0 if n == 0 else (n - 1) * ps + lp for n, lp in zip(n_pages, last)]
         q_lens = [qo[i + 1] - qo[i] for i in range(len(last))]
@@ -159,7 +161,7 @@ class TorchPagedAttention:
                 scale: float) -> torch.Tensor:
         """q [T, H, D], kv_layer [P, 2, KVH, page_size, D] -> out [T, H, D] (q's dtype)."""
         if batch is not self._planned:
-            self.plan(batch)
+            self.plan(batch, device=kv_layer.device)
         if self._decode is not None:
             return self._forward_decode(q, kv_layer, scale)
         out = torch.empty_like(q)

@@ -38,11 +38,12 @@ class FlashInferPagedAttention:
              q_dtype: torch.dtype, kv_dtype: torch.dtype, scale: float) -> None:
         """Plan one step; every layer's `forward` with this batch reuses the plan."""
         pt = batch.page_table
-        dev = self.device
-        indptr = pt.indptr.to(dev, torch.int32)
-        indices = pt.indices.to(dev, torch.int32)
-        last_page_len = pt.last_page_len.to(dev, torch.int32)
-        qo_indptr = batch.qo_indptr.to(torch.int32)
+        # NOTE: host tensors: plan reads indptr and last_page_len on the host, and a device
+        # tensor there would make it wait for the GPU; it copies the tables up itself
+        indptr = pt.indptr.to("cpu", torch.int32)
+        indices = pt.indices.to("cpu", torch.int32)
+        last_page_len = pt.last_page_len.to("cpu", torch.int32)
+        qo_indptr = batch.qo_indptr.to("cpu", torch.int32)
         q_lens = qo_indptr[1:] - qo_indptr[:-1]
         if bool((q_lens == 1).all()):
             self._decode.plan(indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
@@ -50,7 +51,7 @@ class FlashInferPagedAttention:
                               q_data_type=q_dtype, kv_data_type=kv_dtype, sm_scale=scale)
             self._wrapper = self._decode
         else:
-            self._prefill.plan(qo_indptr.to(dev), indptr, indices, last_page_len,
+            self._prefill.plan(qo_indptr, indptr, indices, last_page_len,
                                num_qo_heads, num_kv_heads, head_dim, pt.page_size,
                                causal=True, pos_encoding_mode="NONE", sm_scale=scale,
                                q_data_type=q_dtype, kv_data_type=kv_dtype)

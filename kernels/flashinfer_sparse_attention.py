@@ -53,14 +53,14 @@ class FlashInferSparseDecode:
         while len(self._wrappers) < num_kv_heads:
             self._wrappers.append(self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, "HND"))
-        dev = self.device
+        # NOTE: host tensors (see FlashInferPagedAttention.plan): no wait for the GPU
         for h in range(num_kv_heads):
             counts_h = counts.view(-1, num_kv_heads)[:, h]
             indptr_h = torch.zeros(counts_h.shape[0] + 1, dtype=torch.int32)
             torch.cumsum(counts_h, 0, out=indptr_h[1:])
             self._wrappers[h].plan(
-                indptr_h.to(dev), indices[head_of_entry == h].to(dev),
-                last.view(-1, num_kv_heads)[:, h].contiguous().to(dev), group, 1, head_dim,
+                indptr_h, indices[head_of_entry == h],
+                last.view(-1, num_kv_heads)[:, h].contiguous(), group, 1, head_dim,
                 head_table.page_size, pos_encoding_mode="NONE", q_data_type=q_dtype,
                 kv_data_type=kv_dtype, sm_scale=scale)
         self._planned = head_table

@@ -28,11 +28,13 @@ def window_page_mass(q_obs: torch.Tensor, k_pages: torch.Tensor, kv_len: int, sc
     qg = q_obs.float().view(w, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * w, d)
     logits = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)           # [KVH, group * w, kv_len]
     # query j of the window sits at position kv_len - w + j: it sees keys <= that position
-    future = torch.arange(kv_len) > (kv_len - w + torch.arange(w))[:, None]      # [w, kv_len]
+    dev = logits.device
+    future = torch.arange(kv_len, device=dev) > \
+        (kv_len - w + torch.arange(w, device=dev))[:, None]                      # [w, kv_len]
     logits.view(kvh, group, w, kv_len).masked_fill_(future, -float("inf"))
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
-    rows = torch.zeros(kvh, group * w, n * ps, dtype=torch.float32)
+    rows = torch.zeros(kvh, group * w, n * ps, dtype=torch.float32, device=dev)
     rows[:, :, :kv_len] = torch.softmax(logits, dim=-1)
     per_page = rows.view(kvh, group * w, n, ps).sum(dim=-1)         # [KVH, group * w, n]
     mass = per_page.sum(dim=1) if reduce == "sum" else per_page.amax(dim=1)

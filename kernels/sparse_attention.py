@@ -78,13 +78,15 @@ class TorchSparseDecode:
         self._workspace: torch.Tensor | None = None
         self._upcast = Upcast()
 
-    def plan(self, head_table: PageTable, kv_pool_shape: tuple[int, ...]) -> None:
-        """Gather indices and mask for `head_table` over a pool of `kv_pool_shape`."""
+    def plan(self, head_table: PageTable, kv_pool_shape: tuple[int, ...],
+             device: torch.device | None = None) -> None:
+        """Gather indices and mask for `head_table` over a pool of `kv_pool_shape` on
+        `device` (default: the table's)."""
         _, _, kvh, ps, _ = kv_pool_shape
         if ps != head_table.page_size:
             raise ValueError(f"pool page_size {ps} != table page_size {head_table.page_size}")
-        dev = head_table.indptr.device
-        indptr = head_table.indptr.to(torch.int64)
+        dev = head_table.indptr.device if device is None else device
+        indptr = head_table.indptr.to(dev, torch.int64)
         counts = indptr[1:] - indptr[:-1]                           # [R]
         rows = counts.shape[0]
         if rows % kvh:
@@ -95,13 +97,13 @@ class TorchSparseDecode:
         max_pages = int(hi)
         j = torch.arange(max_pages, device=dev)
         at = indptr[:-1, None] + torch.where(j[None, :] < counts[:, None], j[None, :], 0)
-        slots = head_table.indices.to(torch.int64)[at]              # [R, max_pages]
+        slots = head_table.indices.to(dev, torch.int64)[at]         # [R, max_pages]
         head = torch.arange(rows, device=dev) % kvh
         # row of K[slot, head] (page_size * D values) in kv_pool.view(S * 2 * KVH, ps * D) is
         # slot * 2 * KVH + head; V's is KVH rows later
         base = slots * (2 * kvh) + head[:, None]                    # [R, max_pages]
         gather_rows = torch.stack([base, base + kvh]).view(-1)      # [2 * R * max_pages]
-        kv_lens = (counts - 1) * ps + head_table.last_page_len.to(torch.int64)
+        kv_lens = (counts - 1) * ps + head_table.last_page_len.to(dev, torch.int64)
         max_tokens = max_pages * ps
         mask = None
         if bool((kv_lens != max_tokens).any()):
@@ -114,7 +116,7 @@ class TorchSparseDecode:
                 group: int, scale: float) -> torch.Tensor:
         """q [B, H, D], kv_pool [S, 2, KVH, page_size, D] -> [B, H, D] (q's dtype)."""
         if head_table is not self._planned or tuple(kv_pool.shape) != self._planned_shape:
-            self.plan(head_table, tuple(kv_pool.shape))
+            self.plan(head_table, tuple(kv_pool.shape), kv_pool.device)
         plan = self._plan
         b, h, d = q.shape
         ps = kv_pool.shape[3]
@@ -214,11 +216,9 @@ class NativeSparseDecode:
         return out, lse
 
 
-def make_sparse_decode(device: torch.device | str) -> "NativeSparseDecode | TorchSparseDecode":
-    """The sparse decode kernel for the KV pool's device: the C one on the CPU when built."""
-    if torch.device(device).type == "cpu" and _decode is not None:
-        return NativeSparseDecode()
-    return TorchSparseDecode()
+def native_decode_built() -> bool:
+    """Whether the C kernel (kernels/_decode.c) is built (`make setup` builds it)."""
+    return _decode is not None
 
 
 def sparse_decode_attention(q: torch.Tensor, kv_pool: torch.Tensor, head_table: PageTable,

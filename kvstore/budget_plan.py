@@ -130,7 +130,26 @@ def solve(recall: torch.Tensor, options: list[int], budget: int) -> torch.Tensor
         step[i] += 1
         pick[i] = b
         push(i)
+    _fill(rows, options, pick, left)
     return torch.tensor([options[p] for p in pick]).view(recall.shape[:2])
+
+
+def _fill(rows: list[list[float]], options: list[int], pick: list[int], left: int) -> None:
+    """Spend what the hull steps left (a head's next hull step may not fit where a smaller
+    option would): the best gain per token among the options that fit, until none does."""
+    while True:
+        best = None
+        for i, r in enumerate(rows):
+            for o in range(pick[i] + 1, len(options)):
+                cost = options[o] - options[pick[i]]
+                if cost <= left and r[o] > r[pick[i]]:
+                    gain = (r[o] - r[pick[i]]) / cost
+                    if best is None or gain > best[0]:
+                        best = (gain, i, o, cost)
+        if best is None:
+            return
+        _, i, o, cost = best
+        pick[i], left = o, left - cost
 
 
 @dataclass(frozen=True)

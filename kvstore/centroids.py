@@ -15,10 +15,15 @@ Index bytes per page and KV head: head_dim / centroid_pages values and one int32
 bytes at head_dim 64, bf16 and 2 pages a centroid, against the 256 bytes of Quest's min/max
 rows (`nbytes`, bench/selector_recall.py).
 
-Built by the first sparse selection of each layer after prefill (over every page but the
-local window); extended as decode pushes pages out of the local window (each new page joins
-its nearest centroid, which moves to the mean of its pages); clustered again once the indexed
-pages have doubled since the last k-means, or when --centroid-pages changes.
+Pages are clustered in blocks of BLOCK_PAGES consecutive pages, one k-means problem each, so
+building the index costs O(pages) rather than O(pages^2) (KVDrive clusters a whole context on a
+GPU; on a CPU one k-means over 4,096 pages took 3.8 s a layer). A full block is clustered once
+and kept; the open block (the newest pages) is clustered when it starts, again each time its
+pages double, and once more when it fills; between those its new pages join their nearest
+centroid of the block, which moves to the mean of its pages. A full block's clusters depend
+only on its pages. Pages are indexed as they leave the local window: during prefill, chunk
+after chunk (kvstore/step.py), and by decode's selection. --centroid-pages changing rebuilds
+the index.
 
 Leaf module: imports only torch and kernels.*.
 """
@@ -32,6 +37,16 @@ import torch
 from kernels.page_summary import SUMMARY_MEAN
 
 KMEANS_ITERS = 10
+# pages per k-means problem: k-means costs O(pages x clusters), so one over every page of a
+# long prompt would cost O(pages^2) (3.8 s a layer at 4,096 pages); in blocks it is linear
+BLOCK_PAGES = 256
+
+
+def _mean_keys(summaries: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """The mean keys of pages start .. end-1 as [KVH, n, D] float32; a non-finite mean (an
+    overflowed key) zeroed, so k-means++'s draw goes on."""
+    return torch.nan_to_num(summaries[start:end, :, SUMMARY_MEAN].float(), nan=0.0, posinf=0.0,
+                            neginf=0.0).transpose(0, 1).contiguous()
 
 
 def nearest(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -85,12 +100,14 @@ def _kmeanspp(x: torch.Tensor, c: int) -> torch.Tensor:
 
 @dataclass
 class _LayerIndex:
-    centroids: torch.Tensor          # [KVH, c, D] in the summaries' dtype
+    centroids: torch.Tensor          # [KVH, c, D] in the summaries' dtype, block after block
     counts: torch.Tensor             # [KVH, c] float32: pages per cluster
     labels: torch.Tensor             # [capacity_pages, KVH] int32 (rows < indexed are set)
     indexed: int                     # pages 0 .. indexed-1 carry a label
-    clustered: int                   # pages the last k-means ran over
     pages_per_centroid: int
+    tail_start: int = 0              # the open block's first page (those before: full blocks)
+    tail_first: int = 0              # its first centroid
+    tail_clustered: int = 0          # its pages at its last k-means (0: none yet)
 
 
 class CentroidIndex:
@@ -104,42 +121,57 @@ class CentroidIndex:
     def update(self, layer: int, summaries: torch.Tensor, upto: int,
                pages_per_centroid: int) -> None:
         """Index the layer's pages 0 .. upto-1, whose summaries [>= upto, KVH, 3, D] hold
-        their mean keys: cluster them, or label the pages new since."""
+        their mean keys: the pages new since the last call are clustered, or join the open
+        block's clusters (module docstring)."""
         with self._lock:
             st = self._layers.get(layer)
-            if st is not None and st.pages_per_centroid == pages_per_centroid \
-                    and upto < 2 * st.clustered:
-                if upto > st.indexed:
-                    self._join(st, summaries, upto)
-                return
-            if upto <= 0:
-                return
-            # NOTE: a non-finite mean (an overflowed key) would stop k-means++'s draw: zeroed
-            x = torch.nan_to_num(summaries[:upto, :, SUMMARY_MEAN].float(), nan=0.0,
-                                 posinf=0.0, neginf=0.0).transpose(0, 1).contiguous()
-            cent, labels, counts = kmeans(x, -(-upto // pages_per_centroid))
-            table = torch.empty(self.capacity_pages, x.shape[0], dtype=torch.int32)
-            table[:upto] = labels.t()
-            self._layers[layer] = _LayerIndex(cent.to(summaries.dtype), counts, table, upto,
-                                              upto, pages_per_centroid)
+            if st is None or st.pages_per_centroid != pages_per_centroid:
+                if upto <= 0:
+                    return
+                kvh, d = summaries.shape[1], summaries.shape[-1]
+                st = self._layers[layer] = _LayerIndex(
+                    torch.empty(kvh, 0, d, dtype=summaries.dtype), torch.zeros(kvh, 0),
+                    torch.empty(self.capacity_pages, kvh, dtype=torch.int32), 0,
+                    pages_per_centroid)
+            while st.indexed < upto:
+                end = min(upto, st.tail_start + BLOCK_PAGES)
+                span = end - st.tail_start
+                if st.tail_clustered == 0 or span == BLOCK_PAGES or span >= 2 * st.tail_clustered:
+                    self._cluster_tail(st, summaries, end)
+                else:
+                    self._join(st, summaries, end)
+                if span == BLOCK_PAGES:             # full: frozen, the next block opens
+                    st.tail_start, st.tail_first, st.tail_clustered = \
+                        end, st.centroids.shape[1], 0
 
     @staticmethod
-    def _join(st: _LayerIndex, summaries: torch.Tensor, upto: int) -> None:
-        """Pages st.indexed .. upto-1 join their nearest clusters, whose centroids move to the
-        mean of their pages."""
-        x = torch.nan_to_num(summaries[st.indexed:upto, :, SUMMARY_MEAN].float(), nan=0.0,
-                             posinf=0.0, neginf=0.0).transpose(0, 1)            # [H, m, D]
+    def _cluster_tail(st: _LayerIndex, summaries: torch.Tensor, end: int) -> None:
+        """k-means over the open block's pages st.tail_start .. end-1 (its clusters replaced)."""
+        x = _mean_keys(summaries, st.tail_start, end)                    # [H, n, D]
+        span = end - st.tail_start
+        cent, labels, counts = kmeans(x, -(-span // st.pages_per_centroid))
+        f = st.tail_first
+        st.centroids = torch.cat([st.centroids[:, :f], cent.to(st.centroids.dtype)], 1)
+        st.counts = torch.cat([st.counts[:, :f], counts], 1)
+        st.labels[st.tail_start:end] = (labels + f).t().to(torch.int32)
+        st.indexed, st.tail_clustered = end, span
+
+    @staticmethod
+    def _join(st: _LayerIndex, summaries: torch.Tensor, end: int) -> None:
+        """Pages st.indexed .. end-1 join their nearest clusters of the open block, whose
+        centroids move to the mean of their pages."""
+        x = _mean_keys(summaries, st.indexed, end)                       # [H, m, D]
         h, m, d = x.shape
-        cent = st.centroids.float()
+        f = st.tail_first
+        cent, counts = st.centroids[:, f:].float(), st.counts[:, f:]
         labels = nearest(x, cent)
-        sums = cent * st.counts[..., None]
+        sums = cent * counts[..., None]
         sums.scatter_add_(1, labels[..., None].expand(h, m, d), x)
-        st.counts.scatter_add_(1, labels, torch.ones(h, m))
-        cent = torch.where(st.counts[..., None] > 0, sums / st.counts.clamp_min(1)[..., None],
-                           cent)
-        st.centroids = cent.to(st.centroids.dtype)
-        st.labels[st.indexed:upto] = labels.t().to(torch.int32)
-        st.indexed = upto
+        counts.scatter_add_(1, labels, torch.ones(h, m))
+        cent = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], cent)
+        st.centroids[:, f:] = cent.to(st.centroids.dtype)
+        st.labels[st.indexed:end] = (labels + f).t().to(torch.int32)
+        st.indexed = end
 
     def page_keys(self, layer: int, q: torch.Tensor, num_pages: int) -> torch.Tensor:
         """Ranking keys of the layer's pages for one sequence's queries q [KVH, group, D]:

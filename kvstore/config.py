@@ -49,6 +49,9 @@ class KVStoreConfig:
     tier_codec: str = "none"             # --kv-tier-codec: pages on disk as 8- or 4-bit codes
     tier_codec_group: int = 0            # --kv-tier-codec-group: channels per scale (0: 64 for int8, 32 for int4)
     recompute: str = "off"               # --kv-recompute: off | auto | a share of each fill's disk pages (KVPR)
+    # fills into a device pool that is not host memory: "auto" a CUDA copy stream on a GPU
+    # (in place on a CPU); "thread" its CPU stand-in (kvstore/tiers/transfers.py; tests)
+    copy_stream: str = "auto"
 
     def __post_init__(self):
         if self.device_bytes <= 0:
@@ -95,9 +98,9 @@ class KVStoreConfig:
         if self.tier_codec not in TIER_CODECS:
             raise ValueError(f"--kv-tier-codec must be one of {', '.join(TIER_CODECS)}, "
                              f"got {self.tier_codec!r}")
-        if self.tier_codec != "none" and self.disk_bytes == 0:
-            raise ValueError("--kv-tier-codec encodes the disk tier's pages: it needs "
-                             "--kv-disk-gb > 0")
+        if self.tier_codec != "none" and self.disk_bytes == 0 and self.host_bytes == 0:
+            raise ValueError("--kv-tier-codec encodes the host and disk tiers' pages: it needs "
+                             "--kv-disk-gb or --kv-host-gb > 0")
         if self.tier_codec_group not in (0, 32, 64):
             raise ValueError(f"--kv-tier-codec-group must be 32 or 64 (0: by codec), got "
                              f"{self.tier_codec_group}")

@@ -1,6 +1,6 @@
 """Fetcher: moves pages between tiers for a step. Hits and misses per tier, evictions with
-demotion to the host tier, fills from host or disk into device slots, and write-back of full
-pages to the backing tier (asynchronous for disk, so it overlaps with compute)."""
+demotion to the host tier, fills from host or disk into device slots (write-back of full
+pages to the backing tier: kvstore/write_back.py)."""
 from __future__ import annotations
 
 import logging
@@ -11,9 +11,7 @@ import torch
 from kvstore import native_evict
 from kvstore.errors import RequestKVError
 from kvstore.resolution import NONE as _NONE, Resolution
-from kvstore.tiers.base import page_rows
 from kvstore.tiers.errors import TierError
-from kvstore.tiers.memory_pool import copy_pages
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +40,7 @@ class Fetcher:
         res = self.resolve(keys, protect, count=fill, locate=fill)
         if fill:
             self.fill(res)
+            self.arrived(res)
         return res.slots
 
     def resolve(self, keys: torch.Tensor, protect: torch.Tensor, count: bool = True,
@@ -82,6 +81,8 @@ class Fetcher:
         slots = dev.slots(keys)
         if not locate:
             self.demote()            # the caller writes into the new slots right away
+            if tiers.copies is not None:    # after any copy still landing in a freed slot
+                tiers.copies.wait_all()
             return Resolution(slots, _NONE, _NONE, _NONE, _NONE, count, keys=keys)
         rest_keys, rest_slots = miss, new_slots
         host_src = host_dst = _NONE
@@ -103,6 +104,8 @@ class Fetcher:
         # may still run on the fetch stage when a later resolve makes room
         tiers.device_pinned[new_slots] = True
         res = Resolution(slots, host_src, host_dst, rest_keys, rest_slots, count, keys=keys)
+        if tiers.copies is not None:    # the copies go after every read of the evicted pages
+            res.after = tiers.copies.mark()
         if tiers.recompute is not None and rest_keys.numel():
             pick = tiers.recompute.choose(rest_keys)
             if bool(pick.any()):
@@ -200,7 +203,7 @@ class Fetcher:
                     hslots = host.alloc_slots(hk).long()
                     tiers.demotions.append((ds, hslots))
                     tiers.host_residency.touch(hslots, stamps[:k])
-                    tiers.stats.add_transfer("device", "host", k * tiers.page_shape.nbytes)
+                    tiers.stats.add_transfer("device", "host", k * host.page_bytes)
         dev.delete(keys)
         tiers.stats.count("evictions", "device", keys.numel())
         if not defer:
@@ -218,13 +221,16 @@ class Fetcher:
         with tiers.demote_lock:
             while tiers.demotions:
                 src, dst = tiers.demotions.popleft()
-                dev, host = tiers.device_tier.pool, tiers.host_tier.pool
-                if dev.device.type == "cpu":
-                    copy_pages(host, dst, dev, src)
+                dev, host = tiers.device_tier.pool, tiers.host_tier
+                if tiers.copies is None:
+                    host.store_from(dev, src, dst)
                 else:
+                    tiers.copies.wait_all()     # a fill's copy may still be landing in src
+                    # NOTE: synchronous (a pageable host buffer): done before any fill can
+                    # enqueue a copy into these slots
                     buf = tiers.staging(src.numel(), "demote")
                     buf.copy_(dev[src.to(dev.device)])
-                    page_rows(host).index_copy_(0, dst, page_rows(buf))
+                    host.store_from(buf, torch.arange(src.numel()), dst)
 
     def _make_host_room(self, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Room in the host tier for pages demoted from the device, last used at clocks `used`
@@ -263,70 +269,79 @@ class Fetcher:
 
     # ---------------------------------------------------------------- fills
     def start_reads(self, res: Resolution) -> None:
-        """Issue the disk reads of `res` now, straight into their device slots (a device pool
-        in host memory), so that they run on the disk threads while the caller selects and
-        resolves the next micro-batch; `fill` then copies the host pages and waits for them.
-        The demotions recorded so far are made first: the reads overwrite evicted slots. An
-        error is kept in `res.reads` and raised by `fill`."""
-        pool = self.tiers.device_tier.pool
-        if res.reads is not None or res.inputs is not None or pool.device.type != "cpu" \
+        """Issue the disk reads of `res` now, so that they run on the disk threads while the
+        caller selects and resolves the next micro-batch: straight into their device slots (a
+        device pool in host memory), else into a staging buffer that `fill` copies up; `fill`
+        then copies the host pages and waits for them. The demotions recorded so far are made
+        first: the reads overwrite evicted slots. An error is kept in `res.reads` and raised
+        by `fill`."""
+        tiers = self.tiers
+        pool, copies = tiers.device_tier.pool, tiers.copies
+        if res.reads is not None or res.inputs is not None \
                 or res.disk_keys.numel() + res.input_keys.numel() == 0:
             return
         try:
             self.demote()
-            rec = self.tiers.recompute
+            rec = tiers.recompute
             if res.input_keys.numel():      # first: their recompute overlaps the K/V reads
                 res.inputs = rec.read(res.input_keys)
             if res.disk_keys.numel():
-                res.reads = self.tiers.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
-                if rec is not None:         # the cost model follows the reads' time
-                    rec.time_reads(res.reads, res.disk_keys.numel())
+                if copies is None:
+                    res.reads = tiers.disk_tier.get_into(res.disk_keys, pool, res.disk_dst)
+                else:
+                    res.staged = copies.staging.take(res.disk_keys.numel())
+                    res.reads = tiers.disk_tier.get_async(res.disk_keys, res.staged)
         except Exception as exc:   # noqa: BLE001 - raised by fill, which handles its errors
-            res.reads = Future()
-            res.reads.set_exception(exc)
+            if res.reads is None:   # NOTE: never replace reads under way: fill waits for them
+                res.reads = Future()
+                res.reads.set_exception(exc)
+            return
+        if rec is not None and res.reads is not None:   # the cost model follows the reads
+            try:
+                rec.time_reads(res.reads, res.disk_keys.numel())
+            except Exception:   # noqa: BLE001 - a missed timing is no reason to fail a fill
+                logger.exception("KV recompute: timing the reads failed")
 
     def fill(self, res: Resolution) -> None:
         """Copy the misses of `res` into their device slots: disk reads are issued first
         (straight into the slots when the device pool is in host memory; earlier if
         `start_reads` did) and run on the disk threads while this thread copies the host
-        pages. Unpins the host slots even when a disk read fails (RequestKVError names the
+        pages. Behind a copy stream, the pages are gathered into staging buffers and go up
+        asynchronously; `res.ready` is the last copy's event (`arrived` waits for it).
+        Unpins the host slots even when a disk read fails (RequestKVError names the
         owners)."""
         tiers = self.tiers
         self.demote()       # evictions of this resolve (and earlier ones) free the slots
-        pool = tiers.device_tier.pool
-        nbytes = tiers.page_shape.nbytes
+        pool, copies = tiers.device_tier.pool, tiers.copies
         n = res.disk_keys.numel()
-        on_cpu = pool.device.type == "cpu"
         try:
             self.start_reads(res)           # unless the pipeline already did
             reads = res.reads
             try:
                 if res.host_src.numel():
-                    host = tiers.host_tier.pool
-                    if on_cpu:
-                        copy_pages(pool, res.host_dst, host, res.host_src)
+                    host = tiers.host_tier
+                    if copies is None:
+                        host.load_into(pool, res.host_dst, res.host_src)
                     else:
-                        # NOTE: through a reused buffer: a fresh [n, page] temporary
-                        # page-faults
-                        buf = tiers.staging(res.host_src.numel(), "fill")
-                        torch.index_select(page_rows(host), 0, res.host_src, out=page_rows(buf))
-                        pool.index_copy_(0, res.host_dst.to(pool.device),
-                                         buf.to(pool.device, non_blocking=True))
-                    tiers.stats.add_transfer("host", "device", res.host_src.numel() * nbytes)
+                        self._copy_up(res, res.host_dst, lambda buf: host.load_into(
+                            buf, torch.arange(res.host_src.numel()), res.host_src))
+                    tiers.stats.add_transfer("host", "device",
+                                             res.host_src.numel() * host.page_bytes)
                 if res.inputs is not None and not tiers.recompute.rebuild(
                         res.input_keys, res.inputs, pool, res.input_dst, tiers.disk_tier):
                     n, res.inputs = n + res.input_keys.numel(), None    # read as K/V
             finally:
                 if reads is not None:    # never return with reads still landing in the pool
                     reads.result()
-            if n and not on_cpu:
-                staging = tiers.staging(n)
-                tiers.disk_tier.get(res.disk_keys, staging)
-                pool.index_copy_(0, res.disk_dst, staging.to(pool.device, non_blocking=True))
+            if res.staged is not None:          # read into staging: up it goes
+                res.ready = copies.to_device(pool, res.disk_dst, res.staged, res.after)
+                copies.staging.release(res.staged, res.ready)
+                res.staged = None
         except TierError as exc:
             raise tiers.lost(exc.keys, str(exc)) from exc
         finally:
             tiers.host_pinned[res.host_src] = False
+            self._unstage(res)
         # NOTE: after a failure the slots stay pinned until `forget` drops them
         tiers.device_pinned[res.host_dst] = False
         tiers.device_pinned[res.disk_slots] = False
@@ -342,11 +357,38 @@ class Fetcher:
             moved += r * tiers.recompute.page_bytes
         tiers.stats.add_transfer("disk", "device", moved)
 
+    def _copy_up(self, res: Resolution, dst: torch.Tensor, gather) -> None:
+        """Pages into device slots `dst` through the copy stream: `gather(buf)` writes them
+        into a staging buffer, whose copy up then runs after `res.after`; `res.ready` becomes
+        its event (the copy stream runs in order, so it covers the fill's earlier copies)."""
+        copies = self.tiers.copies
+        buf = copies.staging.take(dst.numel())
+        try:
+            gather(buf)
+        except BaseException:
+            copies.staging.release(buf, None)
+            raise
+        res.ready = copies.to_device(self.tiers.device_tier.pool, dst, buf, res.after)
+        copies.staging.release(buf, res.ready)
+
+    def _unstage(self, res: Resolution) -> None:
+        """A staging buffer whose reads will never be copied up (a failure) is free again."""
+        if res.staged is not None:
+            self.tiers.copies.staging.release(res.staged, None)
+            res.staged = None
+
+    def arrived(self, res: Resolution | None) -> None:
+        """Compute that reads the pages `res` filled waits for their copies (a copy stream's
+        event; nothing to wait for where fills write the pool in place)."""
+        if res is not None and res.ready is not None:
+            self.tiers.copies.wait(res.ready)
+
     def abandon(self, res: Resolution) -> None:
         """A resolution whose fill will never run (the job handing it over failed): wait
         for its disk reads, if issued, unpin its host pages and drop its slots (`forget`)."""
         if res.reads is not None:
             wait([res.reads])            # no read may land in a slot given to another page
+        self._unstage(res)
         if res.inputs is not None:
             wait([res.inputs[0]])
         self.tiers.host_pinned[res.host_src] = False
@@ -363,30 +405,3 @@ class Fetcher:
         slots = torch.cat([res.host_dst, res.disk_slots])
         dev.delete(dev.slot_keys[slots])
         self.tiers.device_pinned[slots] = False
-
-    # ---------------------------------------------------------------- write-back
-    def write_back(self, keys: torch.Tensor, slots: torch.Tensor, request_ids: list[str]) -> None:
-        """Pages that became full: copy them to the backing tier once."""
-        tiers = self.tiers
-        backing = tiers.backing
-        if backing is tiers.device_tier:
-            return          # device-only store: pages live (and stay) on the device
-        pages = tiers.device_tier.pool[slots.long()]          # a copy the writer can own
-        nbytes = tiers.page_shape.nbytes
-        if backing is tiers.host_tier:
-            backing.put(keys, pages)
-            tiers.clean[keys] = True
-            tiers.stats.add_transfer("device", "host", keys.numel() * nbytes)
-            return
-        by_req: dict[str, list[int]] = {}
-        for u, rid in enumerate(request_ids):
-            by_req.setdefault(rid, []).append(u)
-        for rid, rows in by_req.items():
-            idx = torch.tensor(rows, dtype=torch.int64)
-            k, p = keys[idx], pages[idx]
-            fut = backing.put_async(k, p)
-            if tiers.recompute is not None:     # the pages' inputs go beside them
-                fut, inputs = tiers.recompute.write_beside(k, slots[idx], fut)
-                p = (p, inputs)
-            # NOTE: the tier set keeps `p` alive with the future until the write is applied
-            tiers.track_write(rid, fut, k, p)

@@ -58,7 +58,8 @@ class LowRankProjection:
 
     def keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         """k [..., KVH, T, D] -> [..., KVH, T, r] in k's dtype."""
-        return torch.matmul(k.float(), self.basis[layer]).to(k.dtype)
+        basis = self.basis[layer]
+        return torch.matmul(k.to(basis.device, torch.float32), basis).to(k.dtype)
 
     def queries(self, layer: int, q: torch.Tensor, group: int) -> torch.Tensor:
         """q [B, H, D] (query head h reads KV head h // group) -> [B, H, r] float32."""

@@ -67,6 +67,6 @@ class NativeEviction:
                 tiers.stats.count("evictions", "host", n_host)
             if k:
                 tiers.demotions.append((out[:k], out[want:want + k]))
-                tiers.stats.add_transfer("device", "host", k * tiers.page_shape.nbytes)
+                tiers.stats.add_transfer("device", "host", k * host.page_bytes)
         tiers.stats.count("evictions", "device", n_dev)
         return True

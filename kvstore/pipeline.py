@@ -150,6 +150,7 @@ class Pipeline:
             layer, job = self._predicted
             res, exc = job.result()
             if exc is None:
+                self.fetcher.arrived(res)
                 predicted = (layer, res.keys)
             else:           # a prediction is only a hint
                 self.fetcher.forget(res)
@@ -226,7 +227,8 @@ class Pipeline:
         early = compute_early if not self.whole_batch_compute and error is None else None
         try:
             for p in parts if early is not None else ():
-                if p.early and p.filled is not None and not p.filled.done():
+                if p.early and p.filled is not None and not p.filled.done() \
+                        and self._reused_in(p):
                     early(p)
             for k, p in enumerate(parts):
                 if error is not None:
@@ -250,6 +252,14 @@ class Pipeline:
         slots = torch.cat([p.slots for p in parts]) if parts else torch.empty(0, **_I64)
         return slots, (cat_selected(sels) if sels else None)
 
+    def _reused_in(self, part: LayerPart) -> bool:
+        """Whether the pages of `part` the last step selected are in their slots now: a page
+        it shares with an earlier micro-batch (a prefix page) may still be on its way there
+        (its slot pinned until that fill is done); behind a copy stream, no early half."""
+        if self.tiers.copies is not None:
+            return False
+        return not bool(self.tiers.device_pinned[part.slots[part.reused].long()].any())
+
     def _settle(self, part: LayerPart) -> BaseException | None:
         """Wait for a part's fill; set its slots, or (on an error) return the error."""
         res, exc = self._settle_fill(part.filled)
@@ -262,7 +272,9 @@ class Pipeline:
         """Wait for a fill job: (its resolution, its error); after an error the unfilled slots
         are dropped."""
         res, exc = filled.result()
-        if exc is not None:
+        if exc is None:
+            self.fetcher.arrived(res)       # its copies, where a copy stream makes them
+        else:
             # NOTE: a next layer's resolve may run meanwhile (one tier mutator at a time)
             wait([f for f in (self.ahead and self.ahead.resolving(),
                               self._predicted and self._predicted[1]) if f])
@@ -292,6 +304,7 @@ class Pipeline:
         except Exception:
             stages.step.fetcher.forget(res)
             raise
+        self.fetcher.arrived(res)
         st.observe_stage("fetch", time.perf_counter() - t1)
         n = dense_keys.numel()
         parts = []

@@ -103,7 +103,7 @@ def _apply(tiers, hot: torch.Tensor, warm: torch.Tensor, cold: torch.Tensor) -> 
             sel = ok.nonzero().squeeze(1)[:k]
             host.put(warm[sel], dev.pool[slots[sel].long()])
             tiers.host_residency.touch(host.slots(warm[sel]), tiers.clock_of(warm[sel]))
-            tiers.stats.add_transfer("device", "host", k * tiers.page_shape.nbytes)
+            tiers.stats.add_transfer("device", "host", k * host.page_bytes)
 
 
 def _present(tier, keys: torch.Tensor) -> torch.Tensor:

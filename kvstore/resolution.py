@@ -28,6 +28,11 @@ class Resolution:
     input_keys: torch.Tensor = field(default_factory=lambda: NONE)   # recomputed disk pages
     input_dst: torch.Tensor = field(default_factory=lambda: NONE)
     inputs: tuple[Future, torch.Tensor] | None = None    # their inputs' read, once issued
+    # a device pool behind a copy stream (kvstore/tiers/transfers.py): the compute-stream
+    # event the fill's copies wait for (`mark` at resolve), and the fill's last copy event
+    after: object = None
+    ready: object = None
+    staged: torch.Tensor | None = None   # the staging buffer its disk reads land in
 
     @property
     def misses(self) -> int:

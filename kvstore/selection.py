@@ -118,6 +118,18 @@ class PageSelection:
         return select_with_priors(keys, n_pages, budget, cfg.sink_pages, cfg.local_pages,
                                   priors, prior_pages)
 
+    def index_prompts(self, layer: int, prompts: list) -> None:
+        """Prompt chunks just written (RequestKV, pages so far): with --selector centroid,
+        their pages outside the local window join the index now, chunk after chunk, rather
+        than all in the first decode step."""
+        cfg = self.cfg
+        if cfg.selector != "centroid" or layer < cfg.dense_layers:
+            return
+        for rkv, n in prompts:
+            if rkv.centroids is not None:
+                rkv.centroids.update(layer, rkv.summaries[layer], n - cfg.local_pages,
+                                     cfg.centroid_pages)
+
     def reused(self, keys: torch.Tensor) -> torch.Tensor:
         """bool per key: the last completed step selected its page too."""
         return self._selected_at[keys] == self._completed_step

@@ -25,6 +25,7 @@ from kvstore.selection import PageSelection
 from kvstore.stages import LayerPart, LayerStages, weak_slots
 from kvstore.stats import KVStats
 from kvstore.tierset import TierSet
+from kvstore.write_back import write_back
 
 _I64 = dict(dtype=torch.int64)
 
@@ -172,11 +173,14 @@ class StepKV:
             # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]
             summ = summarize_pages(self.selection.summary_keys(layer, pool[t_slots, 0]),
                                    self.t_valid)
-            u = 0
+            u, prompts = 0, []
             for i, j0, n in self.t_runs:
                 rkv = self.parts.requests[self.seqs[i].request_id]
                 rkv.summaries[layer, j0:j0 + n] = summ[u:u + n]
                 u += n
+                if self.seqs[i].q_len > 1:
+                    prompts.append((rkv, self.n_pages[i]))
+            self.selection.index_prompts(layer, prompts)
 
         # 2-3. select, resolve, fetch: dense sequences need every page, sparse decodes their
         # top pages; micro-batched and overlapped unless the pipeline is sequential
@@ -213,7 +217,7 @@ class StepKV:
         def bookkeeping():
             tiers.touch(touched, now, weak)
             if full is not None:
-                self.fetcher.write_back(full[0], full[1], self.t_full_rids)
+                write_back(tiers, full[0], full[1], self.t_full_rids)
 
         pipe.overlap(bookkeeping)
         return out
@@ -249,6 +253,11 @@ class StepKV:
         pool = self.tiers.pool
         idx, sel = part.idx, part.sel
         rows = self.query_rows(idx)
+        qr = q[rows]
+        group = q.shape[1] // self.tiers.page_shape.num_kv_heads
+        kernel = self._c_kernel(qr, group)
+        if early and (kernel is None or part.reused is None or self.cfg.head_pages == "union"):
+            return          # no first half to compute apart: all of it once the fill is in
         if self.cfg.head_pages == "union":
             # every head attends to the pages any head selected (fetched anyway): the
             # dense kernel gathers 2 KB head runs of them, and a page one head missed
@@ -256,11 +265,8 @@ class StepKV:
             table = self._union_table(idx, sel, part.slots)
             batch = AttentionBatch(torch.arange(len(idx) + 1, dtype=torch.int32),
                                    table, torch.empty(0, **_I64))
-            out[rows] = parts.dense_attention.forward(q[rows], pool, batch, scale)
+            out[rows] = parts.dense_attention.forward(qr, pool, batch, scale)
             return
-        qr = q[rows]
-        group = q.shape[1] // self.tiers.page_shape.num_kv_heads
-        kernel = self._c_kernel(qr, group)
         if part.reused is None or kernel is None:
             table, _ = self._sparse_table(idx, sel, part.slots)
             out[rows] = parts.sparse_attention.forward(qr, pool, table, group, scale)
@@ -359,6 +365,10 @@ class StepKV:
     def select(self, layer: int, qd: torch.Tensor, idx: list[int], observe: bool = True):
         """Top pages of layer `layer` for the step's sequences `idx`, queries qd [B, H, D]."""
         reqs = [self.parts.requests[self.seqs[i].request_id] for i in idx]
+        # NOTE: the summaries are in host memory (RequestKV): on a GPU the queries come down,
+        # one small copy a micro-batch and layer (selection on the GPU: not built yet)
+        if reqs:
+            qd = qd.to(reqs[0].summaries.device)
         priors = None
         if self.cfg.prior_pages > 0:        # per layer and request: only when they are used
             priors = [None if r.prior is None else r.prior[layer] for r in reqs]

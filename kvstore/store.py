@@ -23,8 +23,7 @@ import logging
 
 import torch
 
-from kernels.backends import make_attention_backend
-from kernels.sparse_attention import make_sparse_decode
+from kernels.backends import make_attention_backend, make_sparse_decode
 from kvstore.config import KVStoreConfig
 from kvstore.errors import KVFull, KVNeverFits, RequestKVError
 from kvstore.page_allocator import PageAllocator
@@ -69,9 +68,16 @@ class TieredKVStore:
         self.page_shape = PageShape(cfg.page_size, num_kv_heads, head_dim, dtype)
         device = torch.device(device)
         codec = PageCodec.from_name(cfg.tier_codec, self.page_shape, cfg.tier_codec_group)
-        # NOTE: with the codec a disk page takes its codes' bytes: more pages fit the budget
-        page_bytes = codec.stride if codec is not None and cfg.backing == "disk" \
-            else self.page_shape.nbytes
+        budgets = cfg.budgets(device.type)
+        if codec is not None and not (budgets["disk"] or budgets["host"]):
+            raise ValueError("--kv-tier-codec: no tier to encode (on a CPU the host tier "
+                             "joins the device pool unless --kv-host-pool separate)")
+        # NOTE: with the codec a disk or host page takes its codes' bytes: more pages fit
+        page_bytes = self.page_shape.nbytes
+        if codec is not None and cfg.backing == "disk":
+            page_bytes = codec.stride
+        elif codec is not None and cfg.backing == "host" and budgets["host"]:
+            page_bytes = codec.code_bytes + codec.meta_bytes
         plan = plan_recompute(cfg.recompute, self.page_shape,
                               codec.stride if codec is not None else self.page_shape.nbytes_aligned,
                               hidden_size, kv_from_inputs,
@@ -79,7 +85,6 @@ class TieredKVStore:
         if plan is not None:         # each page's inputs share the disk budget
             page_bytes += plan.input_stride
         layer_bytes = page_bytes * num_layers
-        budgets = cfg.budgets(device.type)
         backing_bytes = next(budgets[t] for t in ("disk", "host", "device") if budgets[t])
         max_pages = backing_bytes // layer_bytes
         if max_pages < 1:

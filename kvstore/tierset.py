@@ -38,6 +38,7 @@ from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_inputs import DiskWithInputs, input_page_shape, inputs_path
 from kvstore.tiers.disk_set import DiskSet
 from kvstore.tiers.host import HostTier
+from kvstore.tiers.transfers import make_copies
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,11 @@ class TierSet:
         budgets = cfg.budgets(device.type)
         device_bytes, host_bytes = budgets["device"], budgets["host"]
         self.device_tier = DeviceTier(page_shape, device_bytes, max_keys, device)
-        self.host_tier = HostTier(page_shape, host_bytes, max_keys) if host_bytes else None
+        # NOTE: the codec stores the host tier's pages too (a separate host pool only)
+        self.host_tier = HostTier(page_shape, host_bytes, max_keys, codec=codec) \
+            if host_bytes else None
+        # None: fills write the pool in place (host memory); else its copy stream
+        self.copies = make_copies(device, page_shape, cfg.copy_stream)
         # values per page summary row (kvstore/selection.py): what cached pages carry
         self.summary_dim = summary_dim or page_shape.head_dim
         summary_bytes = num_layers * page_shape.num_kv_heads * 3 * self.summary_dim \
@@ -322,5 +327,7 @@ class TierSet:
 
     def close(self) -> None:
         self.reap(block=True)
+        if self.copies is not None:
+            self.copies.close()
         if self.disk_tier is not None:
             self.disk_tier.close()

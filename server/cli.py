@@ -159,6 +159,9 @@ def serve(args: argparse.Namespace) -> int:
     try:
         load_args = engine_args(args, name)
         settings = from_namespace(ServerSettings, args)
+        if load_args.device != "auto":      # a device that cannot be used: no server at all
+            from engine.devices import resolve_device
+            resolve_device(load_args.device)
     except ValueError as exc:
         print(f"strata serve: {exc}", file=sys.stderr)
         return 2

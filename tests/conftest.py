@@ -3,6 +3,7 @@ and (registered below) the real-server fixtures of tests/server_fixtures.py."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,10 @@ os.environ.setdefault("STRATA_CACHE_DIR", str(REPO_ROOT / ".cache" / "models"))
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs CUDA (skipped on CPU-only machines)")
     config.addinivalue_line("markers", "slow: loads a real model or runs for seconds")
+    # NOTE: `--device auto` takes a GPU where torch sees one; the suite checks the CPU path
+    # (engines and servers it starts included) unless the GPU tests are asked for: -m gpu
+    if not re.search(r"(?<!not )\bgpu\b", config.option.markexpr or ""):
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,16 @@ def test_solve_gives_the_tokens_to_the_heads_that_gain_from_them():
         solve(recall, OPTIONS, 64)
 
 
+def test_solve_spends_what_a_hull_step_too_large_to_fit_leaves():
+    # head 0's hull jumps 128 -> 512 (256 lies under it); 128 tokens are left after head 1
+    # took its steps: a fill pass takes head 0 to 256 rather than leave them unspent
+    options = [128, 256, 512]
+    recall = torch.tensor([[[0.1, 0.15, 0.9], [0.5, 0.9, 0.95]]])
+    plan = solve(recall, options, 256)
+    assert plan.tolist() == [[256, 256]]
+    assert plan.float().mean() <= 256
+
+
 def test_solve_never_does_worse_than_uniform_on_concave_curves():
     g = torch.Generator().manual_seed(0)
     for _ in range(20):

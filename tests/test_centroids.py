@@ -8,6 +8,7 @@ import torch
 from kernels.page_select import select_pages
 from kernels.page_summary import SUMMARY_MEAN
 from kvstore.centroids import CentroidIndex, kmeans, nearest
+from kvstore.selection import PageSelection
 from tests import engine_helpers
 
 
@@ -65,6 +66,40 @@ def test_index_clusters_then_extends_then_clusters_again_when_doubled():
     assert index.clusters(3) == 20
     index.update(3, summ, 80, pages_per_centroid=8)            # another ratio: again
     assert index.clusters(3) == 10
+
+
+def test_long_contexts_are_clustered_in_blocks_whatever_order_pages_arrive_in(monkeypatch):
+    from kvstore import centroids
+    monkeypatch.setattr(centroids, "BLOCK_PAGES", 32)
+    sizes = []
+    real = centroids.kmeans
+
+    def spy(x, c, iters=centroids.KMEANS_ITERS):
+        sizes.append(x.shape[1])
+        return real(x, c, iters)
+    monkeypatch.setattr(centroids, "kmeans", spy)
+    summ = _summaries(torch.randn(100, 2, 8))
+    at_once = CentroidIndex(100)
+    at_once.update(0, summ, 100, 4)                            # 3 full blocks and 4 pages
+    assert max(sizes) == 32 and at_once.clusters(0) == 3 * 8 + 1
+    by_step = CentroidIndex(100)
+    for upto in range(1, 101):                                 # as decode pushes pages out
+        by_step.update(0, summ, upto, 4)
+    assert max(sizes) == 32
+    a, b = at_once._layers[0], by_step._layers[0]
+    # a full block's clusters depend on its pages alone
+    assert torch.equal(a.centroids[:, :24], b.centroids[:, :24])
+    assert torch.equal(a.labels[:96], b.labels[:96])
+    for blk in range(3):                                       # labels stay in their block
+        lab = a.labels[32 * blk:32 * (blk + 1)]
+        assert bool(((lab >= 8 * blk) & (lab < 8 * (blk + 1))).all())
+    for st in (a, b):              # every centroid is the mean of the pages labelled with it
+        for h in range(2):
+            for c in range(st.centroids.shape[1]):
+                rows = st.labels[:100, h] == c
+                if rows.any():
+                    assert torch.allclose(st.centroids[h, c],
+                                          summ[:100][rows, h, SUMMARY_MEAN].mean(0), atol=1e-5)
 
 
 def test_a_non_finite_mean_key_does_not_stop_the_index():
@@ -127,13 +162,20 @@ def test_centroid_with_a_budget_covering_the_context_equals_dense(smollm2_dir):
 @pytest.mark.slow
 def test_centroid_selects_within_the_budget_and_indexes_every_sparse_layer(smollm2_dir,
                                                                           monkeypatch):
-    built = []
+    built, at_first_selection = [], []
     update = CentroidIndex.update
 
     def spy(self, layer, summaries, upto, ppc):
         update(self, layer, summaries, upto, ppc)
         built.append((layer, self.clusters(layer), upto))
     monkeypatch.setattr(CentroidIndex, "update", spy)
+    select = PageSelection._select_centroid
+
+    def first(self, layer, *args):
+        if not at_first_selection:
+            at_first_selection.append(len(built))
+        return select(self, layer, *args)
+    monkeypatch.setattr(PageSelection, "_select_centroid", first)
     engine, got = _run(smollm2_dir, sparse_budget=128, sparse_local_tokens=32,
                        sparse_sink_tokens=16, selector="centroid", sparse_obs_window=0)
     assert len(got) == 24
@@ -146,3 +188,5 @@ def test_centroid_selects_within_the_budget_and_indexes_every_sparse_layer(smoll
     last_upto = max(upto for layer, _, upto in built if layer == 2)
     assert first == -(-min(upto for layer, _, upto in built if layer == 2) // 2)
     assert last_upto > min(upto for layer, _, upto in built if layer == 2)
+    # the prompt's pages were indexed during prefill, before decode's first selection
+    assert at_first_selection[0] >= 28 and built[0][1] > 0

@@ -443,3 +443,18 @@ def test_k8s_manifests_agree_with_each_other_and_with_the_image():
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "Pods"
     assert metric["pods"]["metric"]["name"] == "strata_requests_waiting"
+
+
+def test_the_gpu_compose_override_builds_the_cuda_image_and_reserves_the_gpus():
+    gpu = interpolate(yaml.safe_load((REPO / "docker-compose.gpu.yml").read_text()))
+    assert set(gpu) == {"services"} and set(gpu["services"]) == {"strata"}
+    strata = gpu["services"]["strata"]
+    assert set(strata) <= COMPOSE_SERVICE_KEYS
+    args = strata["build"]["args"]
+    assert set(args) <= set(dockerfile_args())
+    assert args["EXTRAS"] == "gpu" and "nvidia/cuda" in args["BASE_IMAGE"]
+    assert "/whl/cu" in args["TORCH_INDEX_URL"]
+    (device,) = strata["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    argv, engine = serve_argv(["serve", *strata["environment"]["STRATA_ARGS"].split()])
+    assert engine.device == "auto" and engine.kv_disk_gb > 0 and engine.sparse_budget > 0

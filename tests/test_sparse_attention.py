@@ -11,8 +11,9 @@ from kernels.attention import AttentionBatch, TorchPagedAttention
 from kernels.page_select import select_pages
 from kernels.page_table import build_head_page_table
 from kernels.page_table import PageTable
+from kernels.backends import make_sparse_decode
 from kernels.sparse_attention import (NativeSparseDecode, TorchSparseDecode, _decode,
-                                      make_sparse_decode, reference_sparse_decode_attention,
+                                      reference_sparse_decode_attention,
                                       sparse_decode_attention)
 
 AWKWARD_LENS = [27, 61, 113, 577]

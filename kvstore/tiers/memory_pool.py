@@ -81,7 +81,10 @@ class MemoryPool(Tier):
     """
 
     def __init__(self, name: str, page_shape: PageShape, capacity_bytes: int, max_keys: int,
-                 device: torch.device | str = "cpu", pin_memory: bool = False):
+                 device: torch.device | str = "cpu", pin_memory: bool = False,
+                 slot_bytes: int | None = None):
+        """slot_bytes: a slot's bytes when pages are stored otherwise than as they are (a
+        codec's): the pool is then uint8 [num_slots, slot_bytes], its reading the subclass's."""
         if capacity_bytes < 0 or max_keys <= 0:
             raise ValueError(f"{name} tier: capacity_bytes must be >= 0 and max_keys > 0, "
                              f"got {capacity_bytes} and {max_keys}")
@@ -90,11 +93,13 @@ class MemoryPool(Tier):
         self.device = torch.device(device)
         self.max_keys = int(max_keys)
         self._capacity_bytes = int(capacity_bytes)
-        nbytes = page_shape.nbytes
+        nbytes = slot_bytes or page_shape.nbytes
+        self.page_bytes = nbytes                # bytes a page takes in this tier
         self.num_slots = self._capacity_bytes // nbytes
         buf = aligned_zeros(self.num_slots * nbytes, self.device, pin=pin_memory)
-        # [num_slots, 2, num_kv_heads, page_size, head_dim]
-        self._pool = buf.view(page_shape.dtype).view(self.num_slots, *page_shape.shape)
+        # [num_slots, 2, num_kv_heads, page_size, head_dim] (or [num_slots, slot_bytes])
+        self._pool = buf.view(self.num_slots, nbytes) if slot_bytes else \
+            buf.view(page_shape.dtype).view(self.num_slots, *page_shape.shape)
         self._slot_of = torch.full((self.max_keys,), -1, dtype=torch.int32)
         self._key_of = torch.full((self.num_slots,), -1, dtype=torch.int64)
         self._free = torch.arange(self.num_slots - 1, -1, -1, dtype=torch.int32)
@@ -130,7 +135,7 @@ class MemoryPool(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return self.num_pages * self.page_shape.nbytes
+        return self.num_pages * self.page_bytes
 
     # -- slots ------------------------------------------------------------------------------
 
@@ -151,7 +156,7 @@ class MemoryPool(Tier):
         if new_keys.numel() > self._top:
             new_keys = torch.unique(new_keys)  # NOTE: only pay for dedup when it matters
             if new_keys.numel() > self._top:
-                nb = self.page_shape.nbytes
+                nb = self.page_bytes
                 raise TierFull(self.name, new_keys, new_keys.numel() * nb, self._top * nb,
                                hint="delete (evict) pages first or raise the tier's budget")
         n = new_keys.numel()
@@ -194,8 +199,9 @@ class MemoryPool(Tier):
         repeats in the batch, which of its pages is kept is unspecified."""
         self._check_pages(pages, torch.as_tensor(keys).numel(), "pages")
         slots = self.alloc_slots(keys)
-        src = pages.to(self.device, non_blocking=True)
-        idx = slots.to(self.device, torch.int64, non_blocking=True)
+        # NOTE: blocking across devices: the copy must be in before the pool is read
+        src = pages.to(self.device)
+        idx = slots.to(self.device, torch.int64)
         if src.is_contiguous():
             page_rows(self._pool).index_copy_(0, idx, page_rows(src))
         else:
@@ -203,17 +209,34 @@ class MemoryPool(Tier):
 
     def get(self, keys: torch.Tensor, out: torch.Tensor) -> None:
         """out [n, 2, kvh, ps, hd], any device: one `index_select` from the slots."""
+        slots = self._slots_to_read(keys, out)
+        index = slots.to(self.device, torch.int64)
+        if out.device == self.device and out.is_contiguous():
+            torch.index_select(self._pool, 0, index, out=out)
+        else:           # NOTE: blocking: `out` holds the pages on return
+            out.copy_(self._pool.index_select(0, index))
+
+    def store_from(self, src: torch.Tensor, src_slots: torch.Tensor,
+                   dst_slots: torch.Tensor) -> None:
+        """pool[dst_slots] = src[src_slots]: pages of a host pool (or any contiguous CPU
+        [n, 2, kvh, ps, hd]) into this tier's slots, stored as this tier stores them."""
+        copy_pages(self._pool, dst_slots, src, src_slots)
+
+    def load_into(self, dst: torch.Tensor, dst_slots: torch.Tensor,
+                  src_slots: torch.Tensor) -> None:
+        """dst[dst_slots] = the pages in this tier's slots src_slots (dst as in `store_from`)."""
+        copy_pages(dst, dst_slots, self._pool, src_slots)
+
+    def _slots_to_read(self, keys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The slots of keys [n] that `get` reads into out [n, ...]; PageMissing if any is
+        absent."""
         keys = self._check_keys(keys, self.max_keys)
         self._check_pages(out, keys.numel(), "out")
         slots = self._slot_of[keys]
         missing = slots < 0
         if bool(missing.any()):
             raise PageMissing(self.name, keys[missing])
-        index = slots.to(self.device, torch.int64, non_blocking=True)
-        if out.device == self.device and out.is_contiguous():
-            torch.index_select(self._pool, 0, index, out=out)
-        else:
-            out.copy_(self._pool.index_select(0, index), non_blocking=True)
+        return slots
 
     def delete(self, keys: torch.Tensor) -> None:
         keys = self._check_keys(keys, self.max_keys)
