@@ -225,12 +225,13 @@ class Fetcher:
                 if tiers.copies is None:
                     host.store_from(dev, src, dst)
                 else:
-                    tiers.copies.wait_all()     # a fill's copy may still be landing in src
-                    # NOTE: synchronous (a pageable host buffer): done before any fill can
-                    # enqueue a copy into these slots
-                    buf = tiers.staging(src.numel(), "demote")
-                    buf.copy_(dev[src.to(dev.device)])
-                    host.store_from(buf, torch.arange(src.numel()), dst)
+                    # NOTE: down the copy stream, which runs in order: after the copies still
+                    # landing in src, before any later fill's copy into it; not after the
+                    # compute stream (an evicted page is clean: written long since). The
+                    # host waits for this copy alone
+                    pages, ev = tiers.copies.to_host(dev, src)
+                    tiers.copies.sync(ev)
+                    host.store_from(pages, torch.arange(src.numel()), dst)
 
     def _make_host_room(self, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Room in the host tier for pages demoted from the device, last used at clocks `used`

@@ -231,12 +231,11 @@ class TierSet:
         lost, self._lost = sorted(self._lost), set()
         return lost
 
-    def staging(self, n: int, purpose: str = "fill") -> torch.Tensor:
+    def staging(self, n: int, purpose: str) -> torch.Tensor:
         """A reused host buffer [n, 2, kvh, ps, hd] (grown on demand, never shrunk): fresh
-        memory costs a page fault per 4 KB, so page copies between tiers go through these.
-        One buffer per purpose ("fill": host -> device, "demote": device -> host, both
-        with a CUDA device pool; host pools copy pages directly, see copy_pages) and per
-        thread (an inline fill on the engine thread may run beside one on the fetch thread)."""
+        memory costs a page fault per 4 KB. One buffer per purpose (the prefix cache's
+        "verify" reads) and per thread. (Copies to and from a device pool in GPU memory go
+        through the copy stream's own buffers, kvstore/tiers/transfers.py.)"""
         key = (purpose, threading.get_ident())
         buf = self._staging.get(key)
         if buf is None or buf.shape[0] < n:

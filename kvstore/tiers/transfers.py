@@ -142,6 +142,10 @@ class CudaCopies:
         if event is not None:
             self.compute.wait_event(event)
 
+    def sync(self, event) -> None:
+        """The host waits for `event`."""
+        event.synchronize()
+
     def wait_all(self) -> None:
         """The compute stream waits for every copy enqueued so far."""
         self.compute.wait_stream(self.stream)
@@ -202,6 +206,9 @@ class ThreadCopies:
     def wait(self, event: Future | None) -> None:
         if event is not None:
             event.result()
+
+    def sync(self, event: Future) -> None:
+        event.result()
 
     def wait_all(self) -> None:
         with self._lock:
