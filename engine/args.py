@@ -77,18 +77,20 @@ class EngineArgs:
     kv_host_gb: float = setting(_KV.host_bytes / _GB, "host DRAM KV tier (0: none)",
                                 group="kv")
     kv_host_pool: str = setting("auto", "auto: on a CPU the host tier joins the device pool "
-                                "(the same DRAM, read in place); separate: the GPU-shaped "
-                                "three tiers (tests, A/B)", ("auto", "separate"), group="kv")
+                                "(the same DRAM, read in place); separate: a host pool of its "
+                                "own (the GPU-shaped three tiers), which --kv-tier-codec "
+                                "stores as codes (~1.9x the pages at int8)",
+                                ("auto", "separate"), group="kv")
     kv_disk_gb: float = setting(_KV.disk_bytes / _GB, "disk KV tier, the backing store when "
                                 "set (0: none)", group="kv")
     kv_disk_path: Path | None = setting(None, "folder for the disk tier's files (default: "
                                         "beside the model cache); several folders, one per "
                                         "drive, comma-separated: pages are striped over them",
                                         group="kv")
-    kv_tier_codec: str = setting(_KV.tier_codec, "store the disk tier's pages as 8- or 4-bit "
-                                 "codes with a scale per group of channels (LeoAM's codec): "
-                                 "2x or 4x fewer bytes read and more context per disk GB, at "
-                                 "some accuracy", TIER_CODECS, group="kv")
+    kv_tier_codec: str = setting(_KV.tier_codec, "store the disk tier's pages (and a separate "
+                                 "host tier's) as 8- or 4-bit codes with a scale per group of "
+                                 "channels (LeoAM's codec): 2x or 4x fewer bytes read and more "
+                                 "context per GB, at some accuracy", TIER_CODECS, group="kv")
     kv_tier_codec_group: int = setting(_KV.tier_codec_group, "channels per scale of "
                                        "--kv-tier-codec (0: 64 for int8, 32 for int4, which "
                                        "loses fewer needles at 64)", (0, 32, 64), group="kv")
