@@ -335,8 +335,7 @@ class Fetcher:
                 if reads is not None:    # never return with reads still landing in the pool
                     reads.result()
             if res.staged is not None:          # read into staging: up it goes
-                res.ready = copies.to_device(pool, res.disk_dst, res.staged, res.after)
-                copies.staging.release(res.staged, res.ready)
+                self._send_up(res, res.disk_dst, res.staged)
                 res.staged = None
         except TierError as exc:
             raise tiers.lost(exc.keys, str(exc)) from exc
@@ -362,13 +361,18 @@ class Fetcher:
         """Pages into device slots `dst` through the copy stream: `gather(buf)` writes them
         into a staging buffer, whose copy up then runs after `res.after`; `res.ready` becomes
         its event (the copy stream runs in order, so it covers the fill's earlier copies)."""
-        copies = self.tiers.copies
-        buf = copies.staging.take(dst.numel())
+        buf = self.tiers.copies.staging.take(dst.numel())
         try:
             gather(buf)
         except BaseException:
-            copies.staging.release(buf, None)
+            self.tiers.copies.staging.release(buf, None)
             raise
+        self._send_up(res, dst, buf)
+
+    def _send_up(self, res: Resolution, dst: torch.Tensor, buf: torch.Tensor) -> None:
+        """The staging buffer `buf` into device slots `dst` on the copy stream, after
+        `res.after`; `res.ready` becomes the copy's event, which frees the buffer."""
+        copies = self.tiers.copies
         res.ready = copies.to_device(self.tiers.device_tier.pool, dst, buf, res.after)
         copies.staging.release(buf, res.ready)
 

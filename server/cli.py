@@ -1,7 +1,9 @@
 """`strata serve`: start the HTTP server at once, load the engine in the background.
 
 /health answers 503 (and /v1 routes 503) until the engine has loaded; then 200. The engine is
-imported here, lazily, inside the loader thread: no other module of `server/` imports torch.
+imported here, lazily, inside the loader thread: no other module of `server/` imports torch
+(the one exception: `--device cuda[:N]` is checked with torch before listening, so a GPU that
+cannot be used is a clear error rather than a server that fails to load).
 """
 from __future__ import annotations
 
@@ -159,8 +161,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         load_args = engine_args(args, name)
         settings = from_namespace(ServerSettings, args)
-        if load_args.device != "auto":      # a device that cannot be used: no server at all
-            from engine.devices import resolve_device
+        if load_args.device.startswith("cuda"):     # a GPU that cannot be used: no server
+            from engine.devices import resolve_device   # NOTE: loads torch, as asked for a GPU
             resolve_device(load_args.device)
     except ValueError as exc:
         print(f"strata serve: {exc}", file=sys.stderr)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from kvstore.tiers.base import PageShape
-from kvstore.tiers.codec import PageCodec, best_simd
+from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.memory_pool import MemoryPool
 
 
@@ -33,7 +33,6 @@ class HostTier(MemoryPool):
         slot = None if codec is None else codec.code_bytes + codec.meta_bytes
         super().__init__("host", page_shape, capacity_bytes, max_keys, device="cpu",
                          pin_memory=pin_memory, slot_bytes=slot)
-        self._simd = best_simd() if codec is not None else 0
 
     # -- pages in and out of slots ------------------------------------------------------------
 
@@ -51,7 +50,8 @@ class HostTier(MemoryPool):
             return super().load_into(dst, dst_slots, src_slots)
         pages = self._page_addrs(dst, dst_slots)
         codes = self._slot_addrs(src_slots)
-        self.codec.decode(codes, codes + np.uint64(self.codec.code_bytes), pages, self._simd)
+        # NOTE: the C kernel runs the best path this CPU has
+        self.codec.decode(codes, codes + np.uint64(self.codec.code_bytes), pages)
 
     def _slot_addrs(self, slots: torch.Tensor) -> np.ndarray:
         s = _checked(slots, self.num_slots, "host tier slots")

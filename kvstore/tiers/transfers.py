@@ -15,9 +15,9 @@ pages, not on the layer's other fills, and the host never waits. Two orders keep
   copy's event; `take` skips busy buffers).
 
 `ThreadCopies` is the CPU stand-in with the same contract (tests run the GPU-shaped fill path
-on it): one worker thread is the copy stream (FIFO), a `threading.Event` set after a job is
-its event, and the compute "stream" is the calling thread, so `wait` blocks and `mark` is
-already done. `delay` holds every copy back, so a compute that does not wait for its copy's
+on it): one worker thread is the copy stream (FIFO), the Future of a job is its event, and
+the compute "stream" is the calling thread, so `wait` blocks and `mark` is already done.
+`delay` (or `hold`) keeps every copy back, so a compute that does not wait for its copy's
 event reads the slot's old contents and gives other outputs (the tests' check).
 """
 from __future__ import annotations
