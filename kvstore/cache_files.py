@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.tiers import segment_log
-from kvstore.tiers.disk_layout import INPUTS_FOLDER, lock_folder, segment_files
+from kvstore.tiers.disk_layout import INPUTS_FOLDER, RAW_FOLDER, lock_folder, segment_files
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,13 @@ def list_cache(root: Path) -> list[CachedSegment]:
 
 def clear_cache(root: Path) -> int:
     """Delete every segment file and index under root (and the layer inputs KV recompute
-    kept beside them); returns how many files went. Raises DiskPathInUse while a server holds
+    kept beside them, and the uncoded layers of a codec share); returns how many files went. Raises DiskPathInUse while a server holds
     the folder."""
     fd = lock_folder(root)
     try:
         gone = 0
-        inputs = Path(root) / INPUTS_FOLDER
-        for folder in (root, inputs) if inputs.is_dir() else (root,):
+        subs = [Path(root) / sub for sub in (INPUTS_FOLDER, RAW_FOLDER)]
+        for folder in [root] + [s for s in subs if s.is_dir()]:
             for _, path in segment_files(folder):
                 for p in (path, path.with_suffix(".idx")):
                     if p.exists():
