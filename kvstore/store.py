@@ -32,7 +32,7 @@ from kvstore.fetcher import Fetcher
 from kvstore.placement import make_placement
 from kvstore.prefix import PrefixReuse
 from kvstore.prefix_cache import PrefixCache, namespace_key
-from kvstore.recompute import KVFromInputs, plan_recompute
+from kvstore.recompute import KVFromInputs
 from kvstore.requests import RequestKV, RequestTable
 from kvstore.selection import PageSelection
 from kvstore.step import SeqKV, StepKV, StepParts
@@ -40,7 +40,7 @@ from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
 from kvstore.centroids import CentroidIndex
 from kvstore.lowrank import LowRankProjection
-from kvstore.codec_share import plan_share
+from kvstore.backing import backing_geometry
 from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.disk_layout import DiskLayout
 from kvstore.tiers.errors import TierFull
@@ -73,28 +73,8 @@ class TieredKVStore:
         if codec is not None and not (budgets["disk"] or budgets["host"]):
             raise ValueError("--kv-tier-codec: no tier to encode (on a CPU the host tier "
                              "joins the device pool unless --kv-host-pool separate)")
-        # the layers the disk tier stores as codes (kvstore/codec_share.py)
-        coded = plan_share(cfg.tier_codec_share, codec if budgets["disk"] else None,
-                           num_layers, cfg.disk_path)
-        # NOTE: with the codec a disk or host page takes its codes' bytes: more pages fit
-        layer_bytes = self.page_shape.nbytes * num_layers
-        if codec is not None and cfg.backing == "disk":
-            layer_bytes = len(coded) * codec.stride \
-                + (num_layers - len(coded)) * self.page_shape.nbytes_aligned
-        elif codec is not None and cfg.backing == "host" and budgets["host"]:
-            layer_bytes = (codec.code_bytes + codec.meta_bytes) * num_layers
-        plan = plan_recompute(cfg.recompute, self.page_shape,
-                              codec.stride if codec is not None else self.page_shape.nbytes_aligned,
-                              hidden_size, kv_from_inputs,
-                              cfg.disk_path if cfg.disk_bytes else None, device.type == "cpu")
-        if plan is not None:         # each page's inputs share the disk budget
-            layer_bytes += plan.input_stride * num_layers
-        backing_bytes = next(budgets[t] for t in ("disk", "host", "device") if budgets[t])
-        max_pages = backing_bytes // layer_bytes
-        if max_pages < 1:
-            raise ValueError(f"the {cfg.backing} tier ({backing_bytes / 2**30:.3f} GB) holds no "
-                             f"page of {cfg.page_size} tokens over {num_layers} layers "
-                             f"({layer_bytes} bytes); raise --kv-{cfg.backing}-gb")
+        coded, plan, max_pages = backing_geometry(cfg, self.page_shape, num_layers, budgets,
+                                                  codec, device, hidden_size, kv_from_inputs)
         cfg.check_plan(num_layers, num_kv_heads)
         self.stats = KVStats()
         self._allocator = PageAllocator(max_pages, cfg.page_size)
@@ -411,3 +391,4 @@ class TieredKVStore:
             self._tiers.wait_writes()       # cached pages written by now are kept
             self._prefix.persist()
         self._tiers.close()
+

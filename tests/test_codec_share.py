@@ -203,3 +203,18 @@ def test_the_engine_reads_a_share_of_layers_as_codes(smollm2_dir, tmp_path):
     half, half_bytes = run("half", kv_tier_codec="int8", kv_tier_codec_share="0.5")
     assert half == plain and half_bytes == pytest.approx((12288 + 6144) / 2, rel=0.05)
     assert (tmp_path / "half" / RAW_FOLDER).is_dir()
+
+
+def test_cache_clear_removes_the_uncoded_layers_files_too(tmp_path):
+    from kvstore.cache_files import clear_cache
+    tier = make_tier([tmp_path])
+    tier.register_request(0, 8)
+    tier.bind(torch.arange(2), 0, 0)
+    tier.put(layer_keys(range(2)), torch.randn(2 * LAYERS, *SHAPE.shape).to(SHAPE.dtype))
+    assert tier.record(torch.arange(2), [b"a" * 16, b"b" * 16], [None, None]).all()
+    tier.release_request(0)
+    tier.close()
+    files = lambda d: [p for p in d.iterdir() if p.suffix in (".kv", ".idx")]  # noqa: E731
+    assert files(tmp_path) and files(tmp_path / RAW_FOLDER)
+    assert clear_cache(tmp_path) == 4
+    assert not files(tmp_path) and not files(tmp_path / RAW_FOLDER)
