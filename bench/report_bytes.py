@@ -56,7 +56,9 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
            f"`.venv/bin/python bench/kv_codec.py`: {rep['batch']} x {rep['context']} tokens, "
            f"sparse budget {rep['tiers']['sparse_budget']}, {rep['tiers']['kv_device_gb']} + "
            f"{rep['tiers']['kv_host_gb']} GB of DRAM KV, the rest on disk "
-           f"(`--pipeline {rep['pipeline']}`); each codec in its own process, in turns. "
+           f"(`--pipeline {rep['pipeline']}`); each codec in its own process, in turns "
+           f"({next(iter(rep['codecs'].values())).get('rounds', 1)} rounds, the median "
+           "step). "
            f"{m['cpu']}. Needle accuracy: `bench/needle.py --configs sparse-1024 "
            "sparse-1024-int8 sparse-1024-int4` (every page through the codec: the worst case; "
            f"{_needle_counts(results, ['needle_codec_4k.json', 'needle_codec_7k.json'])}; "
@@ -97,6 +99,14 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
                 "start-up cost model picked on this machine (drive against decoding CPU: "
                 "[docs/kvstore.md](docs/kvstore.md#the-share-of-coded-layers---kv-tier-codec-share"
                 ")). Needle accuracy was not measured for the shares."]
+        same = [arm for arm in rep["codecs"] if arm.endswith("-auto")
+                and rep["codecs"][arm].get("disk_coded_layers")
+                == rep["codecs"].get(arm[:-5], {}).get("disk_coded_layers")]
+        if same:
+            steps = [rep["codecs"][a]["step_ms_median"] for a in (same[0], same[0][:-5])]
+            out[-1] += (f" Here `{same[0]}` ran the same configuration as `{same[0][:-5]}`: "
+                        f"their steps ({steps[0]:.0f} and {steps[1]:.0f} ms) show this "
+                        "machine's noise between runs.")
     g32 = _needle_pct(results, "needle_codec_4k_int4g32.json", "sparse-1024-int4g32")
     if g32:
         out += ["", "The ~4K int4 needle was measured at groups of 64 channels, the ~7K one "
