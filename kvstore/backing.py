@@ -26,6 +26,10 @@ def backing_geometry(cfg: KVStoreConfig, shape: PageShape, num_layers: int, budg
         layer_bytes = len(coded) * codec.stride + (num_layers - len(coded)) * shape.nbytes_aligned
     elif codec is not None and cfg.backing == "host" and budgets["host"]:
         layer_bytes = (codec.code_bytes + codec.meta_bytes) * num_layers
+    if cfg.recompute != "off" and 0 < len(coded) < num_layers:
+        raise ValueError(f"--kv-tier-codec-share codes {len(coded)} of {num_layers} layers: "
+                         "a share of the layers does not combine with --kv-recompute (its "
+                         "planner reads K/V pages of one size)")
     plan = plan_recompute(cfg.recompute, shape,
                           codec.stride if codec is not None else shape.nbytes_aligned,
                           hidden_size, kv_from_inputs,

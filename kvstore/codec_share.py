@@ -19,19 +19,25 @@ still takes no longer than reading them (c >= d: every disk and CPU measured so 
 when codes read no faster than pages (c >= r: an IOPS-bound drive). A share predicted to save
 under MIN_GAIN of the all-pages read is not taken (the codec costs accuracy). The model leaves
 out what decoding takes from the compute on a CPU that has no core to spare; bench/kv_codec.py
-measures the step times the shares give.
+measures the step times the shares give. The choice is kept in the disk folder (SHARE_FILE):
+a restart, whose probes would time differently, keeps the layer split its cached pages were
+written with.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from kvstore.config import parse_share
 from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.direct_io import read_seconds_per_byte
+from kvstore.tiers.disk_layout import SHARE_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +99,44 @@ def measure_cost(codec: PageCodec, disk_root) -> ShareCost:
 
 def plan_share(mode: str, codec: PageCodec | None, num_layers: int, disk_root) -> list[int]:
     """The layers the disk tier stores as codes (all of them without a share; none without a
-    codec), logged with the reason when `auto` decided."""
+    codec), logged when a share is asked for. `auto` decides once per disk folder: its
+    choice is kept in the folder (SHARE_FILE), so that a restart, whose probes would time
+    differently, keeps the layer split its cached pages were written with (`strata cache
+    clear` forgets it)."""
     if codec is None:
         return []
     share = parse_share(mode)
     if share is None:
-        cost = measure_cost(codec, disk_root)
-        share = cost.share(MIN_GAIN)
-        layers = coded_layers(share, num_layers)
-        logger.info("KV tier codec share auto: a page reads in %.1f us as it is and %.1f us as "
-                    "%s codes, decodes in %.1f us: %d of %d layers coded (share %.2f, predicted "
-                    "%.0f%% of the uncoded read time)", cost.read_page_s * 1e6,
-                    cost.read_code_s * 1e6, codec.name, cost.decode_s * 1e6, len(layers),
-                    num_layers, share, 100 * cost.seconds(len(layers) / num_layers)
-                    / cost.seconds(0.0))
-        return layers
-    return coded_layers(share, num_layers)
+        return _auto_layers(codec, num_layers, Path(disk_root))
+    layers = coded_layers(share, num_layers)
+    if share != 1.0:
+        logger.info("KV tier codec share %g: %d of %d layers coded on disk", share,
+                    len(layers), num_layers)
+    return layers
+
+
+def _auto_layers(codec: PageCodec, num_layers: int, root: Path) -> list[int]:
+    path = root / SHARE_FILE
+    try:
+        kept = json.loads(path.read_text())
+        if kept["codec"] == codec.name and kept["layers"] == num_layers:
+            logger.info("KV tier codec share auto: %d of %d layers coded, as measured when "
+                        "%s was written", kept["coded"], num_layers, path)
+            return coded_layers(kept["coded"] / num_layers, num_layers)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass                        # none yet (or unreadable): measure
+    cost = measure_cost(codec, root)
+    share = cost.share(MIN_GAIN)
+    layers = coded_layers(share, num_layers)
+    logger.info("KV tier codec share auto: a page reads in %.1f us as it is and %.1f us as %s "
+                "codes, decodes in %.1f us: %d of %d layers coded (share %.2f, predicted %.0f%% "
+                "of the uncoded read time)", cost.read_page_s * 1e6, cost.read_code_s * 1e6,
+                codec.name, cost.decode_s * 1e6, len(layers), num_layers, share,
+                100 * cost.seconds(len(layers) / num_layers) / cost.seconds(0.0))
+    try:
+        path.write_text(json.dumps({"codec": codec.name, "layers": num_layers,
+                                    "coded": len(layers), "cost": dataclasses.asdict(cost)}))
+    except OSError as exc:
+        logger.warning("KV tier codec share auto: could not keep the choice in %s (%s): a "
+                       "restart measures again", path, exc)
+    return layers

@@ -121,9 +121,6 @@ class KVStoreConfig:
             raise ValueError("--kv-tier-codec-share is the share of the disk tier's layers "
                              "stored as codes: it needs --kv-tier-codec int8|int4 and "
                              "--kv-disk-gb > 0")
-        if share != 1.0 and self.recompute != "off":
-            raise ValueError("--kv-tier-codec-share below 1 does not combine with "
-                             "--kv-recompute (its planner reads K/V pages of one size)")
         if self.tier_codec_group not in (0, 32, 64):
             raise ValueError(f"--kv-tier-codec-group must be 32 or 64 (0: by codec), got "
                              f"{self.tier_codec_group}")

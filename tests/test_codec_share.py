@@ -2,18 +2,21 @@
 (kvstore/codec_share.py, kvstore/tiers/disk_layers.py)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 
 import numpy as np
 import pytest
 import torch
 
+from kvstore.backing import backing_geometry
 from kvstore.codec_share import ShareCost, coded_layers, plan_share
 from kvstore.config import KVStoreConfig
 from kvstore.tiers.base import PageShape
 from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.disk_layers import DiskLayers
-from kvstore.tiers.disk_layout import RAW_FOLDER
+from kvstore.tiers.disk_layout import RAW_FOLDER, SHARE_FILE
 from kvstore.tiers.errors import PageCorrupted, PageMissing
 
 SHAPE = PageShape(16, 3, 64, torch.bfloat16)
@@ -50,14 +53,26 @@ def test_the_cost_model_meets_where_reading_and_decoding_take_as_long():
     assert ShareCost(10.0, 9.9, 0.1).share(min_gain=0.05) == 0.0
 
 
-def test_auto_measures_this_machine_and_logs_why(tmp_path, caplog):
+def test_auto_measures_once_per_folder_and_logs_why(tmp_path, caplog):
     codec = PageCodec(SHAPE, 8, 64)
     with caplog.at_level(logging.INFO, logger="kvstore.codec_share"):
         layers = plan_share("auto", codec, 30, tmp_path)
-    assert "share auto" in caplog.text and f"{len(layers)} of 30 layers coded" in caplog.text
+    assert "decodes in" in caplog.text and f"{len(layers)} of 30 layers coded" in caplog.text
+    # the probes' scratch files are gone; the choice stays, so a restart keeps the split
+    assert [p.name for p in tmp_path.iterdir()] == [SHARE_FILE]
+    kept = json.loads((tmp_path / SHARE_FILE).read_text())
+    kept["coded"] = 15
+    (tmp_path / SHARE_FILE).write_text(json.dumps(kept))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvstore.codec_share"):
+        assert plan_share("auto", codec, 30, tmp_path) == coded_layers(0.5, 30)
+    assert "as measured when" in caplog.text and "decodes in" not in caplog.text
+    # another codec or model measures again (and keeps its own choice)
+    assert len(plan_share("auto", PageCodec(SHAPE, 4, 32), 30, tmp_path)) in range(31)
+    (tmp_path / SHARE_FILE).write_text("{torn")
+    assert len(plan_share("auto", codec, 30, tmp_path)) in range(31)
     assert plan_share("0.5", codec, 30, tmp_path) == coded_layers(0.5, 30)
     assert plan_share("auto", None, 30, tmp_path) == []
-    assert not any(tmp_path.iterdir())          # the probes' scratch files are gone
 
 
 def test_config_refuses_a_share_without_a_coded_disk_tier(tmp_path):
@@ -68,11 +83,19 @@ def test_config_refuses_a_share_without_a_coded_disk_tier(tmp_path):
     with pytest.raises(ValueError, match="auto or a share"):
         KVStoreConfig(tier_codec="int8", tier_codec_share="half", disk_bytes=1 << 30,
                       disk_path=tmp_path)
-    with pytest.raises(ValueError, match="recompute"):
-        KVStoreConfig(tier_codec="int8", tier_codec_share="0.5", disk_bytes=1 << 30,
-                      disk_path=tmp_path, recompute="auto")
     KVStoreConfig(tier_codec="int8", tier_codec_share="auto", disk_bytes=1 << 30,
                   disk_path=tmp_path)
+    # KV recompute reads K/V pages of one size: refused when the share codes some layers only
+    cfg = KVStoreConfig(tier_codec="int8", tier_codec_share="0.5", disk_bytes=1 << 30,
+                        disk_path=tmp_path, recompute="auto")
+    codec = PageCodec(SHAPE, 8, 64)
+    with pytest.raises(ValueError, match="2 of 4 layers.*recompute"):
+        backing_geometry(cfg, SHAPE, 4, cfg.budgets("cpu"), codec, torch.device("cpu"), 0,
+                         None)
+    cfg = dataclasses.replace(cfg, tier_codec_share="0.9")      # rounds to every layer
+    coded, plan, max_pages = backing_geometry(cfg, SHAPE, 4, cfg.budgets("cpu"), codec,
+                                              torch.device("cpu"), 0, None)
+    assert coded == [0, 1, 2, 3] and plan is None and max_pages == (1 << 30) // (4 * 6144)
 
 
 def make_tier(paths, share=0.5, bits=8) -> DiskLayers:
@@ -136,6 +159,12 @@ def test_a_corrupt_page_is_named_by_its_own_key(tmp_path):
         with pytest.raises(PageCorrupted) as exc:
             tier.get(keys, torch.zeros(keys.numel(), *SHAPE.shape, dtype=SHAPE.dtype))
         assert list(np.asarray(exc.value.keys)) == [2 * MAX_PAGES + 2]
+        assert f"[{2 * MAX_PAGES + 2}]" in str(exc.value)
+        # pages absent in either member: all named, before any read
+        tier.delete(torch.tensor([0 * MAX_PAGES + 1, 1 * MAX_PAGES + 3]))
+        with pytest.raises(PageMissing) as exc:
+            tier.get(keys, torch.zeros(keys.numel(), *SHAPE.shape, dtype=SHAPE.dtype))
+        assert sorted(np.asarray(exc.value.keys)) == [1, MAX_PAGES + 3]
     finally:
         tier.close()
 
@@ -151,6 +180,7 @@ def test_a_restart_restores_pages_both_members_kept_and_another_share_none(tmp_p
     names = [bytes([i]) * 16 for i in range(4)]
     assert tier.record(torch.arange(3), names[:3], [None] * 3).all()
     tier.members[0].record(torch.arange(3, 4), names[3:], [None])      # one member only
+    tier.members[0].record(torch.arange(2, 3), [b"x" * 16], [None])    # members disagree
     tier.release_request(3)
     tier.close()
 
@@ -162,13 +192,13 @@ def test_a_restart_restores_pages_both_members_kept_and_another_share_none(tmp_p
     again = make_tier([tmp_path])
     try:
         (seg,) = again.restore()
-        assert seg.handle == 3 and list(seg.indices) == [0, 1, 2] and seg.keys == names[:3]
-        assert seg.crcs.shape == (3, LAYERS)
-        again.adopt(seg.handle, [9, 10, 11], seg.indices, seg.crcs, seg.meta)
+        assert seg.handle == 3 and list(seg.indices) == [0, 1] and seg.keys == names[:2]
+        assert seg.crcs.shape == (2, LAYERS)
+        again.adopt(seg.handle, [9, 10], seg.indices, seg.crcs, seg.meta)
         again.finish_restore()
-        got = torch.zeros(3 * LAYERS, *SHAPE.shape, dtype=SHAPE.dtype)
-        again.get(layer_keys([9, 10, 11]), got)
-        want = torch.cat([out[4 * layer:4 * layer + 3] for layer in range(LAYERS)])
+        got = torch.zeros(2 * LAYERS, *SHAPE.shape, dtype=SHAPE.dtype)
+        again.get(layer_keys([9, 10]), got)
+        want = torch.cat([out[4 * layer:4 * layer + 2] for layer in range(LAYERS)])
         assert torch.equal(got, want)
     finally:
         again.close()
@@ -206,7 +236,7 @@ def test_the_engine_reads_a_share_of_layers_as_codes(smollm2_dir, tmp_path):
 
 
 def test_cache_clear_removes_the_uncoded_layers_files_too(tmp_path):
-    from kvstore.cache_files import clear_cache
+    from kvstore.cache_files import clear_cache, list_cache
     tier = make_tier([tmp_path])
     tier.register_request(0, 8)
     tier.bind(torch.arange(2), 0, 0)
@@ -216,5 +246,8 @@ def test_cache_clear_removes_the_uncoded_layers_files_too(tmp_path):
     tier.close()
     files = lambda d: [p for p in d.iterdir() if p.suffix in (".kv", ".idx")]  # noqa: E731
     assert files(tmp_path) and files(tmp_path / RAW_FOLDER)
-    assert clear_cache(tmp_path) == 4
+    (seg,) = list_cache(tmp_path)          # its bytes in both folders
+    assert seg.pages == 2 and seg.disk_bytes >= 2 * (SHAPE.nbytes_aligned + 6144) * 2
+    (tmp_path / SHARE_FILE).write_text("{}")
+    assert clear_cache(tmp_path) == 5
     assert not files(tmp_path) and not files(tmp_path / RAW_FOLDER)

@@ -26,7 +26,7 @@ from kvstore.tiers.disk import DiskTier, RestoredPages
 from kvstore.tiers.disk_layout import RAW_FOLDER
 from kvstore.tiers.disk_members import DiskMembers
 from kvstore.tiers.disk_set import DiskSet
-from kvstore.tiers.errors import TierFull
+from kvstore.tiers.errors import PageMissing, TierFull
 
 
 def raw_paths(paths: list[str | Path]) -> list[Path]:
@@ -153,6 +153,8 @@ class DiskLayers(DiskMembers):
         for handle in sorted(coded.keys() & raw.keys()):
             a, b = coded[handle], raw[handle]
             common, ia, ib = np.intersect1d(a.indices, b.indices, return_indices=True)
+            same = np.array([a.keys[i] == b.keys[j] for i, j in zip(ia, ib)], bool)
+            common, ia, ib = common[same], ia[same], ib[same]     # the same page in both
             if not common.size:
                 continue
             crcs = np.zeros((common.size, self.num_layers), np.uint64)
@@ -168,6 +170,15 @@ class DiskLayers(DiskMembers):
         crcs = np.asarray(crcs)
         self.members[0].adopt(handle, page_ids, indices, crcs[:, self.layer_lists[0]], meta)
         self.members[1].adopt(handle, page_ids, indices, crcs[:, self.layer_lists[1]], None)
+
+    def get_into(self, keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor):
+        """As DiskTier.get_into; PageMissing names every absent page, whichever member's
+        (before any I/O)."""
+        k = self._check_keys(keys, self.max_keys)
+        missing = ~self.contains(k)
+        if missing.any():
+            raise PageMissing(self.name, k[missing], "pages not stored")
+        return super().get_into(k, pool, slots)
 
     # -- keys -------------------------------------------------------------------------------
     def keys(self) -> torch.Tensor:

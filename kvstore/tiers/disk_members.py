@@ -148,8 +148,8 @@ class DiskMembers(Tier):
             except BaseException as exc:
                 for _, f in futures:            # what was submitted runs to its end
                     f.exception()
-                if isinstance(exc, TierError) and exc.keys is not None:
-                    exc.keys = self._global_keys(i, torch.as_tensor(exc.keys))
+                if isinstance(exc, TierError):
+                    exc.rekey(self._global_keys(i, exc.keys))
                 raise
         return joined(futures, self._global_keys)
 
@@ -172,14 +172,14 @@ def joined(futures: list[tuple[int, Future]], global_keys) -> Future:
             for i, f in futures:
                 exc = f.exception()
                 if exc is not None:
-                    if isinstance(exc, TierError) and exc.keys is not None:
-                        exc.keys = global_keys(i, torch.as_tensor(exc.keys))
+                    if isinstance(exc, TierError):
+                        exc.rekey(global_keys(i, exc.keys))
                     errors.append(exc)
             if errors:
                 first = errors[0]
                 if len(errors) > 1 and all(isinstance(e, TierError) for e in errors):
                     # every member's failed pages, so the fill loses them all at once
-                    first.keys = torch.cat([e.keys for e in errors])
+                    first.rekey(torch.cat([e.keys for e in errors]))
                 out.set_exception(first)
             else:
                 out.set_result(None)
