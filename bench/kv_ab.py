@@ -122,6 +122,7 @@ def child(root: str, spec: str) -> None:
                       "disk_read_bytes_per_step": (reads[0] - reads0[0]) / cfg["steps"],
                       "disk_reads_per_step": (reads[1] - reads0[1]) / cfg["steps"],
                       "disk_page_bytes": disk.page_bytes if disk is not None else 0,
+                      "disk_coded_layers": getattr(engine.store.tiers, "coded_layers", None),
                       "max_pages": engine.store.max_pages}))
 
 

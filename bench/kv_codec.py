@@ -8,7 +8,8 @@ The workload is bench/pipeline.py's: `--batch` essay prompts of `--context` toke
 different stretch of the bundled essays each, and a question; prefilled one after another, so
 that greedy decoding follows the same text whatever the codec), sparse budget 1024, --kv-device-gb 0.064 --kv-host-gb 0.256 (on a CPU one DRAM pool of 0.32 GB; with
 `int8-host` / `int4-host` a separate host pool of 0.256 GB that stores codes too), the
-rest on disk; --pipeline as given (default sequential). Each codec runs in its own process
+rest on disk (`int4-s0.5`: half the layers coded there, `int4-auto`: the share the start-up
+cost model picks, --kv-tier-codec-share); --pipeline as given (default sequential). Each codec runs in its own process
 (bench/kv_ab.py's arms: its own disk folder and format), the codecs taking turns for
 `--rounds`, so the box's noise falls on all alike. Per codec: median decode step, what the
 store moved from disk per step (pages x bytes per page on disk), what the reads asked of the
@@ -29,8 +30,23 @@ from bench.common import (add_out_arg, add_replot_arg, code_version, cpu_line,  
                           machine, parser, pyplot, replot_or_run, save_figure)
 from bench.kv_ab import run_arm  # noqa: E402
 
-# "-host": with a separate host pool (--kv-host-pool separate), which the codec stores too
-CODECS = ("none", "int8", "int4", "int8-host", "int4-host")
+# "-host": with a separate host pool (--kv-host-pool separate), which the codec stores too;
+# "-s0.5": --kv-tier-codec-share 0.5 (half the layers coded on disk); "-auto": the share the
+# start-up cost model picks (kvstore/codec_share.py)
+CODECS = ("none", "int8", "int4", "int8-host", "int4-host", "int4-s0.5", "int4-auto")
+
+
+def arm_settings(codec: str) -> dict:
+    """An arm's name -> its engine settings beside TIERS."""
+    name, _, mod = codec.partition("-")
+    over = {"kv_tier_codec": name}
+    if mod == "host":
+        over["kv_host_pool"] = "separate"
+    elif mod == "auto" or mod.startswith("s"):
+        over["kv_tier_codec_share"] = "auto" if mod == "auto" else mod[1:]
+    elif mod:
+        raise ValueError(f"unknown codec arm {codec!r}")
+    return over
 TIERS = dict(kv_device_gb=0.064, kv_host_gb=0.256, kv_disk_gb=8, sparse_budget=1024)
 
 
@@ -44,6 +60,7 @@ def summarize(runs: list[dict]) -> dict:
             "disk_read_bytes_per_step": med("disk_read_bytes_per_step"),
             "disk_reads_per_step": med("disk_reads_per_step"),
             "disk_page_bytes": runs[0]["disk_page_bytes"], "max_pages": runs[0]["max_pages"],
+            "disk_coded_layers": runs[0].get("disk_coded_layers"),
             "prefill_s": med("prefill_s"), "rounds": len(runs),
             "host_to_device_bytes_per_step": statistics.median(
                 r["bytes_per_step"].get("host->device", 0) for r in runs)}
@@ -55,9 +72,7 @@ def run(args) -> dict:
     for r in range(args.rounds):
         for codec in args.codecs:
             print(f"round {r + 1}/{args.rounds}: --kv-tier-codec {codec} ...", flush=True)
-            name, _, host = codec.partition("-")
-            over = {**TIERS, "kv_tier_codec": name, "pipeline": args.pipeline,
-                    **({"kv_host_pool": "separate"} if host else {})}
+            over = {**TIERS, **arm_settings(codec), "pipeline": args.pipeline}
             res = run_arm(f"codec-{codec}", root, over, args)
             shutil.rmtree(res["engine"]["kv_disk_path"], ignore_errors=True)   # GBs of pages
             by_codec[codec].append(res)
@@ -82,11 +97,14 @@ def report(res: dict) -> str:
     m = res["machine"]
     lines = [f"{cpu_line(m)}; {res['batch']} x {res['context']} tokens, budget "
              f"{res['tiers']['sparse_budget']}, --pipeline {res['pipeline']}",
-             "| codec | bytes per page on disk | disk -> device MiB/step | pages/step | "
-             "fewer bytes | disk reads/step | decode step ms | step vs none |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| codec | layers coded on disk | bytes per page on disk | disk -> device "
+             "MiB/step | pages/step | fewer bytes | disk reads/step | decode step ms | "
+             "step vs none |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c, row in res["codecs"].items():
-        lines.append(f"| {c} | {row['disk_page_bytes']} | "
+        coded = row.get("disk_coded_layers")
+        lines.append(f"| {c} | {'-' if coded is None else len(coded)} | "
+                     f"{row['disk_page_bytes']} | "
                      f"{row['disk_to_device_bytes_per_step'] / 2**20:.1f} | "
                      f"{row['disk_to_device_bytes_per_step'] / row['disk_page_bytes']:.0f} | "
                      f"{row.get('fewer_disk_bytes_x', 1):.2f}x | "
@@ -106,6 +124,7 @@ def plot(res: dict, path: Path) -> None:
     b.set_ylabel("decode step, ms (median)")
     for ax in (a, b):
         ax.set_xlabel("--kv-tier-codec")
+        ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     fig.suptitle(f"{res['batch']} x {res['context']} tokens, budget "
                  f"{res['tiers']['sparse_budget']}, KV spilling to disk; "
                  f"{res['machine']['cpu']}", fontsize=9)

@@ -36,13 +36,29 @@ def _needle_cells(accs: dict[str, float], base: dict[str, float]) -> str:
                       for k, v in sorted(accs.items(), key=lambda kv: int(kv[0])))
 
 
+def _arm_name(codec: str, mod: str, row: dict) -> str:
+    """bench/kv_codec.py's arm -> its row's name."""
+    if mod == "host":
+        return f"{codec}, host tier too"
+    coded = row.get("disk_coded_layers")
+    if mod == "auto":
+        return f"{codec}, share auto ({len(coded)} layers coded)" if coded is not None \
+            else f"{codec}, share auto"
+    if mod:
+        return f"{codec}, share {mod[1:]}" + (f" ({len(coded)} layers coded)"
+                                               if coded is not None else "")
+    return codec
+
+
 def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
     m = rep["machine"]
     out = ["### Fewer bytes per step: the KV tier codec", "",
            f"`.venv/bin/python bench/kv_codec.py`: {rep['batch']} x {rep['context']} tokens, "
            f"sparse budget {rep['tiers']['sparse_budget']}, {rep['tiers']['kv_device_gb']} + "
            f"{rep['tiers']['kv_host_gb']} GB of DRAM KV, the rest on disk "
-           f"(`--pipeline {rep['pipeline']}`); each codec in its own process, in turns. "
+           f"(`--pipeline {rep['pipeline']}`); each codec in its own process, in turns "
+           f"({next(iter(rep['codecs'].values())).get('rounds', 1)} rounds, the median "
+           "step). "
            f"{m['cpu']}. Needle accuracy: `bench/needle.py --configs sparse-1024 "
            "sparse-1024-int8 sparse-1024-int4` (every page through the codec: the worst case; "
            f"{_needle_counts(results, ['needle_codec_4k.json', 'needle_codec_7k.json'])}; "
@@ -56,12 +72,14 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
     for length in ("4k", "7k"):
         base.update(_needle_pct(results, f"needle_codec_{length}.json", "sparse-1024"))
     for arm, row in rep["codecs"].items():
-        codec, _, host = arm.partition("-")
+        codec, _, mod = arm.partition("-")
         cfg = "sparse-1024" if codec == "none" else f"sparse-1024-{codec}"
         accs = {}
         for length in ("4k", "7k"):
             accs.update(_needle_pct(results, f"needle_codec_{length}.json", cfg))
-        name = f"{codec}, host tier too" if host else codec
+        name = _arm_name(codec, mod, row)
+        if mod and mod != "host":           # a share of the layers: not measured
+            accs = {}
         out.append(f"| {name} | {row['disk_page_bytes']} | "
                    f"{row['disk_to_device_bytes_per_step'] / row['disk_page_bytes']:.0f} | "
                    f"{row['disk_to_device_bytes_per_step'] / 2**20:.1f} | "
@@ -69,12 +87,26 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
                    f"{row.get('host_to_device_bytes_per_step', 0) / 2**20:.1f} | "
                    f"{row['step_ms_median']:.0f} | "
                    f"{_needle_cells(accs, base if codec != 'none' else {}) or '-'} |")
-    if any("-" in arm for arm in rep["codecs"]):
+    if any(arm.endswith("-host") for arm in rep["codecs"]):
         out += ["", "\"host tier too\": `--kv-host-pool separate`, the DRAM split into a "
                 f"{rep['tiers']['kv_device_gb']} GB pool of pages and a "
                 f"{rep['tiers']['kv_host_gb']} GB host tier of codes (1.9x the pages at int8), "
                 "which fills decode into the device pool; its pages carry the codec's error "
                 "too (the needle column is every page through the codec)."]
+    if any(not arm.endswith("-host") and "-" in arm for arm in rep["codecs"]):
+        out += ["", "\"share\": `--kv-tier-codec-share`, the part of the layers whose pages the "
+                "disk tier stores as codes (the rest as they are); `auto` is the share the "
+                "start-up cost model picked on this machine (drive against decoding CPU: "
+                "[docs/kvstore.md](docs/kvstore.md#the-share-of-coded-layers---kv-tier-codec-share"
+                ")). Needle accuracy was not measured for the shares."]
+        same = [arm for arm in rep["codecs"] if arm.endswith("-auto")
+                and rep["codecs"][arm].get("disk_coded_layers")
+                == rep["codecs"].get(arm[:-5], {}).get("disk_coded_layers")]
+        if same:
+            steps = [rep["codecs"][a]["step_ms_median"] for a in (same[0], same[0][:-5])]
+            out[-1] += (f" Here `{same[0]}` ran the same configuration as `{same[0][:-5]}`: "
+                        f"their steps ({steps[0]:.0f} and {steps[1]:.0f} ms) show this "
+                        "machine's noise between runs.")
     g32 = _needle_pct(results, "needle_codec_4k_int4g32.json", "sparse-1024-int4g32")
     if g32:
         out += ["", "The ~4K int4 needle was measured at groups of 64 channels, the ~7K one "

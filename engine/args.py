@@ -94,6 +94,11 @@ class EngineArgs:
     kv_tier_codec_group: int = setting(_KV.tier_codec_group, "channels per scale of "
                                        "--kv-tier-codec (0: 64 for int8, 32 for int4, which "
                                        "loses fewer needles at 64)", (0, 32, 64), group="kv")
+    kv_tier_codec_share: str = setting(_KV.tier_codec_share, "LeoAM's share: the part of "
+                                       "the disk tier's layers stored as --kv-tier-codec codes "
+                                       "(the rest as they are): a share in [0, 1], or auto, "
+                                       "which weighs the drive's read time against the "
+                                       "decoding CPU's, measured at start-up", group="kv")
     kv_recompute: str = setting(_KV.recompute, "KVPR: read a share of the pages a step "
                                 "fetches from disk as their layer inputs and recompute their "
                                 "K/V, overlapped with reading the rest (auto: the share a cost "
@@ -207,6 +212,7 @@ class EngineArgs:
             micro_batch=self.micro_batch,
             max_num_seqs=self.max_num_seqs, force_tier=self.kv_force_tier,
             tier_codec=self.kv_tier_codec, tier_codec_group=self.kv_tier_codec_group,
+            tier_codec_share=str(self.kv_tier_codec_share),
             recompute=self.kv_recompute,
             prefix_cache=self.prefix_cache == "on")
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.tiers import segment_log
-from kvstore.tiers.disk_layout import INPUTS_FOLDER, lock_folder, segment_files
+from kvstore.tiers.disk_layout import (INPUTS_FOLDER, RAW_FOLDER, SHARE_FILE, lock_folder,
+                                       segment_files)
 
 
 @dataclass(frozen=True)
@@ -24,30 +25,42 @@ class CachedSegment:
 
 
 def list_cache(root: Path) -> list[CachedSegment]:
+    """The segments under root; the disk bytes of a segment include its files in the
+    subfolders (layer inputs, uncoded layers), which hold parts of the same pages."""
     out = []
     for handle, path in segment_files(root):
         index = path.with_suffix(".idx")
         parsed = segment_log.parse(index) if index.exists() else segment_log.Parsed(None)
         size = sum(_blocks(p) for p in (path, index) if p.exists())
+        for sub in _subfolders(root):
+            size += sum(_blocks(p) for p in (sub / path.name, sub / index.name) if p.exists())
         ns = parsed.header.namespace.hex()[:12] if parsed.header else "?"
         out.append(CachedSegment(handle, ns, len(parsed.pages), size, parsed.damaged))
     return out
 
 
+def _subfolders(root: Path) -> list[Path]:
+    return [p for p in (Path(root) / INPUTS_FOLDER, Path(root) / RAW_FOLDER) if p.is_dir()]
+
+
 def clear_cache(root: Path) -> int:
     """Delete every segment file and index under root (and the layer inputs KV recompute
-    kept beside them); returns how many files went. Raises DiskPathInUse while a server holds
+    kept beside them, the uncoded layers of a codec share, and the share `auto` chose);
+    returns how many files went. Raises DiskPathInUse while a server holds
     the folder."""
     fd = lock_folder(root)
     try:
         gone = 0
-        inputs = Path(root) / INPUTS_FOLDER
-        for folder in (root, inputs) if inputs.is_dir() else (root,):
+        for folder in [root] + _subfolders(root):
             for _, path in segment_files(folder):
                 for p in (path, path.with_suffix(".idx")):
                     if p.exists():
                         p.unlink()
                         gone += 1
+        share = Path(root) / SHARE_FILE         # --kv-tier-codec-share auto measures again
+        if share.exists():
+            share.unlink()
+            gone += 1
         return gone
     finally:
         os.close(fd)

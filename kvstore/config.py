@@ -14,6 +14,20 @@ SELECTORS = ("quest", "mean", "lowrank", "centroid")   # kernels/page_select.py,
 TIER_CODECS = ("none", "int8", "int4")      # kvstore/tiers/codec.py
 
 
+def parse_share(value: str) -> float | None:
+    """`auto` -> None; a number in [0, 1] -> it; else ValueError."""
+    if value == "auto":
+        return None
+    try:
+        share = float(value)
+    except ValueError:
+        share = -1.0
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"--kv-tier-codec-share must be auto or a share in [0, 1], "
+                         f"got {value!r}")
+    return share
+
+
 @dataclass(frozen=True)
 class KVStoreConfig:
     page_size: int = 16
@@ -48,6 +62,7 @@ class KVStoreConfig:
     force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this tier (tests, diagnostics)
     tier_codec: str = "none"             # --kv-tier-codec: pages on disk as 8- or 4-bit codes
     tier_codec_group: int = 0            # --kv-tier-codec-group: channels per scale (0: 64 for int8, 32 for int4)
+    tier_codec_share: str = "1"          # --kv-tier-codec-share: auto | the share of layers the disk tier codes
     recompute: str = "off"               # --kv-recompute: off | auto | a share of each fill's disk pages (KVPR)
     # fills into a device pool that is not host memory: "auto" a CUDA copy stream on a GPU
     # (in place on a CPU); "thread" its CPU stand-in (kvstore/tiers/transfers.py; tests)
@@ -101,6 +116,11 @@ class KVStoreConfig:
         if self.tier_codec != "none" and self.disk_bytes == 0 and self.host_bytes == 0:
             raise ValueError("--kv-tier-codec encodes the host and disk tiers' pages: it needs "
                              "--kv-disk-gb or --kv-host-gb > 0")
+        share = parse_share(self.tier_codec_share)
+        if share != 1.0 and (self.tier_codec == "none" or self.disk_bytes == 0):
+            raise ValueError("--kv-tier-codec-share is the share of the disk tier's layers "
+                             "stored as codes: it needs --kv-tier-codec int8|int4 and "
+                             "--kv-disk-gb > 0")
         if self.tier_codec_group not in (0, 32, 64):
             raise ValueError(f"--kv-tier-codec-group must be 32 or 64 (0: by codec), got "
                              f"{self.tier_codec_group}")

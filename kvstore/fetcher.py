@@ -350,7 +350,9 @@ class Fetcher:
             return
         if res.counted:
             tiers.stats.count("hits", "disk", n + r)
-        moved = n * tiers.backing_page_bytes
+        moved = tiers.disk_bytes_of(res.disk_keys)
+        if n > res.disk_keys.numel():           # inputs that failed: read as K/V
+            moved += tiers.disk_bytes_of(res.input_keys)
         if r:
             if res.counted:
                 tiers.stats.count("recomputed", "disk", r)

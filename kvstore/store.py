@@ -32,7 +32,7 @@ from kvstore.fetcher import Fetcher
 from kvstore.placement import make_placement
 from kvstore.prefix import PrefixReuse
 from kvstore.prefix_cache import PrefixCache, namespace_key
-from kvstore.recompute import KVFromInputs, plan_recompute
+from kvstore.recompute import KVFromInputs
 from kvstore.requests import RequestKV, RequestTable
 from kvstore.selection import PageSelection
 from kvstore.step import SeqKV, StepKV, StepParts
@@ -40,6 +40,7 @@ from kvstore.stats import KVStats
 from kvstore.tiers.base import PageShape
 from kvstore.centroids import CentroidIndex
 from kvstore.lowrank import LowRankProjection
+from kvstore.backing import backing_geometry
 from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.disk_layout import DiskLayout
 from kvstore.tiers.errors import TierFull
@@ -72,31 +73,17 @@ class TieredKVStore:
         if codec is not None and not (budgets["disk"] or budgets["host"]):
             raise ValueError("--kv-tier-codec: no tier to encode (on a CPU the host tier "
                              "joins the device pool unless --kv-host-pool separate)")
-        # NOTE: with the codec a disk or host page takes its codes' bytes: more pages fit
-        page_bytes = self.page_shape.nbytes
-        if codec is not None and cfg.backing == "disk":
-            page_bytes = codec.stride
-        elif codec is not None and cfg.backing == "host" and budgets["host"]:
-            page_bytes = codec.code_bytes + codec.meta_bytes
-        plan = plan_recompute(cfg.recompute, self.page_shape,
-                              codec.stride if codec is not None else self.page_shape.nbytes_aligned,
-                              hidden_size, kv_from_inputs,
-                              cfg.disk_path if cfg.disk_bytes else None, device.type == "cpu")
-        if plan is not None:         # each page's inputs share the disk budget
-            page_bytes += plan.input_stride
-        layer_bytes = page_bytes * num_layers
-        backing_bytes = next(budgets[t] for t in ("disk", "host", "device") if budgets[t])
-        max_pages = backing_bytes // layer_bytes
-        if max_pages < 1:
-            raise ValueError(f"the {cfg.backing} tier ({backing_bytes / 2**30:.3f} GB) holds no "
-                             f"page of {cfg.page_size} tokens over {num_layers} layers "
-                             f"({layer_bytes} bytes); raise --kv-{cfg.backing}-gb")
+        coded, plan, max_pages = backing_geometry(cfg, self.page_shape, num_layers, budgets,
+                                                  codec, device, hidden_size, kv_from_inputs)
         cfg.check_plan(num_layers, num_kv_heads)
         self.stats = KVStats()
         self._allocator = PageAllocator(max_pages, cfg.page_size)
         self._selection = PageSelection(cfg, max_pages * num_layers, self.stats, head_dim,
                                         projection)
-        extra = {"codec": codec.name} if codec is not None else {}
+        extra = {}
+        if coded:                   # pages of another codec or layer share never hit
+            extra["codec"] = codec.name if len(coded) == num_layers \
+                else f"{codec.name} layers {coded}"
         if self._selection.projected:           # cached pages carry projected summaries
             extra["summaries"] = f"lowrank-{projection.digest}"
         namespace = namespace_key(model=model_id, kv_dtype=str(dtype), page_size=cfg.page_size,
@@ -105,7 +92,7 @@ class TieredKVStore:
         self._tiers = TierSet(cfg, self.page_shape, num_layers, max_pages, device, self.stats,
                               owners=self._allocator.holders, namespace=namespace, codec=codec,
                               summary_dim=self._selection.summary_dim,
-                              recompute=plan)
+                              recompute=plan, coded=coded)
         disk = self._tiers.disk_tier
         self._requests = RequestTable(disk.next_handle if disk is not None else 0)
         if cfg.force_tier == "host" and self._tiers.host_tier is None and cfg.disk_bytes == 0:
@@ -404,3 +391,4 @@ class TieredKVStore:
             self._tiers.wait_writes()       # cached pages written by now are kept
             self._prefix.persist()
         self._tiers.close()
+

@@ -36,6 +36,7 @@ from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.device import DeviceTier
 from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_inputs import DiskWithInputs, input_page_shape, inputs_path
+from kvstore.tiers.disk_layers import DiskLayers
 from kvstore.tiers.disk_set import DiskSet
 from kvstore.tiers.host import HostTier
 from kvstore.tiers.transfers import make_copies
@@ -48,9 +49,10 @@ class TierSet:
                  max_pages: int, device: torch.device, stats: KVStats,
                  owners: Callable[[set[int]], list[str]], namespace: bytes = b"",
                  codec: PageCodec | None = None, summary_dim: int | None = None,
-                 recompute: RecomputePlan | None = None):
+                 recompute: RecomputePlan | None = None, coded: list[int] | None = None):
         """namespace: the prefix cache's, which the disk tier's index logs carry; codec: the
-        disk tier's (None: pages stored as they are); recompute: the plan when fills
+        host and disk tiers' (None: pages stored as they are); coded: the layers the disk
+        tier codes (None: all; kvstore/codec_share.py); recompute: the plan when fills
         recompute a share of their pages (KVPR)."""
         self.page_shape = page_shape
         self.num_layers = num_layers
@@ -73,10 +75,18 @@ class TierSet:
         summary_bytes = num_layers * page_shape.num_kv_heads * 3 * self.summary_dim \
             * page_shape.dtype.itemsize
         disk_args = (page_shape, cfg.disk_bytes, cfg.disk_path, max_keys, num_layers, max_pages)
+        coded = list(range(num_layers)) if coded is None or codec is None else coded
+        disk_codec = codec if coded else None
+        self.coded_layers = coded if disk_codec is not None and cfg.disk_bytes else []
         disk_kw = dict(threads=cfg.disk_threads, namespace=namespace,
-                       summary_bytes=summary_bytes, codec=codec)
+                       summary_bytes=summary_bytes, codec=disk_codec)
         self.disk_tier, self.recompute = None, None
-        if cfg.disk_bytes and recompute is not None:
+        if cfg.disk_bytes and 0 < len(coded) < num_layers:     # some layers coded
+            self.disk_tier = DiskLayers(page_shape, cfg.disk_bytes,
+                                        list(cfg.disk_paths or [cfg.disk_path]), num_layers,
+                                        max_pages, codec, coded, namespace=namespace,
+                                        summary_bytes=summary_bytes, threads=cfg.disk_threads)
+        elif cfg.disk_bytes and recompute is not None:
             self.disk_tier, self.recompute = self._recomputing_disk(recompute, disk_args,
                                                                     disk_kw)
         elif cfg.disk_bytes and cfg.disk_paths:          # several folders: pages striped
@@ -87,9 +97,6 @@ class TierSet:
         self._tiers = [t for t in (self.device_tier, self.host_tier, self.disk_tier)
                        if t is not None]
         self.backing = self._tiers[-1]
-        # bytes a page moves to or from the backing tier (the disk's codes with a codec)
-        self.backing_page_bytes = self.disk_tier.page_bytes if self.disk_tier is not None \
-            else page_shape.nbytes
         self.residency = make_residency(cfg.residency, self.device_tier.capacity_pages,
                                         num_layers)
         host_slots = self.host_tier.capacity_pages if self.host_tier else 0
@@ -144,6 +151,12 @@ class TierSet:
     def __iter__(self):
         """The tiers, fastest first."""
         return iter(self._tiers)
+
+    def disk_bytes_of(self, keys: torch.Tensor) -> int:
+        """Bytes the pages of `keys` move to or from the disk tier (codes where coded)."""
+        if self.disk_tier is None:
+            return int(keys.numel()) * self.page_shape.nbytes
+        return self.disk_tier.bytes_of(keys)
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """tier -> (used bytes, capacity bytes)."""
@@ -297,7 +310,7 @@ class TierSet:
             exc = fut.exception()
             if exc is None:
                 self.clean[keys] = True
-                self.stats.add_transfer("device", "disk", keys.numel() * self.backing_page_bytes)
+                self.stats.add_transfer("device", "disk", self.disk_bytes_of(keys))
             else:
                 self._write_errors.setdefault(request_id, []).append(
                     f"KV write to disk failed: {exc}")

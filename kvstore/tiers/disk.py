@@ -133,6 +133,10 @@ class DiskTier(Tier):
         """Bytes one page takes on disk (what reading or writing it moves)."""
         return self.layout.stride
 
+    def bytes_of(self, keys: torch.Tensor) -> int:
+        """Bytes the pages of `keys` take on disk."""
+        return int(torch.as_tensor(keys).numel()) * self.layout.stride
+
     @property
     def stored_bytes(self) -> int:
         """Bytes of pages actually written and present now."""

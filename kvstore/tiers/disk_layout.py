@@ -43,6 +43,9 @@ _SEG_RE = re.compile(r"^seg-(\d+)\.(kv|idx)$")
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _PUNCH = 0x01 | 0x02                     # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 INPUTS_FOLDER = "inputs"     # under the KV folder: the pages' layer inputs (disk_inputs.py)
+RAW_FOLDER = "raw-layers"    # under the KV folder: the layers a codec share leaves uncoded
+#                              (disk_layers.py)
+SHARE_FILE = "codec-share.json"     # in the KV folder: what --kv-tier-codec-share auto chose
 
 
 def punch_hole(fd: int, offset: int, length: int) -> bool:

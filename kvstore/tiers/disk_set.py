@@ -17,17 +17,15 @@ shape are another namespace's: left alone, never restored into the wrong member.
 from __future__ import annotations
 
 import hashlib
-import threading
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvstore.tiers.base import PageShape, Tier
+from kvstore.tiers.base import PageShape
 from kvstore.tiers.disk import DiskTier, RestoredPages
-from kvstore.tiers.staging import read_via_buffer
-from kvstore.tiers.errors import PageMissing, TierError, TierFull
+from kvstore.tiers.disk_members import DiskMembers
+from kvstore.tiers.errors import PageMissing, TierFull
 
 
 def member_namespace(namespace: bytes, member: int, members: int) -> bytes:
@@ -47,8 +45,7 @@ def local_count(n: int, member: int, members: int) -> int:
     return max(0, (n - member + members - 1) // members)
 
 
-class DiskSet(Tier):
-    name = "disk"
+class DiskSet(DiskMembers):
 
     def __init__(self, page_shape: PageShape, capacity_bytes: int, paths: list[str | Path],
                  max_keys: int, num_layers: int, max_pages: int, namespace: bytes = b"",
@@ -80,35 +77,14 @@ class DiskSet(Tier):
         self.layout = self.members[0].layout          # the first folder names the set
         self._member = np.full(max_pages, -1, np.int64)     # page id -> member (bound pages)
 
-    # -- sizes and counters (sums over the members) ----------------------------------------
-    def _sum(self, attr: str) -> int:
-        return sum(getattr(m, attr) for m in self.members)
-
+    # -- sizes (the rest: DiskMembers) ----------------------------------------------------
     capacity_bytes = property(lambda self: self._capacity_bytes)      # --kv-disk-gb
-    used_bytes = property(lambda self: self._sum("used_bytes"))
     capacity_pages = property(lambda self: self._capacity_bytes // self._stride)
-    num_pages = property(lambda self: self._sum("num_pages"))
-    stored_bytes = property(lambda self: self._sum("stored_bytes"))
-    preadv_calls = property(lambda self: self._sum("preadv_calls"))
-    pwritev_calls = property(lambda self: self._sum("pwritev_calls"))
-    bytes_read = property(lambda self: self._sum("bytes_read"))
-    bytes_written = property(lambda self: self._sum("bytes_written"))
     page_bytes = property(lambda self: self.members[0].page_bytes)
-    direct_io = property(lambda self: all(m.direct_io for m in self.members))
 
-    def per_path(self) -> dict[str, dict[str, int]]:
-        """Bytes read and written so far, per folder."""
-        return {str(m.layout.root): {"bytes_read": m.bytes_read, "bytes_written": m.bytes_written,
-                                     "reads": m.preadv_calls} for m in self.members}
-
-    @property
-    def fault(self):
-        return self.members[0].fault
-
-    @fault.setter
-    def fault(self, fault) -> None:
-        for m in self.members:
-            m.fault = fault
+    def bytes_of(self, keys: torch.Tensor) -> int:
+        """Bytes the pages of `keys` take on disk."""
+        return int(torch.as_tensor(keys).numel()) * self.page_bytes
 
     # -- requests ---------------------------------------------------------------------------
     def register_request(self, request_handle: int, capacity_pages_per_layer: int) -> None:
@@ -183,10 +159,6 @@ class DiskSet(Tier):
             self.members[i].unbind(pids[part])
         self._member[pids] = -1
 
-    def release_request(self, request_handle: int) -> None:
-        for m in self.members:
-            m.release_request(request_handle)
-
     # -- the prefix cache's index and restart ----------------------------------------------
     def record(self, page_ids, keys: list[bytes], summaries: list[bytes | None]) -> np.ndarray:
         pids = np.asarray(torch.as_tensor(page_ids, dtype=torch.int64).cpu(), dtype=np.int64)
@@ -227,71 +199,9 @@ class DiskSet(Tier):
                         None if meta is None else [meta[j] for j in at])
         self._member[pids] = indices % n
 
-    def finish_restore(self) -> None:
-        for m in self.members:
-            m.finish_restore()
-
-    @property
-    def next_handle(self) -> int:
-        return max(m.next_handle for m in self.members)
-
-    def close(self) -> None:
-        errors = []
-        for m in self.members:
-            try:
-                m.close()
-            except BaseException as exc:       # noqa: BLE001 - close every member first
-                errors.append(exc)
-        if errors:
-            raise errors[0]
-
-    # -- Tier interface ---------------------------------------------------------------------
-    def contains(self, keys: torch.Tensor) -> torch.Tensor:
-        k = self._check_keys(keys, self.max_keys).numpy()
-        out = np.zeros(k.shape[0], bool)
-        for i, part in self._split_keys(k):
-            out[part] = self.members[i].contains(torch.from_numpy(k[part])).numpy()
-        return torch.from_numpy(out)
-
+    # -- Tier interface (the rest: DiskMembers) ---------------------------------------------
     def keys(self) -> torch.Tensor:
         return torch.sort(torch.cat([m.keys() for m in self.members])).values
-
-    def delete(self, keys: torch.Tensor) -> None:
-        for m in self.members:      # a member forgets keys it does not hold at no cost
-            m.delete(keys)
-
-    def put(self, keys: torch.Tensor, pages: torch.Tensor) -> None:
-        self.put_async(keys, pages).result()
-
-    def get(self, keys: torch.Tensor, out: torch.Tensor) -> None:
-        self.get_async(keys, out).result()
-
-    def put_async(self, keys: torch.Tensor, pages: torch.Tensor) -> Future:
-        k = self._check_keys(keys, self.max_keys).numpy()
-        self._check_pages(pages, k.shape[0], "pages")
-        src = pages.detach().to("cpu").contiguous()
-        return self._fan_out(k, lambda m, part: m.put_async(
-            torch.from_numpy(k[part]), src[torch.from_numpy(np.flatnonzero(part))]))
-
-    def get_async(self, keys: torch.Tensor, out: torch.Tensor) -> Future:
-        k = self._check_keys(keys, self.max_keys).numpy()
-        self._check_pages(out, k.shape[0], "out")
-        rows = torch.arange(k.shape[0])
-        if out.device.type == "cpu" and out.is_contiguous():
-            return self.get_into(torch.from_numpy(k), out, rows)
-        return read_via_buffer(out, lambda tmp: self.get_into(torch.from_numpy(k), tmp, rows))
-
-    def get_into(self, keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> Future:
-        k = self._check_keys(keys, self.max_keys).numpy()
-        slots = torch.as_tensor(slots).to("cpu", torch.int64)
-        return self._fan_out(k, lambda m, part: m.get_into(
-            torch.from_numpy(k[part]), pool, slots[torch.from_numpy(part)]))
-
-    def put_from(self, keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor) -> Future:
-        k = self._check_keys(keys, self.max_keys).numpy()
-        slots = torch.as_tensor(slots).to("cpu", torch.int64)
-        return self._fan_out(k, lambda m, part: m.put_from(
-            torch.from_numpy(k[part]), pool, slots[torch.from_numpy(part)]))
 
     # -- internals --------------------------------------------------------------------------
     def _split_pids(self, pids: np.ndarray):
@@ -302,52 +212,14 @@ class DiskSet(Tier):
             if part.any():
                 yield i, part
 
-    def _split_keys(self, keys: np.ndarray):
+    def _parts(self, keys: np.ndarray):
         member = self._member[keys % self.max_pages]
         for i in range(len(self.members)):
             part = member == i
             if part.any():
-                yield i, part
+                yield i, part, keys[part]
 
-    def _fan_out(self, keys: np.ndarray, start) -> Future:
-        """start(member, mask) for each member's share of `keys`, all submitted before any is
-        waited on; one Future for all (the first error, once every share is done)."""
+    def _check_bound(self, keys: np.ndarray) -> None:
         unbound = self._member[keys % self.max_pages] < 0
         if unbound.any():
             raise PageMissing(self.name, keys[unbound], "pages not bound to a request")
-        futures = []
-        try:
-            for i, part in self._split_keys(keys):
-                futures.append(start(self.members[i], part))
-        except BaseException:
-            for f in futures:               # what was submitted runs to its end
-                f.exception()
-            raise
-        return _joined(futures)
-
-
-def _joined(futures: list[Future]) -> Future:
-    """A Future done when all are: the first one's error, else None."""
-    out: Future = Future()
-    if not futures:
-        out.set_result(None)
-        return out
-    left, lock = [len(futures)], threading.Lock()
-
-    def one(_: Future) -> None:
-        with lock:                  # the members' I/O threads finish their shares
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors:
-                first = errors[0]
-                if len(errors) > 1 and all(isinstance(e, TierError) for e in errors):
-                    # every folder's failed pages, so the fill loses them all at once
-                    first.keys = torch.cat([e.keys for e in errors])
-                out.set_exception(first)
-            else:
-                out.set_result(None)
-    for f in futures:
-        f.add_done_callback(one)
-    return out

@@ -31,6 +31,13 @@ class TierError(Exception):
         self.keys = _as_keys(keys)
         super().__init__(f"{tier} tier: {message} (keys {_preview(self.keys)})")
 
+    def rekey(self, keys) -> None:
+        """Name other keys for the same pages (a disk tier of member tiers names its own),
+        in the message too."""
+        self.keys = _as_keys(keys)
+        head = str(self.args[0]).rsplit(" (keys ", 1)[0]
+        self.args = (f"{head} (keys {_preview(self.keys)})", *self.args[1:])
+
 
 class TierFull(TierError):
     """Not enough free room for the pages (or for a disk reservation). Tiers never evict on
