@@ -32,10 +32,10 @@ from pathlib import Path
 
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (add_out_arg, add_replot_arg, async_openai,  # noqa: E402
-                          code_version, cpu_name, model_folder, parser, plot_by_budget,
-                          read_json, result_path, server_or_url, use_checkout_cache,
-                          write_json)
+from bench.common import (add_out_arg, add_replot_arg, code_version, cpu_name,  # noqa: E402
+                          model_folder, parser, plot_by_budget, read_json, result_path,
+                          use_checkout_cache, write_json)
+from bench.servers import async_openai, server_or_url  # noqa: E402
 from bench.ruler_tasks import (MAX_TOKENS, TASKS, generate, postprocess,  # noqa: E402
                                string_match_all, task_score)
 from server.tokenizer import Tokenizer  # noqa: E402
