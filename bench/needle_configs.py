@@ -2,6 +2,8 @@
 head pages, the prior share, a budget plan, the KV tier codec's worst case)."""
 from __future__ import annotations
 
+import torch
+
 from bench.common import config_budget
 from engine.llm_engine import LLMEngine
 
@@ -48,8 +50,8 @@ def config_plan(name: str) -> tuple:
 
 
 def config_codec(name: str) -> str:
-    """sparse-N-int8 / -int4 (/ -int4g32: groups of 32 channels): every page as the KV tier
-    codec stores it (below)."""
+    """sparse-N-int8 / -int4 (/ -int4g32: groups of 32 channels; / -int4g32s0.5: half the
+    layers, --kv-tier-codec-share): every page as the KV tier codec stores it (below)."""
     parts = name.split("-")[2:]
     return next((p for p in parts if p.startswith(("int8", "int4"))), "none")
 
@@ -58,13 +60,24 @@ def apply_codec(engine: LLMEngine, codec_name: str, chunk: int = 4096) -> None:
     """Replace every page of the device pool by its round trip through the KV tier codec: the
     worst case of serving with --kv-tier-codec, as if every page attended had come back from
     the compressed disk tier (when serving, pages that stayed in memory since the prefill are
-    exact). The page summaries stay exact, as when serving (computed at prefill)."""
+    exact). With a share (`s0.5`), only the pages of the layers that share codes. The page
+    summaries stay exact, as when serving (computed at prefill)."""
+    from kvstore.codec_share import coded_layers
     from kvstore.tiers.codec import PageCodec
     if codec_name == "none":
         return
     store = engine.store
+    codec_name, _, share = codec_name.partition("s")
     name, _, group = codec_name.partition("g")
     codec = PageCodec.from_name(name, store.page_shape, int(group or 64))   # -int4: groups of 64
     pool = store.tiers.device_tier.pool
-    for i in range(0, pool.shape[0], chunk):
-        pool[i:i + chunk] = codec.round_trip(pool[i:i + chunk])
+    if share:
+        keys = store.tiers.device_tier.keys()
+        layers = torch.tensor(coded_layers(float(share), store.num_layers))
+        keys = keys[torch.isin(keys // store.max_pages, layers)]
+        slots = store.tiers.device_slots(keys).long()
+    else:
+        slots = torch.arange(pool.shape[0])
+    for i in range(0, slots.numel(), chunk):
+        s = slots[i:i + chunk]
+        pool[s] = codec.round_trip(pool[s])
