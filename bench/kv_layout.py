@@ -11,14 +11,19 @@ The plan is built once outside the timed loop (forward only), as in bench/sparse
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 
-import torch
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_shape_args, parser, time_calls
-from kernels.attention import AttentionBatch, TorchPagedAttention
-from kernels.page_table import PageTable
-from kernels.sparse_attention import TorchSparseDecode
-from kvstore.tiers.base import PageShape
+import torch  # noqa: E402
+
+from bench.common import add_shape_args, parser, time_calls  # noqa: E402
+from kernels.attention import AttentionBatch, TorchPagedAttention  # noqa: E402
+from kernels.page_table import PageTable  # noqa: E402
+from kernels.sparse_attention import TorchSparseDecode  # noqa: E402
+from kvstore.tiers.base import PageShape  # noqa: E402
 
 
 def _median_ms(fn, repeats: int) -> tuple[float, float]:

@@ -15,12 +15,15 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import parser
-from kernels.attention import AttentionBatch, TorchPagedAttention
-from kernels.page_table import PageTable
-from kernels.sparse_attention import TorchSparseDecode
+import torch  # noqa: E402
+
+from bench.common import parser  # noqa: E402
+from kernels.attention import AttentionBatch, TorchPagedAttention  # noqa: E402
+from kernels.page_table import PageTable  # noqa: E402
+from kernels.sparse_attention import TorchSparseDecode  # noqa: E402
 
 
 def _load(root: Path, name: str):

@@ -55,8 +55,12 @@ if not __package__:                     # run as a script: import from the check
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (RESULTS, add_out_arg, add_replot_arg, add_thread_args,  # noqa: E402
                           code_version, config_budget, essay_ids, model_folder, parser,
-                          plot_by_budget, read_json, result_path, use_checkout_cache,
+                          result_path, use_checkout_cache,
                           write_json)
+from bench import needle_configs  # noqa: E402
+from bench.needle_report import plot, plot_title, print_tables, replot, summarize  # noqa: E402
+from bench.needle_configs import (apply_codec, config_codec, config_head_pages,  # noqa: E402
+                                  config_plan, config_prior_share, config_selector)
 from engine.args import EngineArgs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from scheduler.sampling_params import SamplingParams  # noqa: E402
@@ -133,70 +137,6 @@ def make_prompts(tok, essay_ids, fmt, lengths, depths, per_depth, seed) -> list[
 
 
 # ------------------------------------------------------------------------------ running
-def config_head_pages(name: str) -> str:
-    """sparse-N-union: every KV head attends to the union of the heads' pages."""
-    return "union" if "union" in name.split("-")[2:] else "per-head"
-
-
-def config_selector(name: str, default: str) -> str:
-    """sparse-N-mean: the mean-key selector; sparse-N-quest: Quest's bound; sparse-N-centroid:
-    the centroid index (kvstore/centroids.py)."""
-    parts = name.split("-")[2:]
-    for sel in ("mean", "quest", "centroid"):
-        if sel in parts:
-            return sel
-    return default
-
-
-def config_prior_share(name: str, default: float) -> float:
-    """sparse-N-p0.25: a quarter of the free budget goes to the pages the prompt's observation
-    window attended most (--sparse-prior-share); sparse-N-p0: the selector alone."""
-    for part in name.split("-")[2:]:
-        if part.startswith("p") and part[1:].replace(".", "", 1).isdigit():
-            return float(part[1:])
-    return default
-
-
-BUDGET_PLAN: str | None = None      # --budget-plan: the file `-plan` configs load
-
-
-def config_plan(name: str) -> tuple:
-    """sparse-N-plan: the budget per (layer, KV head) of --budget-plan (`strata profile` at
-    budget N), instead of N for every head."""
-    if "plan" not in name.split("-")[2:]:
-        return ()
-    from kvstore.budget_plan import BudgetPlan
-    if BUDGET_PLAN is None:
-        raise SystemExit(f"config {name}: give --budget-plan FILE")
-    plan = BudgetPlan.load(BUDGET_PLAN)
-    if plan.budget != config_budget(name):
-        raise SystemExit(f"config {name}: {BUDGET_PLAN} is for budget {plan.budget}")
-    return plan.budgets
-
-
-def config_codec(name: str) -> str:
-    """sparse-N-int8 / -int4 (/ -int4g32: groups of 32 channels): every page as the KV tier
-    codec stores it (below)."""
-    parts = name.split("-")[2:]
-    return next((p for p in parts if p.startswith(("int8", "int4"))), "none")
-
-
-def apply_codec(engine: LLMEngine, codec_name: str, chunk: int = 4096) -> None:
-    """Replace every page of the device pool by its round trip through the KV tier codec: the
-    worst case of serving with --kv-tier-codec, as if every page attended had come back from
-    the compressed disk tier (when serving, pages that stayed in memory since the prefill are
-    exact). The page summaries stay exact, as when serving (computed at prefill)."""
-    from kvstore.tiers.codec import PageCodec
-    if codec_name == "none":
-        return
-    store = engine.store
-    name, _, group = codec_name.partition("g")
-    codec = PageCodec.from_name(name, store.page_shape, int(group or 64))   # -int4: groups of 64
-    pool = store.tiers.device_tier.pool
-    for i in range(0, pool.shape[0], chunk):
-        pool[i:i + chunk] = codec.round_trip(pool[i:i + chunk])
-
-
 def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int,
                 dense_layers: int, selector: str, head_pages: str = "per-head",
                 prior_share: float = EngineArgs.sparse_prior_share,
@@ -357,55 +297,7 @@ def evaluate(prompts: list[Prompt], configs: list[str], args) -> tuple[list[dict
 
 
 # ------------------------------------------------------------------------------ report
-def summarize(rows: list[dict], configs: list[str], lengths: list[int]) -> dict:
-    acc: dict[str, dict[str, float]] = {}
-    for c in configs:
-        acc[c] = {}
-        for n in lengths + ["all"]:
-            sel = [r for r in rows if r["config"] == c and (n == "all" or r["length"] == n)]
-            acc[c][str(n)] = 100.0 * sum(r["correct"] for r in sel) / len(sel) if sel else None
-    by_depth = {c: {str(n): {str(d): 100.0 * sum(r["correct"] for r in rows if r["config"] == c
-                                                 and r["length"] == n and r["depth"] == d)
-                             / max(1, sum(1 for r in rows if r["config"] == c
-                                          and r["length"] == n and r["depth"] == d))
-                             for d in sorted({r["depth"] for r in rows})}
-                    for n in lengths} for c in configs}
-    gaps = {}
-    for c in configs:
-        if c != "dense" and "dense" in acc:
-            gaps[c] = {k: (acc[c][k] - acc["dense"][k]) if acc[c][k] is not None else None
-                       for k in acc[c]}
-    return {"accuracy_pct": acc, "accuracy_by_depth_pct": by_depth, "gap_vs_dense_points": gaps}
-
-
-def print_tables(summary: dict, configs: list[str], lengths: list[int], n_per: dict) -> None:
-    acc = summary["accuracy_pct"]
-    cols = [str(n) for n in lengths] + ["all"]
-    print("\naccuracy % (n prompts per cell: " + ", ".join(f"{k}: {v}" for k, v in n_per.items())
-          + ")")
-    print(f"{'config':<20}" + "".join(f"{c + ' tok':>12}" if c != "all" else f"{c:>12}"
-                                      for c in cols))
-    for c in configs:
-        print(f"{c:<20}" + "".join(f"{acc[c][k]:>12.1f}" for k in cols))
-    for c, g in summary["gap_vs_dense_points"].items():
-        print(f"gap {c} - dense (points): " + ", ".join(f"{k}: {v:+.1f}" for k, v in g.items()))
-    print("\nby depth (accuracy %):")
-    depths = sorted({d for c in configs for n in summary["accuracy_by_depth_pct"][c].values()
-                     for d in n}, key=float)
-    print(f"{'config':<20}{'len':>6}" + "".join(f"{d:>7}" for d in depths))
-    for c in configs:
-        for n in lengths:
-            row = summary["accuracy_by_depth_pct"][c][str(n)]
-            print(f"{c:<20}{n:>6}" + "".join(f"{row[d]:>7.0f}" for d in depths))
-
-
-def plot(summary: dict, configs: list[str], lengths: list[int], path: Path, title: str) -> None:
-    acc = summary["accuracy_pct"]
-    plot_by_budget(lambda c, n: acc[c][str(n)], configs, lengths, path, "needle accuracy (%)",
-                   title, markersize=8)
-
-
-def main() -> None:
+def build_parser():
     ap = parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="depths 0.1/0.5/0.9, 2 needles each")
     ap.add_argument("--lengths", type=int, nargs="+", default=[4000, 7000],
@@ -433,17 +325,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     add_out_arg(ap, "needle", quick=True)
     add_replot_arg(ap)
-    args = ap.parse_args()
-    global BUDGET_PLAN
-    BUDGET_PLAN = args.budget_plan
-    if args.replot:
-        replot(Path(args.replot))
-        return
-    depths = args.depths or ([0.1, 0.5, 0.9] if args.quick else [0.1, 0.3, 0.5, 0.7, 0.9])
-    per_depth = args.per_depth or (2 if args.quick else 3)
-    torch.set_num_threads(args.threads)
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    return ap
 
+
+def run_formats(args, depths: list[float], per_depth: int) -> dict:
+    """Every format's prompts through every config: the report."""
     folder_tok = Tokenizer.from_folder(model_folder())
     essay = essay_ids(folder_tok)
     report: dict = {"code": code_version(), "threads": args.threads, "fork": not args.no_fork,
@@ -482,6 +368,21 @@ def main() -> None:
         print("\ndense accuracy by format: " + ", ".join(
             f"{f}: {report['formats'][f]['accuracy_pct']['dense']['all']:.1f}%"
             for f in args.formats) + f"  -> best {best!r}")
+    return report
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    needle_configs.BUDGET_PLAN = args.budget_plan
+    if args.replot:
+        replot(Path(args.replot))
+        return
+    depths = args.depths or ([0.1, 0.5, 0.9] if args.quick else [0.1, 0.3, 0.5, 0.7, 0.9])
+    per_depth = args.per_depth or (2 if args.quick else 3)
+    torch.set_num_threads(args.threads)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+
+    report = run_formats(args, depths, per_depth)
     out = write_json(result_path(args.out, "needle", args.quick), report)
     print(f"\nwrote {out}")
     if len(args.formats) == 1 and len(args.configs) > 1:
@@ -489,20 +390,6 @@ def main() -> None:
         png = out.with_suffix(".png")
         plot(report["formats"][fmt], args.configs, args.lengths, png,
              plot_title(fmt, depths, per_depth))
-        print(f"wrote {png}")
-
-
-def plot_title(fmt: str, depths: list[float], per_depth: int) -> str:
-    return (f"NIAH, SmolLM2-135M, format {fmt}, {len(depths)} depths x {per_depth} needles "
-            f"per length")
-
-
-def replot(path: Path) -> None:
-    report = read_json(path)
-    for fmt, rep in report["formats"].items():
-        png = path.with_suffix(".png")
-        plot(rep, report["configs"], report["lengths"], png,
-             plot_title(fmt, report["depths"], report["per_depth"]))
         print(f"wrote {png}")
 
 

@@ -36,9 +36,9 @@ from pathlib import Path
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (KV_TMP, LOGS, add_out_arg, add_replot_arg, essay_ids,  # noqa: E402
-                          parser, pct, pyplot, read_json, result_header, result_path,
-                          save_figure, start_server, stop, tokenizer, use_checkout_cache,
-                          write_json)
+                          parser, pct, pyplot, read_json, result_header, result_path, save_figure,
+                          tokenizer, use_checkout_cache, write_json)
+from bench.servers import start_server, stop  # noqa: E402
 from bench.peers import llamacpp  # noqa: E402
 
 use_checkout_cache()

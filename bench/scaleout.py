@@ -23,9 +23,10 @@ from pathlib import Path
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import (LOGS, ROOT, add_out_arg, add_replot_arg, cpu_line, free_port, parser,
-                          pct, pyplot, read_json, result_header, result_path, save_figure,
-                          start_server, stop, tokenizer, use_checkout_cache, write_json)
+from bench.common import (LOGS, ROOT, add_out_arg, add_replot_arg, cpu_line, parser, pct, pyplot,
+                          read_json, result_header, result_path, save_figure, tokenizer,
+                          use_checkout_cache, write_json)
+from bench.servers import free_port, start_server, stop
 
 FLAGS = ROOT / "deploy" / "router" / "flags"
 REPLICA_FLAGS = ["--drain-seconds", "6"]
@@ -92,7 +93,7 @@ def overhead(direct: str, routed: str, n: int) -> dict:
 
 
 async def shared_docs(url: str, docs: list[str], questions: int, clients: int) -> dict:
-    from bench.common import async_openai
+    from bench.servers import async_openai
     client = async_openai(url + "/v1", timeout=1800)
     sem = asyncio.Semaphore(clients)
     ttfts = []

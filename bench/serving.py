@@ -23,8 +23,8 @@ from tqdm import tqdm
 
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (add_out_arg, async_openai, model_folder, pct,  # noqa: E402
-                          server_or_url, write_json)
+from bench.common import add_out_arg, model_folder, pct, write_json  # noqa: E402
+from bench.servers import async_openai, server_or_url  # noqa: E402
 
 TOPICS = ["the water cycle", "how a compiler works", "the history of the printing press",
           "why the sky is blue", "how vaccines train the immune system", "the rules of chess",

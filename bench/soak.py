@@ -28,7 +28,8 @@ from tqdm import tqdm
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (add_out_arg, parser, pct, proc_memory, pyplot,  # noqa: E402
-                          result_header, save_figure, server_or_url, write_json)
+                          result_header, save_figure, write_json)
+from bench.servers import server_or_url  # noqa: E402
 
 SERVER_ARGS = ("--kv-device-gb 0.1 --kv-host-gb 0.05 --kv-disk-gb 2 --max-num-seqs 8 "
                "--max-waiting 512")

@@ -13,17 +13,22 @@ KV does not sit in the CPU caches.
 from __future__ import annotations
 
 import statistics
+import sys
+from pathlib import Path
 
-import torch
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import add_shape_args, parser, time_calls
-from kernels.attention import AttentionBatch, TorchPagedAttention
-from kernels import page_select
-from kernels.page_select import make_selector, native_select_serves, select_pages
-from kernels.page_summary import summarize_pages, update_summaries
-from kernels.page_table import build_head_page_table
-from kernels.backends import make_sparse_decode
-from kernels.sparse_attention import NativeSparseDecode, TorchSparseDecode
+import torch  # noqa: E402
+
+from bench.common import add_shape_args, parser, time_calls  # noqa: E402
+from kernels.attention import AttentionBatch, TorchPagedAttention  # noqa: E402
+from kernels import page_select  # noqa: E402
+from kernels.page_select import make_selector, native_select_serves, select_pages  # noqa: E402
+from kernels.page_summary import summarize_pages, update_summaries  # noqa: E402
+from kernels.page_table import build_head_page_table  # noqa: E402
+from kernels.backends import make_sparse_decode  # noqa: E402
+from kernels.sparse_attention import NativeSparseDecode, TorchSparseDecode  # noqa: E402
 
 
 def _median_ms(fn, repeats: int) -> float:

@@ -52,9 +52,10 @@ from pathlib import Path
 
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (KV_TMP, LOGS, add_out_arg, add_replot_arg, async_openai,  # noqa: E402
-                          essay_texts, parser, pct, read_json, result_header, result_path,
-                          start_server, stop, tokenizer, use_checkout_cache, write_json)
+from bench.common import (KV_TMP, LOGS, add_out_arg, add_replot_arg, essay_texts,  # noqa: E402
+                          parser, pct, read_json, result_header, result_path, tokenizer,
+                          use_checkout_cache, write_json)
+from bench.servers import async_openai, start_server, stop  # noqa: E402
 from bench.peers import hf_transformers, llamacpp  # noqa: E402
 from bench.throughput_report import burst_row, plot, table, weight_lines  # noqa: E402
 

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import shutil
 import time
+import sys
 from pathlib import Path
 
-import torch
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import parser
-from kvstore.tiers.base import PageShape
-from kvstore.tiers.device import DeviceTier
-from kvstore.tiers.disk import DiskTier
-from kvstore.tiers.host import HostTier
+import torch  # noqa: E402
+
+from bench.common import parser  # noqa: E402
+from kvstore.tiers.base import PageShape  # noqa: E402
+from kvstore.tiers.device import DeviceTier  # noqa: E402
+from kvstore.tiers.disk import DiskTier  # noqa: E402
+from kvstore.tiers.host import HostTier  # noqa: E402
 
 SHAPE = PageShape(16, 3, 64, torch.bfloat16)
 LAYERS = 30

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import common
+from bench import common, servers
 
 
 def test_results_go_under_bench_results_unless_out_says_otherwise(tmp_path):
@@ -55,8 +55,8 @@ def test_a_server_that_exits_is_reported_with_its_log(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"])
     proc.wait()
     with pytest.raises(RuntimeError, match=r"exited with 3; log: .*\nboom: no model"):
-        common.wait_ready(proc, f"http://127.0.0.1:{common.free_port()}/health", log, timeout=30)
-    with common.server_or_url("http://example.invalid/v1", ["--never-started"]) as (proc, url):
+        servers.wait_ready(proc, f"http://127.0.0.1:{servers.free_port()}/health", log, timeout=30)
+    with servers.server_or_url("http://example.invalid/v1", ["--never-started"]) as (proc, url):
         assert proc is None and url == "http://example.invalid/v1"
 
 

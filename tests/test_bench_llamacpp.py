@@ -12,7 +12,7 @@ import time
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from bench import common, throughput
+from bench import common, servers, throughput
 from bench.peers import llamacpp
 from server.tokenizer import Tokenizer
 
@@ -87,7 +87,7 @@ def llama_server(tmp_path_factory):
     srv = llamacpp.start(tmp_path_factory.mktemp("llamacpp") / "llama-server.log", 2,
                          throughput.MODEL_LEN)
     yield srv
-    common.stop(srv.proc)
+    servers.stop(srv.proc)
 
 
 async def _stream(client, text: str, max_tokens: int) -> tuple[int, str, list[float]]:

@@ -29,7 +29,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from bench.common import ROOT, free_port, stop, wait_ready
+from bench.common import ROOT
+from bench.servers import free_port, stop, wait_ready
 
 DEFAULT_BINARY = ROOT / ".tools" / "llama.cpp" / "bin" / "llama-server"
 MODEL_NAME = "SmolLM2-135M-Instruct"      # the alias llama-server serves the GGUF under
