@@ -78,10 +78,12 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
         for length in ("4k", "7k"):
             accs.update(_needle_pct(results, f"needle_codec_{length}.json", cfg))
         name = _arm_name(codec, mod, row)
-        if mod.startswith("s"):             # a share of the layers: ~4K only
+        if mod.startswith("s"):             # a share of the layers
             group = 32 if codec == "int4" else 64
-            accs = _needle_pct(results, "needle_codec_4k_share.json",
-                               f"sparse-1024-{codec}g{group}{mod}")
+            accs = {}
+            for length in ("4k", "7k"):
+                accs.update(_needle_pct(results, f"needle_codec_{length}_share.json",
+                                        f"sparse-1024-{codec}g{group}{mod}"))
         out.append(f"| {name} | {row['disk_page_bytes']} | "
                    f"{row['disk_to_device_bytes_per_step'] / row['disk_page_bytes']:.0f} | "
                    f"{row['disk_to_device_bytes_per_step'] / 2**20:.1f} | "
@@ -100,10 +102,10 @@ def codec_section(rep: dict, png: str, results: Path = RESULTS) -> list[str]:
                 "disk tier stores as codes (the rest as they are); `auto` is the share the "
                 "start-up cost model picked on this machine (drive against decoding CPU: "
                 "[docs/kvstore.md](docs/kvstore.md#the-share-of-coded-layers---kv-tier-codec-share"
-                ")). The share's needle cell is ~4K only (`bench/needle.py --lengths 4000 "
-                "--per-depth 5 --configs sparse-1024-int4g32s0.5`: the coded layers' pages "
-                "through the codec at int4's default groups of 32); `auto` coded every layer "
-                "here, so its cells are the all-coded row's."]
+                ")). The share's needle: `bench/needle.py --lengths 4000 (7000) --per-depth 5 "
+                "--configs sparse-1024-int4g32s0.5` (the coded layers' pages through the codec "
+                "at int4's default groups of 32); `auto` coded every layer here, so its cells "
+                "are the all-coded row's."]
         same = [arm for arm in rep["codecs"] if arm.endswith("-auto")
                 and rep["codecs"][arm].get("disk_coded_layers")
                 == rep["codecs"].get(arm[:-5], {}).get("disk_coded_layers")]
