@@ -391,4 +391,3 @@ class TieredKVStore:
             self._tiers.wait_writes()       # cached pages written by now are kept
             self._prefix.persist()
         self._tiers.close()
-

@@ -12,18 +12,22 @@ def write_back(tiers, keys: torch.Tensor, slots: torch.Tensor, request_ids: list
     if backing is tiers.device_tier:
         return          # device-only store: pages live (and stay) on the device
     copies = tiers.copies
-    ready = None
-    if copies is not None and backing is not tiers.host_tier:
-        # NOTE: down on the copy stream, after the kernels that wrote the pages; the
-        # disk writes start once it is in (no wait on this thread)
-        pages, ready = copies.to_host(tiers.device_tier.pool, slots.long(), copies.mark())
-    else:
-        pages = tiers.device_tier.pool[slots.long()]      # a copy the writer can own
+    pool = tiers.device_tier.pool
     if backing is tiers.host_tier:
-        backing.put(keys, pages)
+        if copies is None:      # a host pool: straight from its slots into the tier's
+            backing.store_from(pool, slots.long(), backing.alloc_slots(keys))
+        else:
+            backing.put(keys, pool[slots.long()])
         tiers.clean[keys] = True
         tiers.stats.add_transfer("device", "host", keys.numel() * backing.page_bytes)
         return
+    ready = None
+    if copies is not None:
+        # NOTE: down on the copy stream, after the kernels that wrote the pages; the
+        # disk writes start once it is in (no wait on this thread)
+        pages, ready = copies.to_host(pool, slots.long(), copies.mark())
+    else:
+        pages = pool[slots.long()]      # a copy the writer can own
     by_req: dict[str, list[int]] = {}
     for u, rid in enumerate(request_ids):
         by_req.setdefault(rid, []).append(u)

@@ -173,12 +173,12 @@ class DiskLayers(DiskMembers):
 
     def get_into(self, keys: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor):
         """As DiskTier.get_into; PageMissing names every absent page, whichever member's
-        (before any I/O)."""
-        k = self._check_keys(keys, self.max_keys)
-        missing = ~self.contains(k)
-        if missing.any():
-            raise PageMissing(self.name, k[missing], "pages not stored")
-        return super().get_into(k, pool, slots)
+        (a member raises it for its own; the other's are looked up on that error path)."""
+        try:
+            return super().get_into(keys, pool, slots)
+        except PageMissing:
+            k = self._check_keys(keys, self.max_keys)
+            raise PageMissing(self.name, k[~self.contains(k)], "pages not stored") from None
 
     # -- keys -------------------------------------------------------------------------------
     def keys(self) -> torch.Tensor:

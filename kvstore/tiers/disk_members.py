@@ -9,6 +9,7 @@ share is submitted before any is waited on, and one Future joins them.
 """
 from __future__ import annotations
 
+import abc
 import threading
 from concurrent.futures import Future
 
@@ -26,10 +27,10 @@ class DiskMembers(Tier):
     max_keys: int
 
     # -- routing (the subclass's) -----------------------------------------------------------
+    @abc.abstractmethod
     def _parts(self, keys: np.ndarray):
         """(member index, bool mask over keys, the member's keys for keys[mask]) per member
         holding some of `keys` (keys no member holds are left out)."""
-        raise NotImplementedError
 
     def _global_keys(self, member: int, keys: torch.Tensor) -> torch.Tensor:
         """Member `member`'s keys as the set's (what a member's TierError names)."""
