@@ -20,7 +20,7 @@ from pathlib import Path
 
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import RESULTS, ROOT, parser, read_json  # noqa: E402
+from bench.common import RESULTS, ROOT, cpu_line, parser, read_json  # noqa: E402
 from bench.report_bytes import codec_section, recompute_section, selector_section  # noqa: E402
 from bench.report_pages import residency_section  # noqa: E402
 
@@ -68,7 +68,8 @@ def throughput_section(rep: dict, png: str) -> list[str]:
            f"`.venv/bin/python bench/throughput.py` ({rep['wall_s'] / 60:.0f} min): decode "
            f"tokens/s over the HTTP API while N requests of a context decode together, "
            f"{s['steps']} timed steps per cell (one ramp of "
-           f"{', '.join(map(str, s['concurrency']))} requests per context). "
+           f"{', '.join(map(str, s['concurrency']))} requests per context), on "
+           f"{cpu_line(rep['machine'])}. "
            f"Strata configurations: " + "; ".join(
                f"**{k}** `{' '.join(v)}`" for k, v in s["configs"].items()) + ".", ""]
     weights = {k: v for k, v in s.get("strata_weights", {}).items() if v}

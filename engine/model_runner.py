@@ -16,7 +16,7 @@ from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from kvstore.lowrank import load_or_calibrate, projection_path
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler, make_generator
+from engine.sampler import Sampler, bad_word_bans, make_generator
 from engine.weight_plan import WeightPlan
 from kernels.packed_linear import DENSE
 from kvstore.config import KVStoreConfig
@@ -224,6 +224,8 @@ class ModelRunner:
     @staticmethod
     def _banned(req: Request) -> tuple[int, ...]:
         p = req.sampling_params
+        banned = bad_word_bans(p.bad_words, req.output_token_ids) if p.bad_words else ()
         if len(req.output_token_ids) >= p.min_tokens:
-            return ()
-        return tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(req.eos_token_ids))
+            return banned
+        return banned + tuple(p.stop_token_ids) + (
+            () if p.ignore_eos else tuple(req.eos_token_ids))

@@ -5,8 +5,10 @@ Order per row (as in vLLM):
      vLLM's repetition_penalty over its prompt and generated tokens (a seen token's logit is
      divided by it when positive, multiplied when negative);
   2. logit_bias (OpenAI: token id -> bias added to its logit, -100 bans it in practice);
-  3. banned token ids (e.g. EOS/stop ids until min_tokens) set to -inf, and so is every token a
-     constrained row's grammar does not allow now (engine/grammar.py bitmasks);
+  3. banned token ids (EOS/stop ids until min_tokens, the last token of a bad word whose other
+     tokens the output ends with: `bad_word_bans`) set to -inf, and so is every token outside
+     a row's allowed_token_ids and every token a constrained row's grammar does not allow now
+     (engine/grammar.py bitmasks);
   4. logprobs = log_softmax of the logits at this point, i.e. after penalties and bans but BEFORE
      temperature, top-k and top-p. NOTE: they describe the model's (penalized) distribution, not
      the truncated one sampled from, so they do not depend on sampling knobs and are never -inf
@@ -70,6 +72,7 @@ class Sampler:
         _apply_penalties(logits, params, output_token_ids)
         _apply_repetition_penalty(logits, params, output_token_ids, prompt_token_ids)
         _apply_logit_bias(logits, params)
+        _apply_allowed_token_ids(logits, params)
         if banned_token_ids is not None:
             for i, banned in enumerate(banned_token_ids):
                 if banned:
@@ -171,6 +174,26 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> Non
             bias = torch.tensor([b for _, b in p.logit_bias], dtype=torch.float32,
                                 device=logits.device)
             logits[i, ids] += bias.masked_fill_(bias <= BAN_BIAS, float("-inf"))
+
+
+def _apply_allowed_token_ids(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """In place: every token outside a row's allowed_token_ids gets -inf (vLLM's)."""
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            ids = list(p.allowed_token_ids)
+            keep = logits[i, ids]
+            logits[i] = float("-inf")
+            logits[i, ids] = keep
+
+
+def bad_word_bans(bad_words: tuple[tuple[int, ...], ...],
+                  output_token_ids: list[int]) -> tuple[int, ...]:
+    """vLLM's bad_words: for each banned token sequence, its last token where the output ends
+    with the tokens before it (a one-token word is banned always)."""
+    n = len(output_token_ids)
+    return tuple(word[-1] for word in bad_words
+                 if len(word) - 1 <= n
+                 and tuple(output_token_ids[n - len(word) + 1:]) == word[:-1])
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

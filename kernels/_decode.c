@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_pool.h"
 #include "_rows.h"
 
 #define MAX_D 256
@@ -387,11 +388,14 @@ static void *run_rows(void *arg) {
 }
 
 #define MAX_THREADS 64
-#define MIN_PAGES_PER_THREAD 64     /* below this a thread's start costs more than it saves */
+#define MIN_PAGES_PER_THREAD 64     /* below this, handing rows to a pool thread costs more than it saves */
+
+static void run_rows_task(void *arg) { run_rows(arg); }
 
 /* The rows split into `threads` contiguous runs of about equal pages, the first run on the
- * calling thread and the others on threads of their own (each row is computed whole by one
- * thread, so its bits do not depend on the split). */
+ * calling thread and the others on the threads of a pool kept between calls (kernels/_pool.h:
+ * a thread started per call cost more than one layer's attention at 1 x 1K tokens). Each row
+ * is computed whole by one thread, so its bits do not depend on the split. */
 static void run_parallel(rows_job *base, Py_ssize_t rows, int threads) {
     const int64_t total = base->rp[rows] - base->rp[0];
     if (threads > MAX_THREADS)
@@ -407,8 +411,7 @@ static void run_parallel(rows_job *base, Py_ssize_t rows, int threads) {
         return;
     }
     rows_job jobs[MAX_THREADS];
-    pthread_t tid[MAX_THREADS];
-    int started[MAX_THREADS] = {0};
+    void *args[MAX_THREADS];
     Py_ssize_t r = 0;
     for (int t = 0; t < threads; t++) {
         jobs[t] = *base;
@@ -419,16 +422,9 @@ static void run_parallel(rows_job *base, Py_ssize_t rows, int threads) {
         if (r == jobs[t].r0 && r < rows)     /* every run takes a row at least */
             r++;
         jobs[t].r1 = r;
+        args[t] = &jobs[t];
     }
-    for (int t = 1; t < threads; t++)
-        started[t] = pthread_create(&tid[t], NULL, run_rows, &jobs[t]) == 0;
-    run_rows(&jobs[0]);
-    for (int t = 1; t < threads; t++) {
-        if (started[t])
-            pthread_join(tid[t], NULL);
-        else
-            run_rows(&jobs[t]);             /* no thread: run it here */
-    }
+    pool_run(run_rows_task, args, threads);
 }
 
 static PyObject *sparse_decode(PyObject *self, PyObject *args) {
@@ -499,4 +495,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__decode(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__decode(void) {
+    pool_init();
+    return PyModule_Create(&module);
+}

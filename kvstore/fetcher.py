@@ -313,6 +313,8 @@ class Fetcher:
         owners)."""
         tiers = self.tiers
         self.demote()       # evictions of this resolve (and earlier ones) free the slots
+        if not res.misses and res.staged is None:   # every page resident: nothing to move
+            return
         pool, copies = tiers.device_tier.pool, tiers.copies
         n = res.disk_keys.numel()
         try:

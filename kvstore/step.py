@@ -70,23 +70,24 @@ class StepKV:
         self.fetcher = parts.fetcher
         self.now = self.tiers.begin_step()
         self.qo = [0]
-        tok_pid, tok_off = [], []
+        tok_t, tok_off = [], []
         # touched pages (being written this step), per sequence a contiguous run of page indices
         self.t_runs: list[tuple[int, int, int]] = []      # (seq, first page index, count)
         t_pid, t_valid, t_full = [], [], []
         for i, s in enumerate(seqs):
             self.qo.append(self.qo[-1] + s.q_len)
             pos = range(s.start_pos, s.kv_len)
-            tok_pid.extend(s.page_ids[p // ps] for p in pos)
-            tok_off.extend(p % ps for p in pos)
             j0, j1 = s.start_pos // ps, (s.kv_len - 1) // ps
+            tok_t.extend(len(t_pid) + p // ps - j0 for p in pos)
+            tok_off.extend(p % ps for p in pos)
             self.t_runs.append((i, j0, j1 - j0 + 1))
             for j in range(j0, j1 + 1):
                 t_pid.append(s.page_ids[j])
                 valid = min(ps, s.kv_len - j * ps)
                 t_valid.append(valid)
                 t_full.append(valid == ps and s.start_pos - j * ps < ps)   # filled in this step
-        self.tok_pid = torch.tensor(tok_pid, **_I64)
+        # each token's page, as an index into the touched pages (t_pid)
+        self.tok_t = torch.tensor(tok_t, **_I64)
         self.tok_off = torch.tensor(tok_off, **_I64)
         self.t_pid = torch.tensor(t_pid, **_I64)
         self.t_valid = torch.tensor(t_valid, **_I64)
@@ -163,7 +164,7 @@ class StepKV:
         t_keys = layer * P + self.t_pid
         protect = pipe.protected(t_keys)        # and the pages fetched ahead
         t_slots = self.fetcher.ensure(t_keys, protect=protect, fill=False).long()
-        tok_slots = tiers.device_slots(layer * P + self.tok_pid).long()
+        tok_slots = t_slots[self.tok_t]
         pool[tok_slots, 0, :, self.tok_off] = k.to(pool.dtype)   # indexed view: [T, KVH, D]
         pool[tok_slots, 1, :, self.tok_off] = v.to(pool.dtype)
         if inputs is not None:          # only given when `keeps_inputs`

@@ -26,13 +26,18 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0      # extension (vLLM, CTRL): over prompt and output tokens
     min_p: float = 0.0                   # extension (vLLM): drop tokens below min_p x the top one
-    stop_token_ids: tuple[int, ...] = () # finish with "stop" when one is sampled (token is kept)
+    stop_token_ids: tuple[int, ...] = () # finish with "stop" when one is sampled (an output
+                                         # token; the server leaves its text out, as vLLM)
     ignore_eos: bool = False             # extension (vLLM): do not stop at the model's EOS tokens
     logprobs: int | None = None          # None: off; k >= 0: sampled token's logprob plus top-k
     min_tokens: int = 0                  # extension (vLLM): EOS/stop ids are masked until reached
     client: str = ""                     # who asked (OpenAI `user`; "": anonymous): fair share
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
     grammar: GrammarSpec | None = None   # constrained decoding: the output follows it
+    allowed_token_ids: tuple[int, ...] | None = None  # extension (vLLM): only these are sampled
+    # extension (vLLM): token sequences the output never ends with (its last token is banned
+    # where the output ends with the others)
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def greedy(self) -> bool:

@@ -35,6 +35,8 @@ class ChoiceSpec:
     prompt_token_ids: list[int]
     params: SamplingParams
     stop: tuple[str, ...] = ()
+    include_stop: bool = False          # the matched stop string stays in the text (vLLM's)
+    skip_special_tokens: bool = True    # special tokens left out of the text
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,9 @@ class ChoiceStream:
         self.spec = spec
         self._engine = engine
         self._metrics = metrics
-        self._detokenizer = IncrementalDetokenizer(tokenizer, spec.prompt_token_ids)
-        self._stop = StopChecker(spec.stop)
+        self._detokenizer = IncrementalDetokenizer(
+            tokenizer, spec.prompt_token_ids, skip_special_tokens=spec.skip_special_tokens)
+        self._stop = StopChecker(spec.stop, include=spec.include_stop)
         self._outputs: AsyncIterator[RequestOutput] | None = None
         self._first: RequestOutput | None = None
         self._arrival = time.monotonic()
@@ -108,7 +111,10 @@ class ChoiceStream:
 
     async def _on_output(self, out: RequestOutput) -> ChoiceDelta:
         self._record_tokens(out)
-        text = self._detokenizer.push(out.new_token_ids)
+        ids = out.new_token_ids
+        if out.finish_reason == "stop" and ids and not self.spec.include_stop:
+            ids = ids[:-1]      # the EOS or stop_token_id that ended it: counted, not written
+        text = self._detokenizer.push(ids)
         if out.finished:
             text += self._detokenizer.flush()
         text = self._stop.push(text)

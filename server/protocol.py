@@ -31,6 +31,11 @@ SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1
 MAX_LOGIT_BIAS = 1024      # token ids in one logit_bias
 MAX_TOOLS = 128
 MAX_GUIDED_CHOICES = 256
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_BAD_WORDS = 128
+# chat_template_kwargs may not replace what the server passes the template itself
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
+                                      "bos_token", "eos_token"})
 
 
 def _utf8(value: str) -> str:
@@ -123,17 +128,36 @@ class _Constrained(_Request):
                                                       max_length=MAX_GUIDED_CHOICES)] = None
     guided_grammar: Text | None = None
     guided_decoding_backend: Text | None = None     # ours is llguidance, whatever is asked
+    # vLLM's token-level controls: only these tokens may be sampled; token sequences the
+    # output never ends with; keep the last k prompt tokens (-1: as many as the context holds);
+    # the matched stop string kept in the text; special tokens written into the text
+    allowed_token_ids: Annotated[list[TokenId] | None,
+                                 Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] = None
+    bad_words: Annotated[list[Text] | None, Field(max_length=MAX_BAD_WORDS)] = None
+    truncate_prompt_tokens: Annotated[StrictInt | None, Field(ge=-1)] = None
+    include_stop_str_in_output: Flag = False
+    skip_special_tokens: Flag = True
     # refused: they would change the output and are not implemented
     use_beam_search: OnlyFalse = None
     length_penalty: Unsupported = None
-    bad_words: Unsupported = None
-    allowed_token_ids: Unsupported = None
     prompt_logprobs: Unsupported = None
-    truncate_prompt_tokens: Unsupported = None
-    include_stop_str_in_output: OnlyFalse = None
-    skip_special_tokens: OnlyTrue = None
     spaces_between_special_tokens: OnlyTrue = None
     structured_outputs: Unsupported = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_is_positive_or_all(cls, value):
+        if value == 0:
+            raise ValueError("truncate_prompt_tokens keeps the last k >= 1 prompt tokens, or "
+                             "-1 for as many as the context holds")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_have_text(cls, value):
+        if value is not None and any(not w.strip() for w in value):
+            raise ValueError("a bad word must have a non-blank text")
+        return value
 
     def guided_fields(self) -> dict[str, Any]:
         """The structured-output fields given (not None), by name."""
@@ -176,11 +200,34 @@ class ChatCompletionRequest(_Constrained):
     min_tokens: MinTokens = 0
     stop_token_ids: TokenIds = None
     echo: OnlyFalse = None
-    add_generation_prompt: OnlyTrue = None
-    continue_final_message: OnlyFalse = None
+    # the chat template's switches (vLLM): end with the assistant's turn opened (default), or
+    # not; continue the last (assistant) message instead of starting a new one; more
+    # variables for the template
+    add_generation_prompt: Flag = True
+    continue_final_message: Flag = False
+    chat_template_kwargs: dict[str, Any] | None = None
     chat_template: Unsupported = None
-    chat_template_kwargs: Unsupported = None
     documents: Unsupported = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_needs_an_open_assistant_turn(cls, value, info):
+        if value:
+            if info.data.get("add_generation_prompt", True):
+                raise ValueError("continue_final_message needs add_generation_prompt false: "
+                                 "the answer continues the last message, not a new turn")
+            messages = info.data.get("messages") or []
+            if messages and messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs an assistant message last")
+        return value
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_leave_the_servers_own(cls, value):
+        reserved = RESERVED_TEMPLATE_KWARGS & set(value or ())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

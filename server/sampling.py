@@ -40,20 +40,46 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
         raise invalid_request(f"Token id {bad} is out of range [0, {vocab_size}).", param=param)
 
 
+def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the
+    context holds; None: all of them)."""
+    if keep is None:
+        return prompt_ids
+    keep = max_model_len if keep == -1 else keep
+    return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+
+
+def bad_words_token_ids(words, tokenizer) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word as its own tokens and, where a leading
+    space changes its first token but not how many there are, as it would follow a space."""
+    seqs: list[tuple[int, ...]] = []
+    for word in words:
+        bare = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if bare and bare not in seqs:
+            seqs.append(bare)
+        if bare and len(spaced) == len(bare) and spaced[0] != bare[0] and spaced not in seqs:
+            seqs.append(spaced)
+    return tuple(seqs)
+
+
 MAX_CLIENT_CHARS = 256      # a `user` is a fair-share key, not data: longer ones are cut
 
 
 def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int = 0,
                           vocab_size: int | None = None, grammar: GrammarSpec | None = None,
-                          logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingParams:
+                          logit_bias: tuple[tuple[int, float], ...] = (),
+                          bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     """SamplingParams for one choice; choice i of a seeded request uses seed + i."""
     min_tokens = request.min_tokens or 0
     if min_tokens > max_tokens:
         raise invalid_request(f"min_tokens ({min_tokens}) must not exceed max_tokens "
                               f"({max_tokens}).", param="min_tokens")
     stop_ids = tuple(request.stop_token_ids or ())
+    allowed = request.allowed_token_ids
     if vocab_size is not None:
         check_token_ids(list(stop_ids), vocab_size, "stop_token_ids")
+        check_token_ids(allowed or [], vocab_size, "allowed_token_ids")
     top_k = request.top_k or 0
     temperature = 1.0 if request.temperature is None else request.temperature
     return SamplingParams(
@@ -73,4 +99,6 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         client=(getattr(request, "user", None) or "")[:MAX_CLIENT_CHARS],
         logit_bias=logit_bias,
         grammar=grammar,
+        allowed_token_ids=None if allowed is None else tuple(sorted(set(allowed))),
+        bad_words=bad_words,
     )

@@ -25,7 +25,8 @@ from server.errors import (APIError, answer_for, context_length_exceeded, from_e
                            internal_error, invalid_request, request_failed)
 from server.generation import ChoiceResult, Generation
 from server.sampling import Request as SamplingRequest
-from server.sampling import build_sampling_params, resolve_max_tokens, stop_strings
+from server.sampling import (bad_words_token_ids, build_sampling_params, resolve_max_tokens,
+                             stop_strings, truncate_prompt)
 from server.sse import DONE, EventStreamResponse, sse_event
 from server.structured import logit_bias_pairs
 
@@ -87,11 +88,14 @@ class OpenAIServing:
         self.check_admissible(n * len(prompts))
         stops = stop_strings(request)
         bias = logit_bias_pairs(request, tokenizer.vocab_size)
+        words = bad_words_token_ids(request.bad_words or (), tokenizer)
         streams = []
         for prompt_index, prompt_ids in enumerate(prompts):
             if not prompt_ids:
                 raise invalid_request("The prompt must contain at least one token.",
                                       param=prompt_param)
+            prompt_ids = truncate_prompt(prompt_ids, request.truncate_prompt_tokens,
+                                         ctx.max_model_len)
             try:
                 max_tokens = resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids),
                                                 ctx.max_model_len, prompt_param)
@@ -102,10 +106,13 @@ class OpenAIServing:
                 index = prompt_index * n + i
                 params = build_sampling_params(request, max_tokens=max_tokens, seed_offset=i,
                                                vocab_size=tokenizer.vocab_size,
-                                               grammar=grammar, logit_bias=bias)
+                                               grammar=grammar, logit_bias=bias,
+                                               bad_words=words)
                 spec = ChoiceSpec(index=index, prompt_index=prompt_index,
                                   request_id=f"{request_id}-{index}", prompt_token_ids=prompt_ids,
-                                  params=params, stop=stops)
+                                  params=params, stop=stops,
+                                  include_stop=bool(request.include_stop_str_in_output),
+                                  skip_special_tokens=request.skip_special_tokens is not False)
                 streams.append(ChoiceStream(ctx.engine, tokenizer, ctx.metrics, spec))
         return Generation(streams, ctx.metrics)
 

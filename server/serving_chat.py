@@ -32,9 +32,11 @@ class ChatServing(OpenAIServing):
         # NOTE: compiling a large schema takes milliseconds: not on the event loop
         plan, grammar = await anyio.to_thread.run_sync(_constraints, request)
         messages, tools = chat_messages(request, tokenizer.chat_template)
-        self.check_prompt_text(["".join(m["content"] for m in messages)], "messages")
+        if request.truncate_prompt_tokens is None:      # else the prompt's tail is kept
+            self.check_prompt_text(["".join(m["content"] for m in messages)], "messages")
         try:
-            prompt_ids = await anyio.to_thread.run_sync(tokenizer.encode_chat, messages, tools)
+            prompt_ids = await anyio.to_thread.run_sync(
+                lambda: tokenizer.encode_chat(messages, tools, **template_options(request)))
         except TemplateError as exc:
             raise invalid_request(str(exc), param="messages") from None
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -107,6 +109,14 @@ class ChatServing(OpenAIServing):
                               for t in top[:request.top_logprobs or 0]])
             for sampled, top in entries]
         return ChatChoiceLogprobs(content=content)
+
+
+def template_options(request: ChatCompletionRequest) -> dict:
+    """The chat template's switches a request sets (Tokenizer.apply_chat_template's keywords):
+    the generation prompt (on unless false), continuing the last message, more variables."""
+    return dict(add_generation_prompt=request.add_generation_prompt is not False,
+                continue_final_message=bool(request.continue_final_message),
+                template_kwargs=request.chat_template_kwargs)
 
 
 def _constraints(request: ChatCompletionRequest) -> tuple[ToolPlan | None, GrammarSpec | None]:

@@ -52,7 +52,8 @@ class CompletionServing(OpenAIServing):
         texts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         if texts and isinstance(texts[0], str):
             self.check_admissible(len(texts) * (request.n or 1))
-            self.check_prompt_text(texts, "prompt")
+            if request.truncate_prompt_tokens is None:  # else each prompt's tail is kept
+                self.check_prompt_text(texts, "prompt")
         if request.echo and request.logprobs is not None:
             raise invalid_request("echo with logprobs is not supported (the prompt's logprobs "
                                   "are not computed).", param="echo")

@@ -19,6 +19,7 @@ from server.protocol_tools import ChatTool
 from server.sampling import check_token_ids
 from server.serving_completion import prompt_token_ids
 from server.tokenizer import TemplateError
+from server.serving_chat import template_options
 from server.tools import chat_messages
 
 
@@ -89,7 +90,8 @@ class TokenServing:
         tokenizer = self.ctx.require_ready()
         messages, tools = chat_messages(request, tokenizer.chat_template)
         try:
-            ids = await anyio.to_thread.run_sync(tokenizer.encode_chat, messages, tools)
+            ids = await anyio.to_thread.run_sync(
+                lambda: tokenizer.encode_chat(messages, tools, **template_options(request)))
         except TemplateError as exc:
             raise invalid_request(str(exc), param="messages") from None
         return RenderResponse(model=self.ctx.served_model_name, token_ids=ids)

@@ -126,20 +126,48 @@ class Tokenizer:
         return list(self.token_text(token_id).encode("utf-8"))
 
     # ------------------------------------------------------------------ chat
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """Render a conversation ending with the assistant's generation prompt; `tools`: the
-        OpenAI tool definitions, for a template that renders them (server/tools.py)."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> str:
+        """Render a conversation ending with the assistant's generation prompt (unless
+        add_generation_prompt is false); `tools`: the OpenAI tool definitions, for a template
+        that renders them (server/tools.py). continue_final_message: the text ends where the
+        last (assistant) message's content does, so the answer continues it (what follows
+        it, the end of the turn, is cut, as transformers and vLLM do). template_kwargs: more
+        variables for the template (vLLM's chat_template_kwargs)."""
         if not self.chat_template:
             raise TemplateError("This model has no chat template; use /v1/completions.")
         template = _compile_template(self.chat_template)
         try:
-            return template.render(messages=messages, tools=tools, add_generation_prompt=True,
+            text = template.render(**(template_kwargs or {}), messages=messages, tools=tools,
+                                   add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError:
             raise
-        except jinja2.TemplateError as exc:
+        # NOTE: what the request's values make the template do wrong (a chat_template_kwargs
+        # value where it calls a function, ...) is the request's error, not the server's
+        except (jinja2.TemplateError, TypeError, ValueError, LookupError,
+                AttributeError) as exc:
             raise TemplateError(f"The chat template failed: {exc}") from exc
+        return _end_at_final_message(text, messages) if continue_final_message else text
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    **options) -> list[int]:
+        """apply_chat_template's text (options: its keywords) as token ids."""
         # NOTE: the template writes the special tokens itself; add none on top.
-        return self.encode(self.apply_chat_template(messages, tools), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools, **options),
+                           add_special_tokens=False)
+
+
+def _end_at_final_message(text: str, messages: list[dict]) -> str:
+    """The rendered text cut just after the last message's content (a template may strip it:
+    then just after its stripped form)."""
+    final = messages[-1].get("content") or ""
+    if not final.strip():
+        raise TemplateError("continue_final_message: the last message has no text to continue")
+    for content in (final, final.strip()):
+        if content and (at := text.rfind(content)) >= 0:
+            return text[:at + len(content)]
+    raise TemplateError("continue_final_message: the chat template did not render the last "
+                        "message's content")

@@ -226,3 +226,26 @@ def test_min_p_keeps_only_tokens_near_the_top():
         seen.update(Sampler(seed=0).sample(logits, [SamplingParams(temperature=1.0, min_p=0.1)],
                                            [[]], gens).token_ids)
     assert seen == {0, 1}
+
+
+def test_allowed_token_ids_bound_greedy_and_random_rows_and_their_logprobs():
+    logits = rand_logits(2)
+    allowed = (5, 77, 40000)
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=allowed, logprobs=3),
+              SamplingParams(temperature=1.5, allowed_token_ids=allowed, seed=1)]
+    for _ in range(20):
+        out = sample(logits, params, gens=[None, make_generator(_)])
+        assert set(out.token_ids) <= set(allowed)
+    assert out.token_ids[0] == max(allowed, key=lambda t: float(logits[0, t]))
+    sampled, top = out.logprobs[0]
+    assert {t.token_id for t in top} == set(allowed)          # the rest has probability 0
+    assert math.isclose(sum(math.exp(t.logprob) for t in top), 1.0, rel_tol=1e-4)
+
+
+def test_bad_word_bans_the_last_token_where_the_output_ends_with_the_rest():
+    from engine.sampler import bad_word_bans
+    words = ((7,), (1, 2, 3), (9, 3))
+    assert bad_word_bans(words, []) == (7,)
+    assert bad_word_bans(words, [5, 1, 2]) == (7, 3)
+    assert bad_word_bans(words, [1, 2, 9]) == (7, 3)
+    assert bad_word_bans(words, [2, 1]) == (7,)

@@ -54,6 +54,19 @@ def error_for(model, body: dict) -> APIError:
     ({"messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),
     ({"messages": HELLO, "model": "m\udfff"}, "model"),
     ({"messages": HELLO, "stop": ["\ud800"]}, "stop"),
+    # vLLM's token-level controls and chat template switches
+    ({"messages": HELLO, "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"messages": HELLO, "allowed_token_ids": [-1]}, "allowed_token_ids[0]"),
+    ({"messages": HELLO, "bad_words": ["ok", " "]}, "bad_words"),
+    ({"messages": HELLO, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"messages": HELLO, "truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"messages": HELLO, "include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ({"messages": HELLO, "continue_final_message": True}, "continue_final_message"),
+    ({"messages": HELLO, "continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message"),           # the last message is the user's
+    ({"messages": HELLO, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ({"messages": HELLO, "spaces_between_special_tokens": False},
+     "spaces_between_special_tokens"),
 ])
 def test_invalid_chat_values_name_the_param(body, param):
     error = error_for(ChatCompletionRequest, body)
@@ -207,3 +220,21 @@ def test_openapi_declares_the_statuses_we_send_and_no_422():
     assert all(kind.startswith("text/plain") for kind in metrics)
     assert doc["paths"]["/v1/models"]["get"]["responses"]["200"]["content"][
         "application/json"]["schema"]["$ref"].endswith("/ModelList")
+
+
+def test_allowed_token_ids_outside_the_vocabulary_are_a_400_and_kept_sorted_otherwise():
+    with pytest.raises(APIError) as info:
+        build_sampling_params(chat(allowed_token_ids=[5, 100]), max_tokens=4, vocab_size=100)
+    assert info.value.param == "allowed_token_ids"
+    params = build_sampling_params(chat(allowed_token_ids=[9, 5, 9]), max_tokens=4,
+                                   vocab_size=100)
+    assert params.allowed_token_ids == (5, 9)
+
+
+def test_truncate_prompt_keeps_the_tail():
+    from server.sampling import truncate_prompt
+    ids = list(range(10))
+    assert truncate_prompt(ids, None, 8) == ids
+    assert truncate_prompt(ids, 3, 8) == [7, 8, 9]
+    assert truncate_prompt(ids, 20, 8) == ids
+    assert truncate_prompt(ids, -1, 8) == ids[2:]

@@ -50,3 +50,55 @@ def test_server_modules_do_not_import_torch():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', "
             "'kernels', 'kvstore')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True)
+
+
+CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello! My name is"}]
+
+
+@pytest.mark.parametrize("options", [dict(add_generation_prompt=False),
+                                     dict(add_generation_prompt=False,
+                                          continue_final_message=True)])
+def test_template_switches_render_as_transformers_does(tokenizer, smollm2_dir, options):
+    from transformers import AutoTokenizer
+    hf = AutoTokenizer.from_pretrained(smollm2_dir)
+    want = hf.apply_chat_template(CONVERSATION, tokenize=False, **options)
+    assert tokenizer.apply_chat_template(CONVERSATION, **options) == want
+    if options.get("continue_final_message"):
+        assert want.endswith("My name is")
+
+
+def test_continue_final_message_needs_text_to_continue(tokenizer):
+    with pytest.raises(TemplateError):
+        tokenizer.apply_chat_template(CONVERSATION[:2] + [{"role": "assistant", "content": ""}],
+                                      add_generation_prompt=False, continue_final_message=True)
+
+
+def test_template_kwargs_reach_the_template(tokenizer):
+    own, tokenizer.chat_template = (tokenizer.chat_template,
+                                    "{{ greeting }} {{ messages[0]['content'] }}")
+    try:
+        text = tokenizer.apply_chat_template(CONVERSATION[1:2],
+                                             template_kwargs={"greeting": "Dear"})
+    finally:
+        tokenizer.chat_template = own
+    assert text == "Dear Hi"
+
+
+def test_a_template_failing_on_the_requests_values_is_a_template_error(tokenizer):
+    own, tokenizer.chat_template = tokenizer.chat_template, "{{ raise_exception('no') }}"
+    try:
+        for kwargs in ({}, {"raise_exception": 1}):      # the template's own error, or a call
+            with pytest.raises(TemplateError):           # of the request's value
+                tokenizer.apply_chat_template(CONVERSATION, template_kwargs=kwargs)
+    finally:
+        tokenizer.chat_template = own
+
+
+def test_bad_words_become_their_tokens_alone_and_after_a_space(tokenizer):
+    from server.sampling import bad_words_token_ids
+    seqs = bad_words_token_ids(["Paris", " hello world"], tokenizer)
+    for word in ("Paris", " Paris", "hello world", " hello world"):
+        ids = tuple(tokenizer.encode(word, add_special_tokens=False))
+        assert ids in seqs
+    assert len(seqs) == len(set(seqs)) == 4

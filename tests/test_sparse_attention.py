@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -402,3 +403,25 @@ def test_c_kernel_rows_split_over_threads_give_the_same_bits(kernel, threads):
     kernel.threads = threads
     got = kernel.forward_partial(q, pool, table, 3, 0.125)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_c_kernel_thread_pool_serves_many_calls_and_concurrent_callers(kernel):
+    """The rows' threads are a pool kept between calls (kernels/_pool.h): hundreds of calls in
+    a row, and two callers at once (the GIL is released: the second runs its rows on its own
+    thread while the first holds the pool), all give the one-thread bits."""
+    _, table, pool, q = _random_case(8, 3, torch.bfloat16, budget=80, seed=6)
+    one = NativeSparseDecode()
+    one.simd, one.threads = kernel.simd, 1
+    want = one.forward_partial(q, pool, table, 3, 0.125)
+    kernel.threads = 2
+
+    def calls(n: int) -> bool:
+        ok = True
+        for _ in range(n):
+            got = kernel.forward_partial(q, pool, table, 3, 0.125)
+            ok &= torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        return ok
+
+    assert calls(200)
+    with ThreadPoolExecutor(2) as ex:
+        assert all(f.result() for f in [ex.submit(calls, 200) for _ in range(2)])

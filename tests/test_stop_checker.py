@@ -77,3 +77,15 @@ def test_random_splits_match_the_reference_and_never_leak_a_stop(seed):
         assert not any(s in so_far for s in stops)
     so_far += checker.flush()
     assert so_far == reference(text, stops)
+
+
+@pytest.mark.parametrize("pieces", [["hello wor", "ld END and more"], ["hello world E", "N", "D!"]])
+def test_include_keeps_the_stop_string_and_nothing_after(pieces):
+    checker = StopChecker(["END", "D!"], include=True)
+    emitted = [checker.push(p) for p in pieces]
+    assert "".join(emitted) == "hello world END" and checker.stopped
+
+
+def test_include_takes_the_longest_of_stops_starting_at_one_place():
+    checker = StopChecker(["ab", "abc"], include=True)
+    assert checker.push("x abcd") == "x abc"
