@@ -85,8 +85,10 @@ def gpu_name() -> str:
 
 
 def cpu_line(m: dict) -> str:
-    """`machine()`'s CPU and its vector extensions, for a table's heading."""
-    return f"{m['cpu']} ({', '.join(m['cpu_flags'])})"
+    """`machine()`'s CPU and its vector extensions, for a table's heading (results written
+    before the flags were recorded: the CPU alone)."""
+    flags = m.get("cpu_flags") or []
+    return f"{m.get('cpu') or 'unknown CPU'}" + (f" ({', '.join(flags)})" if flags else "")
 
 
 def code_version() -> dict:
