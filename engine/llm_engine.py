@@ -169,8 +169,11 @@ class LLMEngine:
         lps = self._pending_logprobs.get(rid, [])
         self._pending_logprobs[rid] = []
         reason = req.status.value if finished else None
+        # NOTE: the prompt is computed once the first token is sampled
+        prompt_lps = self.runner.take_prompt_logprobs(rid) if start == 0 and new else None
         return RequestOutput(
             request_id=rid, new_token_ids=new, new_logprobs=tuple(lps), finished=finished,
+            prompt_logprobs=prompt_lps,
             finish_reason=reason, error=error, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
             num_output_tokens=len(req.output_token_ids), arrival_time=req.arrival_time,

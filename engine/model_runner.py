@@ -16,7 +16,7 @@ from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from kvstore.lowrank import load_or_calibrate, projection_path
 from engine.outputs import TokenLogprob
-from engine.sampler import Sampler, bad_word_bans, make_generator
+from engine.sampler import Sampler, bad_word_bans, make_generator, prompt_logprobs
 from engine.weight_plan import WeightPlan
 from kernels.packed_linear import DENSE
 from kvstore.config import KVStoreConfig
@@ -90,6 +90,9 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator | None] = {}
         # the distinct prompt token ids of repetition_penalty requests, made once per request
         self._prompt_vocab: dict[str, list[int]] = {}
+        # prompt_logprobs requests' entries by prompt position, until their first output
+        self._prompt_logprobs: dict[str, list] = {}
+        self._prompt_logprobs_sent: set[str] = set()
         self.grammars = GrammarTable(folder / "tokenizer.json", config.vocab_size,
                                      tuple(config.eos_token_ids))
 
@@ -109,6 +112,8 @@ class ModelRunner:
         """The request ended: its generator and its KV in every tier go."""
         self._generators.pop(request_id, None)
         self._prompt_vocab.pop(request_id, None)
+        self._prompt_logprobs.pop(request_id, None)
+        self._prompt_logprobs_sent.discard(request_id)
         self.grammars.release(request_id)
         self.store.release(request_id)
 
@@ -122,10 +127,20 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
+        # rows whose next token is a prompt token, for prompt_logprobs: (request, its position)
+        prompt_rows: list[int] = []
+        prompt_at: list[tuple[str, int]] = []
         seqs: list[SeqKV] = []
         prefilled: list[str] = []
         for r in batch.requests:
             n = len(r.token_ids)
+            req = requests[r.request_id]
+            if req.sampling_params.prompt_logprobs is not None \
+                    and r.request_id not in self._prompt_logprobs_sent:   # (a preempted one)
+                self._prompt_logprobs.setdefault(r.request_id, [None] * req.num_prompt_tokens)
+                last = min(r.start_pos + n, req.num_prompt_tokens - 1)
+                prompt_rows += range(len(input_ids), len(input_ids) + last - r.start_pos)
+                prompt_at += ((r.request_id, p + 1) for p in range(r.start_pos, last))
             input_ids.extend(r.token_ids)
             positions.extend(range(r.start_pos, r.start_pos + n))
             seqs.append(SeqKV(r.request_id, r.page_ids, r.start_pos, n, observe=r.sample and n > 1))
@@ -139,13 +154,17 @@ class ModelRunner:
         try:
             logits = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                                 torch.tensor(positions, dtype=torch.int64, device=dev), step,
-                                torch.tensor(logits_rows, dtype=torch.int64, device=dev))
+                                torch.tensor(logits_rows + prompt_rows, dtype=torch.int64,
+                                             device=dev))
         except BaseException:
             self.store.abort_step()     # no stage thread may outlive the failed step
             raise
         write_failures = self.store.end_step(step, prefilled)
         for rid in prefilled:        # their prompt's full pages join the prefix cache
             self.store.publish(rid, requests[rid].prompt_token_ids)
+        if prompt_rows:
+            self._keep_prompt_logprobs(logits[len(logits_rows):], prompt_at, requests)
+            logits = logits[:len(logits_rows)]
         sampled, sample_failures = self._sample(batch, requests, logits)
         if len(input_ids) >= _TRIM_AFTER_TOKENS:
             release_free_heap()
@@ -200,6 +219,25 @@ class ModelRunner:
         return {q.request_id: SampledToken(out.token_ids[k],
                                            out.logprobs[k] if out.logprobs is not None else None)
                 for k, q in enumerate(reqs)}
+
+    def _keep_prompt_logprobs(self, logits: torch.Tensor, at: list[tuple[str, int]],
+                              requests: dict[str, Request]) -> None:
+        """Record the prompt logprobs of rows `logits` [P, V], row i predicting the prompt
+        token at position at[i][1] of request at[i][0] (a recomputed prefill overwrites)."""
+        targets = torch.tensor([requests[rid].prompt_token_ids[p] for rid, p in at])
+        k = max(requests[rid].sampling_params.prompt_logprobs for rid, _ in at)
+        for (rid, p), (tok, top) in zip(at, prompt_logprobs(logits, targets, k)):
+            self._prompt_logprobs[rid][p] = (tok, top[:requests[rid].sampling_params
+                                                  .prompt_logprobs])
+
+    def take_prompt_logprobs(self, request_id: str) -> tuple | None:
+        """A prompt_logprobs request's entries (None for the first token), once its prompt is
+        computed; None otherwise, or once taken."""
+        kept = self._prompt_logprobs.pop(request_id, None)
+        if kept is None:
+            return None
+        self._prompt_logprobs_sent.add(request_id)
+        return tuple(kept)
 
     def _seen_prompt(self, req: Request) -> list[int]:
         """The prompt's distinct token ids where repetition_penalty reads them (else none): the

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 class TokenLogprob:
     token_id: int
     logprob: float
+    rank: int | None = None         # 1 + how many tokens are likelier (prompt logprobs only)
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0                        # prompt tokens the prefix cache held
     num_output_tokens: int = 0
+    # prompt_logprobs: on the request's first output, one entry per prompt token (None for
+    # the first): (the prompt token, top-k alternatives) as new_logprobs has them
+    prompt_logprobs: tuple[tuple[TokenLogprob, tuple[TokenLogprob, ...]] | None, ...] | None = None
     # timestamps (time.monotonic) for metrics
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

@@ -80,6 +80,11 @@ class Sampler:
         if allowed is not None:
             logits.masked_fill_(~unpack_bitmask(allowed.to(logits.device), vocab),
                                 float("-inf"))
+        # NOTE: raised for the batch; ModelRunner then samples row by row and fails this one
+        empty = torch.isneginf(logits.amax(dim=-1))
+        if bool(empty.any()):
+            raise ValueError("no token can be sampled: allowed_token_ids, bad_words, min_tokens "
+                             "and the output's grammar leave none")
 
         token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
         greedy = [i for i, p in enumerate(params) if p.greedy]
@@ -255,4 +260,25 @@ def _logprobs(logits: torch.Tensor, params: list[SamplingParams],
         k = min(params[i].logprobs, k_max)
         top = tuple(TokenLogprob(t, v) for t, v in zip(top_ids[r][:k], top_vals[r][:k]))
         out[i] = (TokenLogprob(tokens[i], sampled[r]), top)
+    return out
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int,
+                    rows_at_once: int = 256) -> list[RowLogprobs]:
+    """Per row of logits [R, V]: the logprob of the prompt token that follows (targets [R])
+    and the top-k, from the raw distribution (no penalties, bias or temperature: vLLM's
+    prompt_logprobs), in blocks of rows so that a long prefill chunk's log-softmax stays
+    small."""
+    out: list[RowLogprobs] = []
+    for a in range(0, logits.shape[0], rows_at_once):
+        lp = torch.log_softmax(logits[a:a + rows_at_once].float(), dim=-1)
+        tgt = targets[a:a + rows_at_once].to(lp.device)
+        chosen = lp.gather(1, tgt[:, None])
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+        kk = min(k, lp.shape[1])
+        vals, ids = lp.topk(kk, dim=-1) if kk else (lp[:, :0], tgt[:, None][:, :0])
+        for t, c, r, vs, ts in zip(tgt.tolist(), chosen[:, 0].tolist(), ranks, vals.tolist(),
+                                   ids.tolist()):
+            out.append((TokenLogprob(t, c, r), tuple(TokenLogprob(i, v, j + 1)
+                                                     for j, (i, v) in enumerate(zip(ts, vs)))))
     return out

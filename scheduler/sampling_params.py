@@ -38,6 +38,9 @@ class SamplingParams:
     # extension (vLLM): token sequences the output never ends with (its last token is banned
     # where the output ends with the others)
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # extension (vLLM): each prompt token's logprob (after the first) and the top-k there, from
+    # the model's raw distribution; the prompt is then computed whole (no prefix-cache reuse)
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

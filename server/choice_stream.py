@@ -67,6 +67,7 @@ class ChoiceStream:
         self.finished = False
         self.num_output_tokens = 0
         self.num_cached_tokens = 0          # prompt tokens the prefix cache held
+        self.prompt_logprobs: Logprobs | None = None    # with the first output, when asked
 
     async def start(self) -> None:
         """Submit and wait for the first output, so admission errors surface before any HTTP
@@ -82,6 +83,7 @@ class ChoiceStream:
         if first is None:
             raise RequestFailed("the engine returned no output")
         self._first = first
+        self.prompt_logprobs = first.prompt_logprobs
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         output, self._first = self._first, None

@@ -32,7 +32,9 @@ MAX_LOGIT_BIAS = 1024      # token ids in one logit_bias
 MAX_TOOLS = 128
 MAX_GUIDED_CHOICES = 256
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
+MAX_PROMPT_LOGPROBS = 20
 MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
 # chat_template_kwargs may not replace what the server passes the template itself
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
                                       "bos_token", "eos_token"})
@@ -133,14 +135,17 @@ class _Constrained(_Request):
     # the matched stop string kept in the text; special tokens written into the text
     allowed_token_ids: Annotated[list[TokenId] | None,
                                  Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] = None
-    bad_words: Annotated[list[Text] | None, Field(max_length=MAX_BAD_WORDS)] = None
+    bad_words: Annotated[list[Annotated[Text, Field(max_length=MAX_BAD_WORD_CHARS)]] | None,
+                         Field(max_length=MAX_BAD_WORDS)] = None
     truncate_prompt_tokens: Annotated[StrictInt | None, Field(ge=-1)] = None
     include_stop_str_in_output: Flag = False
     skip_special_tokens: Flag = True
+    # each prompt token's logprob (after the first) and the top k there (vLLM's); the prompt
+    # is then computed whole, without the prefix cache
+    prompt_logprobs: Annotated[StrictInt | None, Field(ge=0, le=MAX_PROMPT_LOGPROBS)] = None
     # refused: they would change the output and are not implemented
     use_beam_search: OnlyFalse = None
     length_penalty: Unsupported = None
-    prompt_logprobs: Unsupported = None
     spaces_between_special_tokens: OnlyTrue = None
     structured_outputs: Unsupported = None
 
@@ -213,7 +218,7 @@ class ChatCompletionRequest(_Constrained):
     @classmethod
     def _continue_needs_an_open_assistant_turn(cls, value, info):
         if value:
-            if info.data.get("add_generation_prompt", True):
+            if info.data.get("add_generation_prompt") is not False:     # null: its default
                 raise ValueError("continue_final_message needs add_generation_prompt false: "
                                  "the answer continues the last message, not a new turn")
             messages = info.data.get("messages") or []
@@ -329,6 +334,18 @@ class ChatCompletionChoice(_Wire):
     finish_reason: str | None = None
 
 
+class PromptLogprob(_Wire):
+    """vLLM's prompt_logprobs entry of one token."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# per prompt token (None for the first): token id (as a string) -> its entry, the prompt's
+# own token and the top-k alternatives
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(_Wire):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -337,6 +354,7 @@ class ChatCompletionResponse(_Wire):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(_Wire):
@@ -379,6 +397,7 @@ class CompletionChoice(_Wire):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Wire):

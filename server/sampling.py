@@ -40,12 +40,13 @@ def check_token_ids(token_ids: list[int], vocab_size: int, param: str) -> None:
         raise invalid_request(f"Token id {bad} is out of range [0, {vocab_size}).", param=param)
 
 
-def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as the
-    context holds; None: all of them)."""
+def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int,
+                    max_tokens: int | None = None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: as many as leave
+    room for max_tokens, or for one token when the request does not say; None: all)."""
     if keep is None:
         return prompt_ids
-    keep = max_model_len if keep == -1 else keep
+    keep = max(1, max_model_len - (max_tokens or 1)) if keep == -1 else keep
     return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
 
@@ -61,6 +62,15 @@ def bad_words_token_ids(words, tokenizer) -> tuple[tuple[int, ...], ...]:
         if bare and len(spaced) == len(bare) and spaced[0] != bare[0] and spaced not in seqs:
             seqs.append(spaced)
     return tuple(seqs)
+
+
+def prompt_logprobs_k(request: Request) -> int | None:
+    """The prompt's top-k the engine computes: vLLM's prompt_logprobs, and on completions
+    the legacy echo with logprobs (the echoed prompt's tokens carry logprobs too)."""
+    k = request.prompt_logprobs
+    if isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None:
+        k = max(k or 0, request.logprobs)
+    return k
 
 
 MAX_CLIENT_CHARS = 256      # a `user` is a fair-share key, not data: longer ones are cut
@@ -100,5 +110,6 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         logit_bias=logit_bias,
         grammar=grammar,
         allowed_token_ids=None if allowed is None else tuple(sorted(set(allowed))),
+        prompt_logprobs=prompt_logprobs_k(request),
         bad_words=bad_words,
     )

@@ -24,6 +24,7 @@ from server.disconnect import ClientDisconnected, run_until_disconnected
 from server.errors import (APIError, answer_for, context_length_exceeded, from_engine_error,
                            internal_error, invalid_request, request_failed)
 from server.generation import ChoiceResult, Generation
+from server.protocol import PromptLogprob, PromptLogprobs
 from server.sampling import Request as SamplingRequest
 from server.sampling import (bad_words_token_ids, build_sampling_params, resolve_max_tokens,
                              stop_strings, truncate_prompt)
@@ -33,6 +34,7 @@ from server.structured import logit_bias_pairs
 logger = logging.getLogger(__name__)
 
 MIN_LOGPROB = -9999.0          # JSON has no -inf
+TRUNCATE_TEXT_FACTOR = 8       # truncate_prompt_tokens: texts up to 8 contexts are cut
 CLIENT_CLOSED_REQUEST = 499    # nginx's status for "client went away" (nobody reads it)
 
 
@@ -59,12 +61,14 @@ class OpenAIServing:
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
 
-    def check_prompt_text(self, texts: list[str], param: str) -> None:
+    def check_prompt_text(self, texts: list[str], param: str, truncated: bool = False) -> None:
         """400 at once, before tokenizing, for a text that cannot fit the context whatever its
-        tokens (its bytes over the longest token's)."""
+        tokens (its bytes over the longest token's); with truncate_prompt_tokens, for a text
+        over TRUNCATE_TEXT_FACTOR times that (tokenizing holds the GIL: a body limit's worth
+        of text takes seconds)."""
         ctx = self.ctx
         bound = max((ctx.tokenizer.min_tokens(t) for t in texts), default=0)
-        if bound >= ctx.max_model_len:
+        if bound >= ctx.max_model_len * (TRUNCATE_TEXT_FACTOR if truncated else 1):
             ctx.metrics.record_rejection("context_length")
             raise context_length_exceeded(ctx.max_model_len, f"at least {bound}", None, param)
 
@@ -95,7 +99,7 @@ class OpenAIServing:
                 raise invalid_request("The prompt must contain at least one token.",
                                       param=prompt_param)
             prompt_ids = truncate_prompt(prompt_ids, request.truncate_prompt_tokens,
-                                         ctx.max_model_len)
+                                         ctx.max_model_len, request.requested_max_tokens())
             try:
                 max_tokens = resolve_max_tokens(request.requested_max_tokens(), len(prompt_ids),
                                                 ctx.max_model_len, prompt_param)
@@ -152,6 +156,25 @@ class OpenAIServing:
         yield DONE
 
     # ---------------------------------------------------------------- shared formatting
+    def prompt_logprobs(self, request: SamplingRequest,
+                        stream: ChoiceStream) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs of a choice (None unless asked): per prompt token after the
+        first, its own entry and the top k alternatives."""
+        if request.prompt_logprobs is None or stream.prompt_logprobs is None:
+            return None
+        k = request.prompt_logprobs
+        body: PromptLogprobs = []
+        for entry in stream.prompt_logprobs:
+            if entry is None:
+                body.append(None)
+                continue
+            token, top = entry
+            found = {str(t.token_id): PromptLogprob(logprob=clamp_logprob(t.logprob),
+                                                    rank=t.rank, decoded_token=self.token_text(t))
+                     for t in (token, *top[:k])}
+            body.append(found)
+        return body
+
     def token_text(self, token: TokenLogprob) -> str:
         return self.ctx.tokenizer.token_text(token.token_id)
 

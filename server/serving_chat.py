@@ -29,11 +29,14 @@ class ChatServing(OpenAIServing):
     async def create(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self.ctx.check_model(request.model)
         tokenizer = self.ctx.require_ready()
+        if request.stream and request.prompt_logprobs is not None:
+            raise invalid_request("prompt_logprobs come in non-streamed chat responses (or "
+                                  "streamed /v1/completions).", param="prompt_logprobs")
         # NOTE: compiling a large schema takes milliseconds: not on the event loop
         plan, grammar = await anyio.to_thread.run_sync(_constraints, request)
         messages, tools = chat_messages(request, tokenizer.chat_template)
-        if request.truncate_prompt_tokens is None:      # else the prompt's tail is kept
-            self.check_prompt_text(["".join(m["content"] for m in messages)], "messages")
+        self.check_prompt_text(["".join(m["content"] for m in messages)], "messages",
+                               truncated=request.truncate_prompt_tokens is not None)
         try:
             prompt_ids = await anyio.to_thread.run_sync(
                 lambda: tokenizer.encode_chat(messages, tools, **template_options(request)))
@@ -62,7 +65,9 @@ class ChatServing(OpenAIServing):
                                                 finish_reason=reason))
         return ChatCompletionResponse(id=request_id, created=created,
                                       model=self.ctx.served_model_name, choices=choices,
-                                      usage=generation.usage())
+                                      usage=generation.usage(),
+                                      prompt_logprobs=self.prompt_logprobs(
+                                          request, generation.streams[0]))
 
     async def _chunks(self, request: ChatCompletionRequest, plan: ToolPlan | None,
                       generation: Generation, request_id: str,

@@ -9,7 +9,7 @@ import anyio
 from fastapi import Request
 from starlette.responses import Response
 
-from server.choice_stream import Logprobs
+from server.choice_stream import ChoiceStream, Logprobs
 from server.errors import invalid_request
 from server.generation import ChoiceResult, Generation
 from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
@@ -52,11 +52,8 @@ class CompletionServing(OpenAIServing):
         texts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         if texts and isinstance(texts[0], str):
             self.check_admissible(len(texts) * (request.n or 1))
-            if request.truncate_prompt_tokens is None:  # else each prompt's tail is kept
-                self.check_prompt_text(texts, "prompt")
-        if request.echo and request.logprobs is not None:
-            raise invalid_request("echo with logprobs is not supported (the prompt's logprobs "
-                                  "are not computed).", param="echo")
+            self.check_prompt_text(texts, "prompt",
+                                   truncated=request.truncate_prompt_tokens is not None)
         grammar = await anyio.to_thread.run_sync(grammar_for, request)
         check_constrained(grammar, request)
         prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt, tokenizer)
@@ -74,10 +71,19 @@ class CompletionServing(OpenAIServing):
                   results: list[ChoiceResult], request_id: str,
                   created: int, echoes: list[str]) -> CompletionResponse:
         n = request.n or 1
-        choices = [CompletionChoice(index=r.index, text=echoes[r.index // n] + r.text,
-                                    logprobs=self._logprobs(request, r.logprobs, 0)[0],
-                                    finish_reason=r.finish_reason)
-                   for r in results]
+        streams = {s.spec.index: s for s in generation.streams}
+        choices = []
+        for r in results:
+            echo = echoes[r.index // n]
+            logprobs, offset = self._echo_logprobs(request, streams[r.index])
+            completion = self._logprobs(request, r.logprobs, offset if echo else 0)[0]
+            if logprobs is not None and completion is not None:
+                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                    getattr(logprobs, name).extend(getattr(completion, name))
+            choices.append(CompletionChoice(
+                index=r.index, text=echo + r.text, logprobs=logprobs or completion,
+                finish_reason=r.finish_reason,
+                prompt_logprobs=self.prompt_logprobs(request, streams[r.index])))
         return CompletionResponse(id=request_id, created=created,
                                   model=self.ctx.served_model_name, choices=choices,
                                   usage=generation.usage())
@@ -92,9 +98,14 @@ class CompletionServing(OpenAIServing):
 
         offsets = {s.spec.index: 0 for s in generation.streams}   # text_offset per choice
         for s in generation.streams:
-            if echoes[s.spec.prompt_index]:
-                yield chunk([CompletionChoice(index=s.spec.index,
-                                              text=echoes[s.spec.prompt_index])])
+            echo = echoes[s.spec.prompt_index]
+            prompt = self.prompt_logprobs(request, s)
+            if echo or prompt is not None:
+                logprobs, offset = self._echo_logprobs(request, s)
+                offsets[s.spec.index] = offset if echo else 0
+                yield chunk([CompletionChoice(index=s.spec.index, text=echo,
+                                              logprobs=logprobs if echo else None,
+                                              prompt_logprobs=prompt)])
         async for delta in generation.deltas():
             if delta.text or delta.logprobs:
                 logprobs, offsets[delta.index] = self._logprobs(request, delta.logprobs,
@@ -106,6 +117,22 @@ class CompletionServing(OpenAIServing):
                                               finish_reason=delta.finish_reason)])
         if request.stream_options and request.stream_options.include_usage:
             yield chunk([], usage=generation.usage())
+
+    def _echo_logprobs(self, request: CompletionRequest, stream: ChoiceStream
+                       ) -> tuple[CompletionLogprobs | None, int]:
+        """The echoed prompt's entries of the legacy logprobs (its first token has none: null)
+        and the text offset after them; (None, 0) unless echo with logprobs."""
+        prompt = stream.prompt_logprobs
+        if not (request.echo and request.logprobs is not None and prompt):
+            return None, 0
+        first = self.ctx.tokenizer.token_text(stream.spec.prompt_token_ids[0])
+        out = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None],
+                                 text_offset=[0])
+        more, offset = self._logprobs(request, [e for e in prompt[1:] if e is not None],
+                                      len(first))
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(out, name).extend(getattr(more, name))
+        return out, offset
 
     def _logprobs(self, request: CompletionRequest, entries: Logprobs | list,
                   offset: int) -> tuple[CompletionLogprobs | None, int]:

@@ -249,3 +249,10 @@ def test_bad_word_bans_the_last_token_where_the_output_ends_with_the_rest():
     assert bad_word_bans(words, [5, 1, 2]) == (7, 3)
     assert bad_word_bans(words, [1, 2, 9]) == (7, 3)
     assert bad_word_bans(words, [2, 1]) == (7,)
+
+
+def test_a_row_with_no_token_left_is_an_error_not_a_silent_token():
+    logits = rand_logits(1)
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=(5, 6))]
+    with pytest.raises(ValueError, match="no token can be sampled"):
+        sample(logits, params, banned=[(5, 6)])

@@ -237,4 +237,5 @@ def test_truncate_prompt_keeps_the_tail():
     assert truncate_prompt(ids, None, 8) == ids
     assert truncate_prompt(ids, 3, 8) == [7, 8, 9]
     assert truncate_prompt(ids, 20, 8) == ids
-    assert truncate_prompt(ids, -1, 8) == ids[2:]
+    assert truncate_prompt(ids, -1, 8) == ids[3:]           # room for one token
+    assert truncate_prompt(ids, -1, 8, max_tokens=4) == ids[6:]
