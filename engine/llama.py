@@ -171,11 +171,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,
-                logits_indices: torch.Tensor) -> torch.Tensor:
+                logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
         """input_ids [T] int64, positions [T] int64 -> logits [S, vocab] float32 for the rows
         `logits_indices` [S] int64 (the last token of each sequence that samples).
         kv: the step's KV access (`attend(layer, q, k, v, scale) -> o`): writes this step's
-        K/V and attends (kvstore.step.StepKV, or tests/kv_cache.py's DenseStep)."""
+        K/V and attends (kvstore.step.StepKV, or tests/kv_cache.py's DenseStep).
+        hidden_indices: also return the normed final hidden states [H, hidden] of these rows
+        (prompt logprobs: `self.head` runs on them in blocks, not all at once)."""
         x = F.embedding(input_ids, self.embed_tokens)                        # [T, hidden]
         rope = self.rope.cos_sin(positions, self.dtype)                      # [T, 1, head_dim]
         # layer-ahead prefetch: the KV store wants layer i+1's queries guessed from layer i's
@@ -187,8 +189,10 @@ class LlamaForCausalLM(nn.Module):
             if ahead is not None and i + 1 < len(self.layers):
                 kv.lookahead(i + 1, self.layers[i + 1].predict_q(x[ahead], *ahead_rope))
             x = layer(x, rope, kv)
-        x = self.norm(x[logits_indices])                                     # [S, hidden]
-        return self.head(x).float()
+        logits = self.head(self.norm(x[logits_indices])).float()             # [S, vocab]
+        if hidden_indices is None:
+            return logits
+        return logits, self.norm(x[hidden_indices])
 
     @torch.inference_mode()
     def kv_from_inputs(self, layer: int, xn: torch.Tensor, positions: torch.Tensor

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 # a step of this many tokens (a prefill chunk) frees hundreds of MB of activations
 _TRIM_AFTER_TOKENS = 1024
+PROMPT_ROWS_AT_ONCE = 256   # prompt logprobs: LM head and log-softmax rows per block
 
 
 def _libc_malloc_trim():
@@ -154,8 +155,9 @@ class ModelRunner:
         try:
             logits = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                                 torch.tensor(positions, dtype=torch.int64, device=dev), step,
-                                torch.tensor(logits_rows + prompt_rows, dtype=torch.int64,
-                                             device=dev))
+                                torch.tensor(logits_rows, dtype=torch.int64, device=dev),
+                                torch.tensor(prompt_rows, dtype=torch.int64, device=dev)
+                                if prompt_rows else None)
         except BaseException:
             self.store.abort_step()     # no stage thread may outlive the failed step
             raise
@@ -163,8 +165,8 @@ class ModelRunner:
         for rid in prefilled:        # their prompt's full pages join the prefix cache
             self.store.publish(rid, requests[rid].prompt_token_ids)
         if prompt_rows:
-            self._keep_prompt_logprobs(logits[len(logits_rows):], prompt_at, requests)
-            logits = logits[:len(logits_rows)]
+            logits, hidden = logits
+            self._keep_prompt_logprobs(hidden, prompt_at, requests)
         sampled, sample_failures = self._sample(batch, requests, logits)
         if len(input_ids) >= _TRIM_AFTER_TOKENS:
             release_free_heap()
@@ -220,15 +222,20 @@ class ModelRunner:
                                            out.logprobs[k] if out.logprobs is not None else None)
                 for k, q in enumerate(reqs)}
 
-    def _keep_prompt_logprobs(self, logits: torch.Tensor, at: list[tuple[str, int]],
+    def _keep_prompt_logprobs(self, hidden: torch.Tensor, at: list[tuple[str, int]],
                               requests: dict[str, Request]) -> None:
-        """Record the prompt logprobs of rows `logits` [P, V], row i predicting the prompt
-        token at position at[i][1] of request at[i][0] (a recomputed prefill overwrites)."""
+        """Record the prompt logprobs of the rows whose normed hidden states are `hidden`
+        [P, hidden], row i predicting the prompt token at position at[i][1] of request
+        at[i][0] (a recomputed prefill overwrites). The LM head runs PROMPT_ROWS_AT_ONCE rows
+        at a time: a 2048-token chunk's logits at once would be [2048, vocab] float32."""
         targets = torch.tensor([requests[rid].prompt_token_ids[p] for rid, p in at])
         k = max(requests[rid].sampling_params.prompt_logprobs for rid, _ in at)
-        for (rid, p), (tok, top) in zip(at, prompt_logprobs(logits, targets, k)):
-            self._prompt_logprobs[rid][p] = (tok, top[:requests[rid].sampling_params
-                                                  .prompt_logprobs])
+        for a in range(0, len(at), PROMPT_ROWS_AT_ONCE):
+            logits = self.model.head(hidden[a:a + PROMPT_ROWS_AT_ONCE]).float()
+            rows = prompt_logprobs(logits, targets[a:a + PROMPT_ROWS_AT_ONCE], k)
+            for (rid, p), (tok, top) in zip(at[a:a + PROMPT_ROWS_AT_ONCE], rows):
+                self._prompt_logprobs[rid][p] = (tok, top[:requests[rid].sampling_params
+                                                      .prompt_logprobs])
 
     def take_prompt_logprobs(self, request_id: str) -> tuple | None:
         """A prompt_logprobs request's entries (None for the first token), once its prompt is

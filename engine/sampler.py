@@ -263,16 +263,14 @@ def _logprobs(logits: torch.Tensor, params: list[SamplingParams],
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int,
-                    rows_at_once: int = 256) -> list[RowLogprobs]:
-    """Per row of logits [R, V]: the logprob of the prompt token that follows (targets [R])
-    and the top-k, from the raw distribution (no penalties, bias or temperature: vLLM's
-    prompt_logprobs), in blocks of rows so that a long prefill chunk's log-softmax stays
-    small."""
+def prompt_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[RowLogprobs]:
+    """Per row of logits [R, V]: the logprob of the prompt token that follows (targets [R]),
+    its rank and the top-k, from the raw distribution (no penalties, bias or temperature:
+    vLLM's prompt_logprobs)."""
     out: list[RowLogprobs] = []
-    for a in range(0, logits.shape[0], rows_at_once):
-        lp = torch.log_softmax(logits[a:a + rows_at_once].float(), dim=-1)
-        tgt = targets[a:a + rows_at_once].to(lp.device)
+    if logits.shape[0]:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        tgt = targets.to(lp.device)
         chosen = lp.gather(1, tgt[:, None])
         ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
         kk = min(k, lp.shape[1])

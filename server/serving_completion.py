@@ -75,8 +75,9 @@ class CompletionServing(OpenAIServing):
         choices = []
         for r in results:
             echo = echoes[r.index // n]
-            logprobs, offset = self._echo_logprobs(request, streams[r.index])
-            completion = self._logprobs(request, r.logprobs, offset if echo else 0)[0]
+            logprobs = self._echo_logprobs(request, streams[r.index])
+            # NOTE: offsets into this choice's text, which starts with the echoed prompt
+            completion = self._logprobs(request, r.logprobs, len(echo))[0]
             if logprobs is not None and completion is not None:
                 for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
                     getattr(logprobs, name).extend(getattr(completion, name))
@@ -101,8 +102,8 @@ class CompletionServing(OpenAIServing):
             echo = echoes[s.spec.prompt_index]
             prompt = self.prompt_logprobs(request, s)
             if echo or prompt is not None:
-                logprobs, offset = self._echo_logprobs(request, s)
-                offsets[s.spec.index] = offset if echo else 0
+                logprobs = self._echo_logprobs(request, s)
+                offsets[s.spec.index] = len(echo)
                 yield chunk([CompletionChoice(index=s.spec.index, text=echo,
                                               logprobs=logprobs if echo else None,
                                               prompt_logprobs=prompt)])
@@ -119,20 +120,26 @@ class CompletionServing(OpenAIServing):
             yield chunk([], usage=generation.usage())
 
     def _echo_logprobs(self, request: CompletionRequest, stream: ChoiceStream
-                       ) -> tuple[CompletionLogprobs | None, int]:
-        """The echoed prompt's entries of the legacy logprobs (its first token has none: null)
-        and the text offset after them; (None, 0) unless echo with logprobs."""
+                       ) -> CompletionLogprobs | None:
+        """The echoed prompt's entries of the legacy logprobs, one per prompt token (the first,
+        and any the engine did not score, null); None unless echo with logprobs."""
         prompt = stream.prompt_logprobs
         if not (request.echo and request.logprobs is not None and prompt):
-            return None, 0
-        first = self.ctx.tokenizer.token_text(stream.spec.prompt_token_ids[0])
-        out = CompletionLogprobs(tokens=[first], token_logprobs=[None], top_logprobs=[None],
-                                 text_offset=[0])
-        more, offset = self._logprobs(request, [e for e in prompt[1:] if e is not None],
-                                      len(first))
-        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-            getattr(out, name).extend(getattr(more, name))
-        return out, offset
+            return None
+        out, offset = CompletionLogprobs(), 0
+        for token_id, entry in zip(stream.spec.prompt_token_ids, prompt):
+            if entry is None:
+                text = self.ctx.tokenizer.token_text(token_id)
+                out.tokens.append(text)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                out.text_offset.append(offset)
+                offset += len(text)
+                continue
+            more, offset = self._logprobs(request, [entry], offset)
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(out, name).extend(getattr(more, name))
+        return out
 
     def _logprobs(self, request: CompletionRequest, entries: Logprobs | list,
                   offset: int) -> tuple[CompletionLogprobs | None, int]:

@@ -70,6 +70,7 @@ class Tokenizer:
                  bos_token: str | None = None, eos_token: str | None = None):
         self._backend = backend
         self.chat_template = chat_template
+        self._token_texts: dict[int, str] = {}      # token_text's, filled as asked
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -113,8 +114,13 @@ class Tokenizer:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        """One token as text (partial UTF-8 sequences show as U+FFFD), special tokens kept."""
-        return self._backend.decode([token_id], skip_special_tokens=False)
+        """One token as text (partial UTF-8 sequences show as U+FFFD), special tokens kept;
+        cached (logprobs responses ask for the same tokens again and again)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self._backend.decode([token_id],
+                                                                      skip_special_tokens=False)
+        return text
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The exact UTF-8 bytes of one token (OpenAI logprobs `bytes`)."""
