@@ -181,11 +181,28 @@ def _apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> Non
             logits[i, ids] += bias.masked_fill_(bias <= BAN_BIAS, float("-inf"))
 
 
+# allowed_token_ids as index tensors, by the tuple's identity (a request's SamplingParams
+# keep theirs for its life): not rebuilt every step from up to a vocabulary of ids
+_ALLOWED_INDEX: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+_ALLOWED_INDEX_MAX = 256
+
+
+def _allowed_index(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    hit = _ALLOWED_INDEX.get(id(ids))
+    if hit is not None and hit[0] is ids and hit[1].device == device:
+        return hit[1]
+    if len(_ALLOWED_INDEX) >= _ALLOWED_INDEX_MAX:
+        _ALLOWED_INDEX.pop(next(iter(_ALLOWED_INDEX)))
+    index = torch.tensor(ids, dtype=torch.int64, device=device)
+    _ALLOWED_INDEX[id(ids)] = (ids, index)      # holds the tuple: its id stays its own
+    return index
+
+
 def _apply_allowed_token_ids(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     """In place: every token outside a row's allowed_token_ids gets -inf (vLLM's)."""
     for i, p in enumerate(params):
         if p.allowed_token_ids is not None:
-            ids = list(p.allowed_token_ids)
+            ids = _allowed_index(p.allowed_token_ids, logits.device)
             keep = logits[i, ids]
             logits[i] = float("-inf")
             logits[i, ids] = keep

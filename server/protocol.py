@@ -109,6 +109,26 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
 
+def check_continue_final_message(value: bool | None, info) -> bool | None:
+    """continue_final_message (a field validator's check; add_generation_prompt and messages
+    are fields before it): the answer continues the last message, the assistant's."""
+    if value:
+        if info.data.get("add_generation_prompt") is not False:      # null: its default
+            raise ValueError("continue_final_message needs add_generation_prompt false: "
+                             "the answer continues the last message, not a new turn")
+        messages = info.data.get("messages") or []
+        if messages and messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs an assistant message last")
+    return value
+
+
+def check_template_kwargs(value: dict | None) -> dict | None:
+    reserved = RESERVED_TEMPLATE_KWARGS & set(value or ())
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
+    return value
+
+
 def _check_top_logprobs(value: int | None, logprobs: bool | None) -> int | None:
     if value is not None and not logprobs:
         raise ValueError("top_logprobs requires logprobs to be true")
@@ -217,22 +237,12 @@ class ChatCompletionRequest(_Constrained):
     @field_validator("continue_final_message")
     @classmethod
     def _continue_needs_an_open_assistant_turn(cls, value, info):
-        if value:
-            if info.data.get("add_generation_prompt") is not False:     # null: its default
-                raise ValueError("continue_final_message needs add_generation_prompt false: "
-                                 "the answer continues the last message, not a new turn")
-            messages = info.data.get("messages") or []
-            if messages and messages[-1].role != "assistant":
-                raise ValueError("continue_final_message needs an assistant message last")
-        return value
+        return check_continue_final_message(value, info)
 
     @field_validator("chat_template_kwargs")
     @classmethod
     def _kwargs_leave_the_servers_own(cls, value):
-        reserved = RESERVED_TEMPLATE_KWARGS & set(value or ())
-        if reserved:
-            raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
-        return value
+        return check_template_kwargs(value)
 
     @field_validator("top_logprobs")
     @classmethod

@@ -6,15 +6,16 @@ policy asks every replica for, to route requests that share a prefix to the same
 docs/scale-out.md)."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
-from pydantic import Field, StrictBool
+from pydantic import Field, StrictBool, field_validator
 
 from server.context import ServerContext
 from server.errors import invalid_request
 from server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, Text,
-                             TokenId, _Request, _Wire)
+                             TokenId, _Request, _Wire, check_continue_final_message,
+                             check_template_kwargs)
 from server.protocol_tools import ChatTool
 from server.sampling import check_token_ids
 from server.serving_completion import prompt_token_ids
@@ -31,6 +32,20 @@ class TokenizeRequest(_Request):
     tools: list[ChatTool] | None = None
     add_special_tokens: StrictBool | None = None     # default: True for a prompt, False for chat
     return_token_strs: StrictBool = False
+    # the chat template's switches, as on /v1/chat/completions
+    add_generation_prompt: StrictBool | None = True
+    continue_final_message: StrictBool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_needs_an_open_assistant_turn(cls, value, info):
+        return check_continue_final_message(value, info)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_leave_the_servers_own(cls, value):
+        return check_template_kwargs(value)
 
 
 class TokenizeResponse(_Wire):
@@ -69,7 +84,8 @@ class TokenServing:
         else:
             messages, tools = chat_messages(request, tokenizer.chat_template)
             try:
-                text = tokenizer.apply_chat_template(messages, tools)
+                text = tokenizer.apply_chat_template(messages, tools,
+                                                     **template_options(request))
             except TemplateError as exc:
                 raise invalid_request(str(exc), param="messages") from None
             tokens = await anyio.to_thread.run_sync(tokenizer.encode, text,

@@ -100,6 +100,8 @@ def test_continue_final_message_continues_the_assistants_text(client, http):
                          json={"model": MODEL, "messages": messages, **switches}).json()
     text = http.post("/detokenize", json={"tokens": rendered["token_ids"]}).json()["prompt"]
     assert text.endswith("assistant\nHello! The capital of France is")
+    tokenized = http.post("/tokenize", json={"messages": messages, **switches}).json()
+    assert tokenized["tokens"] == rendered["token_ids"]       # /tokenize takes the switches too
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
                                        temperature=0.0, extra_body=switches)
     same = client.completions.create(model=MODEL, prompt=rendered["token_ids"], max_tokens=8,
@@ -117,3 +119,6 @@ def test_chat_template_kwargs_are_passed_and_reserved_names_refused(http):
     bad = http.post("/v1/chat/completions",
                     json={**body, "chat_template_kwargs": {"add_generation_prompt": False}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+    bad = http.post("/tokenize", json={"messages": SAY_HI, "continue_final_message": True,
+                                       "add_generation_prompt": False})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"

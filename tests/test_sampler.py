@@ -256,3 +256,12 @@ def test_a_row_with_no_token_left_is_an_error_not_a_silent_token():
     params = [SamplingParams(temperature=0.0, allowed_token_ids=(5, 6))]
     with pytest.raises(ValueError, match="no token can be sampled"):
         sample(logits, params, banned=[(5, 6)])
+
+
+def test_allowed_token_ids_of_two_requests_do_not_mix():
+    logits = torch.zeros(2, 10)
+    a, b = SamplingParams(temperature=0.0, allowed_token_ids=(3,)), \
+        SamplingParams(temperature=0.0, allowed_token_ids=(7,))
+    for _ in range(3):                       # the cached index of each request's own ids
+        assert sample(logits, [a, b]).token_ids == [3, 7]
+        assert sample(logits, [b, a]).token_ids == [7, 3]
