@@ -109,7 +109,7 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
 
-def check_continue_final_message(value: bool | None, info) -> bool | None:
+def _check_continue_final_message(value: bool | None, info) -> bool | None:
     """continue_final_message (a field validator's check; add_generation_prompt and messages
     are fields before it): the answer continues the last message, the assistant's."""
     if value:
@@ -122,11 +122,17 @@ def check_continue_final_message(value: bool | None, info) -> bool | None:
     return value
 
 
-def check_template_kwargs(value: dict | None) -> dict | None:
+def _check_template_kwargs(value: dict | None) -> dict | None:
     reserved = RESERVED_TEMPLATE_KWARGS & set(value or ())
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     return value
+
+
+# the chat template's switches, as chat requests and /tokenize take them (declared after
+# `messages` and `add_generation_prompt`, which continue_final_message's check reads)
+ContinueFinalMessage = Annotated[StrictBool | None, AfterValidator(_check_continue_final_message)]
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_check_template_kwargs)]
 
 
 def _check_top_logprobs(value: int | None, logprobs: bool | None) -> int | None:
@@ -151,7 +157,8 @@ class _Constrained(_Request):
     guided_grammar: Text | None = None
     guided_decoding_backend: Text | None = None     # ours is llguidance, whatever is asked
     # vLLM's token-level controls: only these tokens may be sampled; token sequences the
-    # output never ends with; keep the last k prompt tokens (-1: as many as the context holds);
+    # output never ends with; keep the last k prompt tokens (-1: as many as leave room for
+    # the answer);
     # the matched stop string kept in the text; special tokens written into the text
     allowed_token_ids: Annotated[list[TokenId] | None,
                                  Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] = None
@@ -174,7 +181,7 @@ class _Constrained(_Request):
     def _truncate_is_positive_or_all(cls, value):
         if value == 0:
             raise ValueError("truncate_prompt_tokens keeps the last k >= 1 prompt tokens, or "
-                             "-1 for as many as the context holds")
+                             "-1 for as many as leave room for the answer")
         return value
 
     @field_validator("bad_words")
@@ -229,20 +236,10 @@ class ChatCompletionRequest(_Constrained):
     # not; continue the last (assistant) message instead of starting a new one; more
     # variables for the template
     add_generation_prompt: Flag = True
-    continue_final_message: Flag = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: ContinueFinalMessage = False
+    chat_template_kwargs: TemplateKwargs = None
     chat_template: Unsupported = None
     documents: Unsupported = None
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continue_needs_an_open_assistant_turn(cls, value, info):
-        return check_continue_final_message(value, info)
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _kwargs_leave_the_servers_own(cls, value):
-        return check_template_kwargs(value)
 
     @field_validator("top_logprobs")
     @classmethod
