@@ -12,8 +12,9 @@ from starlette.responses import Response
 from server.choice_stream import ChoiceStream, Logprobs
 from server.errors import invalid_request
 from server.generation import ChoiceResult, Generation
-from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse, CompletionStreamResponse)
+from server.protocol import CompletionRequest
+from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
+                                       CompletionStreamResponse)
 from server.sampling import check_token_ids
 from server.serving import OpenAIServing, clamp_logprob
 from server.structured import check_constrained, grammar_for

@@ -14,8 +14,8 @@ from pydantic import Field, StrictBool
 from server.context import ServerContext
 from server.errors import invalid_request
 from server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                             ContinueFinalMessage, TemplateKwargs, Text, TokenId, _Request, _Wire)
-from server.protocol_tools import ChatTool
+                             ContinueFinalMessage, TemplateKwargs, Text, TokenId)
+from server.protocol_tools import ChatTool, _Request, _Wire
 from server.sampling import check_token_ids
 from server.serving_completion import prompt_token_ids
 from server.tokenizer import TemplateError
