@@ -80,9 +80,11 @@ class Sampler:
         if allowed is not None:
             logits.masked_fill_(~unpack_bitmask(allowed.to(logits.device), vocab),
                                 float("-inf"))
-        # NOTE: raised for the batch; ModelRunner then samples row by row and fails this one
-        empty = torch.isneginf(logits.amax(dim=-1))
-        if bool(empty.any()):
+        # NOTE: raised for the batch; ModelRunner then samples row by row and fails this one.
+        # Only a ban, a bias or a mask can leave a row without a token (the plain step skips it)
+        masked = allowed is not None or any(banned_token_ids or ()) or any(
+            p.allowed_token_ids is not None or p.logit_bias for p in params)
+        if masked and bool(torch.isneginf(logits.amax(dim=-1)).any()):
             raise ValueError("no token can be sampled: allowed_token_ids, bad_words, min_tokens "
                              "and the output's grammar leave none")
 

@@ -17,8 +17,9 @@ from engine.protocol import EngineClient
 from server.context import ServerContext, TokenizerSource
 from server.errors import APIError, install_error_handlers
 from server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
-from server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                             CompletionResponse, ErrorResponse, ModelCard, ModelList)
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol_responses import (ChatCompletionResponse, CompletionResponse, ErrorResponse,
+                                       ModelCard, ModelList)
 from server.serving import json_response
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.protocol import (EngineDeadError, EngineError, EngineNotReadyError, QueueFullError,
                              RequestTooLargeError, TooManyChoicesError)
-from server.protocol import ErrorInfo, ErrorResponse
+from server.protocol_responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 

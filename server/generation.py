@@ -16,7 +16,7 @@ from engine.protocol import EngineError
 from server.choice_stream import ChoiceDelta, ChoiceStream
 from server.errors import answer_for
 from server.metrics import ServerMetrics
-from server.protocol import PromptTokensDetails, UsageInfo
+from server.protocol_responses import PromptTokensDetails, UsageInfo
 
 _DONE = object()
 

@@ -1,4 +1,5 @@
-"""OpenAI API wire models (chat completions, completions, models, errors).
+"""OpenAI API wire models of requests (chat completions, completions) and their checks; the
+responses are in server/protocol_responses.py.
 
 Fields follow the order of the OpenAI API reference; the vLLM extensions (top_k, ignore_eos,
 min_tokens, stop_token_ids, guided_*) come last. Unknown request fields that change nothing
@@ -11,16 +12,15 @@ seed is a 64-bit signed integer, as in vLLM.
 """
 from __future__ import annotations
 
-import time
 from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, Field, StrictBool, StrictInt,
-                      field_validator, model_serializer, model_validator)
+                      field_validator, model_validator)
 
 # NOTE: the base models live in protocol_tools.py (imported here, not the other way round)
-from server.protocol_tools import (ChatTool, DeltaToolCall, MessageToolCall, OnlyFalse, OnlyText,
-                                   OnlyTrue, ResponseFormat, ToolCall, ToolChoice, Unsupported,
-                                   _Request, _Wire)
+from server.protocol_tools import (ChatTool, MessageToolCall, OnlyFalse, OnlyText,
+                                   OnlyTrue, ResponseFormat, ToolChoice, Unsupported,
+                                   _Request)
 
 MAX_N = 16                 # choices per request (each choice is one engine request)
 MAX_STOP_STRINGS = 4
@@ -109,7 +109,7 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
 
-def check_continue_final_message(value: bool | None, info) -> bool | None:
+def _check_continue_final_message(value: bool | None, info) -> bool | None:
     """continue_final_message (a field validator's check; add_generation_prompt and messages
     are fields before it): the answer continues the last message, the assistant's."""
     if value:
@@ -122,11 +122,17 @@ def check_continue_final_message(value: bool | None, info) -> bool | None:
     return value
 
 
-def check_template_kwargs(value: dict | None) -> dict | None:
+def _check_template_kwargs(value: dict | None) -> dict | None:
     reserved = RESERVED_TEMPLATE_KWARGS & set(value or ())
     if reserved:
         raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     return value
+
+
+# the chat template's switches, as chat requests and /tokenize take them (declared after
+# `messages` and `add_generation_prompt`, which continue_final_message's check reads)
+ContinueFinalMessage = Annotated[StrictBool | None, AfterValidator(_check_continue_final_message)]
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_check_template_kwargs)]
 
 
 def _check_top_logprobs(value: int | None, logprobs: bool | None) -> int | None:
@@ -151,7 +157,8 @@ class _Constrained(_Request):
     guided_grammar: Text | None = None
     guided_decoding_backend: Text | None = None     # ours is llguidance, whatever is asked
     # vLLM's token-level controls: only these tokens may be sampled; token sequences the
-    # output never ends with; keep the last k prompt tokens (-1: as many as the context holds);
+    # output never ends with; keep the last k prompt tokens (-1: as many as leave room for
+    # the answer);
     # the matched stop string kept in the text; special tokens written into the text
     allowed_token_ids: Annotated[list[TokenId] | None,
                                  Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] = None
@@ -174,7 +181,7 @@ class _Constrained(_Request):
     def _truncate_is_positive_or_all(cls, value):
         if value == 0:
             raise ValueError("truncate_prompt_tokens keeps the last k >= 1 prompt tokens, or "
-                             "-1 for as many as the context holds")
+                             "-1 for as many as leave room for the answer")
         return value
 
     @field_validator("bad_words")
@@ -229,20 +236,10 @@ class ChatCompletionRequest(_Constrained):
     # not; continue the last (assistant) message instead of starting a new one; more
     # variables for the template
     add_generation_prompt: Flag = True
-    continue_final_message: Flag = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: ContinueFinalMessage = False
+    chat_template_kwargs: TemplateKwargs = None
     chat_template: Unsupported = None
     documents: Unsupported = None
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continue_needs_an_open_assistant_turn(cls, value, info):
-        return check_continue_final_message(value, info)
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _kwargs_leave_the_servers_own(cls, value):
-        return check_template_kwargs(value)
 
     @field_validator("top_logprobs")
     @classmethod
@@ -297,152 +294,3 @@ class CompletionRequest(_Constrained):
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
-
-
-# ----------------------------------------------------------------------------- responses
-
-class PromptTokensDetails(_Wire):
-    cached_tokens: int = 0           # prompt tokens whose KV came from the prefix cache
-
-
-class UsageInfo(_Wire):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
-
-
-class TopLogprob(_Wire):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(_Wire):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
-class ChatChoiceLogprobs(_Wire):
-    content: list[ChatTokenLogprob] | None = None
-    refusal: list[ChatTokenLogprob] | None = None
-
-
-class ChatResponseMessage(_Wire):
-    role: Literal["assistant"] = "assistant"
-    content: str | None = None
-    refusal: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatCompletionChoice(_Wire):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class PromptLogprob(_Wire):
-    """vLLM's prompt_logprobs entry of one token."""
-    logprob: float
-    rank: int | None = None
-    decoded_token: str
-
-
-# per prompt token (None for the first): token id (as a string) -> its entry, the prompt's
-# own token and the top-k alternatives
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
-
-
-class ChatCompletionResponse(_Wire):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionChoice]
-    usage: UsageInfo
-    system_fingerprint: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class DeltaMessage(_Wire):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_unset(self, handler) -> dict[str, Any]:
-        # NOTE: OpenAI deltas carry only the keys that changed ({} on the finish chunk).
-        return {k: v for k, v in handler(self).items() if v is not None}
-
-
-class ChatCompletionStreamChoice(_Wire):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatChoiceLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Wire):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionStreamChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionLogprobs(_Wire):
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-
-class CompletionChoice(_Wire):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class CompletionResponse(_Wire):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-    system_fingerprint: str | None = None
-
-
-class CompletionStreamResponse(CompletionResponse):
-    pass
-
-
-class ModelCard(_Wire):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "strata"
-    max_model_len: int | None = None
-
-
-class ModelList(_Wire):
-    object: Literal["list"] = "list"
-    data: list[ModelCard] = Field(default_factory=list)
-
-
-class ErrorInfo(_Wire):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(_Wire):
-    error: ErrorInfo

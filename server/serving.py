@@ -24,7 +24,7 @@ from server.disconnect import ClientDisconnected, run_until_disconnected
 from server.errors import (APIError, answer_for, context_length_exceeded, from_engine_error,
                            internal_error, invalid_request, request_failed)
 from server.generation import ChoiceResult, Generation
-from server.protocol import PromptLogprob, PromptLogprobs
+from server.protocol_responses import PromptLogprob, PromptLogprobs
 from server.sampling import Request as SamplingRequest
 from server.sampling import (bad_words_token_ids, build_sampling_params, resolve_max_tokens,
                              stop_strings, truncate_prompt)

@@ -13,10 +13,11 @@ from scheduler.sampling_params import GrammarSpec
 from server.choice_stream import Logprobs
 from server.errors import invalid_request
 from server.generation import ChoiceResult, Generation
-from server.protocol import (ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk,
-                             ChatCompletionRequest, ChatCompletionResponse,
-                             ChatCompletionStreamChoice, ChatResponseMessage, ChatTokenLogprob,
-                             DeltaMessage, TopLogprob)
+from server.protocol import ChatCompletionRequest
+from server.protocol_responses import (ChatChoiceLogprobs, ChatCompletionChoice,
+                                       ChatCompletionChunk, ChatCompletionResponse,
+                                       ChatCompletionStreamChoice, ChatResponseMessage,
+                                       ChatTokenLogprob, DeltaMessage, TopLogprob)
 from server.protocol_tools import FunctionCall, ToolCall
 from server.serving import OpenAIServing, clamp_logprob
 from server.structured import check_constrained, grammar_for

@@ -12,8 +12,9 @@ from starlette.responses import Response
 from server.choice_stream import ChoiceStream, Logprobs
 from server.errors import invalid_request
 from server.generation import ChoiceResult, Generation
-from server.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
-                             CompletionResponse, CompletionStreamResponse)
+from server.protocol import CompletionRequest
+from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
+                                       CompletionStreamResponse)
 from server.sampling import check_token_ids
 from server.serving import OpenAIServing, clamp_logprob
 from server.structured import check_constrained, grammar_for
@@ -75,14 +76,12 @@ class CompletionServing(OpenAIServing):
         choices = []
         for r in results:
             echo = echoes[r.index // n]
-            logprobs = self._echo_logprobs(request, streams[r.index])
-            # NOTE: offsets into this choice's text, which starts with the echoed prompt
-            completion = self._logprobs(request, r.logprobs, len(echo))[0]
-            if logprobs is not None and completion is not None:
-                for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                    getattr(logprobs, name).extend(getattr(completion, name))
+            # NOTE: after the echoed prompt's entries, with offsets into this choice's text,
+            # which starts with the echoed prompt
+            logprobs = self._logprobs(request, r.logprobs, len(echo),
+                                      self._echo_logprobs(request, streams[r.index]))[0]
             choices.append(CompletionChoice(
-                index=r.index, text=echo + r.text, logprobs=logprobs or completion,
+                index=r.index, text=echo + r.text, logprobs=logprobs,
                 finish_reason=r.finish_reason,
                 prompt_logprobs=self.prompt_logprobs(request, streams[r.index])))
         return CompletionResponse(id=request_id, created=created,
@@ -136,17 +135,17 @@ class CompletionServing(OpenAIServing):
                 out.text_offset.append(offset)
                 offset += len(text)
                 continue
-            more, offset = self._logprobs(request, [entry], offset)
-            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(out, name).extend(getattr(more, name))
+            offset = self._logprobs(request, [entry], offset, out)[1]
         return out
 
-    def _logprobs(self, request: CompletionRequest, entries: Logprobs | list,
-                  offset: int) -> tuple[CompletionLogprobs | None, int]:
-        """Legacy shape: parallel lists tokens / token_logprobs / top_logprobs / text_offset."""
+    def _logprobs(self, request: CompletionRequest, entries: Logprobs | list, offset: int,
+                  out: CompletionLogprobs | None = None
+                  ) -> tuple[CompletionLogprobs | None, int]:
+        """Legacy shape: parallel lists tokens / token_logprobs / top_logprobs / text_offset
+        (appended to `out` when given)."""
         if request.logprobs is None:
             return None, offset
-        out = CompletionLogprobs()
+        out = CompletionLogprobs() if out is None else out
         for sampled, top in entries:
             text = self.token_text(sampled)
             out.tokens.append(text)

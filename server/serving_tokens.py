@@ -6,17 +6,16 @@ policy asks every replica for, to route requests that share a prefix to the same
 docs/scale-out.md)."""
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import anyio
-from pydantic import Field, StrictBool, field_validator
+from pydantic import Field, StrictBool
 
 from server.context import ServerContext
 from server.errors import invalid_request
-from server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, Text,
-                             TokenId, _Request, _Wire, check_continue_final_message,
-                             check_template_kwargs)
-from server.protocol_tools import ChatTool
+from server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                             ContinueFinalMessage, TemplateKwargs, Text, TokenId)
+from server.protocol_tools import ChatTool, _Request, _Wire
 from server.sampling import check_token_ids
 from server.serving_completion import prompt_token_ids
 from server.tokenizer import TemplateError
@@ -34,18 +33,8 @@ class TokenizeRequest(_Request):
     return_token_strs: StrictBool = False
     # the chat template's switches, as on /v1/chat/completions
     add_generation_prompt: StrictBool | None = True
-    continue_final_message: StrictBool | None = False
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @field_validator("continue_final_message")
-    @classmethod
-    def _continue_needs_an_open_assistant_turn(cls, value, info):
-        return check_continue_final_message(value, info)
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _kwargs_leave_the_servers_own(cls, value):
-        return check_template_kwargs(value)
+    continue_final_message: ContinueFinalMessage = False
+    chat_template_kwargs: TemplateKwargs = None
 
 
 class TokenizeResponse(_Wire):

@@ -1,7 +1,8 @@
 """StopChecker: stop strings over streamed text, never emitting part of a stop string.
 
 The output ends just before the first occurrence of any stop string (the stop string itself is
-not returned, unless `include`: then just after it, vLLM's include_stop_str_in_output). While streaming, the last ``max(len(stop)) - 1`` characters are held back, since
+not returned, unless `include`: then just after it, vLLM's include_stop_str_in_output).
+While streaming, the last ``max(len(stop)) - 1`` characters are held back, since
 they could be the start of a stop string that the next token completes; they are released when
 more text proves otherwise, or at the end of the request (:meth:`flush`).
 """
@@ -43,4 +44,7 @@ class StopChecker:
         # NOTE: only the held-back tail plus the new text is searched; every stop string that
         # started earlier was either found earlier or cannot fit, so each step costs O(new text).
         hits = [(i, -len(s), s) for s in self._stops if (i := buffer.find(s)) >= 0]
-        return (min(hits)[0], min(hits)[2]) if hits else None
+        if not hits:
+            return None
+        at, _, stop = min(hits)
+        return at, stop

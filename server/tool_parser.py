@@ -11,7 +11,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
-from server.protocol import DeltaMessage
+from server.protocol_responses import DeltaMessage
 from server.protocol_tools import DeltaFunctionCall, DeltaToolCall
 from server.tools import CALL_CLOSE, CALL_OPEN
 

@@ -7,8 +7,8 @@ from pydantic import ValidationError
 
 from engine.protocol import EngineDeadError, QueueFullError, RequestTooLargeError
 from server.errors import APIError, from_engine_error, one_line, validation_error
-from server.protocol import (ChatCompletionChunk, ChatCompletionRequest,
-                             ChatCompletionStreamChoice, CompletionRequest, DeltaMessage)
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.protocol_responses import ChatCompletionChunk, ChatCompletionStreamChoice, DeltaMessage
 from server.sampling import build_sampling_params, resolve_max_tokens, stop_strings
 
 HELLO = [{"role": "user", "content": "hi"}]
