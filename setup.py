@@ -2,7 +2,8 @@
 page I/O and checksums, and page copies between the memory tiers), kvstore/tiers/_kvcodec.c
 (the KV tier codec: 8- and 4-bit pages), kvstore/_evict.c (the
 device tier's eviction pass with host admission), kernels/_decode.c
-(sparse decode attention on the CPU) and kernels/_select.c (page selection on the CPU) and kernels/_qmatmul.c (matmuls by
+(sparse decode attention on the CPU), kernels/_layerops.c (a decoder layer's small ops),
+kernels/_select.c (page selection on the CPU) and kernels/_qmatmul.c (matmuls by
 4- and 8-bit weights);
 everything else is in pyproject.toml."""
 from setuptools import Extension, setup
@@ -20,6 +21,11 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                              depends=["kernels/_rows.h", "kernels/_pool.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"],
                              extra_link_args=["-pthread"]),
+                   Extension("kernels._layerops", ["kernels/_layerops.c"],
+                             depends=["kernels/_rows.h"],
+                             # NOTE: no a*b+c fused into one rounding: torch's ops round each
+                             extra_compile_args=["-O3", "-Wall", "-fno-wrapv",
+                                                 "-ffp-contract=off"]),
                    Extension("kernels._qmatmul", ["kernels/_qmatmul.c"],
                              depends=["kernels/_pool.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"],

@@ -16,6 +16,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
+from kernels import layer_ops
 from kernels.packed_linear import BITS, DENSE, NATIVE, GroupQuant, Linear, PackedWeight
 
 _WEIGHTS = ("qkv", "o", "gate_up", "down")      # a layer's matmuls: <name>_proj, <name>_bias
@@ -34,6 +35,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> [T, dim]; float32 statistics as in HF."""
+        if layer_ops.supports(x):
+            return layer_ops.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         xf = x.float()
@@ -92,21 +95,29 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; rope = (cos, sin) [T, 1, head_dim] of the step."""
-        t = x.shape[0]
+        t, d = x.shape[0], self.head_dim
+        native = layer_ops.supports(x)      # the small ops in C (kernels/layer_ops.py)
         xn = self.input_layernorm(x)
         qkv = self.qkv(xn)                                                   # [T, q+2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         cos, sin = rope
-        q = RotaryEmbedding.apply(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = RotaryEmbedding.apply(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if native:          # q and k heads rotated in place in qkv
+            layer_ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, cos, sin)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), \
+            v.view(t, self.num_kv_heads, d)
+        if not native:
+            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         if getattr(kv, "keeps_inputs", False):     # KV recompute stores the layer's inputs
             o = kv.attend(self.index, q, k, v, self.scale, inputs=xn)
         else:
             o = kv.attend(self.index, q, k, v, self.scale)                   # [T, H, D]
-        x = x + self.o(o.reshape(t, self.q_size))
-        gate_up = self.gate_up(self.post_attention_layernorm(x))
-        gate, up = gate_up.chunk(2, dim=-1)
+        h = self.o(o.reshape(t, self.q_size))
+        norm = self.post_attention_layernorm
+        if native:          # h += x (the residual stream, in the new tensor), and its norm
+            gate_up = self.gate_up(layer_ops.rms_norm(h, norm.weight, norm.eps, residual=x))
+            return h + self.down(layer_ops.silu_mul(gate_up))
+        x = x + h
+        gate, up = self.gate_up(norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 

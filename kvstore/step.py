@@ -16,11 +16,13 @@ import torch
 from kernels.attention import AttentionBatch
 from kernels.page_prior import window_page_mass
 from kernels.page_summary import summarize_pages
+from kernels.layer_ops import write_kv
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode
 from kvstore.config import KVStoreConfig
 from kvstore.fetcher import Fetcher
 from kvstore.requests import RequestTable
+from kvstore.resident import ResidentDecode
 from kvstore.selection import PageSelection
 from kvstore.stages import LayerPart, LayerStages, weak_slots
 from kvstore.stats import KVStats
@@ -121,6 +123,12 @@ class StepKV:
             st.dense_fallbacks["fits_budget"] += L * sum(
                 s.q_len == 1 and not sp for s, sp in zip(seqs, sparse))
             st.dense_fallbacks["dense_layer"] += min(cfg.dense_layers, L) * len(self.sparse_idx)
+        self.resident = ResidentDecode.plan(self)     # None: the general path below
+
+    def end(self) -> None:
+        """After the forward (stage threads drained): the resident path's deferred work."""
+        if self.resident is not None:
+            self.resident.end()
 
     # ------------------------------------------------------------------------------------
     @property
@@ -154,6 +162,8 @@ class StepKV:
                scale: float, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] of this step's tokens -> attention output [T, H, D];
         inputs [T, hidden]: the normed layer inputs they were computed from (`keeps_inputs`)."""
+        if self.resident is not None:
+            return self.resident.attend(layer, q, k, v, scale)
         tiers, pipe, cfg = self.tiers, self.pipe, self.cfg
         P = tiers.max_pages
         pool = tiers.pool                                    # [S, 2, KVH, ps, D]
@@ -165,8 +175,9 @@ class StepKV:
         protect = pipe.protected(t_keys)        # and the pages fetched ahead
         t_slots = self.fetcher.ensure(t_keys, protect=protect, fill=False).long()
         tok_slots = t_slots[self.tok_t]
-        pool[tok_slots, 0, :, self.tok_off] = k.to(pool.dtype)   # indexed view: [T, KVH, D]
-        pool[tok_slots, 1, :, self.tok_off] = v.to(pool.dtype)
+        if not write_kv(pool, k, v, tok_slots, self.tok_off):   # torch's where C's cannot
+            pool[tok_slots, 0, :, self.tok_off] = k.to(pool.dtype)   # indexed view: [T, KVH, D]
+            pool[tok_slots, 1, :, self.tok_off] = v.to(pool.dtype)
         if inputs is not None:          # only given when `keeps_inputs`
             tiers.recompute.keep(tok_slots, self.tok_off, inputs)
         if cfg.sparse_budget > 0:      # summaries only serve selection

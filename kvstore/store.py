@@ -325,6 +325,7 @@ class TieredKVStore:
         # NOTE: the last layer's bookkeeping (recency, write-back of pages that filled) may
         # still run on a stage thread; placement and demotion below mutate the same tiers
         self.pipeline.drain()
+        step.end()
         self.pipeline.end_step()
         self._selection.end_step(step.now, step.selected)
         for rid in prefilled:

@@ -1,0 +1,224 @@
+/* A decoder layer's small ops in C (kernels/layer_ops.py): RMSNorm (with the residual add
+ * before it), RoPE in place, SiLU(gate) * up, and the scatter of a step's new K/V into the
+ * pool's slots.
+ *
+ * Each is one call where torch runs 3 to 8 ops, each with its dispatch and a temporary: at
+ * one decode row the ops are a few hundred values, so the dispatch is the cost (~20 us a
+ * layer for the two RMSNorms and RoPE on an AMD EPYC, against ~2 us here). The arithmetic is
+ * torch's (and transformers'): float32 statistics, and in bf16 every op's result rounded to
+ * bf16 (round to nearest even) where torch's op would round it, so the results equal torch's
+ * but for the order of the RMSNorm's sum of squares (a last-bit difference in rare values).
+ * Every row is computed alone, the same bits whatever the batch. Rows: portable C, compiled
+ * for AVX-512, AVX2 and the base ISA (target_clones: the CPU picks at load).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "_rows.h"
+
+#define MAX_DIM 16384
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+
+static inline uint16_t f32_to_bf16(float f) {
+    /* round to nearest even, as torch's c10::BFloat16; NaN stays a (quiet) NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float rnd(float f) { return bf16_to_f32(f32_to_bf16(f)); }   /* through bf16 */
+
+static inline float get(const void *p, int bf16, Py_ssize_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void put(void *p, int bf16, Py_ssize_t i, float v) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* ------------------------------------------------------------------ RMSNorm */
+/* out = w * (x * rsqrt(mean(x^2) + eps)); bf16: the normed row is rounded before the weight
+ * multiplies it (transformers' LlamaRMSNorm). With `res`, x = x + res first, in place. */
+CLONES static void norm_row(void *x, const void *res, const void *w, void *out, int dim,
+                            float eps, int bf16) {
+    float xf[MAX_DIM];
+    for (int i = 0; i < dim; i++) {
+        float v = get(x, bf16, i);
+        if (res) {
+            v += get(res, bf16, i);
+            v = bf16 ? rnd(v) : v;
+        }
+        xf[i] = v;
+    }
+    if (res) {
+        for (int i = 0; i < dim; i++)
+            put(x, bf16, i, xf[i]);
+    }
+    float acc[16] = {0};
+    int i = 0;
+    for (; i + 16 <= dim; i += 16)
+        for (int k = 0; k < 16; k++)
+            acc[k] += xf[i + k] * xf[i + k];
+    float ss = 0.f;
+    for (; i < dim; i++)
+        ss += xf[i] * xf[i];
+    for (int k = 0; k < 16; k++)
+        ss += acc[k];
+    float r = 1.f / sqrtf(ss / (float)dim + eps);
+    for (i = 0; i < dim; i++) {
+        float y = xf[i] * r;
+        if (bf16)
+            y = rnd(y);
+        put(out, bf16, i, get(w, bf16, i) * y);
+    }
+}
+
+static PyObject *rms_norm(PyObject *self, PyObject *args) {
+    unsigned long long x, res, w, out;
+    Py_ssize_t rows, x_stride, res_stride;
+    int dim, bf16;
+    float eps;
+    if (!PyArg_ParseTuple(args, "KnKnKKnifp", &x, &x_stride, &res, &res_stride, &w, &out,
+                          &rows, &dim, &eps, &bf16))
+        return NULL;
+    if (dim < 1 || dim > MAX_DIM || rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "rms_norm: bad shape");
+        return NULL;
+    }
+    size_t es = bf16 ? 2 : 4;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        norm_row((char *)x + r * x_stride * es,
+                 res ? (const char *)res + r * res_stride * es : NULL, (const void *)w,
+                 (char *)out + r * dim * es, dim, eps, bf16);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ RoPE */
+/* heads of d values from x, each rotated in place: x * cos + rotate_half(x) * sin, where
+ * rotate_half(x) = (-x2, x1); bf16: each product and the sum rounded (transformers' order) */
+CLONES static void rope_row(void *x, const void *cos, const void *sin, int heads, int d,
+                            int bf16) {
+    int half = d / 2;
+    float xf[MAX_DIM];
+    for (int h = 0; h < heads; h++) {
+        Py_ssize_t base = (Py_ssize_t)h * d;
+        for (int i = 0; i < d; i++)
+            xf[i] = get(x, bf16, base + i);
+        for (int i = 0; i < d; i++) {
+            float rot = i < half ? -xf[i + half] : xf[i - half];
+            float a = xf[i] * get(cos, bf16, i), b = rot * get(sin, bf16, i);
+            if (bf16) {
+                a = rnd(a);
+                b = rnd(b);
+            }
+            put(x, bf16, base + i, a + b);
+        }
+    }
+}
+
+static PyObject *rope(PyObject *self, PyObject *args) {
+    unsigned long long x, cos, sin;
+    Py_ssize_t rows, row_stride;
+    int heads, d, bf16;
+    if (!PyArg_ParseTuple(args, "KnKKniip", &x, &row_stride, &cos, &sin, &rows, &heads, &d,
+                          &bf16))
+        return NULL;
+    if (d < 2 || d % 2 || d > MAX_DIM || heads < 0 || rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "rope: bad shape");
+        return NULL;
+    }
+    size_t es = bf16 ? 2 : 4;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        rope_row((char *)x + r * row_stride * es, (const char *)cos + r * d * es,
+                 (const char *)sin + r * d * es, heads, d, bf16);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ SiLU(gate) * up */
+CLONES static void silu_mul_row(const void *gu, void *out, int n, int bf16) {
+    for (int i = 0; i < n; i++) {
+        float g = get(gu, bf16, i), u = get(gu, bf16, n + i);
+        float s = g / (1.f + expf(-g));
+        put(out, bf16, i, (bf16 ? rnd(s) : s) * u);
+    }
+}
+
+static PyObject *silu_mul(PyObject *self, PyObject *args) {
+    unsigned long long gu, out;
+    Py_ssize_t rows;
+    int n, bf16;
+    if (!PyArg_ParseTuple(args, "KKnip", &gu, &out, &rows, &n, &bf16))
+        return NULL;
+    if (n < 1 || rows < 0) {
+        PyErr_SetString(PyExc_ValueError, "silu_mul: bad shape");
+        return NULL;
+    }
+    size_t es = bf16 ? 2 : 4;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        silu_mul_row((const char *)gu + r * 2 * n * es, (char *)out + r * n * es, n, bf16);
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------ K/V into the pool */
+/* token t's K and V heads [kvh, d] (rows of k and v, `src_stride` values apart) go to page
+ * slot slots[t] at offset offs[t] of the pool [n_slots, 2, kvh, ps, d] */
+static PyObject *write_kv(PyObject *self, PyObject *args) {
+    unsigned long long pool, k, v, slots, offs;
+    Py_ssize_t n_slots, tokens, src_stride;
+    int kvh, ps, d, src_bf16, pool_bf16;
+    if (!PyArg_ParseTuple(args, "KniiipKKnKKnp", &pool, &n_slots, &kvh, &ps, &d, &pool_bf16,
+                          &k, &v, &src_stride, &slots, &offs, &tokens, &src_bf16))
+        return NULL;
+    const int64_t *sl = (const int64_t *)slots, *of = (const int64_t *)offs;
+    for (Py_ssize_t t = 0; t < tokens; t++)
+        if (sl[t] < 0 || sl[t] >= n_slots || of[t] < 0 || of[t] >= ps) {
+            PyErr_Format(PyExc_IndexError, "write_kv: slot %lld offset %lld out of range",
+                         (long long)sl[t], (long long)of[t]);
+            return NULL;
+        }
+    size_t pes = pool_bf16 ? 2 : 4, ses = src_bf16 ? 2 : 4;
+    for (Py_ssize_t t = 0; t < tokens; t++)
+        for (int kv = 0; kv < 2; kv++) {
+            const char *src = (const char *)(kv ? v : k) + t * src_stride * ses;
+            for (int h = 0; h < kvh; h++) {
+                char *dst = (char *)pool +
+                    ((((size_t)sl[t] * 2 + kv) * kvh + h) * ps + of[t]) * d * pes;
+                const char *s = src + (size_t)h * d * ses;
+                if (pool_bf16 == src_bf16)
+                    memcpy(dst, s, d * pes);
+                else
+                    for (int i = 0; i < d; i++)
+                        put(dst, pool_bf16, i, get(s, src_bf16, i));
+            }
+        }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"rms_norm", rms_norm, METH_VARARGS,
+     "rms_norm(x, x_stride, res, res_stride, w, out, rows, dim, eps, bf16): addresses; "
+     "res 0 for none (else x += res in place first); out contiguous [rows, dim]"},
+    {"rope", rope, METH_VARARGS,
+     "rope(x, row_stride, cos, sin, rows, heads, d, bf16): rotate the first `heads` heads of "
+     "each row in place; cos/sin contiguous [rows, d]"},
+    {"silu_mul", silu_mul, METH_VARARGS,
+     "silu_mul(gate_up, out, rows, n, bf16): out [rows, n] = silu(gate) * up, gate_up "
+     "contiguous [rows, 2n]"},
+    {"write_kv", write_kv, METH_VARARGS,
+     "write_kv(pool, n_slots, kvh, ps, d, pool_bf16, k, v, src_stride, slots, offs, tokens, "
+     "src_bf16): new tokens' K/V into the pool [n_slots, 2, kvh, ps, d]; slots/offs int64"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_layerops", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__layerops(void) { return PyModule_Create(&module); }

@@ -1,0 +1,99 @@
+"""A decoder layer's small ops as one C call each (kernels/_layerops.c): RMSNorm with the
+residual add before it, RoPE in place, SiLU(gate) * up, and the scatter of new K/V into the
+KV pool. torch runs each as 3 to 8 ops with their dispatch and temporaries, which at one
+decode row is most of their cost. Same arithmetic as torch and transformers (float32
+statistics, bf16 results rounded where torch's ops round them); CPU tensors in bfloat16 or
+float32 only: `supports` says when the model may call them (else it runs torch's ops).
+
+Leaf module: imports only torch and kernels.*.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    from kernels import _layerops
+except ImportError:         # a checkout whose extensions are not built (`make setup` builds them)
+    _layerops = None
+
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class LayerOps:
+    enabled = True      # False: the model runs torch's ops (the reference, A/B)
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether the C ops serve activations like x."""
+    return LayerOps.enabled and _layerops is not None and x.is_cpu and x.dtype in _DTYPES
+
+
+def _rows(x: torch.Tensor) -> int:
+    """Row stride of a 2-d tensor whose rows are contiguous."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"expected rows of contiguous values, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+    return x.stride(0)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, dim] -> RMSNorm(x) [T, dim] (new tensor). With `residual` [T, dim], first
+    x += residual in place (the layer's residual stream), then the norm of the sum."""
+    t, dim = x.shape
+    if weight.dtype != x.dtype or weight.shape != (dim,) or not weight.is_contiguous():
+        raise ValueError("rms_norm: weight must be x's dtype, [dim], contiguous")
+    out = torch.empty(t, dim, dtype=x.dtype)
+    res, res_stride = 0, 0
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError("rms_norm: residual must match x")
+        res, res_stride = residual.data_ptr(), _rows(residual)
+    _layerops.rms_norm(x.data_ptr(), _rows(x), res, res_stride, weight.data_ptr(),
+                       out.data_ptr(), t, dim, eps, x.dtype == torch.bfloat16)
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor,
+          sin: torch.Tensor) -> None:
+    """Rotate the first `heads` heads of head_dim values of each row of x [T, >= heads *
+    head_dim] in place; cos/sin [T, 1, head_dim] (or [T, head_dim]) in x's dtype."""
+    t = x.shape[0]
+    if x.shape[1] < heads * head_dim:
+        raise ValueError(f"rope_: rows of {x.shape[1]} values hold no {heads} heads")
+    cos, sin = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
+    if cos.dtype != x.dtype or sin.dtype != x.dtype or not (cos.is_contiguous()
+                                                            and sin.is_contiguous()):
+        raise ValueError("rope_: cos/sin must be contiguous, in x's dtype")
+    _layerops.rope(x.data_ptr(), _rows(x), cos.data_ptr(), sin.data_ptr(), t, heads,
+                   head_dim, x.dtype == torch.bfloat16)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2n] (contiguous) -> silu(gate) * up [T, n]."""
+    t, n2 = gate_up.shape
+    if not gate_up.is_contiguous() or n2 % 2:
+        raise ValueError("silu_mul: gate_up must be contiguous [T, 2n]")
+    out = torch.empty(t, n2 // 2, dtype=gate_up.dtype)
+    _layerops.silu_mul(gate_up.data_ptr(), out.data_ptr(), t, n2 // 2,
+                       gate_up.dtype == torch.bfloat16)
+    return out
+
+
+def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+             offsets: torch.Tensor) -> bool:
+    """Token t's k[t], v[t] [KVH, D] into pool [S, 2, KVH, page_size, D] at slot slots[t],
+    offset offsets[t] (int64), as `pool[slots, 0, :, offsets] = k` does. False (nothing
+    written) where the C op does not serve these tensors: the caller uses torch's."""
+    if not (supports(k) and pool.is_cpu and pool.dtype in _DTYPES and pool.is_contiguous()
+            and k.dtype == v.dtype and slots.dtype == offsets.dtype == torch.int64
+            and slots.is_contiguous() and offsets.is_contiguous()):
+        return False
+    t, kvh, d = k.shape
+    if k.stride()[1:] != (d, 1) or v.stride() != k.stride() or pool.dim() != 5 \
+            or pool.shape[2] != kvh or pool.shape[4] != d or slots.numel() != t:
+        return False
+    _layerops.write_kv(pool.data_ptr(), pool.shape[0], kvh, pool.shape[3], d,
+                       pool.dtype == torch.bfloat16, k.data_ptr(), v.data_ptr(), k.stride(0),
+                       slots.data_ptr(), offsets.data_ptr(), t, k.dtype == torch.bfloat16)
+    return True

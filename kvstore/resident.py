@@ -1,0 +1,104 @@
+"""The resident decode step: decodes whose every page of every layer is already in a device slot.
+
+That is the steady state of dense decode whenever the device tier holds the context: nothing to
+select, resolve, fetch or evict, yet the general path (kvstore/step.py) pays for each of those
+stages in every layer, ~60 us of Python and small torch ops a layer against ~80 us of attention
+at 1K tokens. Here the slots of every layer are looked up once at the step's start, in one
+batch; each layer then writes its tokens' K/V and runs the C decode kernel over a head table
+made at the start; recency (one clock per layer, as the general path stamps them) and the
+write-back of pages that filled happen once, at the step's end. A step with any page outside
+the device tier (a new page, one demoted or spilled), a prefill, a sparse decode or KV
+recompute takes the general path, whose results this one equals bit for bit (the same kernel
+over the same slots in the same order).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kernels.layer_ops import write_kv
+from kernels.page_table import PageTable
+from kernels.sparse_attention import NativeSparseDecode
+from kvstore.write_back import write_back
+
+
+class ResidentDecode:
+    """One step's per-layer slots and tables (built by `plan`, used by StepKV.attend)."""
+
+    enabled = True      # False: every step takes the general path (the reference, A/B)
+
+    def __init__(self, tiers, stats, kernel: NativeSparseDecode, now: int, head: PageTable,
+                 head_slots: torch.Tensor, tok_slots: torch.Tensor, tok_off: torch.Tensor,
+                 full: tuple[torch.Tensor, torch.Tensor, list[str]] | None,
+                 used_slots: torch.Tensor):
+        self.tiers, self.stats, self.kernel, self.now = tiers, stats, kernel, now
+        self.head = head                    # the head table's shape (indptr, last page lengths)
+        self.head_slots = head_slots        # [L, entries] int64: each layer's slots for it
+        self.tok_slots = tok_slots          # [L, T] int64: the slot each new token goes to
+        self.tok_off = tok_off              # [T] int64: its offset in that page
+        self.full = full                    # (keys, slots, owners) of pages that filled
+        self.used_slots = used_slots        # [L, n] int64: every slot the step reads
+
+    @classmethod
+    def plan(cls, step) -> ResidentDecode | None:
+        """The plan of StepKV `step` if all its sequences are plain decodes (no sparse rows,
+        no KV recompute, the CPU's C kernel) and every page of every layer is on the device
+        tier, else None (the general path)."""
+        tiers, kernel = step.tiers, step.parts.sparse_attention
+        if not cls.enabled or not step.seqs or step.sparse_idx \
+                or tiers.recompute is not None or any(s.q_len != 1 for s in step.seqs) \
+                or not isinstance(kernel, NativeSparseDecode):
+            return None
+        L, dev = tiers.num_layers, tiers.device_tier
+        slots = dev.slots(tiers.keys_of(torch.cat(step.page_tensors))).view(L, -1)
+        if slots.numel() == 0 or bool((slots < 0).any()):     # -1: not on the device
+            return None
+        slots = slots.long()
+        t_keys = tiers.keys_of(step.t_pid).view(L, -1)
+        t_slots = dev.slots(t_keys.reshape(-1)).view(L, -1).long()
+        full = None
+        if step.t_full_rids:
+            full = (t_keys[:, step.t_full].reshape(-1), t_slots[:, step.t_full].reshape(-1),
+                    step.t_full_rids * L)
+        # the head table over the pages in order (row b * KVH + h: sequence b's pages); a
+        # layer maps its entries (positions in the concatenated pages) to its slots
+        counts = torch.tensor(step.n_pages, dtype=torch.int32)
+        indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
+        torch.cumsum(counts, 0, out=indptr[1:])
+        last = torch.tensor(step.last_len, dtype=torch.int32)
+        head = PageTable(indptr, torch.arange(int(indptr[-1]), dtype=torch.int32), last,
+                         step.cfg.page_size).per_head(tiers.page_shape.num_kv_heads)
+        return cls(tiers, step.stats, kernel, step.now, head,
+                   slots[:, head.indices.long()].contiguous(),
+                   t_slots[:, step.tok_t].contiguous(), step.tok_off, full, slots)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        """q [B, H, D], k/v [B, KVH, D] of one decode token a sequence -> [B, H, D]."""
+        pool = self.tiers.pool
+        tok = self.tok_slots[layer]
+        if not write_kv(pool, k, v, tok, self.tok_off):
+            pool[tok, 0, :, self.tok_off] = k.to(pool.dtype)
+            pool[tok, 1, :, self.tok_off] = v.to(pool.dtype)
+        t0 = time.perf_counter()
+        h = self.head
+        table = PageTable(h.indptr, self.head_slots[layer], h.last_page_len, h.page_size)
+        group = q.shape[1] // pool.shape[2]
+        out = self.kernel.forward(q, pool, table, group, scale)   # (torch's if unsupported)
+        self.stats.observe_stage("compute", time.perf_counter() - t0)
+        return out
+
+    def end(self) -> None:
+        """After the last layer: the step's lookups, recency stamps and write-backs."""
+        tiers = self.tiers
+        L = tiers.num_layers
+        n = self.used_slots.numel()
+        self.stats.count("lookups", "device", n)
+        self.stats.count("hits", "device", n)
+        clocks = self.now * L + torch.arange(L).view(L, 1)
+        touched = torch.cat([self.used_slots, self.tok_slots], dim=1)
+        tiers.touch(touched.reshape(-1), clocks.expand_as(touched).reshape(-1))
+        tiers.at_layer(self.now, L - 1)
+        if self.full is not None:
+            write_back(tiers, *self.full)

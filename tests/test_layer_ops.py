@@ -1,0 +1,126 @@
+"""The decoder layer's small ops in C (kernels/layer_ops.py) against torch's: bit for bit in
+bf16, to the last bit or within one ulp in float32, and the model's forward the same either way."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.rope import RotaryEmbedding
+from kernels import layer_ops
+from kernels.layer_ops import LayerOps
+
+pytestmark = pytest.mark.skipif(layer_ops._layerops is None, reason="C extensions not built")
+
+DTYPES = [torch.bfloat16, torch.float32]
+
+
+def torch_norm(x, w, eps):
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * (xf.to(x.dtype) if x.dtype == torch.bfloat16 else xf)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    """bf16: equal bits; float32: within one ulp (the C sum of squares runs in its own order)."""
+    if a.dtype == torch.bfloat16:
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, rtol=3e-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_equals_torchs(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(9, 576, generator=g) * 3).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    same(layer_ops.rms_norm(x, w, 1e-5), torch_norm(x, w, 1e-5))
+    wide = torch.randn(9, 1000, generator=g).to(dtype)      # rows of a wider tensor
+    same(layer_ops.rms_norm(wide[:, 100:676], w, 1e-5), torch_norm(wide[:, 100:676], w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_adds_the_residual_in_place_first(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, r = (torch.randn(5, 576, generator=g).to(dtype) for _ in range(2))
+    w = torch.rand(576, generator=g).to(dtype)
+    total = x + r
+    out = layer_ops.rms_norm(x, w, 1e-6, residual=r)
+    assert torch.equal(x, total)
+    same(out, torch_norm(total, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_rotates_q_and_k_heads_in_place_as_transformers(dtype):
+    g = torch.Generator().manual_seed(2)
+    t, h, kvh, d = 6, 9, 3, 64
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g).to(dtype)
+    rope = RotaryEmbedding(d, 4096, 10000.0, None, 4096)
+    cos, sin = rope.cos_sin(torch.tensor([0, 1, 17, 500, 2000, 4095]), dtype)
+    q = RotaryEmbedding.apply(qkv[:, :h * d].view(t, h, d), cos, sin)
+    k = RotaryEmbedding.apply(qkv[:, h * d:(h + kvh) * d].view(t, kvh, d), cos, sin)
+    v = qkv[:, (h + kvh) * d:].clone()
+    layer_ops.rope_(qkv, h + kvh, d, cos, sin)
+    assert torch.equal(qkv[:, :h * d].view(t, h, d), q)
+    assert torch.equal(qkv[:, h * d:(h + kvh) * d].view(t, kvh, d), k)
+    assert torch.equal(qkv[:, (h + kvh) * d:], v)         # V untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_equals_torchs(dtype):
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(4, 3072, generator=g) * 4).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    same(layer_ops.silu_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("pool_dtype", DTYPES)
+@pytest.mark.parametrize("src_dtype", DTYPES)
+def test_write_kv_equals_indexed_assignment(pool_dtype, src_dtype):
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(5, 960, generator=g).to(src_dtype)
+    k, v = qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)     # strided rows
+    slots, offs = torch.tensor([1, 3, 3, 9, 0]), torch.tensor([0, 5, 6, 15, 2])
+    pool = torch.randn(10, 2, 3, 16, 64, generator=g).to(pool_dtype)
+    want = pool.clone()
+    want[slots, 0, :, offs] = k.to(pool_dtype)
+    want[slots, 1, :, offs] = v.to(pool_dtype)
+    assert layer_ops.write_kv(pool, k, v, slots, offs)
+    assert torch.equal(pool, want)
+
+
+def test_write_kv_refuses_what_it_cannot_serve():
+    pool = torch.zeros(4, 2, 3, 16, 64, dtype=torch.bfloat16)
+    k = torch.zeros(2, 3, 64, dtype=torch.bfloat16)
+    slots, offs = torch.tensor([0, 1]), torch.tensor([0, 1])
+    assert not layer_ops.write_kv(pool, k.half(), k.half(), slots, offs)       # fp16
+    assert not layer_ops.write_kv(pool, k, k, slots.int(), offs.int())          # int32 slots
+    assert not layer_ops.write_kv(pool, k[:, :2], k[:, :2], slots, offs)        # 2 heads, not 3
+    assert not pool.any()
+    with pytest.raises(IndexError):
+        layer_ops.write_kv(pool, k, k, torch.tensor([0, 4]), offs)
+    with pytest.raises(IndexError):
+        layer_ops.write_kv(pool, k, k, slots, torch.tensor([0, 16]))
+
+
+def test_the_models_steps_are_the_same_with_torchs_ops(smollm2_dir):
+    # bf16 (the CPU's default with AVX512_BF16): a prefill's logits and greedy decode, bit for bit
+    from engine.model_loader import load_model
+    from tests.kv_cache import make_kv_cache
+    from tests.model_helpers import PagedSequence, greedy, page_pool, step
+
+    model = load_model(smollm2_dir, dtype=torch.bfloat16)
+    prompt = list(range(100, 140))
+    runs = []
+    for enabled in (False, True):
+        LayerOps.enabled = enabled
+        try:
+            cache = make_kv_cache(model, num_pages=32, page_size=16)
+            seq = PagedSequence(list(prompt), page_pool(32))
+            (logits,) = step(model, cache, [(seq, len(prompt))])
+            cache = make_kv_cache(model, num_pages=32, page_size=16)
+            runs.append((logits, greedy(model, cache, prompt, 12, page_pool(32))))
+        finally:
+            LayerOps.enabled = True
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]

@@ -1,0 +1,92 @@
+"""The resident decode path (kvstore/resident.py) against the general one: decode steps whose
+pages are all on the device tier give the same tokens, log-probabilities, tier statistics,
+recency stamps and backing-tier writes as the per-layer path of kvstore/step.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.args import EngineArgs
+from engine.llm_engine import LLMEngine
+from kvstore.resident import ResidentDecode
+from scheduler.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """Counts the steps that took the resident path."""
+    made = []
+    original = ResidentDecode.plan.__func__
+
+    def plan(cls, *args, **kwargs):
+        p = original(cls, *args, **kwargs)
+        made.append(p is not None)
+        return p
+
+    monkeypatch.setattr(ResidentDecode, "plan", classmethod(plan))
+    return made
+
+
+def decode(folder, prompts, resident: bool, steps: int = 40, **kw):
+    """Greedy `steps` tokens of each prompt: (request id -> [(token, logprob)], the engine)."""
+    ResidentDecode.enabled = resident
+    try:
+        if "kv_disk_path" in kw:     # each engine its own folder (a server holds its lock)
+            kw = dict(kw, kv_disk_path=kw["kv_disk_path"] / ("resident" if resident else "ref"))
+        engine = LLMEngine(EngineArgs(model=str(folder), page_size=16, prefix_cache="off",
+                                      **kw))
+        got = {}
+        for i, p in enumerate(prompts):
+            got[f"r{i}"] = []
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=steps, temperature=0.0,
+                                                          ignore_eos=True, logprobs=0))
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.finish_reason != "error", out.error
+                got[out.request_id] += [(t, lp[0].logprob) for t, lp in
+                                        zip(out.new_token_ids, out.new_logprobs)]
+        return got, engine
+    finally:
+        ResidentDecode.enabled = True
+
+
+def prompts_of(n: int, length: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(100, 40000, (length + 9 * i,), generator=gen).tolist() for i in range(n)]
+
+
+@pytest.mark.parametrize("backing", ["device", "disk"])
+def test_resident_steps_equal_the_general_path(smollm2_dir, tmp_path, plans, backing):
+    kw = dict(kv_device_gb=0.1)
+    if backing == "disk":       # pages that fill are written through to the disk tier
+        kw.update(kv_disk_gb=0.2, kv_disk_path=tmp_path / "kv", kv_host_pool="separate",
+                  kv_host_gb=0.05)
+    prompts = prompts_of(3, 150)
+    ref, ref_engine = decode(smollm2_dir, prompts, resident=False, **kw)
+    assert not any(plans)
+    plans.clear()
+    got, engine = decode(smollm2_dir, prompts, resident=True, **kw)
+    # most decode steps took the resident path; a step that opens a page takes the general one
+    assert sum(plans) > len(plans) // 2 and not all(plans)
+    assert got == ref
+    a, b = engine.store.stats.snapshot(), ref_engine.store.stats.snapshot()
+    assert (a.lookups, a.hits, a.evictions, a.transfer_bytes) == \
+        (b.lookups, b.hits, b.evictions, b.transfer_bytes)
+    if backing == "disk":
+        assert a.transfer_bytes[("device", "disk")] > 0
+    assert torch.equal(engine.store.tiers.residency.last_used,
+                       ref_engine.store.tiers.residency.last_used)
+
+
+def test_a_step_with_a_page_off_the_device_takes_the_general_path(smollm2_dir, tmp_path, plans):
+    # a device tier smaller than the context: every decode step fetches, none is resident
+    kw = dict(kv_device_gb=0.004, kv_disk_gb=0.2, kv_disk_path=tmp_path / "kv",
+              kv_host_pool="separate", kv_host_gb=0.004)
+    prompts = prompts_of(1, 900)
+    ref, _ = decode(smollm2_dir, prompts, resident=False, steps=12, **kw)
+    got, engine = decode(smollm2_dir, prompts, resident=True, steps=12, **kw)
+    assert plans and not any(plans)
+    assert got == ref
+    assert engine.store.stats.snapshot().hits.get("disk", 0) > 0
