@@ -14,10 +14,11 @@ setup: $(STAMP)
 
 # setup.py builds kvstore/tiers/_pageio.c (page I/O, checksums and copies without the GIL),
 # kvstore/_evict.c (eviction passes), kernels/_decode.c (sparse decode attention),
-# kernels/_select.c (page selection) and kernels/_qmatmul.c (quantized matmuls) in place
+# kernels/_layerops.c (a layer's small ops), kernels/_select.c (page selection) and
+# kernels/_qmatmul.c (quantized matmuls) in place
 $(STAMP): pyproject.toml setup.py kvstore/tiers/_pageio.c kvstore/tiers/_pageio_ring.h \
-		kvstore/_evict.c kernels/_decode.c kernels/_select.c kernels/_rows.h \
-		kernels/_qmatmul.c kernels/_pool.h Makefile
+		kvstore/_evict.c kernels/_decode.c kernels/_layerops.c kernels/_select.c \
+		kernels/_rows.h kernels/_qmatmul.c kernels/_pool.h Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
