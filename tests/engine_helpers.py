@@ -37,6 +37,39 @@ def run(engine: LLMEngine, prompts, steps: int, ids=None):
     return drive(engine, ids)
 
 
+def run_scored(engine: LLMEngine, prompts, steps: int):
+    """As `run`, with each greedy token's margin over the runner-up (its logprob minus the
+    second best's): (request id -> tokens, request id -> margins)."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    got, margins = {rid: [] for rid in ids}, {rid: [] for rid in ids}
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, SamplingParams(max_tokens=steps, temperature=0.0,
+                                                  ignore_eos=True, logprobs=2))
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            got[out.request_id].extend(out.new_token_ids)
+            margins[out.request_id].extend(top[0].logprob - top[1].logprob
+                                           for _, top in out.new_logprobs)
+    return got, margins
+
+
+def assert_same_greedy(got: dict, ref: dict, margins: dict, tie: float = 0.2) -> None:
+    """Two runs of the same requests through different float paths (kernels that round
+    differently) give the same greedy tokens up to the first near-tie: where they differ, the
+    reference's two best tokens were within `tie` (logprob) of each other, and from there on
+    the two texts go their own ways, both correct."""
+    assert got.keys() == ref.keys()
+    for rid in ref:
+        a, b = got[rid], ref[rid]
+        assert len(a) == len(b), rid
+        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if first is not None:
+            assert margins[rid][first] < tie, \
+                f"{rid}: token {first} differs where the reference's margin was " \
+                f"{margins[rid][first]:.3f} (not a near-tie)"
+
+
 def code_prompt(model_dir) -> list[int]:
     """A ~700-token chat prompt with one fact to recall (a code amid filler): sparse budgets
     of 128 tokens select within it, 4096 cover it."""

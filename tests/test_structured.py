@@ -175,16 +175,19 @@ def test_constrained_and_free_requests_in_one_batch_do_not_interfere(dense_engin
     free = SamplingParams(max_tokens=40, temperature=0.0)
     engine = dense_engine
     # NOTE: compared batch against batch of the same shape: a matmul over 2 rows may round
-    # differently from one over 1 (bf16 GEMM kernels on AVX512_BF16 CPUs do), so "alone"
-    # would test the BLAS, not the grammar. What must hold: the grammar of one request
-    # changes nothing in the other's rows, and the constrained one follows its schema.
+    # differently from one over 1 (bf16 GEMM kernels on AVX512_BF16 CPUs do; torch's int4 by
+    # up to 0.6 logits on the bundled model), so "alone" would test the BLAS, not the
+    # grammar. What must hold: the grammar of one request changes nothing in the other's
+    # rows while they share the batch (the constrained one ends first, its JSON done), and
+    # the constrained one follows its schema.
     runs = {}
     for name, first in (("with-grammar", constrained), ("without", free)):
         engine.add_request("c", prompt, first)
         engine.add_request("f", prompt, free)
         runs[name], errors = drive(engine, ["c", "f"])
         assert not errors
-    assert runs["with-grammar"]["f"] == runs["without"]["f"]
+    shared = len(runs["with-grammar"]["c"])
+    assert runs["with-grammar"]["f"][:shared] == runs["without"]["f"][:shared]
     assert runs["without"]["c"] == runs["without"]["f"]          # same prompt, same rows
     answer = json.loads(tokenizer.decode(runs["with-grammar"]["c"]))
     jsonschema.validate(answer, schema)
