@@ -56,8 +56,9 @@ class EngineArgs:
                            "start-up", WEIGHTS, group="model")
     threads: int = setting(0, "torch CPU threads for the model (0: all cores)", group="model")
     decode_threads: int = setting(0, "torch CPU threads for steps that only decode (0: "
-                                  "--threads, one fewer when stage threads or the server "
-                                  "need a core)", group="model")
+                                  "sequential mode times, per step shape, torch on every "
+                                  "core against the C attention on every core; other "
+                                  "modes: one fewer than --threads)", group="model")
     max_model_len: int | None = setting(None, "prompt + completion tokens (default: the "
                                         "model's positions)", group="scheduler")
     max_num_seqs: int = setting(_SCHED.max_num_seqs, "running requests at most",

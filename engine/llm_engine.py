@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from engine.args import EngineArgs
+from engine.core_split import CoreSplit
 from engine.devices import describe, resolve_device
 from engine.gguf_convert import ensure_hf_folder, gguf_source, model_fingerprint
 from engine.gguf_weights import native_format
@@ -73,6 +75,7 @@ class LLMEngine:
         self.num_preemptions = 0
         # (prefill, decode-only) torch threads of each step (`use_threads`); None: the caller's
         self.threads: tuple[int, int] | None = None
+        self.core_split: CoreSplit | None = None     # sequential decode: who gets the cores
 
     def use_threads(self, prefill: int, decode: int) -> None:
         """Run each step on `decode` torch threads when it only decodes, else on `prefill`
@@ -82,11 +85,16 @@ class LLMEngine:
             raise ValueError(f"torch threads must be >= 1, got {prefill} and {decode}")
         self.threads = (prefill, decode)
         # the C decode attention splits its rows over threads of its own, while torch's
-        # wait: in sequential mode nothing else computes then, so it takes every core
-        # (pipelined modes' stage threads run beside it: the decode count)
+        # wait: in sequential mode nothing else computes then, so it may take every core
+        # (pipelined modes' stage threads run beside it: the decode count); which of the two
+        # gets the cores in a decode step is timed per step shape (engine/core_split.py)
+        # unless --decode-threads fixes torch's
         kernel = self.store.sparse_attention
         if hasattr(kernel, "threads"):
             kernel.threads = prefill if self.args.pipeline == "sequential" else decode
+            if self.args.pipeline == "sequential" and prefill > 1 \
+                    and not self.args.decode_threads:
+                self.core_split = CoreSplit(prefill, decode)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull, KVFull, a ValueError when it can never
@@ -111,6 +119,24 @@ class LLMEngine:
             return None
         return self._finish(req)
 
+    def _use_threads(self, batch) -> CoreSplit | None:
+        """Set the step's torch (and C attention) threads; returns the CoreSplit timing this
+        step, if any."""
+        if self.threads is None:
+            return None
+        split = self.core_split if batch.decode_only else None
+        kernel = self.store.sparse_attention
+        if split is not None:
+            n, kernel.threads = split.choose(
+                len(batch.requests), sum(r.start_pos + 1 for r in batch.requests))
+        else:
+            n = self.threads[1 if batch.decode_only else 0]
+            if self.core_split is not None:     # sequential mode: the attention's default
+                kernel.threads = self.threads[0]
+        if torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return split
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -121,13 +147,13 @@ class LLMEngine:
             return []
         if self.device.type == "cuda":      # the current device is per thread
             torch.cuda.set_device(self.device)
-        if self.threads is not None:
-            n = self.threads[1 if batch.decode_only else 0]
-            if torch.get_num_threads() != n:
-                torch.set_num_threads(n)
+        split = self._use_threads(batch)
         requests = {r.request_id: self.scheduler.get_request(r.request_id) for r in batch.requests}
         try:
+            t0 = time.perf_counter()
             sampled, write_failures = self.runner.execute(batch, requests)
+            if split is not None:
+                split.observe(time.perf_counter() - t0)
         except RequestKVError as exc:
             # pages of these requests were lost: they end with an error; the others were not
             # advanced and simply run this step again

@@ -1,0 +1,73 @@
+"""Who gets the cores in a decode step: torch's matmuls, or the C decode attention.
+
+Both run pools of threads that spin between calls: torch's OpenMP workers after each op, the
+C kernel's (kernels/_pool.h) after each layer's attention. With both on every core each pool's
+threads take the other's cores, and a step is slower than with either alone (2-core AMD EPYC
+with AVX-512, 1 x 1K tokens: 13.8 ms against 10.1 or 12.7). Which one should have them depends
+on the step: at 1 x 1K the weights are most of the bytes a step reads (torch on both cores,
+the attention on one: 10.1 ms, against 12.7 the other way round), at 8 x 1K the KV is (35
+against 37 ms the other way round), and the crossover moves with the CPU, the weights' format
+and the server's own threads. So each step shape (rows, and context tokens in log2 buckets)
+times both splits for its first steps, in turns, and keeps the one with the lower median.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+
+logger = logging.getLogger(__name__)
+
+# a split: (torch threads, C attention threads)
+Split = tuple[int, int]
+
+
+class CoreSplit:
+    def __init__(self, cores: int, decode: int, probes: int = 3):
+        """cores: every core the engine may use; decode: torch's threads when the attention
+        has the cores (one left to the server's threads). probes: steps timed per split and
+        shape before the choice."""
+        self.splits: tuple[Split, Split] = ((cores, 1), (decode, cores))
+        self.probes = probes
+        self._times: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+        self._chosen: dict[tuple[int, int], Split] = {}
+        self._pending: tuple[tuple[int, int], int] | None = None
+
+    @staticmethod
+    def shape(rows: int, context_tokens: int) -> tuple[int, int]:
+        """A step's shape: rows as they are up to 4 then in log2 buckets, and the context
+        tokens it attends to in log2 buckets of 256."""
+        return (rows if rows <= 4 else 4 + (rows - 1).bit_length(),
+                (context_tokens // 256).bit_length())
+
+    def choose(self, rows: int, context_tokens: int) -> Split:
+        """The split for a decode step of this shape (`observe` then takes its time)."""
+        key = self.shape(rows, context_tokens)
+        chosen = self._chosen.get(key)
+        if chosen is not None:
+            self._pending = None
+            return chosen
+        matmul, attention = self._times.setdefault(key, ([], []))
+        which = 0 if len(matmul) <= len(attention) else 1
+        self._pending = (key, which)
+        return self.splits[which]
+
+    def observe(self, seconds: float) -> None:
+        """The wall time of the step `choose` last planned (ignored once a shape is decided)."""
+        if self._pending is None:
+            return
+        key, which = self._pending
+        self._pending = None
+        times = self._times[key]
+        times[which].append(seconds)
+        if min(len(t) for t in times) >= self.probes:
+            medians = [statistics.median(t) for t in times]
+            best = 0 if medians[0] <= medians[1] else 1
+            self._chosen[key] = self.splits[best]
+            del self._times[key]
+            logger.info("decode steps of shape %s: torch on %d threads and the attention on "
+                        "%d (%.1f ms a step, against %.1f the other way)", key,
+                        *self.splits[best], 1e3 * medians[best], 1e3 * medians[1 - best])
+
+    def decided(self) -> dict[tuple[int, int], Split]:
+        """Shape -> the split it runs with (the shapes timed so far)."""
+        return dict(self._chosen)

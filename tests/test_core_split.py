@@ -1,0 +1,80 @@
+"""CoreSplit (engine/core_split.py): each decode step shape times both splits of the cores in
+turns, then keeps the faster; and the engine hands a decode step the split's threads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.core_split import CoreSplit
+
+
+def run(split: CoreSplit, rows: int, tokens: int, cost: dict, steps: int) -> list:
+    """`steps` decode steps of one shape, each taking cost[split] seconds: the splits used."""
+    used = []
+    for _ in range(steps):
+        s = split.choose(rows, tokens)
+        used.append(s)
+        split.observe(cost[s])
+    return used
+
+
+def test_each_shape_times_both_splits_then_keeps_the_faster():
+    split = CoreSplit(cores=2, decode=1, probes=3)
+    matmul, attention = (2, 1), (1, 2)
+    used = run(split, 1, 1000, {matmul: 0.010, attention: 0.013}, 10)
+    assert used[:6].count(matmul) == used[:6].count(attention) == 3     # in turns
+    assert used[6:] == [matmul] * 4
+    # another shape decides on its own: many rows over a long context, the attention wins
+    used = run(split, 8, 8000, {matmul: 0.040, attention: 0.034}, 8)
+    assert used[6:] == [attention] * 2
+    assert split.decided() == {CoreSplit.shape(1, 1000): matmul,
+                               CoreSplit.shape(8, 8000): attention}
+
+
+def test_the_median_decides_not_one_outlier():
+    split = CoreSplit(cores=4, decode=3, probes=3)
+    times = iter([0.010, 0.012, 0.500, 0.012, 0.010, 0.012])      # one slow matmul-split step
+    for _ in range(6):
+        split.choose(2, 3000)
+        split.observe(next(times))
+    assert split.choose(2, 3000) == (4, 1)
+
+
+def test_close_shapes_share_a_decision_and_far_ones_do_not():
+    assert CoreSplit.shape(1, 1000) == CoreSplit.shape(1, 1020)
+    assert CoreSplit.shape(1, 1000) != CoreSplit.shape(1, 7000)
+    assert CoreSplit.shape(1, 1000) != CoreSplit.shape(2, 1000)
+    assert CoreSplit.shape(9, 1000) == CoreSplit.shape(16, 1000)
+
+
+@pytest.mark.slow
+def test_the_engine_runs_decode_steps_on_the_chosen_split(smollm2_dir):
+    from engine.args import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from tests.engine_helpers import greedy
+
+    engine = LLMEngine(EngineArgs(model=str(smollm2_dir), kv_device_gb=0.1, prefix_cache="off"))
+    engine.use_threads(2, 1)
+    assert engine.core_split is not None
+    seen = []
+    kernel = engine.store.sparse_attention
+    execute = engine.runner.execute
+
+    def spy(batch, requests):
+        seen.append((batch.decode_only, torch.get_num_threads(), kernel.threads))
+        return execute(batch, requests)
+
+    engine.runner.execute = spy
+    engine.add_request("r", list(range(100, 400)), greedy(12))
+    while engine.has_unfinished():
+        engine.step()
+    decided = engine.core_split.decided()
+    assert len(decided) == 1
+    (torch_threads, kernel_threads), = decided.values()
+    assert seen[0] == (False, 2, 2)         # the prefill: every core, the attention's default
+    assert seen[-1] == (True, torch_threads, kernel_threads)
+    assert {s[1:] for s in seen[1:7]} == {(2, 1), (1, 2)}       # the probes
+    fixed = LLMEngine(EngineArgs(model=str(smollm2_dir), kv_device_gb=0.1, prefix_cache="off",
+                                 decode_threads=1))
+    fixed.use_threads(2, 1)
+    assert fixed.core_split is None         # --decode-threads: the user's choice
