@@ -28,15 +28,18 @@ class ResidentDecode:
 
     enabled = True      # False: every step takes the general path (the reference, A/B)
 
-    def __init__(self, tiers, stats, kernel: NativeSparseDecode, now: int, head: PageTable,
-                 head_slots: torch.Tensor, tok_slots: torch.Tensor, tok_off: torch.Tensor,
+    def __init__(self, step, kernel: NativeSparseDecode, head: PageTable,
+                 head_slots: torch.Tensor, t_slots: torch.Tensor, tok_slots: torch.Tensor,
                  full: tuple[torch.Tensor, torch.Tensor, list[str]] | None,
                  used_slots: torch.Tensor):
-        self.tiers, self.stats, self.kernel, self.now = tiers, stats, kernel, now
+        self.step = step                    # the StepKV (its page summaries: `summarize`)
+        self.tiers, self.stats, self.kernel, self.now = step.tiers, step.stats, kernel, step.now
+        self.summaries = step.cfg.sparse_budget > 0     # selection reads them later
+        self.t_slots = t_slots              # [L, U] int64: the slots of the pages written
+        self.tok_off = step.tok_off         # [T] int64: each new token's offset in its page
         self.head = head                    # the head table's shape (indptr, last page lengths)
         self.head_slots = head_slots        # [L, entries] int64: each layer's slots for it
         self.tok_slots = tok_slots          # [L, T] int64: the slot each new token goes to
-        self.tok_off = tok_off              # [T] int64: its offset in that page
         self.full = full                    # (keys, slots, owners) of pages that filled
         self.used_slots = used_slots        # [L, n] int64: every slot the step reads
 
@@ -69,9 +72,8 @@ class ResidentDecode:
         last = torch.tensor(step.last_len, dtype=torch.int32)
         head = PageTable(indptr, torch.arange(int(indptr[-1]), dtype=torch.int32), last,
                          step.cfg.page_size).per_head(tiers.page_shape.num_kv_heads)
-        return cls(tiers, step.stats, kernel, step.now, head,
-                   slots[:, head.indices.long()].contiguous(),
-                   t_slots[:, step.tok_t].contiguous(), step.tok_off, full, slots)
+        return cls(step, kernel, head, slots[:, head.indices.long()].contiguous(), t_slots,
+                   t_slots[:, step.tok_t].contiguous(), full, slots)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -81,6 +83,8 @@ class ResidentDecode:
         if not write_kv(pool, k, v, tok, self.tok_off):
             pool[tok, 0, :, self.tok_off] = k.to(pool.dtype)
             pool[tok, 1, :, self.tok_off] = v.to(pool.dtype)
+        if self.summaries:
+            self.step.summarize(layer, self.t_slots[layer])
         t0 = time.perf_counter()
         h = self.head
         table = PageTable(h.indptr, self.head_slots[layer], h.last_page_len, h.page_size)

@@ -125,6 +125,23 @@ class StepKV:
             st.dense_fallbacks["dense_layer"] += min(cfg.dense_layers, L) * len(self.sparse_idx)
         self.resident = ResidentDecode.plan(self)     # None: the general path below
 
+    def summarize(self, layer: int, t_slots: torch.Tensor) -> None:
+        """The pages being written (in device slots t_slots [U]) into their requests' page
+        summaries of `layer` (selection's input; prompts also into its index)."""
+        # NOTE: recomputed from the page contents, so a retried step cannot double count
+        # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]
+        pool = self.tiers.pool
+        summ = summarize_pages(self.selection.summary_keys(layer, pool[t_slots, 0]),
+                               self.t_valid)
+        u, prompts = 0, []
+        for i, j0, n in self.t_runs:
+            rkv = self.parts.requests[self.seqs[i].request_id]
+            rkv.summaries[layer, j0:j0 + n] = summ[u:u + n]
+            u += n
+            if self.seqs[i].q_len > 1:
+                prompts.append((rkv, self.n_pages[i]))
+        self.selection.index_prompts(layer, prompts)
+
     def end(self) -> None:
         """After the forward (stage threads drained): the resident path's deferred work."""
         if self.resident is not None:
@@ -181,18 +198,7 @@ class StepKV:
         if inputs is not None:          # only given when `keeps_inputs`
             tiers.recompute.keep(tok_slots, self.tok_off, inputs)
         if cfg.sparse_budget > 0:      # summaries only serve selection
-            # NOTE: recomputed from the page contents, so a retried step cannot double count
-            # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]
-            summ = summarize_pages(self.selection.summary_keys(layer, pool[t_slots, 0]),
-                                   self.t_valid)
-            u, prompts = 0, []
-            for i, j0, n in self.t_runs:
-                rkv = self.parts.requests[self.seqs[i].request_id]
-                rkv.summaries[layer, j0:j0 + n] = summ[u:u + n]
-                u += n
-                if self.seqs[i].q_len > 1:
-                    prompts.append((rkv, self.n_pages[i]))
-            self.selection.index_prompts(layer, prompts)
+            self.summarize(layer, t_slots)
 
         # 2-3. select, resolve, fetch: dense sequences need every page, sparse decodes their
         # top pages; micro-batched and overlapped unless the pipeline is sequential
