@@ -7,8 +7,9 @@ with AVX-512, 1 x 1K tokens: 13.8 ms against 10.1 or 12.7). Which one should hav
 on the step: at 1 x 1K the weights are most of the bytes a step reads (torch on both cores,
 the attention on one: 10.1 ms, against 12.7 the other way round), at 8 x 1K the KV is (35
 against 37 ms the other way round), and the crossover moves with the CPU, the weights' format
-and the server's own threads. So each step shape (rows, and context tokens in log2 buckets)
-times both splits for its first steps, in turns, and keeps the one with the lower median.
+and the server's own threads. So each step shape (rows, and context tokens a row in log2
+buckets of 4K) times both splits for its first steps, in turns, and keeps the one with the
+lower median; it times them again every `period` steps (contexts grow, the load changes).
 """
 from __future__ import annotations
 
@@ -22,22 +23,24 @@ Split = tuple[int, int]
 
 
 class CoreSplit:
-    def __init__(self, cores: int, decode: int, probes: int = 3):
+    def __init__(self, cores: int, decode: int, probes: int = 3, period: int = 1024):
         """cores: every core the engine may use; decode: torch's threads when the attention
         has the cores (one left to the server's threads). probes: steps timed per split and
-        shape before the choice."""
+        shape before the choice; period: steps of a shape before it is timed again."""
         self.splits: tuple[Split, Split] = ((cores, 1), (decode, cores))
-        self.probes = probes
+        self.probes, self.period = probes, period
         self._times: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
         self._chosen: dict[tuple[int, int], Split] = {}
+        self._runs: dict[tuple[int, int], int] = {}     # steps since the shape's choice
         self._pending: tuple[tuple[int, int], int] | None = None
 
     @staticmethod
     def shape(rows: int, context_tokens: int) -> tuple[int, int]:
         """A step's shape: rows as they are up to 4 then in log2 buckets, and the context
-        tokens it attends to in log2 buckets of 256."""
+        tokens a row attends to in log2 buckets of 4K (a request's context crosses a bucket's
+        edge rarely: each crossing times the splits again)."""
         return (rows if rows <= 4 else 4 + (rows - 1).bit_length(),
-                (context_tokens // 256).bit_length())
+                (context_tokens // max(rows, 1) // 4096).bit_length())
 
     def choose(self, rows: int, context_tokens: int) -> Split:
         """The split for a decode step of this shape (`observe` then takes its time)."""
@@ -45,6 +48,9 @@ class CoreSplit:
         chosen = self._chosen.get(key)
         if chosen is not None:
             self._pending = None
+            self._runs[key] += 1
+            if self._runs[key] >= self.period:      # time the splits again from the next step
+                del self._chosen[key]
             return chosen
         matmul, attention = self._times.setdefault(key, ([], []))
         which = 0 if len(matmul) <= len(attention) else 1
@@ -63,11 +69,13 @@ class CoreSplit:
             medians = [statistics.median(t) for t in times]
             best = 0 if medians[0] <= medians[1] else 1
             self._chosen[key] = self.splits[best]
+            self._runs[key] = 0
             del self._times[key]
             logger.info("decode steps of shape %s: torch on %d threads and the attention on "
                         "%d (%.1f ms a step, against %.1f the other way)", key,
                         *self.splits[best], 1e3 * medians[best], 1e3 * medians[1 - best])
 
     def decided(self) -> dict[tuple[int, int], Split]:
-        """Shape -> the split it runs with (the shapes timed so far)."""
+        """Shape -> the split it runs with (the shapes timed so far, but those being timed
+        again)."""
         return dict(self._chosen)

@@ -25,10 +25,10 @@ def test_each_shape_times_both_splits_then_keeps_the_faster():
     assert used[:6].count(matmul) == used[:6].count(attention) == 3     # in turns
     assert used[6:] == [matmul] * 4
     # another shape decides on its own: many rows over a long context, the attention wins
-    used = run(split, 8, 8000, {matmul: 0.040, attention: 0.034}, 8)
+    used = run(split, 8, 64000, {matmul: 0.040, attention: 0.034}, 8)
     assert used[6:] == [attention] * 2
     assert split.decided() == {CoreSplit.shape(1, 1000): matmul,
-                               CoreSplit.shape(8, 8000): attention}
+                               CoreSplit.shape(8, 64000): attention}
 
 
 def test_the_median_decides_not_one_outlier():
@@ -41,10 +41,22 @@ def test_the_median_decides_not_one_outlier():
 
 
 def test_close_shapes_share_a_decision_and_far_ones_do_not():
-    assert CoreSplit.shape(1, 1000) == CoreSplit.shape(1, 1020)
+    assert CoreSplit.shape(1, 1000) == CoreSplit.shape(1, 1100) == CoreSplit.shape(1, 4000)
     assert CoreSplit.shape(1, 1000) != CoreSplit.shape(1, 7000)
-    assert CoreSplit.shape(1, 1000) != CoreSplit.shape(2, 1000)
+    assert CoreSplit.shape(1, 1000) != CoreSplit.shape(2, 2000)
+    assert CoreSplit.shape(8, 8000) == CoreSplit.shape(8, 8200)     # 1K tokens a row
     assert CoreSplit.shape(9, 1000) == CoreSplit.shape(16, 1000)
+
+
+def test_a_shape_is_timed_again_every_period_steps():
+    # the load changed: the attention's split got faster, and the next timing finds it
+    split = CoreSplit(cores=2, decode=1, probes=2, period=10)
+    matmul, attention = (2, 1), (1, 2)
+    used = run(split, 1, 1000, {matmul: 0.010, attention: 0.013}, 14)
+    assert used[4:14] == [matmul] * 10
+    used = run(split, 1, 1000, {matmul: 0.010, attention: 0.008}, 6)
+    assert sorted(used[:4]) == [attention, attention, matmul, matmul]
+    assert used[4:] == [attention] * 2
 
 
 @pytest.mark.slow
