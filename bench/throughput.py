@@ -15,7 +15,8 @@ device tier); flexgen (dense attention, every page pushed to disk after each ste
 1 GB + disk); sparse-sfc (the same with `--pipeline sfc`).
 
 The ramp ("mode": "ramp" cells), one per context and configuration: start 1 request, wait until
-it decodes, time --steps decode steps; add 3 more (4 in flight), wait until all decode (with
+it decodes (Strata: 8 more steps, while the engine times how to split the cores for the new
+step shape), time --steps decode steps; add 3 more (4 in flight), wait until all decode (with
 `--pipeline sfc` also until its micro-batch calibration is done, or 40 steps), time --steps
 steps; then 8, then 16. A level's decode tokens/s counts every token streamed while all its
 requests decode (one logprobs entry per token); its TTFT is that of the requests added at that
@@ -48,6 +49,7 @@ import statistics
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 if not __package__:                     # run as a script: import from the checkout
@@ -79,6 +81,7 @@ DEFAULT_CONFIGS = ["dense", "flexgen", "sparse-tiered", "sparse-sfc"]
 PEERS = ("llama.cpp", "transformers-fp32", "transformers")
 DEFAULT_PEERS = ["llama.cpp", "transformers-fp32"]
 CALIBRATION_WAIT = 40   # decode steps at most before timing, for sfc's micro-batch calibration
+SPLIT_WAIT = 8          # decode steps before timing a level, for the core split's timing
 
 
 # ------------------------------------------------------------------------------ servers
@@ -108,6 +111,8 @@ def scrape(base: str) -> dict[str, float]:
                 out["running"] = s.value
             elif s.name == "strata_pipeline_micro_batch":
                 out["micro_batch"] = s.value
+            elif s.name == "strata_generation_tokens_total":
+                out["generated"] = s.value
     return out
 
 
@@ -156,14 +161,32 @@ async def _consume(client, model: str, text: str, max_tokens: int, st: Stream,
             async for chunk in stream:
                 now = time.perf_counter()
                 st.times.extend([now] * counter.add(chunk))
+                _tokens().set()
         st.end = time.perf_counter()
     except asyncio.CancelledError:
         raise
     except Exception as e:   # noqa: BLE001 (reported per request)
         st.error = f"{type(e).__name__}: {e}"
+    finally:
+        _tokens().set()
 
 
-async def _wait(pred, streams: list[Stream], timeout: float, poll: float = 0.005) -> None:
+# set whenever a stream receives tokens or ends (one event per event loop): waits wake on it,
+# not on a timer (a client polling every few ms steals the cores of a server that uses them
+# all, on a small machine)
+_EVENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _tokens() -> asyncio.Event:
+    loop = asyncio.get_running_loop()
+    if loop not in _EVENTS:
+        _EVENTS[loop] = asyncio.Event()
+    return _EVENTS[loop]
+
+
+async def _wait(pred, streams: list[Stream], timeout: float, poll: float = 0.5,
+                on_tokens: bool = True) -> None:
+    """Until pred() holds, checked as tokens arrive (`on_tokens`) and every `poll` seconds."""
     deadline = time.perf_counter() + timeout
     while not pred():
         errs = [s.error for s in streams if s.error]
@@ -171,7 +194,15 @@ async def _wait(pred, streams: list[Stream], timeout: float, poll: float = 0.005
             raise RuntimeError(f"request failed: {errs[0]}")
         if time.perf_counter() > deadline:
             raise TimeoutError("timed out waiting for the server")
-        await asyncio.sleep(poll)
+        if not on_tokens:
+            await asyncio.sleep(poll)
+            continue
+        event = _tokens()
+        event.clear()
+        try:
+            await asyncio.wait_for(event.wait(), poll)
+        except asyncio.TimeoutError:
+            pass
 
 
 async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int],
@@ -198,6 +229,12 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
             await _wait(lambda: all(s.times for s in streams), streams, timeout)
             last_first = max(s.times[0] for s in new)
             await _wait(lambda: all(s.times[-1] > last_first for s in streams), streams, timeout)
+            if metrics:
+                # a new decode shape times how to split the cores over its first 6 steps
+                # (engine/core_split.py): time the split it settles on
+                c0 = [len(s.times) for s in streams]
+                await _wait(lambda: min(len(s.times) - c for s, c in zip(streams, c0))
+                            >= SPLIT_WAIT, streams, timeout)
             if metrics and level >= 2:
                 # --pipeline sfc calibrates its micro-batch over its first ~30 decode steps with
                 # two or more sparse sequences: time the size it settles on, not the candidates
@@ -205,12 +242,15 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
                 c0 = [len(s.times) for s in streams]
                 await _wait(lambda: scrape(base).get("micro_batch", 1) > 0 or min(
                     len(s.times) - c for s, c in zip(streams, c0)) >= CALIBRATION_WAIT,
-                            streams, timeout, poll=0.25)
-            m0 = scrape(base) if metrics else {}
+                            streams, timeout, poll=0.25, on_tokens=False)
+            # NOTE: scraped on a thread: the event loop keeps stamping tokens meanwhile (a
+            # scrape blocking it for the ~50 ms /metrics takes while the server decodes would
+            # put that time into the window's first step)
+            m0 = await asyncio.to_thread(scrape, base) if metrics else {}
             c0 = [len(s.times) for s in streams]
             await _wait(lambda: min(len(s.times) - c for s, c in zip(streams, c0)) >= steps,
                          streams, timeout)
-            m1 = scrape(base) if metrics else {}
+            m1 = await asyncio.to_thread(scrape, base) if metrics else {}
             tokens = sum(len(s.times) - c for s, c in zip(streams, c0))
             # each request's own window: `steps` gaps between its token timestamps
             windows = [(s.times[c - 1 + steps] - s.times[c - 1]) / steps
@@ -229,7 +269,11 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
                    "prompt_tokens": statistics.fmean(prompt_tokens[len(streams) - len(new):
                                                                    len(streams)])}
             if metrics:
-                per_step = {k: (m1.get(k, 0.0) - m0.get(k, 0.0)) / decode_steps for k in m1}
+                # the steps between the scrapes (more than the window's: tokens go on
+                # streaming while /metrics answers)
+                scraped = (m1.get("generated", 0.0) - m0.get("generated", 0.0)) / level
+                per_step = {k: (m1.get(k, 0.0) - m0.get(k, 0.0)) / (scraped or decode_steps)
+                            for k in m1 if k != "generated"}
                 row["kv_bytes_per_step"] = {k: v for k, v in per_step.items() if "->" in k}
                 row["stage_busy_s_per_step"] = {k[5:]: v for k, v in per_step.items()
                                                 if k.startswith("busy:")}
