@@ -64,7 +64,7 @@ def measure(context: int, batch: int, steps: int, rounds: int) -> dict:
     for _ in range(rounds):
         for v in VARIANTS:
             switch(engine, v, split)
-            walls = time_calls(engine.step, steps, warmup=8)    # the split's probes: 6 steps
+            walls = time_calls(engine.step, steps, warmup=12)   # the split's timing: 10 steps
             times[v].append(statistics.median(walls))
     switch(engine, VARIANTS[-1], split)
     return {"context": context, "batch": batch, "ms": {v: [1e3 * t for t in ts]

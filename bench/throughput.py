@@ -15,7 +15,7 @@ device tier); flexgen (dense attention, every page pushed to disk after each ste
 1 GB + disk); sparse-sfc (the same with `--pipeline sfc`).
 
 The ramp ("mode": "ramp" cells), one per context and configuration: start 1 request, wait until
-it decodes (Strata: 8 more steps, while the engine times how to split the cores for the new
+it decodes (Strata: 12 more steps, while the engine times how to split the cores for the new
 step shape), time --steps decode steps; add 3 more (4 in flight), wait until all decode (with
 `--pipeline sfc` also until its micro-batch calibration is done, or 40 steps), time --steps
 steps; then 8, then 16. A level's decode tokens/s counts every token streamed while all its
@@ -49,7 +49,6 @@ import statistics
 import subprocess
 import sys
 import time
-import weakref
 from pathlib import Path
 
 if not __package__:                     # run as a script: import from the checkout
@@ -58,6 +57,7 @@ from bench.common import (KV_TMP, LOGS, add_out_arg, add_replot_arg, essay_texts
                           parser, pct, read_json, result_header, result_path, tokenizer,
                           use_checkout_cache, write_json)
 from bench.servers import async_openai, start_server, stop  # noqa: E402
+from bench.streams import Stream, consume, wait_for  # noqa: E402
 from bench.peers import hf_transformers, llamacpp  # noqa: E402
 from bench.throughput_report import burst_row, plot, table, weight_lines  # noqa: E402
 
@@ -81,7 +81,7 @@ DEFAULT_CONFIGS = ["dense", "flexgen", "sparse-tiered", "sparse-sfc"]
 PEERS = ("llama.cpp", "transformers-fp32", "transformers")
 DEFAULT_PEERS = ["llama.cpp", "transformers-fp32"]
 CALIBRATION_WAIT = 40   # decode steps at most before timing, for sfc's micro-batch calibration
-SPLIT_WAIT = 8          # decode steps before timing a level, for the core split's timing
+SPLIT_WAIT = 12         # decode steps before timing a level, for the core split's timing
 
 
 # ------------------------------------------------------------------------------ servers
@@ -117,94 +117,6 @@ def scrape(base: str) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------------------ the ramp
-class Stream:
-    """One streamed chat completion: a timestamp per token."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.times: list[float] = []
-        self.end: float | None = None       # when the stream ended (not when cancelled)
-        self.error: str | None = None
-
-
-class TokenCounter:
-    """Tokens in each chunk of one stream: from `timings.predicted_n` (llama-server with
-    `timings_per_token`: the tokens generated so far) when the chunk has it, else one per
-    logprobs entry, else one per chunk with content."""
-
-    def __init__(self) -> None:
-        self.total = 0
-
-    def add(self, chunk) -> int:
-        timings = (getattr(chunk, "model_extra", None) or {}).get("timings")
-        if isinstance(timings, dict) and "predicted_n" in timings:
-            n = max(0, int(timings["predicted_n"]) - self.total)
-        elif not chunk.choices:
-            n = 0
-        else:
-            lp = chunk.choices[0].logprobs
-            n = len(lp.content) if lp is not None and lp.content else \
-                (1 if chunk.choices[0].delta.content else 0)
-        self.total += n
-        return n
-
-
-async def _consume(client, model: str, text: str, max_tokens: int, st: Stream,
-                   extra_body: dict | None = None) -> None:
-    try:
-        stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
-            temperature=0, stream=True, logprobs=True,
-            extra_body=extra_body or {"ignore_eos": True})
-        counter = TokenCounter()
-        async with stream:
-            async for chunk in stream:
-                now = time.perf_counter()
-                st.times.extend([now] * counter.add(chunk))
-                _tokens().set()
-        st.end = time.perf_counter()
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:   # noqa: BLE001 (reported per request)
-        st.error = f"{type(e).__name__}: {e}"
-    finally:
-        _tokens().set()
-
-
-# set whenever a stream receives tokens or ends (one event per event loop): waits wake on it,
-# not on a timer (a client polling every few ms steals the cores of a server that uses them
-# all, on a small machine)
-_EVENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _tokens() -> asyncio.Event:
-    loop = asyncio.get_running_loop()
-    if loop not in _EVENTS:
-        _EVENTS[loop] = asyncio.Event()
-    return _EVENTS[loop]
-
-
-async def _wait(pred, streams: list[Stream], timeout: float, poll: float = 0.5,
-                on_tokens: bool = True) -> None:
-    """Until pred() holds, checked as tokens arrive (`on_tokens`) and every `poll` seconds."""
-    deadline = time.perf_counter() + timeout
-    while not pred():
-        errs = [s.error for s in streams if s.error]
-        if errs:
-            raise RuntimeError(f"request failed: {errs[0]}")
-        if time.perf_counter() > deadline:
-            raise TimeoutError("timed out waiting for the server")
-        if not on_tokens:
-            await asyncio.sleep(poll)
-            continue
-        event = _tokens()
-        event.clear()
-        try:
-            await asyncio.wait_for(event.wait(), poll)
-        except asyncio.TimeoutError:
-            pass
-
-
 async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int],
                levels: list[int], steps: int, bar=None, metrics: bool = True,
                timeout: float = 1800, extra_body: dict | None = None) -> list[dict]:
@@ -224,23 +136,23 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
                 new.append(st)
                 max_tokens = MODEL_LEN - prompt_tokens[i] - 16   # never runs out in the ramp
                 tasks.append(asyncio.create_task(
-                    _consume(client, model, texts[i], max_tokens, st, extra_body)))
+                    consume(client, model, texts[i], max_tokens, st, extra_body)))
             # every request decodes, and has streamed a token after the newest one's first
-            await _wait(lambda: all(s.times for s in streams), streams, timeout)
+            await wait_for(lambda: all(s.times for s in streams), streams, timeout)
             last_first = max(s.times[0] for s in new)
-            await _wait(lambda: all(s.times[-1] > last_first for s in streams), streams, timeout)
+            await wait_for(lambda: all(s.times[-1] > last_first for s in streams), streams, timeout)
             if metrics:
                 # a new decode shape times how to split the cores over its first 6 steps
                 # (engine/core_split.py): time the split it settles on
                 c0 = [len(s.times) for s in streams]
-                await _wait(lambda: min(len(s.times) - c for s, c in zip(streams, c0))
+                await wait_for(lambda: min(len(s.times) - c for s, c in zip(streams, c0))
                             >= SPLIT_WAIT, streams, timeout)
             if metrics and level >= 2:
                 # --pipeline sfc calibrates its micro-batch over its first ~30 decode steps with
                 # two or more sparse sequences: time the size it settles on, not the candidates
                 # (contexts within the budget decode dense and never calibrate: 40 steps at most)
                 c0 = [len(s.times) for s in streams]
-                await _wait(lambda: scrape(base).get("micro_batch", 1) > 0 or min(
+                await wait_for(lambda: scrape(base).get("micro_batch", 1) > 0 or min(
                     len(s.times) - c for s, c in zip(streams, c0)) >= CALIBRATION_WAIT,
                             streams, timeout, poll=0.25, on_tokens=False)
             # NOTE: scraped on a thread: the event loop keeps stamping tokens meanwhile (a
@@ -248,7 +160,7 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
             # put that time into the window's first step)
             m0 = await asyncio.to_thread(scrape, base) if metrics else {}
             c0 = [len(s.times) for s in streams]
-            await _wait(lambda: min(len(s.times) - c for s, c in zip(streams, c0)) >= steps,
+            await wait_for(lambda: min(len(s.times) - c for s, c in zip(streams, c0)) >= steps,
                          streams, timeout)
             m1 = await asyncio.to_thread(scrape, base) if metrics else {}
             tokens = sum(len(s.times) - c for s, c in zip(streams, c0))
@@ -310,7 +222,7 @@ async def burst(base: str, model: str, texts: list[str], prompt_tokens: list[int
     tasks = []
     for text, st in zip(texts[:n], streams):
         st.start = t0
-        tasks.append(asyncio.create_task(_consume(client, model, text, tokens, st, extra_body)))
+        tasks.append(asyncio.create_task(consume(client, model, text, tokens, st, extra_body)))
     try:
         await asyncio.wait_for(asyncio.gather(*tasks), timeout)
     finally:

@@ -8,7 +8,7 @@ on the step: at 1 x 1K the weights are most of the bytes a step reads (torch on 
 the attention on one: 10.1 ms, against 12.7 the other way round), at 8 x 1K the KV is (35
 against 37 ms the other way round), and the crossover moves with the CPU, the weights' format
 and the server's own threads. So each step shape (rows, and context tokens a row in log2
-buckets of 4K) times both splits for its first steps, in turns, and keeps the one with the
+buckets of 4K) times both splits over its first steps, in turns, and keeps the one with the
 lower median; it times them again every `period` steps (contexts grow, the load changes).
 """
 from __future__ import annotations
@@ -23,13 +23,16 @@ Split = tuple[int, int]
 
 
 class CoreSplit:
-    def __init__(self, cores: int, decode: int, probes: int = 3, period: int = 1024):
+    def __init__(self, cores: int, decode: int, probes: int = 4, period: int = 1024,
+                 warmup: int = 2):
         """cores: every core the engine may use; decode: torch's threads when the attention
-        has the cores (one left to the server's threads). probes: steps timed per split and
-        shape before the choice; period: steps of a shape before it is timed again."""
+        has the cores (one left to the server's threads). A shape's first `warmup` steps are
+        not timed (a fresh server's first steps fault its pages in), then each split runs
+        `probes` steps in the order ABBA ABBA (a drift in step time weighs on both alike);
+        period: steps of a shape before it is timed again."""
         self.splits: tuple[Split, Split] = ((cores, 1), (decode, cores))
-        self.probes, self.period = probes, period
-        self._times: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+        self.probes, self.period, self.warmup = probes, period, warmup
+        self._timing: dict[tuple[int, int], list[tuple[int, float]]] = {}   # (split, s)
         self._chosen: dict[tuple[int, int], Split] = {}
         self._runs: dict[tuple[int, int], int] = {}     # steps since the shape's choice
         self._pending: tuple[tuple[int, int], int] | None = None
@@ -52,8 +55,8 @@ class CoreSplit:
             if self._runs[key] >= self.period:      # time the splits again from the next step
                 del self._chosen[key]
             return chosen
-        matmul, attention = self._times.setdefault(key, ([], []))
-        which = 0 if len(matmul) <= len(attention) else 1
+        n = len(self._timing.setdefault(key, [])) - self.warmup
+        which = 0 if n < 0 else (0, 1, 1, 0)[n % 4]
         self._pending = (key, which)
         return self.splits[which]
 
@@ -63,14 +66,15 @@ class CoreSplit:
             return
         key, which = self._pending
         self._pending = None
-        times = self._times[key]
-        times[which].append(seconds)
-        if min(len(t) for t in times) >= self.probes:
-            medians = [statistics.median(t) for t in times]
+        timing = self._timing[key]
+        timing.append((which, seconds))
+        if len(timing) >= self.warmup + 2 * self.probes:
+            timed = timing[self.warmup:]
+            medians = [statistics.median(t for w, t in timed if w == i) for i in (0, 1)]
             best = 0 if medians[0] <= medians[1] else 1
             self._chosen[key] = self.splits[best]
             self._runs[key] = 0
-            del self._times[key]
+            del self._timing[key]
             logger.info("decode steps of shape %s: torch on %d threads and the attention on "
                         "%d (%.1f ms a step, against %.1f the other way)", key,
                         *self.splits[best], 1e3 * medians[best], 1e3 * medians[1 - best])

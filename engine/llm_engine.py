@@ -90,10 +90,11 @@ class LLMEngine:
         # gets the cores in a decode step is timed per step shape (engine/core_split.py)
         # unless --decode-threads fixes torch's
         kernel = self.store.sparse_attention
+        sequential = self.store.pipeline.mode == "sequential"
+        self.core_split = None
         if hasattr(kernel, "threads"):
-            kernel.threads = prefill if self.args.pipeline == "sequential" else decode
-            if self.args.pipeline == "sequential" and prefill > 1 \
-                    and not self.args.decode_threads:
+            kernel.threads = prefill if sequential else decode
+            if sequential and decode < prefill and not self.args.decode_threads:
                 self.core_split = CoreSplit(prefill, decode)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -23,16 +23,22 @@ class LayerOps:
     enabled = True      # False: the model runs torch's ops (the reference, A/B)
 
 
+MAX_DIM = 16384         # the C ops' longest row (_layerops.c)
+
+
 def supports(x: torch.Tensor) -> bool:
-    """Whether the C ops serve activations like x."""
-    return LayerOps.enabled and _layerops is not None and x.is_cpu and x.dtype in _DTYPES
+    """Whether the C ops serve activations like x [T, hidden]."""
+    return LayerOps.enabled and _layerops is not None and x.is_cpu and x.dtype in _DTYPES \
+        and x.shape[-1] <= MAX_DIM
 
 
-def _rows(x: torch.Tensor) -> int:
-    """Row stride of a 2-d tensor whose rows are contiguous."""
-    if x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"expected rows of contiguous values, got shape {tuple(x.shape)} "
-                         f"strides {x.stride()}")
+def _rows(x: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """Row stride of a 2-d CPU tensor of rows of contiguous values (in `dtype`, when given:
+    the C op reads every operand as the first's dtype)."""
+    if x.dim() != 2 or x.stride(1) != 1 or not x.is_cpu or x.dtype not in _DTYPES \
+            or (dtype is not None and x.dtype != dtype):
+        raise ValueError(f"expected a CPU bf16 / float32 tensor of rows of contiguous values, "
+                         f"got {x.dtype} {tuple(x.shape)} strides {x.stride()} on {x.device}")
     return x.stride(0)
 
 
@@ -41,15 +47,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """x [T, dim] -> RMSNorm(x) [T, dim] (new tensor). With `residual` [T, dim], first
     x += residual in place (the layer's residual stream), then the norm of the sum."""
     t, dim = x.shape
-    if weight.dtype != x.dtype or weight.shape != (dim,) or not weight.is_contiguous():
-        raise ValueError("rms_norm: weight must be x's dtype, [dim], contiguous")
+    x_stride = _rows(x)
+    if dim > MAX_DIM:
+        raise ValueError(f"rms_norm: rows of {dim} values (at most {MAX_DIM})")
+    if weight.dtype != x.dtype or weight.shape != (dim,) or not weight.is_contiguous() \
+            or not weight.is_cpu:
+        raise ValueError("rms_norm: weight must be x's dtype, [dim], contiguous, on the CPU")
     out = torch.empty(t, dim, dtype=x.dtype)
     res, res_stride = 0, 0
     if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype:
+        if residual.shape != x.shape:
             raise ValueError("rms_norm: residual must match x")
-        res, res_stride = residual.data_ptr(), _rows(residual)
-    _layerops.rms_norm(x.data_ptr(), _rows(x), res, res_stride, weight.data_ptr(),
+        res, res_stride = residual.data_ptr(), _rows(residual, x.dtype)
+    _layerops.rms_norm(x.data_ptr(), x_stride, res, res_stride, weight.data_ptr(),
                        out.data_ptr(), t, dim, eps, x.dtype == torch.bfloat16)
     return out
 
@@ -58,20 +68,21 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor,
           sin: torch.Tensor) -> None:
     """Rotate the first `heads` heads of head_dim values of each row of x [T, >= heads *
     head_dim] in place; cos/sin [T, 1, head_dim] (or [T, head_dim]) in x's dtype."""
-    t = x.shape[0]
+    t, x_stride = x.shape[0], _rows(x)
     if x.shape[1] < heads * head_dim:
         raise ValueError(f"rope_: rows of {x.shape[1]} values hold no {heads} heads")
     cos, sin = cos.reshape(t, head_dim), sin.reshape(t, head_dim)
-    if cos.dtype != x.dtype or sin.dtype != x.dtype or not (cos.is_contiguous()
-                                                            and sin.is_contiguous()):
-        raise ValueError("rope_: cos/sin must be contiguous, in x's dtype")
-    _layerops.rope(x.data_ptr(), _rows(x), cos.data_ptr(), sin.data_ptr(), t, heads,
+    _rows(cos, x.dtype), _rows(sin, x.dtype)
+    if not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError("rope_: cos/sin must be contiguous")
+    _layerops.rope(x.data_ptr(), x_stride, cos.data_ptr(), sin.data_ptr(), t, heads,
                    head_dim, x.dtype == torch.bfloat16)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2n] (contiguous) -> silu(gate) * up [T, n]."""
     t, n2 = gate_up.shape
+    _rows(gate_up)
     if not gate_up.is_contiguous() or n2 % 2:
         raise ValueError("silu_mul: gate_up must be contiguous [T, 2n]")
     out = torch.empty(t, n2 // 2, dtype=gate_up.dtype)
@@ -90,8 +101,9 @@ def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.
             and slots.is_contiguous() and offsets.is_contiguous()):
         return False
     t, kvh, d = k.shape
-    if k.stride()[1:] != (d, 1) or v.stride() != k.stride() or pool.dim() != 5 \
-            or pool.shape[2] != kvh or pool.shape[4] != d or slots.numel() != t:
+    if k.stride()[1:] != (d, 1) or v.stride() != k.stride() or v.shape != k.shape \
+            or not v.is_cpu or pool.dim() != 5 or pool.shape[2] != kvh or pool.shape[4] != d \
+            or slots.numel() != t or offsets.numel() != t:
         return False
     _layerops.write_kv(pool.data_ptr(), pool.shape[0], kvh, pool.shape[3], d,
                        pool.dtype == torch.bfloat16, k.data_ptr(), v.data_ptr(), k.stride(0),

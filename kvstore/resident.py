@@ -53,6 +53,10 @@ class ResidentDecode:
                 or tiers.recompute is not None or any(s.q_len != 1 for s in step.seqs) \
                 or not isinstance(kernel, NativeSparseDecode):
             return None
+        shape = tiers.page_shape       # the C kernel serves this pool (the general path's too)
+        if not kernel.supports(torch.empty(0, shape.num_kv_heads, shape.head_dim), tiers.pool,
+                               1):
+            return None
         L, dev = tiers.num_layers, tiers.device_tier
         slots = dev.slots(tiers.keys_of(torch.cat(step.page_tensors))).view(L, -1)
         if slots.numel() == 0 or bool((slots < 0).any()):     # -1: not on the device

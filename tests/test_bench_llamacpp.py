@@ -12,7 +12,7 @@ import time
 import pytest
 from openai.types.chat import ChatCompletionChunk
 
-from bench import common, servers, throughput
+from bench import common, servers, streams, throughput
 from bench.peers import llamacpp
 from server.tokenizer import Tokenizer
 
@@ -52,12 +52,12 @@ def _chunk(content: str | None, logprobs: int | None = None, predicted_n: int | 
 def test_token_counter_reads_llama_server_timings_and_strata_logprobs():
     # llama-server: a role-only first chunk, then a chunk per sent token with the cumulative
     # count; a held-back token (no chunk of its own) shows up in the next chunk's count
-    counter = throughput.TokenCounter()
+    counter = streams.TokenCounter()
     assert [counter.add(c) for c in (_chunk(None), _chunk("A", 1, 1), _chunk("B", 1, 2),
                                      _chunk("CD", 1, 4))] == [0, 1, 1, 2]
     assert counter.total == 4
     # Strata: one logprobs entry per token, no timings
-    counter = throughput.TokenCounter()
+    counter = streams.TokenCounter()
     assert [counter.add(c) for c in (_chunk("A", 1), _chunk("BC", 2), _chunk("D"))] == [1, 2, 1]
 
 
@@ -95,7 +95,7 @@ async def _stream(client, text: str, max_tokens: int) -> tuple[int, str, list[fl
         model=llamacpp.MODEL_NAME, messages=[{"role": "user", "content": text}],
         max_tokens=max_tokens, temperature=0, stream=True, logprobs=True,
         extra_body=llamacpp.REQUEST)
-    counter, text_out, times = throughput.TokenCounter(), "", []
+    counter, text_out, times = streams.TokenCounter(), "", []
     async for chunk in stream:
         if counter.add(chunk):
             times.append(time.perf_counter())

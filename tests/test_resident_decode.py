@@ -35,8 +35,8 @@ def decode(folder, prompts, resident: bool, steps: int = 40, **kw):
     try:
         if "kv_disk_path" in kw:     # each engine its own folder (a server holds its lock)
             kw = dict(kw, kv_disk_path=kw["kv_disk_path"] / ("resident" if resident else "ref"))
-        engine = LLMEngine(EngineArgs(model=str(folder), page_size=16, prefix_cache="off",
-                                      **kw))
+        kw = {"prefix_cache": "off", **kw}
+        engine = LLMEngine(EngineArgs(model=str(folder), page_size=16, **kw))
         got = {}
         for i, p in enumerate(prompts):
             got[f"r{i}"] = []
@@ -57,13 +57,19 @@ def prompts_of(n: int, length: int) -> list[list[int]]:
     return [torch.randint(100, 40000, (length + 9 * i,), generator=gen).tolist() for i in range(n)]
 
 
-@pytest.mark.parametrize("backing", ["device", "disk"])
+@pytest.mark.parametrize("backing", ["device", "disk", "sfc", "prefix-cache"])
 def test_resident_steps_equal_the_general_path(smollm2_dir, tmp_path, plans, backing):
     kw = dict(kv_device_gb=0.1)
     if backing == "disk":       # pages that fill are written through to the disk tier
         kw.update(kv_disk_gb=0.2, kv_disk_path=tmp_path / "kv", kv_host_pool="separate",
                   kv_host_gb=0.05)
+    if backing == "sfc":
+        kw.update(pipeline="sfc", micro_batch=2)
+    if backing == "prefix-cache":       # the prompts share their first pages
+        kw.update(prefix_cache="on")
     prompts = prompts_of(3, 150)
+    if backing == "prefix-cache":
+        prompts = [prompts[0][:64] + p for p in prompts]
     ref, ref_engine = decode(smollm2_dir, prompts, resident=False, **kw)
     assert not any(plans)
     plans.clear()
@@ -71,6 +77,9 @@ def test_resident_steps_equal_the_general_path(smollm2_dir, tmp_path, plans, bac
     # most decode steps took the resident path; a step that opens a page takes the general one
     assert sum(plans) > len(plans) // 2 and not all(plans)
     assert got == ref
+    for e in (engine, ref_engine):      # disk writes count once they are in
+        e.store.tiers.wait_writes()
+        e.store.tiers.check_writes()
     a, b = engine.store.stats.snapshot(), ref_engine.store.stats.snapshot()
     assert (a.lookups, a.hits, a.evictions, a.transfer_bytes) == \
         (b.lookups, b.hits, b.evictions, b.transfer_bytes)
