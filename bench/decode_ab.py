@@ -28,6 +28,7 @@ from bench.common import (add_out_arg, cpu_line, machine, parser, result_header,
 use_checkout_cache()
 
 VARIANTS = ("general", "+resident", "+layer ops", "+core split")
+WARMUP = 12         # untimed steps a variant: the core split times a new shape over 10
 
 
 def switch(engine, variant: str, split) -> None:
@@ -49,22 +50,24 @@ def measure(context: int, batch: int, steps: int, rounds: int) -> dict:
     from engine.llm_engine import LLMEngine
     from scheduler.sampling_params import SamplingParams
 
-    args = EngineArgs(max_model_len=max(8192, context + 4 * rounds * steps + 64))
+    # the throughput bench's dense configuration: every page stays on the device tier
+    tokens = rounds * len(VARIANTS) * (steps + WARMUP) + 32
+    args = EngineArgs(max_model_len=max(8192, context + tokens + 64), kv_device_gb=4.0)
     engine = LLMEngine(args)
     engine.use_threads(*args.torch_threads())
     split = engine.core_split
     gen = torch.Generator().manual_seed(0)
     for i in range(batch):
         ids = torch.randint(100, 40000, (context,), generator=gen).tolist()
-        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=4 * rounds * steps + 32,
-                                                        temperature=0, ignore_eos=True))
+        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=tokens, temperature=0,
+                                                        ignore_eos=True))
     while not all(engine.scheduler.get_request(f"r{i}").output_token_ids for i in range(batch)):
         engine.step()
     times = {v: [] for v in VARIANTS}
     for _ in range(rounds):
         for v in VARIANTS:
             switch(engine, v, split)
-            walls = time_calls(engine.step, steps, warmup=12)   # the split's timing: 10 steps
+            walls = time_calls(engine.step, steps, warmup=WARMUP)
             times[v].append(statistics.median(walls))
     switch(engine, VARIANTS[-1], split)
     return {"context": context, "batch": batch, "ms": {v: [1e3 * t for t in ts]
@@ -80,15 +83,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     add_out_arg(ap, "decode_ab")
     args = ap.parse_args(argv)
-    rows = [measure(c, b, args.steps, args.rounds) for c in args.context for b in args.batch]
     m = machine()
     print(f"{cpu_line(m)}; ms a decode step, median of {args.steps} steps, "
           f"the fastest of {args.rounds} rounds (slowest)")
     print("| context x batch | " + " | ".join(VARIANTS) + " |")
-    print("|---|" + "---|" * len(VARIANTS))
-    for r in rows:
-        cells = [f"{min(r['ms'][v]):.1f} ({max(r['ms'][v]):.1f})" for v in VARIANTS]
-        print(f"| {r['context']} x {r['batch']} | " + " | ".join(cells) + " |")
+    print("|---|" + "---|" * len(VARIANTS), flush=True)
+    rows = []
+    for c in args.context:
+        for b in args.batch:
+            r = measure(c, b, args.steps, args.rounds)
+            rows.append(r)
+            cells = [f"{min(r['ms'][v]):.1f} ({max(r['ms'][v]):.1f})" for v in VARIANTS]
+            print(f"| {r['context']} x {r['batch']} | " + " | ".join(cells) + " |", flush=True)
     write_json(args.out, {**result_header("decode_ab"), "machine": m, "rows": rows})
 
 

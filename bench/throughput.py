@@ -142,7 +142,7 @@ async def ramp(base: str, model: str, texts: list[str], prompt_tokens: list[int]
             last_first = max(s.times[0] for s in new)
             await wait_for(lambda: all(s.times[-1] > last_first for s in streams), streams, timeout)
             if metrics:
-                # a new decode shape times how to split the cores over its first 6 steps
+                # a new decode shape times how to split the cores over its first 10 steps
                 # (engine/core_split.py): time the split it settles on
                 c0 = [len(s.times) for s in streams]
                 await wait_for(lambda: min(len(s.times) - c for s, c in zip(streams, c0))
