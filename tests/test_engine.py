@@ -2,7 +2,6 @@
 through chunked prefill and preemption."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -128,9 +127,10 @@ def test_the_server_engine_runs_steps_on_the_threads_its_args_ask_for(folder):
         assert server.engine.threads == (2, 1)
         # sfc's stage threads run beside the attention kernel: it keeps to the decode count
         assert server.engine.store.sparse_attention.threads == 1
-        server.engine.args = dataclasses.replace(server.engine.args, pipeline="sequential")
+        server.engine.store.use_pipeline("sequential")
         server.engine.use_threads(2, 1)      # sequential: nothing computes beside attention
         assert server.engine.store.sparse_attention.threads == 2
+        assert server.engine.core_split is not None     # (and decode steps time the split)
     finally:
         server.shutdown()
         torch.set_num_threads(before)
