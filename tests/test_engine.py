@@ -2,7 +2,6 @@
 through chunked prefill and preemption."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
