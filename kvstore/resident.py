@@ -68,14 +68,10 @@ class ResidentDecode:
         if step.t_full_rids:
             full = (t_keys[:, step.t_full].reshape(-1), t_slots[:, step.t_full].reshape(-1),
                     step.t_full_rids * L)
-        # the head table over the pages in order (row b * KVH + h: sequence b's pages); a
-        # layer maps its entries (positions in the concatenated pages) to its slots
-        counts = torch.tensor(step.n_pages, dtype=torch.int32)
-        indptr = torch.zeros(len(counts) + 1, dtype=torch.int32)
-        torch.cumsum(counts, 0, out=indptr[1:])
-        last = torch.tensor(step.last_len, dtype=torch.int32)
-        head = PageTable(indptr, torch.arange(int(indptr[-1]), dtype=torch.int32), last,
-                         step.cfg.page_size).per_head(tiers.page_shape.num_kv_heads)
+        # the head table over the pages in order (entries: positions in their concatenation;
+        # a layer maps them to its slots)
+        head = step.dense_head_table(list(range(len(step.seqs))),
+                                     torch.arange(sum(step.n_pages)))
         return cls(step, kernel, head, slots[:, head.indices.long()].contiguous(), t_slots,
                    t_slots[:, step.tok_t].contiguous(), full, slots)
 

@@ -115,7 +115,7 @@ class StepKV:
         self._q_pred: dict[int, torch.Tensor] = {}
         self._sparse_pages: torch.Tensor | None = None
         self._rows: dict[tuple[int, ...], torch.Tensor | slice] = {}
-        self._head_tables: dict[tuple[int, ...], PageTable] = {}    # _dense_head_table's
+        self._head_tables: dict[tuple[int, ...], PageTable] = {}    # dense_head_table's
         self.selected: list[torch.Tensor] = []     # keys the sparse decodes selected
         if cfg.sparse_budget > 0:
             st, L = self.stats, self.tiers.num_layers
@@ -253,7 +253,7 @@ class StepKV:
             # decodes: the C kernel reads each page in place (1.8x faster than gathering
             # them for SDPA: 12.8 against 23.4 ms a layer for 8 x 7K tokens, one thread,
             # bench/sparse_ops.py)
-            out[rows] = kernel.forward(qr, pool, self._dense_head_table(idx, slots), group,
+            out[rows] = kernel.forward(qr, pool, self.dense_head_table(idx, slots), group,
                                        scale)
         else:
             out[rows] = parts.dense_attention.forward(qr, pool, self._dense_batch(idx, slots),
@@ -354,7 +354,7 @@ class StepKV:
             self._rows[key] = rows
         return rows
 
-    def _dense_head_table(self, idx: list[int], slots: torch.Tensor) -> PageTable:
+    def dense_head_table(self, idx: list[int], slots: torch.Tensor) -> PageTable:
         """The dense decodes' per-(sequence, KV head) table over device slots (slots in page
         order): its shape is the same in every layer of the step, built once; a layer only
         maps its slots through it."""
