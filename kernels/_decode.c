@@ -4,25 +4,19 @@
  * slots[row_ptr[r]:row_ptr[r + 1]] (KV head h of each page; the row's last page holds
  * last_len[r] tokens, the others page_size). The pool is [S, 2, KVH, page_size, D] (HND: a
  * head's slice of a page is contiguous), bf16 or float32; queries, output and the log-sum-exp
- * are float32. Online softmax one page at a time (flash-decoding's recurrence), float32
- * accumulation. Reads each page's K and V once, where torch gathers them into a padded
+ * are float32. Online softmax over a page at a time (kernels/_attend_rows.h), float32
+ * accumulation, each page's K and V read once, where torch gathers them into a padded
  * workspace, upcasts and runs SDPA over the padding. An empty row yields out 0, lse -inf
  * (the half of a split attention with none of the row's pages). With `carry`, out and lse
  * come in holding the result over other pages (the first half of a split attention), and
- * the row goes on from there: each row's result is then one recurrence, the same bits
- * whatever the batch it runs in (merging the halves with torch's vectorised exp is not).
+ * the row goes on from there.
  *
- * Three implementations of a row: the portable one (attend_row, vectorised by the compiler per
- * token); where the CPU has AVX2 and FMA and D is a multiple of 8, attend_row8 (below: blocks
- * of 8 tokens; 24 rows x 64 pages of bf16 on an AMD EPYC with AVX2 only, see
- * kernels/sparse_attention.py); and, where the CPU has AVX-512 and D is a multiple of 16,
- * attend_row16: a block of 16
- * tokens' scores per query head in one vector (no horizontal sum per token), a vector exp, and
- * the next page prefetched. 24 rows x 64 pages of bf16, 1 thread: 0.78-0.79 against 2.2
- * ms; over every page of 8 x 7K tokens 6.3-6.5 against 17.5-17.7 ms a layer, ~7 GB/s of K/V,
- * this box's attention bandwidth (bench/results/sparse_ops.txt). The two round differently
- * (float32 sums in another order; the vector exp within 2 ulp of expf); one process always
- * runs the same one, so its modes still agree bit for bit.
+ * Rows longer than CHUNK_TOKENS split into chunks that threads share, merged in a fixed order
+ * (flash-decoding's split-K): a row's bits depend on its pages only, not on the batch or the
+ * threads. The row functions and the chunks' merge round differently from one another's
+ * instruction sets; one process always runs the same ones, so its modes agree bit for bit.
+ * Speeds (bench/results/sparse_ops.txt, docs/perf-notes.md): over every page of 1 x 7K
+ * tokens of bf16 one core streams ~14.5 GB/s, one core's DRAM read bandwidth.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -34,397 +28,147 @@
 #include "_pool.h"
 #include "_rows.h"
 
-#define MAX_D 256
-#define MAX_G 16
-#define MAX_PS 64
-
-/* exp(x) for x <= 0, 0 below -80: a denormal weight makes every multiply that touches it
- * ~100x slower on x86, and attention to a long context is full of negligible weights */
-static inline float safe_exp(float x) { return x < -80.f ? 0.f : expf(x); }
-
-static inline float dot(const float *a, const float *b, int d) {
-    /* 16 lanes of partial sums: vectorized without reassociating a single float sum */
-    float acc[16] = {0};
-    int i = 0;
-    for (; i + 16 <= d; i += 16)
-        for (int k = 0; k < 16; k++)
-            acc[k] += a[i + k] * b[i + k];
-    float s = 0.f;
-    for (; i < d; i++)
-        s += a[i] * b[i];
-    for (int k = 0; k < 16; k++)
-        s += acc[k];
-    return s;
-}
-
-static inline void axpy(float *acc, float w, const float *v, int d) {
-    for (int i = 0; i < d; i++)
-        acc[i] += w * v[i];
-}
-
-static inline void scale_vec(float *acc, float c, int d) {
-    for (int i = 0; i < d; i++)
-        acc[i] *= c;
-}
-
-/* a row's online-softmax state to start from: none, or with `carry` the first half's
- * normalized result (out as the accumulator, its lse as the max, 1 as the sum) */
-static inline void start_row(float *m, float *l, float *out, const float *lse, int g, int d,
-                             int carry) {
-    for (int j = 0; j < g; j++) {
-        m[j] = carry ? lse[j] : -INFINITY;
-        l[j] = carry && !isinf(lse[j]) ? 1.f : 0.f;
-    }
-    if (!carry)
-        memset(out, 0, sizeof(float) * (size_t)g * d);
-}
-
-/* out normalized, lse = max + log(sum); a row without tokens gives lse -inf */
-static inline void finish_row(const float *m, const float *l, float *out, float *lse, int g,
-                              int d) {
-    for (int j = 0; j < g; j++) {
-        if (l[j] > 0.f) {
-            scale_vec(out + j * d, 1.f / l[j], d);
-            lse[j] = m[j] + logf(l[j]);
-        } else {
-            lse[j] = -INFINITY;
-        }
-    }
-}
-
-/* one clone per instruction set, picked at load time; the helpers inline into each */
-__attribute__((target_clones("avx512f", "avx2", "default")))
-static void attend_row(const float *q, const char *pool, int bf16, int64_t slot_bytes,
-                       int64_t head_bytes, int64_t v_bytes, const int64_t *slots, int64_t n,
-                       int last, int ps, int d, int g, float scale, float *out, float *lse,
-                       int carry) {
-    float m[MAX_G], l[MAX_G], s[MAX_PS * MAX_G], row[MAX_D];
-    const int64_t tok_bytes = (int64_t)d * (bf16 ? 2 : 4);
-    start_row(m, l, out, lse, g, d, carry);
-    for (int64_t p = 0; p < n; p++) {
-        const int ntok = p == n - 1 ? last : ps;
-        const char *k = pool + slots[p] * slot_bytes + head_bytes;
-        const char *v = k + v_bytes;
-        for (int t = 0; t < ntok; t++) {
-            load_row(k + t * tok_bytes, bf16, row, d);
-            for (int j = 0; j < g; j++)
-                s[t * g + j] = scale * dot(q + j * d, row, d);
-        }
-        for (int j = 0; j < g; j++) {
-            float mx = m[j];
-            for (int t = 0; t < ntok; t++)
-                mx = s[t * g + j] > mx ? s[t * g + j] : mx;
-            if (mx > m[j]) {
-                const float c = safe_exp(m[j] - mx);
-                l[j] *= c;
-                scale_vec(out + j * d, c, d);
-                m[j] = mx;
-            }
-            for (int t = 0; t < ntok; t++) {
-                const float w = safe_exp(s[t * g + j] - m[j]);
-                s[t * g + j] = w;
-                l[j] += w;
-            }
-        }
-        for (int t = 0; t < ntok; t++) {
-            load_row(v + t * tok_bytes, bf16, row, d);
-            for (int j = 0; j < g; j++)
-                axpy(out + j * d, s[t * g + j], row, d);
-        }
-    }
-    finish_row(m, l, out, lse, g, d);
-}
-
-#ifdef HAVE_AVX512_PATH
-/* exp(x) for x <= 0, 0 below -80 (safe_exp's rule; NaN stays NaN): Cephes' expf, x = n ln2
- * + r with |r| <= ln2 / 2, a degree-7 polynomial of r scaled by 2^n; within 2 ulp of expf */
-static inline AVX512 __m512 exp16(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-80.f), _CMP_NLT_UQ);
-    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(p, n));
-}
-
-/* attend_row with AVX-512, d a multiple of 16: a page in blocks of up to 16 tokens; a block's
- * scores for each query head in one vector (its K rows read once for all heads), its V rows
- * widened to float32 once; the next page's K and V prefetched while this one computes.
- * Inlined with d constant for the common head size, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) AVX512 void attend_row16(
-        const float *q, const char *pool, int bf16, int64_t slot_bytes, int64_t head_bytes,
-        int64_t v_bytes, const int64_t *slots, int64_t n, int last, int ps, const int d, int g,
-        float scale, float *out, float *lse, int carry) {
-    float m[MAX_G], l[MAX_G];
-    float part[MAX_G * 256] __attribute__((aligned(64)));       /* [g][16 tokens][16 lanes] */
-    float w[MAX_G * 16] __attribute__((aligned(64)));           /* [g][16 tokens] */
-    float vrow[16 * MAX_D] __attribute__((aligned(64)));        /* a block's V as float32 */
-    const int nv = d / 16;
-    const int64_t tok_bytes = (int64_t)d * (bf16 ? 2 : 4), head_len = ps * tok_bytes;
-    start_row(m, l, out, lse, g, d, carry);
-    for (int64_t p = 0; p < n; p++) {
-        const char *k = pool + slots[p] * slot_bytes + head_bytes;
-        const char *v = k + v_bytes;
-        if (p + 1 < n) {
-            const char *nk = pool + slots[p + 1] * slot_bytes + head_bytes;
-            for (int64_t o = 0; o < head_len; o += 64) {
-                _mm_prefetch(nk + o, _MM_HINT_T0);
-                _mm_prefetch(nk + v_bytes + o, _MM_HINT_T0);
-            }
-        }
-        const int ntok = p == n - 1 ? last : ps;
-        for (int t0 = 0; t0 < ntok; t0 += 16) {
-            const int nb = ntok - t0 < 16 ? ntok - t0 : 16;
-            for (int t = 0; t < 16; t++) {
-                if (t >= nb) {
-                    for (int j = 0; j < g; j++)
-                        _mm512_store_ps(part + j * 256 + t * 16, _mm512_setzero_ps());
-                    continue;
-                }
-                const char *kr = k + (t0 + t) * tok_bytes;
-                for (int j = 0; j < g; j++) {
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int c = 0; c < nv; c++)
-                        acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c),
-                                              load16(kr + c * 16 * (bf16 ? 2 : 4), bf16), acc);
-                    _mm512_store_ps(part + j * 256 + t * 16, acc);
-                }
-            }
-            const __mmask16 valid = (__mmask16)((1u << nb) - 1);
-            for (int j = 0; j < g; j++) {
-                const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                    _mm512_mul_ps(hsum16x16(part + j * 256), _mm512_set1_ps(scale)));
-                const float mx = _mm512_reduce_max_ps(s);
-                if (mx > m[j]) {
-                    const float cf = safe_exp(m[j] - mx);
-                    l[j] *= cf;
-                    scale_vec(out + j * d, cf, d);
-                    m[j] = mx;
-                }
-                const __m512 e = exp16(_mm512_sub_ps(s, _mm512_set1_ps(m[j])));
-                l[j] += _mm512_reduce_add_ps(e);
-                _mm512_store_ps(w + j * 16, e);
-            }
-            for (int t = 0; t < nb; t++)
-                for (int c = 0; c < nv; c++)
-                    _mm512_store_ps(vrow + t * d + 16 * c,
-                                    load16(v + (t0 + t) * tok_bytes + c * 16 * (bf16 ? 2 : 4), bf16));
-            for (int j = 0; j < g; j++)
-                for (int c = 0; c < nv; c++) {
-                    __m512 acc = _mm512_loadu_ps(out + j * d + 16 * c);
-                    for (int t = 0; t < nb; t++)
-                        acc = _mm512_fmadd_ps(_mm512_set1_ps(w[j * 16 + t]),
-                                              _mm512_load_ps(vrow + t * d + 16 * c), acc);
-                    _mm512_storeu_ps(out + j * d + 16 * c, acc);
-                }
-        }
-    }
-    finish_row(m, l, out, lse, g, d);
-}
-
-static AVX512 void attend_row_d64(const float *q, const char *pool, int bf16, int64_t slot_bytes,
-                                  int64_t head_bytes, int64_t v_bytes, const int64_t *slots,
-                                  int64_t n, int last, int ps, int d, int g, float scale,
-                                  float *out, float *lse, int carry) {
-    (void)d;
-    attend_row16(q, pool, bf16, slot_bytes, head_bytes, v_bytes, slots, n, last, ps, 64, g,
-                 scale, out, lse, carry);
-}
-
-static AVX512 void attend_row_avx512(const float *q, const char *pool, int bf16,
-                                     int64_t slot_bytes, int64_t head_bytes, int64_t v_bytes,
-                                     const int64_t *slots, int64_t n, int last, int ps, int d,
-                                     int g, float scale, float *out, float *lse, int carry) {
-    attend_row16(q, pool, bf16, slot_bytes, head_bytes, v_bytes, slots, n, last, ps, d, g,
-                 scale, out, lse, carry);
-}
-#endif
-
-#ifdef HAVE_AVX2_PATH
-/* exp16's rule and polynomial in 8 lanes; 2^n built in the exponent bits (n >= -116 wherever
- * the result is kept, so it is a normal float: the same value as AVX-512's scalef) */
-static inline AVX2 __m256 exp8(__m256 x) {
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(-80.f), _CMP_NLT_UQ);
-    return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-/* attend_row16 in 8 lanes, d a multiple of 8: a page in blocks of up to 8 tokens, a token's K
- * row loaded once for every query head, a block's scores per head from one hsum8x8 */
-static inline __attribute__((always_inline)) AVX2 void attend_row8(
-        const float *q, const char *pool, int bf16, int64_t slot_bytes, int64_t head_bytes,
-        int64_t v_bytes, const int64_t *slots, int64_t n, int last, int ps, const int d, int g,
-        float scale, float *out, float *lse, int carry) {
-    float m[MAX_G], l[MAX_G];
-    float part[MAX_G * 64] __attribute__((aligned(32)));        /* [g][8 tokens][8 lanes] */
-    float w[MAX_G * 8] __attribute__((aligned(32)));            /* [g][8 tokens] */
-    __m256 r[MAX_D / 8];
-    const int nv = d / 8, es = bf16 ? 2 : 4;
-    const int64_t tok_bytes = (int64_t)d * es, head_len = ps * tok_bytes;
-    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    start_row(m, l, out, lse, g, d, carry);
-    for (int64_t p = 0; p < n; p++) {
-        const char *k = pool + slots[p] * slot_bytes + head_bytes;
-        const char *v = k + v_bytes;
-        if (p + 1 < n) {
-            const char *nk = pool + slots[p + 1] * slot_bytes + head_bytes;
-            for (int64_t o = 0; o < head_len; o += 64) {
-                _mm_prefetch(nk + o, _MM_HINT_T0);
-                _mm_prefetch(nk + v_bytes + o, _MM_HINT_T0);
-            }
-        }
-        const int ntok = p == n - 1 ? last : ps;
-        for (int t0 = 0; t0 < ntok; t0 += 8) {
-            const int nb = ntok - t0 < 8 ? ntok - t0 : 8;
-            for (int t = 0; t < 8; t++) {
-                if (t >= nb) {
-                    for (int j = 0; j < g; j++)
-                        _mm256_store_ps(part + j * 64 + t * 8, _mm256_setzero_ps());
-                    continue;
-                }
-                const char *kr = k + (t0 + t) * tok_bytes;
-                for (int c = 0; c < nv; c++)
-                    r[c] = load8f(kr + c * 8 * es, bf16);
-                for (int j = 0; j < g; j++) {
-                    __m256 acc = _mm256_setzero_ps();
-                    for (int c = 0; c < nv; c++)
-                        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + 8 * c), r[c], acc);
-                    _mm256_store_ps(part + j * 64 + t * 8, acc);
-                }
-            }
-            const __m256 valid = _mm256_cmp_ps(lanes, _mm256_set1_ps((float)nb), _CMP_LT_OQ);
-            for (int j = 0; j < g; j++) {
-                const __m256 s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY),
-                    _mm256_mul_ps(hsum8x8(part + j * 64), _mm256_set1_ps(scale)), valid);
-                const float mx = hmax8(s);
-                if (mx > m[j]) {
-                    const float cf = safe_exp(m[j] - mx);
-                    l[j] *= cf;
-                    scale_vec(out + j * d, cf, d);
-                    m[j] = mx;
-                }
-                const __m256 e = exp8(_mm256_sub_ps(s, _mm256_set1_ps(m[j])));
-                l[j] += hadd8(e);
-                _mm256_store_ps(w + j * 8, e);
-            }
-            for (int c = 0; c < nv; c++) {
-                __m256 vr[8];
-                for (int t = 0; t < nb; t++)
-                    vr[t] = load8f(v + (t0 + t) * tok_bytes + c * 8 * es, bf16);
-                for (int j = 0; j < g; j++) {
-                    __m256 acc = _mm256_loadu_ps(out + j * d + 8 * c);
-                    for (int t = 0; t < nb; t++)
-                        acc = _mm256_fmadd_ps(_mm256_set1_ps(w[j * 8 + t]), vr[t], acc);
-                    _mm256_storeu_ps(out + j * d + 8 * c, acc);
-                }
-            }
-        }
-    }
-    finish_row(m, l, out, lse, g, d);
-}
-
-static AVX2 void attend_row_d64_avx2(const float *q, const char *pool, int bf16,
-                                     int64_t slot_bytes, int64_t head_bytes, int64_t v_bytes,
-                                     const int64_t *slots, int64_t n, int last, int ps, int d,
-                                     int g, float scale, float *out, float *lse, int carry) {
-    (void)d;
-    attend_row8(q, pool, bf16, slot_bytes, head_bytes, v_bytes, slots, n, last, ps, 64, g,
-                scale, out, lse, carry);
-}
-
-static AVX2 void attend_row_avx2(const float *q, const char *pool, int bf16,
-                                 int64_t slot_bytes, int64_t head_bytes, int64_t v_bytes,
-                                 const int64_t *slots, int64_t n, int last, int ps, int d, int g,
-                                 float scale, float *out, float *lse, int carry) {
-    attend_row8(q, pool, bf16, slot_bytes, head_bytes, v_bytes, slots, n, last, ps, d, g,
-                scale, out, lse, carry);
-}
-#endif
+#include "_attend_rows.h"
 
 typedef void (*row_fn)(const float *, const char *, int, int64_t, int64_t, int64_t,
-                       const int64_t *, int64_t, int, int, int, int, float, float *, float *, int);
+                       const int64_t *, int64_t, int, int, int, int, float, float *, float *,
+                       float *);
 
-/* A contiguous run of rows of one call, for one thread. */
+/* A row's pages go in chunks of CHUNK_TOKENS tokens' pages (the last chunk the rest): the
+ * work items that threads share, so that one sequence's three rows keep two cores busy. A
+ * row of one chunk is computed straight into out/lse; a longer one's chunks leave their
+ * states in `state`, merged in chunk order after all items ran. Chunks depend only on the
+ * row's page count, so a row's bits do not depend on the threads or the batch. */
+#define CHUNK_TOKENS 512
+
+/* One call's items and, for one thread, its run of them [i0, i1). */
 typedef struct {
     row_fn fn;
     const float *q;
     const char *pool;
     int bf16, kvh, ps, d, g, carry;
+    int64_t chunk;                          /* pages a chunk */
     int64_t slot_bytes, head_bytes, v_bytes;
-    const int64_t *rp, *sl;
+    const int64_t *rp, *sl, *ip;            /* ip [rows + 1]: row r's items ip[r]..ip[r + 1] */
     const int32_t *ll;
     float scale;
-    float *out, *lse;
-    Py_ssize_t r0, r1;
+    float *out, *lse, *state;               /* state: g x (d + 2) floats an item */
+    int64_t i0, i1;
 } rows_job;
 
-static void *run_rows(void *arg) {
+static inline int64_t row_chunks(int64_t pages, int64_t chunk) {
+    return pages <= chunk ? 1 : (pages + chunk - 1) / chunk;
+}
+
+static void run_item(const rows_job *j, int64_t r, int64_t i) {
+    const int g = j->g, d = j->d;
+    const int64_t pages = j->rp[r + 1] - j->rp[r], c = i - j->ip[r];
+    const float *q = j->q + r * g * d;
+    float *out = j->out + r * g * d, *lse = j->lse + r * g;
+    const int64_t head_bytes = (r % j->kvh) * j->head_bytes;
+    if (j->ip[r + 1] - j->ip[r] == 1) {     /* the whole row */
+        float m[MAX_G], l[MAX_G];
+        start_row(m, l, out, out, lse, g, d, j->carry);
+        j->fn(q, j->pool, j->bf16, j->slot_bytes, head_bytes, j->v_bytes, j->sl + j->rp[r],
+              pages, j->ll[r], j->ps, d, g, j->scale, m, l, out);
+        finish_row(m, l, out, lse, g, d);
+        return;
+    }
+    const int64_t p0 = c * j->chunk, n = pages - p0 < j->chunk ? pages - p0 : j->chunk;
+    float *m = j->state + i * g * (d + 2), *l = m + g, *acc = l + g;
+    start_row(m, l, acc, out, lse, g, d, j->carry && c == 0);
+    j->fn(q, j->pool, j->bf16, j->slot_bytes, head_bytes, j->v_bytes, j->sl + j->rp[r] + p0, n,
+          p0 + n == pages ? j->ll[r] : j->ps, j->ps, d, g, j->scale, m, l, acc);
+}
+
+static void run_items(void *arg) {
     const rows_job *j = (const rows_job *)arg;
-    for (Py_ssize_t r = j->r0; r < j->r1; r++)
-        j->fn(j->q + r * j->g * j->d, j->pool, j->bf16, j->slot_bytes,
-              (r % j->kvh) * j->head_bytes, j->v_bytes, j->sl + j->rp[r],
-              j->rp[r + 1] - j->rp[r], j->ll[r], j->ps, j->d, j->g, j->scale,
-              j->out + r * j->g * j->d, j->lse + r * j->g, j->carry);
-    return NULL;
+    int64_t r = 0;
+    if (j->i0 >= j->i1)
+        return;
+    while (j->ip[r + 1] <= j->i0)
+        r++;
+    for (int64_t i = j->i0; i < j->i1; i++) {
+        while (j->ip[r + 1] <= i)
+            r++;
+        run_item(j, r, i);
+    }
+}
+
+/* the chunks of each row of more than one, merged in order into out/lse */
+static void merge_rows(const rows_job *j, Py_ssize_t rows) {
+    const int g = j->g, d = j->d, stride = g * (d + 2);
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        if (j->ip[r + 1] - j->ip[r] == 1)
+            continue;
+        float *m = j->state + j->ip[r] * stride, *l = m + g, *acc = l + g;
+        for (int64_t i = j->ip[r] + 1; i < j->ip[r + 1]; i++) {
+            const float *mb = j->state + i * stride;
+            merge_state(m, l, acc, mb, mb + g, mb + 2 * g, g, d);
+        }
+        memcpy(j->out + r * g * d, acc, sizeof(float) * (size_t)g * d);
+        finish_row(m, l, j->out + r * g * d, j->lse + r * g, g, d);
+    }
 }
 
 #define MAX_THREADS 64
-#define MIN_PAGES_PER_THREAD 64     /* below this, handing rows to a pool thread costs more than it saves */
+#define MIN_PAGES_PER_THREAD 64     /* below this, handing items to a pool thread costs more than it saves */
 
-static void run_rows_task(void *arg) { run_rows(arg); }
-
-/* The rows split into `threads` contiguous runs of about equal pages, the first run on the
+/* The items split into `threads` contiguous runs of about equal pages, the first run on the
  * calling thread and the others on the threads of a pool kept between calls (kernels/_pool.h:
- * a thread started per call cost more than one layer's attention at 1 x 1K tokens). Each row
- * is computed whole by one thread, so its bits do not depend on the split. */
+ * a thread started per call cost more than one layer's attention at 1 x 1K tokens). */
 static void run_parallel(rows_job *base, Py_ssize_t rows, int threads) {
-    const int64_t total = base->rp[rows] - base->rp[0];
+    const int64_t items = base->ip[rows], total = base->rp[rows] - base->rp[0];
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
     if (threads > total / MIN_PAGES_PER_THREAD)
         threads = (int)(total / MIN_PAGES_PER_THREAD);
-    if (threads > rows)
-        threads = (int)rows;
+    if (threads > items)
+        threads = (int)items;
     if (threads < 2) {
-        base->r0 = 0;
-        base->r1 = rows;
-        run_rows(base);
+        base->i0 = 0;
+        base->i1 = items;
+        run_items(base);
+        merge_rows(base, rows);
         return;
     }
     rows_job jobs[MAX_THREADS];
     void *args[MAX_THREADS];
-    Py_ssize_t r = 0;
+    int64_t i = 0, r = 0, done = 0;         /* pages of the items before i */
     for (int t = 0; t < threads; t++) {
         jobs[t] = *base;
-        jobs[t].r0 = r;
-        const int64_t goal = base->rp[0] + total * (t + 1) / threads;
-        while (r < rows && (t == threads - 1 || base->rp[r + 1] <= goal))
-            r++;
-        if (r == jobs[t].r0 && r < rows)     /* every run takes a row at least */
-            r++;
-        jobs[t].r1 = r;
+        jobs[t].i0 = i;
+        const int64_t goal = total * (t + 1) / threads;
+        while (i < items) {
+            while (base->ip[r + 1] <= i)
+                r++;
+            const int64_t pages = base->rp[r + 1] - base->rp[r], p0 = (i - base->ip[r]) * base->chunk;
+            const int64_t n = pages - p0 < base->chunk ? pages - p0 : base->chunk;
+            if (t < threads - 1 && 2 * done + n > 2 * goal && i > jobs[t].i0)
+                break;                      /* the item's middle is past this run's share */
+            done += n;
+            i++;
+        }
+        jobs[t].i1 = i;
         args[t] = &jobs[t];
     }
-    pool_run(run_rows_task, args, threads);
+    pool_run(run_items, args, threads);
+    merge_rows(base, rows);
+}
+
+/* per-thread scratch for a call's item table and chunk states, grown as needed, kept */
+static __thread void *scratch;
+static __thread size_t scratch_bytes;
+
+static void *scratch_for(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        void *p = realloc(scratch, bytes);
+        if (p == NULL)
+            return NULL;
+        scratch = p;
+        scratch_bytes = bytes;
+    }
+    return scratch;
 }
 
 static PyObject *sparse_decode(PyObject *self, PyObject *args) {
@@ -471,9 +215,21 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
 #else
     (void)simd;
 #endif
+    const int64_t chunk = CHUNK_TOKENS / ps > 0 ? CHUNK_TOKENS / ps : 1;
+    int64_t items = 0;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        items += row_chunks(rp[r + 1] - rp[r], chunk);
+    int64_t *ip = scratch_for(sizeof(int64_t) * (rows + 1) +
+                              sizeof(float) * (size_t)items * g * (d + 2));
+    if (ip == NULL)
+        return PyErr_NoMemory();
+    ip[0] = 0;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        ip[r + 1] = ip[r] + row_chunks(rp[r + 1] - rp[r], chunk);
     rows_job job = {fn, (const float *)(uintptr_t)q, (const char *)(uintptr_t)pool, bf16, kvh,
-                    ps, d, g, carry, slot_bytes, head_bytes, v_bytes, rp, sl, ll, scale,
-                    (float *)(uintptr_t)out, (float *)(uintptr_t)lse, 0, 0};
+                    ps, d, g, carry, chunk, slot_bytes, head_bytes, v_bytes, rp, sl, ip, ll,
+                    scale, (float *)(uintptr_t)out, (float *)(uintptr_t)lse,
+                    (float *)(ip + rows + 1), 0, 0};
     Py_BEGIN_ALLOW_THREADS
     run_parallel(&job, rows, threads);
     Py_END_ALLOW_THREADS

@@ -160,7 +160,10 @@ class MemoryPool(Tier):
                 raise TierFull(self.name, new_keys, new_keys.numel() * nb, self._top * nb,
                                hint="delete (evict) pages first or raise the tier's budget")
         n = new_keys.numel()
-        new_slots = self._free[self._top - n:self._top].clone()
+        # the top of the stack first: a fresh pool hands out ascending slots, so a request's
+        # pages, written in token order, lie in ascending addresses, which the attention
+        # kernel streams faster than descending ones (docs/perf-notes.md, 2026-11-27)
+        new_slots = self._free[self._top - n:self._top].flip(0)
         self._top -= n
         self._slot_of[new_keys] = new_slots
         # NOTE: with a key repeated in new_keys, one of its slots won the scatter above; the
@@ -247,7 +250,7 @@ class MemoryPool(Tier):
         freed = torch.unique(slots[present])  # NOTE: a repeated key must free its slot once
         self._slot_of[keys[present]] = -1
         self._key_of[freed.long()] = -1
-        self._push_free(freed)
+        self._push_free(freed.flip(0))        # the lowest slot on top: handed out first
 
     def keys(self) -> torch.Tensor:
         return self._key_of[self._key_of >= 0]
