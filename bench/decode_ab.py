@@ -22,13 +22,15 @@ from pathlib import Path
 
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from engine.core_split import CoreSplit  # noqa: E402
 from bench.common import (add_out_arg, cpu_line, machine, parser, result_header,  # noqa: E402
                           time_calls, use_checkout_cache, write_json)
 
 use_checkout_cache()
 
 VARIANTS = ("general", "+resident", "+layer ops", "+core split")
-WARMUP = 12         # untimed steps a variant: the core split times a new shape over 10
+# untimed steps a variant: the core split's timing of a new step shape, and two
+WARMUP = CoreSplit(2, 1).timing_steps + 2
 
 
 def switch(engine, variant: str, split) -> None:

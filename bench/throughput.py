@@ -60,6 +60,7 @@ from bench.servers import async_openai, start_server, stop  # noqa: E402
 from bench.streams import Stream, consume, wait_for  # noqa: E402
 from bench.peers import hf_transformers, llamacpp  # noqa: E402
 from bench.throughput_report import burst_row, plot, table, weight_lines  # noqa: E402
+from engine.core_split import CoreSplit  # noqa: E402
 
 use_checkout_cache()
 MODEL_LEN = 8192
@@ -81,7 +82,8 @@ DEFAULT_CONFIGS = ["dense", "flexgen", "sparse-tiered", "sparse-sfc"]
 PEERS = ("llama.cpp", "transformers-fp32", "transformers")
 DEFAULT_PEERS = ["llama.cpp", "transformers-fp32"]
 CALIBRATION_WAIT = 40   # decode steps at most before timing, for sfc's micro-batch calibration
-SPLIT_WAIT = 12         # decode steps before timing a level, for the core split's timing
+# decode steps before timing a level: the core split's timing of a new step shape, and two
+SPLIT_WAIT = CoreSplit(2, 1).timing_steps + 2
 
 
 # ------------------------------------------------------------------------------ servers

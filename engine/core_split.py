@@ -10,6 +10,9 @@ against 37 ms the other way round), and the crossover moves with the CPU, the we
 and the server's own threads. So each step shape (rows, and context tokens a row in log2
 buckets of 4K) times both splits over its first steps, in turns, and keeps the one with the
 lower median; it times them again every `period` steps (contexts grow, the load changes).
+The first steps after a switch are slower than the split's own (1 x 7K tokens: 20.8-25.6 ms,
+then 16.1, a pool's threads still spinning or asleep from the other split), so the turns are
+runs of steps whose first `settle` steps are not timed.
 """
 from __future__ import annotations
 
@@ -24,18 +27,24 @@ Split = tuple[int, int]
 
 class CoreSplit:
     def __init__(self, cores: int, decode: int, probes: int = 4, period: int = 1024,
-                 warmup: int = 2):
+                 warmup: int = 2, settle: int = 2):
         """cores: every core the engine may use; decode: torch's threads when the attention
         has the cores (one left to the server's threads). A shape's first `warmup` steps are
-        not timed (a fresh server's first steps fault its pages in), then each split runs
-        `probes` steps in the order ABBA ABBA (a drift in step time weighs on both alike);
-        period: steps of a shape before it is timed again."""
+        not timed (a fresh server's first steps fault its pages in), then the splits run
+        `probes` timed steps each in runs A, B, A (half of A's before B's, half after: a drift
+        in step time weighs on both alike), each run after a switch starting with `settle`
+        untimed steps; period: steps of a shape before it is timed again."""
         self.splits: tuple[Split, Split] = ((cores, 1), (decode, cores))
-        self.probes, self.period, self.warmup = probes, period, warmup
-        self._timing: dict[tuple[int, int], list[tuple[int, float]]] = {}   # (split, s)
+        self.period = period
+        first = probes // 2
+        # (split, timed) of each step of a shape's timing
+        self._plan = [(0, False)] * warmup + [(0, True)] * first
+        for which, n in ((1, probes), (0, probes - first)):
+            self._plan += [(which, False)] * settle + [(which, True)] * n
+        self._timing: dict[tuple[int, int], list[tuple[int, bool, float]]] = {}
         self._chosen: dict[tuple[int, int], Split] = {}
         self._runs: dict[tuple[int, int], int] = {}     # steps since the shape's choice
-        self._pending: tuple[tuple[int, int], int] | None = None
+        self._pending: tuple[tuple[int, int], int, bool] | None = None
 
     @staticmethod
     def shape(rows: int, context_tokens: int) -> tuple[int, int]:
@@ -55,22 +64,21 @@ class CoreSplit:
             if self._runs[key] >= self.period:      # time the splits again from the next step
                 del self._chosen[key]
             return chosen
-        n = len(self._timing.setdefault(key, [])) - self.warmup
-        which = 0 if n < 0 else (0, 1, 1, 0)[n % 4]
-        self._pending = (key, which)
+        which, timed = self._plan[len(self._timing.setdefault(key, []))]
+        self._pending = (key, which, timed)
         return self.splits[which]
 
     def observe(self, seconds: float) -> None:
         """The wall time of the step `choose` last planned (ignored once a shape is decided)."""
         if self._pending is None:
             return
-        key, which = self._pending
+        key, which, timed = self._pending
         self._pending = None
         timing = self._timing[key]
-        timing.append((which, seconds))
-        if len(timing) >= self.warmup + 2 * self.probes:
-            timed = timing[self.warmup:]
-            medians = [statistics.median(t for w, t in timed if w == i) for i in (0, 1)]
+        timing.append((which, timed, seconds))
+        if len(timing) == len(self._plan):
+            medians = [statistics.median(t for w, on, t in timing if on and w == i)
+                       for i in (0, 1)]
             best = 0 if medians[0] <= medians[1] else 1
             self._chosen[key] = self.splits[best]
             self._runs[key] = 0
@@ -78,6 +86,11 @@ class CoreSplit:
             logger.info("decode steps of shape %s: torch on %d threads and the attention on "
                         "%d (%.1f ms a step, against %.1f the other way)", key,
                         *self.splits[best], 1e3 * medians[best], 1e3 * medians[1 - best])
+
+    @property
+    def timing_steps(self) -> int:
+        """Steps a shape takes to decide (the first `choose`s of a new shape)."""
+        return len(self._plan)
 
     def decided(self) -> dict[tuple[int, int], Split]:
         """Shape -> the split it runs with (the shapes timed so far, but those being timed

@@ -19,26 +19,43 @@ def run(split: CoreSplit, rows: int, tokens: int, cost: dict, steps: int) -> lis
 
 
 def test_each_shape_times_both_splits_then_keeps_the_faster():
-    split = CoreSplit(cores=2, decode=1, probes=3, warmup=2)
+    split = CoreSplit(cores=2, decode=1, probes=3, warmup=2, settle=1)
     matmul, attention = (2, 1), (1, 2)
-    used = run(split, 1, 1000, {matmul: 0.010, attention: 0.013}, 12)
-    assert used[2:8] == [matmul, attention, attention, matmul, matmul, attention]   # ABBA
-    assert used[8:] == [matmul] * 4
+    assert split.timing_steps == 2 + 1 + (1 + 3) + (1 + 2)
+    used = run(split, 1, 1000, {matmul: 0.010, attention: 0.013}, 14)
+    # runs A, B, A: warmup and A's first probe, then B settles and probes, then A again
+    assert used[:10] == [matmul] * 3 + [attention] * 4 + [matmul] * 3
+    assert used[10:] == [matmul] * 4
     # another shape decides on its own: many rows over a long context, the attention wins
-    used = run(split, 8, 64000, {matmul: 0.040, attention: 0.034}, 10)
-    assert used[8:] == [attention] * 2
+    used = run(split, 8, 64000, {matmul: 0.040, attention: 0.034}, 12)
+    assert used[10:] == [attention] * 2
     assert split.decided() == {CoreSplit.shape(1, 1000): matmul,
                                CoreSplit.shape(8, 64000): attention}
 
 
 def test_the_median_decides_not_one_outlier():
-    split = CoreSplit(cores=4, decode=3, probes=3, warmup=0)
-    # ABBAAB: the matmul split's steps 0.010, 0.500 (one slow step), 0.010
-    times = iter([0.010, 0.012, 0.012, 0.500, 0.010, 0.012])
+    split = CoreSplit(cores=4, decode=3, probes=3, warmup=0, settle=0)
+    # A BBB AA: the matmul split's steps 0.010, 0.500 (one slow step), 0.010
+    times = iter([0.010, 0.012, 0.012, 0.012, 0.500, 0.010])
     for _ in range(6):
         split.choose(2, 3000)
         split.observe(next(times))
     assert split.choose(2, 3000) == (4, 1)
+
+
+def test_the_steps_just_after_a_switch_are_not_timed():
+    """A split's first steps after the other's are slow (its threads wake, the other's still
+    spin): they settle untimed, and the split that is faster once settled wins."""
+    split = CoreSplit(cores=2, decode=1, probes=2, warmup=0, settle=2)
+    matmul, attention = (2, 1), (1, 2)
+    last, since = None, 0
+    for _ in range(split.timing_steps):
+        s = split.choose(1, 7000)
+        since = since + 1 if s == last else 0
+        last = s
+        # the attention's split: 16 ms settled, 24 ms in the two steps after a switch
+        split.observe(0.019 if s == matmul else 0.024 if since < 2 else 0.016)
+    assert split.decided() == {CoreSplit.shape(1, 7000): attention}
 
 
 def test_close_shapes_share_a_decision_and_far_ones_do_not():
@@ -51,7 +68,7 @@ def test_close_shapes_share_a_decision_and_far_ones_do_not():
 
 def test_a_shape_is_timed_again_every_period_steps():
     # the load changed: the attention's split got faster, and the next timing finds it
-    split = CoreSplit(cores=2, decode=1, probes=2, period=10, warmup=0)
+    split = CoreSplit(cores=2, decode=1, probes=2, period=10, warmup=0, settle=0)
     matmul, attention = (2, 1), (1, 2)
     used = run(split, 1, 1000, {matmul: 0.010, attention: 0.013}, 14)
     assert used[4:14] == [matmul] * 10
@@ -78,7 +95,7 @@ def test_the_engine_runs_decode_steps_on_the_chosen_split(smollm2_dir):
         return execute(batch, requests)
 
     engine.runner.execute = spy
-    engine.add_request("r", list(range(100, 400)), greedy(14))
+    engine.add_request("r", list(range(100, 400)), greedy(20))
     while engine.has_unfinished():
         engine.step()
     decided = engine.core_split.decided()
@@ -86,7 +103,7 @@ def test_the_engine_runs_decode_steps_on_the_chosen_split(smollm2_dir):
     (torch_threads, kernel_threads), = decided.values()
     assert seen[0] == (False, 2, 2)         # the prefill: every core, the attention's default
     assert seen[-1] == (True, torch_threads, kernel_threads)
-    assert {s[1:] for s in seen[3:11]} == {(2, 1), (1, 2)}      # the probes
+    assert {s[1:] for s in seen[3:3 + engine.core_split.timing_steps]} == {(2, 1), (1, 2)}
     fixed = LLMEngine(EngineArgs(model=str(smollm2_dir), kv_device_gb=0.1, prefix_cache="off",
                                  decode_threads=1))
     fixed.use_threads(2, 1)
