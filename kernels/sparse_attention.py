@@ -157,8 +157,9 @@ class NativeSparseDecode:
     # 2: the AVX-512 rows where the CPU has them, else AVX2; 1: AVX2 at most; 0: the portable
     # rows (tests and benches run each path the CPU has)
     simd = 2
-    # threads splitting a call's rows (whole rows each, so the bits do not change); 0: torch's
-    # intra-op thread count at the call (--threads / --decode-threads)
+    # threads sharing a call's rows (a row of more than 512 tokens in chunks of pages, merged
+    # in a fixed order, so the bits do not change); 0: torch's intra-op thread count at the
+    # call (--threads / --decode-threads)
     threads = 0
 
     def __init__(self) -> None:
