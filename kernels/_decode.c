@@ -171,14 +171,66 @@ static void *scratch_for(size_t bytes) {
     return scratch;
 }
 
+/* Row r's entries where first is set, and the others: two tables over the same rows, in
+ * order; the row's last page length goes with the half holding its last entry, the other
+ * half ends with a full page (PageTable.split's rule) */
+static void split_table(const int64_t *rp, const int64_t *sl, const int32_t *ll,
+                        const uint8_t *first, Py_ssize_t rows, int ps, int64_t *hrp,
+                        int64_t *hsl, int32_t *hll, int64_t *trp, int64_t *tsl, int32_t *tll) {
+    int64_t h = 0, t = 0;
+    hrp[0] = trp[0] = 0;
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        for (int64_t i = rp[r]; i < rp[r + 1]; i++) {
+            if (first[i])
+                hsl[h++] = sl[i];
+            else
+                tsl[t++] = sl[i];
+        }
+        hrp[r + 1] = h;
+        trp[r + 1] = t;
+        const int last_first = rp[r + 1] > rp[r] && first[rp[r + 1] - 1];
+        hll[r] = last_first ? ll[r] : ps;
+        tll[r] = last_first ? ps : ll[r];
+    }
+}
+
+/* job's rows over the table (rp, sl, ll), going on from out/lse with `carry` */
+static void run_table(rows_job *job, Py_ssize_t rows, int threads, const int64_t *rp,
+                      const int64_t *sl, const int32_t *ll, int carry, int64_t *ip) {
+    ip[0] = 0;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        ip[r + 1] = ip[r] + row_chunks(rp[r + 1] - rp[r], job->chunk);
+    job->rp = rp;
+    job->sl = sl;
+    job->ll = ll;
+    job->ip = ip;
+    job->carry = carry;
+    run_parallel(job, rows, threads);
+}
+
+/* the row function for the CPU, the head size and `simd` */
+static row_fn pick_row_fn(int d, int simd) {
+#ifdef HAVE_AVX512_PATH
+    if (simd >= 2 && d % 16 == 0 && __builtin_cpu_supports("avx512f"))
+        return d == 64 ? attend_row_d64 : attend_row_avx512;
+    if (simd >= 1 && d % 8 == 0 && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma"))
+        return d == 64 ? attend_row_d64_avx2 : attend_row_avx2;
+#else
+    (void)d;
+    (void)simd;
+#endif
+    return attend_row;
+}
+
 static PyObject *sparse_decode(PyObject *self, PyObject *args) {
-    unsigned long long q, pool, row_ptr, slots, last, out, lse;
+    unsigned long long q, pool, row_ptr, slots, last, out, lse, first_ptr = 0;
     int bf16, kvh, ps, d, g, carry, simd = 2, threads = 1;
     Py_ssize_t rows, n_slots;
     float scale;
-    if (!PyArg_ParseTuple(args, "KKiiiiiKKKnfKKpn|ii", &q, &pool, &bf16, &kvh, &ps, &d, &g,
+    if (!PyArg_ParseTuple(args, "KKiiiiiKKKnfKKpn|iiK", &q, &pool, &bf16, &kvh, &ps, &d, &g,
                           &row_ptr, &slots, &last, &rows, &scale, &out, &lse, &carry, &n_slots,
-                          &simd, &threads))
+                          &simd, &threads, &first_ptr))
         return NULL;
     if (d < 1 || d > MAX_D || g < 1 || g > MAX_G || ps < 1 || ps > MAX_PS || kvh < 1) {
         PyErr_Format(PyExc_ValueError, "unsupported shape: head_dim %d (<= %d), group %d "
@@ -192,6 +244,7 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
     const int64_t *rp = (const int64_t *)(uintptr_t)row_ptr;
     const int64_t *sl = (const int64_t *)(uintptr_t)slots;
     const int32_t *ll = (const int32_t *)(uintptr_t)last;
+    const uint8_t *first = (const uint8_t *)(uintptr_t)first_ptr;
     /* the table must stay inside the pool: the rows read what it lists */
     for (Py_ssize_t r = 0; r < rows; r++)
         if (ll[r] > ps || (rp[r + 1] > rp[r] && ll[r] < 0)) {
@@ -199,39 +252,38 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
                          "of %d)", ll[r], ps);
             return NULL;
         }
-    for (int64_t i = 0; i < rp[rows]; i++)
+    for (int64_t i = rp[0]; i < rp[rows]; i++)
         if (sl[i] < 0 || sl[i] >= n_slots) {
             PyErr_Format(PyExc_ValueError, "page table outside the pool (slot %lld in a pool "
                          "of %zd)", (long long)sl[i], n_slots);
             return NULL;
         }
-    row_fn fn = attend_row;
-#ifdef HAVE_AVX512_PATH
-    if (simd >= 2 && d % 16 == 0 && __builtin_cpu_supports("avx512f"))
-        fn = d == 64 ? attend_row_d64 : attend_row_avx512;
-    else if (simd >= 1 && d % 8 == 0 && __builtin_cpu_supports("avx2") &&
-             __builtin_cpu_supports("fma"))
-        fn = d == 64 ? attend_row_d64_avx2 : attend_row_avx2;
-#else
-    (void)simd;
-#endif
     const int64_t chunk = CHUNK_TOKENS / ps > 0 ? CHUNK_TOKENS / ps : 1;
-    int64_t items = 0;
-    for (Py_ssize_t r = 0; r < rows; r++)
-        items += row_chunks(rp[r + 1] - rp[r], chunk);
-    int64_t *ip = scratch_for(sizeof(int64_t) * (rows + 1) +
-                              sizeof(float) * (size_t)items * g * (d + 2));
-    if (ip == NULL)
+    const int64_t nnz = rp[rows] - rp[0];
+    /* scratch: with `first` the two halves' tables, then the items' rows and states (at most
+     * one item a row and one a chunk of pages, whichever half) */
+    const size_t split_words = first ? 2 * (size_t)(rows + 1) + 2 * (size_t)nnz + rows : 0;
+    const size_t max_items = (size_t)rows + (size_t)(nnz / chunk) + 1;
+    int64_t *buf = scratch_for(sizeof(int64_t) * (split_words + rows + 1) +
+                               sizeof(float) * max_items * g * (d + 2));
+    if (buf == NULL)
         return PyErr_NoMemory();
-    ip[0] = 0;
-    for (Py_ssize_t r = 0; r < rows; r++)
-        ip[r + 1] = ip[r] + row_chunks(rp[r + 1] - rp[r], chunk);
-    rows_job job = {fn, (const float *)(uintptr_t)q, (const char *)(uintptr_t)pool, bf16, kvh,
-                    ps, d, g, carry, chunk, slot_bytes, head_bytes, v_bytes, rp, sl, ip, ll,
-                    scale, (float *)(uintptr_t)out, (float *)(uintptr_t)lse,
+    int64_t *ip = buf + split_words;
+    rows_job job = {pick_row_fn(d, simd), (const float *)(uintptr_t)q,
+                    (const char *)(uintptr_t)pool, bf16, kvh, ps, d, g, carry, chunk,
+                    slot_bytes, head_bytes, v_bytes, rp, sl, ip, ll, scale,
+                    (float *)(uintptr_t)out, (float *)(uintptr_t)lse,
                     (float *)(ip + rows + 1), 0, 0};
     Py_BEGIN_ALLOW_THREADS
-    run_parallel(&job, rows, threads);
+    if (first == NULL) {
+        run_table(&job, rows, threads, rp, sl, ll, carry, ip);
+    } else {        /* the first half, then the rest going on from it */
+        int64_t *hrp = buf, *trp = hrp + rows + 1, *hsl = trp + rows + 1, *tsl = hsl + nnz;
+        int32_t *hll = (int32_t *)(tsl + nnz), *tll = hll + rows;
+        split_table(rp, sl, ll, first, rows, ps, hrp, hsl, hll, trp, tsl, tll);
+        run_table(&job, rows, threads, hrp, hsl, hll, carry, ip);
+        run_table(&job, rows, threads, trp, tsl, tll, 1, ip);
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -244,8 +296,10 @@ static PyMethodDef methods[] = {
      "group]; with carry, out/lse hold a first half's result to go on from); ValueError unless "
      "every slot is below n_slots and every last_len at most page_size; simd: "
      "2 the AVX-512 rows where the CPU has them, else AVX2; 1 AVX2 at most; 0 the portable "
-     "rows; threads: rows split over this many threads (by pages; each row on one); without "
-     "the GIL"},
+     "rows; threads: rows shared by this many threads (long rows in chunks of pages); first: "
+     "the address of a bool [entries] (0: none): each row attends to its entries where it "
+     "is set, then goes on over the others as a carry would (two calls' bits in one); "
+     "without the GIL"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -183,13 +183,17 @@ class NativeSparseDecode:
 
     def forward_partial(self, q: torch.Tensor, kv_pool: torch.Tensor, head_table: PageTable,
                         group: int, scale: float,
-                        carry: tuple[torch.Tensor, torch.Tensor] | None = None
+                        carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        first: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """(out [B, H, D] float32, log-sum-exp of each query head's scores [B, H] float32);
         a row without pages gives out 0 and lse -inf (supported inputs only). `carry`, the
         (out, lse) of the same queries over other pages (a first half), is updated in place
         to the attention over both: split attention, with each row's bits independent of
-        the batch it runs in."""
+        the batch it runs in. `first` (bool [entries]): both halves of a split attention in
+        one call, the entries where it is set first: the bits of
+        `forward_partial(rest, carry=forward_partial(head))` with head, rest =
+        head_table.split(first)."""
         b, h, d = q.shape
         kvh, ps = kv_pool.shape[2], kv_pool.shape[3]
         rows = _query_rows(q, kv_pool, head_table, group)
@@ -208,12 +212,18 @@ class NativeSparseDecode:
                     or lse.dtype != torch.float32 or not (out.is_contiguous()
                                                           and lse.is_contiguous()):
                 raise ValueError("carry must be forward_partial's (out, lse) for these queries")
+        if first is not None:
+            first = first.to(torch.bool).contiguous()
+            if first.shape != slots.shape:
+                raise ValueError(f"first has {first.numel()} entries for a table of "
+                                 f"{slots.numel()}")
         _decode.sparse_decode(qf.data_ptr(), kv_pool.data_ptr(),
                               int(kv_pool.dtype == torch.bfloat16), kvh, ps, d, group,
                               indptr.data_ptr(), slots.data_ptr(), last.data_ptr(), rows, scale,
                               out.data_ptr(), lse.data_ptr(), carry is not None,
                               kv_pool.shape[0], int(self.simd),
-                              self.threads or torch.get_num_threads())   # checks the table against the pool
+                              self.threads or torch.get_num_threads(),   # checks the table against the pool
+                              0 if first is None else first.data_ptr())
         return out, lse
 
 

@@ -294,6 +294,10 @@ class StepKV:
             table, pos = self._sparse_table(idx, sel, part.slots)
             first = part.reused[pos]
             first[table.indptr[1:].long() - 1] = True        # the partial page: resident
+            if not early:       # both halves at once: one call, the same bits as two
+                out[rows] = kernel.forward_partial(qr, pool, table, group, scale,
+                                                   first=first)[0].to(q.dtype)
+                return
             head, rest = table.split(first)
             part.head = (kernel.forward_partial(qr, pool, head, group, scale), rest)
         if early:

@@ -107,3 +107,25 @@ def test_a_carried_first_half_goes_on_across_chunks(kernel):
     ref_out, ref_lse = _reference(q, pool, table, 0.125)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=0)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("last_first", [True, False])
+def test_both_halves_in_one_call_give_the_two_calls_bits(kernel, threads, last_first):
+    """`first`: the store's sequential split attention in one call (the pages the last step
+    selected first, then the rest) has the bits of the two calls the pipelined modes make,
+    whichever half holds a row's partial last page."""
+    pool, table, q = _case(torch.bfloat16, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    first = torch.rand(table.indices.numel(), generator=gen) < 0.6
+    ends = table.indptr[1:].long()[table.indptr.diff() > 0] - 1
+    first[ends] = last_first
+    kernel.threads = threads
+    head, rest = table.split(first)
+    qf = q.float()
+    want = kernel.forward_partial(qf, pool, rest, GROUP, 0.125,
+                                  carry=kernel.forward_partial(qf, pool, head, GROUP, 0.125))
+    got = kernel.forward_partial(qf, pool, table, GROUP, 0.125, first=first)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="entries"):
+        kernel.forward_partial(qf, pool, table, GROUP, 0.125, first=first[1:])
