@@ -1,6 +1,6 @@
 /* A decoder layer's small ops in C (kernels/layer_ops.py): RMSNorm (with the residual add
- * before it), RoPE in place, SiLU(gate) * up, and the scatter of a step's new K/V into the
- * pool's slots.
+ * before it), RoPE in place, SiLU(gate) * up, the scatter of a step's new K/V into the
+ * pool's slots, and the summaries of the pages it wrote.
  *
  * Each is one call where torch runs 3 to 8 ops, each with its dispatch and a temporary: at
  * one decode row the ops are a few hundred values, so the dispatch is the cost (~20 us a
@@ -20,6 +20,7 @@
 #include "_rows.h"
 
 #define MAX_DIM 16384
+#define MAX_HEAD 256
 #define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
 static inline uint16_t f32_to_bf16(float f) {
@@ -203,6 +204,61 @@ static PyObject *write_kv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------------ page summaries */
+/* A page's keys of one KV head, k [valid, d], as kernels/page_summary.py's summarize_pages
+ * summarizes them: the channel-wise min and max (key values: exact) and the mean (the
+ * float32 sum over the tokens in order, divided by their count), into out [3, d] in the
+ * keys' dtype. NaN propagates as in torch's amin / amax. No tokens: +inf, -inf, 0. */
+CLONES static void summarize_head(const void *k, int bf16, int valid, int d, void *out) {
+    float mn[MAX_HEAD], mx[MAX_HEAD], sum[MAX_HEAD];
+    for (int i = 0; i < d; i++) {
+        mn[i] = INFINITY;
+        mx[i] = -INFINITY;
+        sum[i] = 0.f;
+    }
+    for (int t = 0; t < valid; t++)
+        for (int i = 0; i < d; i++) {
+            const float x = get(k, bf16, (Py_ssize_t)t * d + i);
+            mn[i] = x < mn[i] || x != x ? x : mn[i];
+            mx[i] = x > mx[i] || x != x ? x : mx[i];
+            sum[i] += x;
+        }
+    const float n = (float)(valid > 0 ? valid : 1);
+    for (int i = 0; i < d; i++) {
+        put(out, bf16, i, mn[i]);
+        put(out, bf16, d + i, mx[i]);
+        put(out, bf16, 2 * d + i, sum[i] / n);
+    }
+}
+
+/* the K half of pool slots slots[i] [n] (valid[i] tokens each) -> out [n, kvh, 3, d] */
+static PyObject *summarize(PyObject *self, PyObject *args) {
+    unsigned long long pool, slots, valid, out;
+    Py_ssize_t n_slots, n;
+    int kvh, ps, d, bf16;
+    if (!PyArg_ParseTuple(args, "KniiipKKnK", &pool, &n_slots, &kvh, &ps, &d, &bf16, &slots,
+                          &valid, &n, &out))
+        return NULL;
+    const int64_t *sl = (const int64_t *)slots, *va = (const int64_t *)valid;
+    if (d < 1 || d > MAX_HEAD) {
+        PyErr_Format(PyExc_ValueError, "summarize: head_dim %d (at most %d)", d, MAX_HEAD);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (sl[i] < 0 || sl[i] >= n_slots || va[i] < 0 || va[i] > ps) {
+            PyErr_Format(PyExc_IndexError, "summarize: slot %lld with %lld tokens out of range",
+                         (long long)sl[i], (long long)va[i]);
+            return NULL;
+        }
+    const size_t es = bf16 ? 2 : 4;
+    for (Py_ssize_t i = 0; i < n; i++)
+        for (int h = 0; h < kvh; h++)
+            summarize_head((const char *)pool + (((size_t)sl[i] * 2 * kvh + h) * ps) * d * es,
+                           bf16, (int)va[i], d,
+                           (char *)out + (((size_t)i * kvh + h) * 3) * d * es);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"rms_norm", rms_norm, METH_VARARGS,
      "rms_norm(x, x_stride, res, res_stride, w, out, rows, dim, eps, bf16): addresses; "
@@ -216,6 +272,10 @@ static PyMethodDef methods[] = {
     {"write_kv", write_kv, METH_VARARGS,
      "write_kv(pool, n_slots, kvh, ps, d, pool_bf16, k, v, src_stride, slots, offs, tokens, "
      "src_bf16): new tokens' K/V into the pool [n_slots, 2, kvh, ps, d]; slots/offs int64"},
+    {"summarize", summarize, METH_VARARGS,
+     "summarize(pool, n_slots, kvh, ps, d, bf16, slots, valid, n, out): the K halves of n "
+     "slots (valid tokens each; slots/valid int64) as page summaries, out [n, kvh, 3, d] in "
+     "the pool's dtype"},
     {NULL, NULL, 0, NULL},
 };
 

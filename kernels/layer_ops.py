@@ -1,6 +1,6 @@
 """A decoder layer's small ops as one C call each (kernels/_layerops.c): RMSNorm with the
-residual add before it, RoPE in place, SiLU(gate) * up, and the scatter of new K/V into the
-KV pool. torch runs each as 3 to 8 ops with their dispatch and temporaries, which at one
+residual add before it, RoPE in place, SiLU(gate) * up, the scatter of new K/V into the KV
+pool, and the summaries of the pages written (kernels/page_summary.py's, read in place). torch runs each as 3 to 8 ops with their dispatch and temporaries, which at one
 decode row is most of their cost. Same arithmetic as torch and transformers (float32
 statistics, bf16 results rounded where torch's ops round them); CPU tensors in bfloat16 or
 float32 only: `supports` says when the model may call them (else it runs torch's ops).
@@ -109,3 +109,22 @@ def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.
                        pool.dtype == torch.bfloat16, k.data_ptr(), v.data_ptr(), k.stride(0),
                        slots.data_ptr(), offsets.data_ptr(), t, k.dtype == torch.bfloat16)
     return True
+
+
+def summarize_slots(pool: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor
+                    ) -> torch.Tensor | None:
+    """`summarize_pages(pool[slots, 0], valid)` (kernels/page_summary.py) read in place:
+    slots, valid [n] int64 -> [n, KVH, 3, D] in the pool's dtype; None where the C op does
+    not serve these tensors (the caller uses summarize_pages)."""
+    if not (LayerOps.enabled and _layerops is not None and pool.is_cpu
+            and pool.dtype in _DTYPES and pool.is_contiguous() and pool.dim() == 5
+            and pool.shape[4] <= 256 and slots.dtype == valid.dtype == torch.int64
+            and slots.is_contiguous() and valid.is_contiguous()
+            and slots.numel() == valid.numel()):
+        return None
+    n, (kvh, ps, d) = slots.numel(), pool.shape[2:]
+    out = torch.empty(n, kvh, 3, d, dtype=pool.dtype)
+    _layerops.summarize(pool.data_ptr(), pool.shape[0], kvh, ps, d,
+                        pool.dtype == torch.bfloat16, slots.data_ptr(), valid.data_ptr(), n,
+                        out.data_ptr())
+    return out

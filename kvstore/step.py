@@ -16,7 +16,7 @@ import torch
 from kernels.attention import AttentionBatch
 from kernels.page_prior import window_page_mass
 from kernels.page_summary import summarize_pages
-from kernels.layer_ops import write_kv
+from kernels.layer_ops import summarize_slots, write_kv
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode
 from kvstore.config import KVStoreConfig
@@ -131,8 +131,10 @@ class StepKV:
         # NOTE: recomputed from the page contents, so a retried step cannot double count
         # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]
         pool = self.tiers.pool
-        summ = summarize_pages(self.selection.summary_keys(layer, pool[t_slots, 0]),
-                               self.t_valid)
+        summ = None if self.selection.projected else summarize_slots(pool, t_slots, self.t_valid)
+        if summ is None:
+            summ = summarize_pages(self.selection.summary_keys(layer, pool[t_slots, 0]),
+                                   self.t_valid)
         u, prompts = 0, []
         for i, j0, n in self.t_runs:
             rkv = self.parts.requests[self.seqs[i].request_id]

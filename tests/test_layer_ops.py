@@ -129,3 +129,27 @@ def test_the_models_steps_are_the_same_with_torchs_ops(smollm2_dir):
     # rounding on any
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=0, atol=0.25)
     assert runs[0][1] == runs[1][1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_page_summaries_read_in_place_are_summarize_pages_bits(dtype):
+    """The pages a step wrote, summarized from their pool slots: summarize_pages' min, max and
+    mean bit for bit, for empty, partial and full pages, keys of any scale, NaN kept."""
+    from kernels.page_summary import summarize_pages
+
+    for seed in range(30):
+        g = torch.Generator().manual_seed(seed)
+        pool = (torch.randn(12, 2, 3, 16, 64, generator=g) * 10.0 ** (seed % 5 - 2)).to(dtype)
+        slots = torch.randint(0, 12, (5,), generator=g)
+        valid = torch.tensor([0, 1, 16, 7, int(torch.randint(0, 17, (1,), generator=g))])
+        if seed == 0:
+            pool[slots[3], 0, 1, 2, 5] = float("nan")
+        got = layer_ops.summarize_slots(pool, slots, valid)
+        want = summarize_pages(pool[slots, 0], valid)
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
+        assert torch.equal(got.isnan(), want.isnan())
+        if seed == 0:                   # the NaN key's channel: min, max and mean
+            assert bool(got[3, 1, :, 5].isnan().all())
+    with pytest.raises(IndexError):
+        layer_ops.summarize_slots(pool, slots, torch.tensor([0, 1, 17, 0, 0]))
+    assert layer_ops.summarize_slots(pool.half(), slots, valid) is None    # torch's path
