@@ -209,13 +209,13 @@ static int64_t mark_top(const float *key, const uint8_t *eligible, int64_t n, in
 
 static PyObject *select_pages(PyObject *self, PyObject *args) {
     unsigned long long q, summ_addrs, prior_addrs, n_pages, indptr, indices, uindptr, uindices,
-        scores_out, head_budgets = 0;
+        scores_out, head_budgets = 0, union_pos = 0;
     int bf16, quest, b_size, kvh, g, d, simd = 1;
     long long k, sink, local, prior_pages;
-    if (!PyArg_ParseTuple(args, "KKKiiiiiiKLLLLKKKKK|pK", &q, &summ_addrs, &prior_addrs, &bf16,
-                          &quest, &b_size, &kvh, &g, &d, &n_pages, &k, &sink, &local,
+    if (!PyArg_ParseTuple(args, "KKKiiiiiiKLLLLKKKKK|pKK", &q, &summ_addrs, &prior_addrs,
+                          &bf16, &quest, &b_size, &kvh, &g, &d, &n_pages, &k, &sink, &local,
                           &prior_pages, &indptr, &indices, &uindptr, &uindices, &scores_out,
-                          &simd, &head_budgets))
+                          &simd, &head_budgets, &union_pos))
         return NULL;
     if (d < 1 || d > MAX_D || g < 1 || g > MAX_G || kvh < 1 || b_size < 0 || k < 1) {
         PyErr_Format(PyExc_ValueError, "unsupported shape: head_dim %d (<= %d), group %d "
@@ -230,6 +230,7 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
     int64_t *ip = (int64_t *)(uintptr_t)indptr, *ix = (int64_t *)(uintptr_t)indices;
     int64_t *up = (int64_t *)(uintptr_t)uindptr, *ux = (int64_t *)(uintptr_t)uindices;
     float *so = (float *)(uintptr_t)scores_out;
+    int64_t *upos = (int64_t *)(uintptr_t)union_pos;     /* [B*KVH*k] or none */
     int64_t p_max = 0;
     for (int b = 0; b < b_size; b++)
         if (np_[b] > p_max) p_max = np_[b];
@@ -249,7 +250,8 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
     const int64_t stride = p_max + 1;
     float *sc = malloc(sizeof(float) * (size_t)(stride * (kvh + 2) + (int64_t)kvh * g * 2 * d));
     uint8_t *chosen = malloc((size_t)stride * (size_t)(kvh + 2));
-    if (!sc || !chosen) {
+    int64_t *umap = upos ? malloc(sizeof(int64_t) * (size_t)stride) : NULL;
+    if (!sc || !chosen || (upos && !umap)) {
         failed = 1;
     } else {
         float *scratch = sc + stride * kvh, *pv = scratch + stride, *qq = pv + stride;
@@ -309,10 +311,17 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
             for (int64_t p = 0; p < n; p++)
                 if (any[p]) ux[o++] = p;
             up[b + 1] = o;
+            if (upos) {     /* each row entry's position among the union's entries */
+                for (int64_t u = up[b]; u < up[b + 1]; u++)
+                    umap[ux[u]] = u;
+                for (int64_t e = ip[(int64_t)b * kvh]; e < ip[(int64_t)(b + 1) * kvh]; e++)
+                    upos[e] = umap[ix[e]];
+            }
         }
     }
     free(sc);
     free(chosen);
+    free(umap);
     Py_END_ALLOW_THREADS
     if (failed)
         return PyErr_NoMemory();
@@ -328,7 +337,8 @@ static PyMethodDef methods[] = {
      "float32 priors, 0 for none, or 0 for no array; n_pages int64 [B]; outputs int64 "
      "[B*KVH+1], [B*KVH*k], [B+1], [B*P_max]; scores_out float32 [B*KVH, P_max] or 0; simd: "
      "the AVX-512 scoring where the CPU has it; head_budgets: 0 or int64 [2, KVH], each KV head's "
-     "budget then its prior pages, budget their largest); without the GIL"},
+     "budget then its prior pages, budget their largest); union_pos: 0 or int64 [B*KVH*k], "
+     "each listed page's position in union_indices; without the GIL"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -175,6 +175,9 @@ class SelectedPages:
     union_indices: torch.Tensor   # [nnz_union] int64: pages any head of b selected, ascending;
     #                               the pages to fetch (a page holds every KV head)
     num_kv_heads: int
+    # [nnz] int64 or None: each page_indices entry's position in union_indices (the C path
+    # lists them; others leave it to the reader)
+    union_pos: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -376,15 +379,17 @@ def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: li
     uindptr = torch.empty(b_size + 1, dtype=torch.int64)
     uindices = torch.empty(b_size * p_max, dtype=torch.int64)
     out = torch.full((b_size, kvh, p_max), -float("inf")) if scores else None
+    upos = torch.empty(b_size * kvh * k, dtype=torch.int64)
     _select.select_pages(qf.data_ptr(), addrs.data_ptr(),
                          0 if paddrs is None else paddrs.data_ptr(),
                          int(summaries[0].dtype == torch.bfloat16), int(quest), b_size, kvh,
                          group, d, n.data_ptr(), budget_pages, sink_pages, local_pages,
                          prior_pages, indptr.data_ptr(), indices.data_ptr(), uindptr.data_ptr(),
                          uindices.data_ptr(), 0 if out is None else out.data_ptr(), NATIVE_SIMD,
-                         0 if heads is None else heads.data_ptr())
-    sel = SelectedPages(indptr, indices[:int(indptr[-1])], uindptr,
-                        uindices[:int(uindptr[-1])], kvh)
+                         0 if heads is None else heads.data_ptr(), upos.data_ptr())
+    nnz = int(indptr[-1])
+    sel = SelectedPages(indptr, indices[:nnz], uindptr, uindices[:int(uindptr[-1])], kvh,
+                        upos[:nnz])
     return sel, out
 
 

@@ -415,13 +415,15 @@ class StepKV:
         the pages head h of sequence b selected (ascending; the partial last page is last).
         Returns (the table, each entry's position among the union keys)."""
         kvh = self.tiers.page_shape.num_kv_heads
-        pmax = max(self.n_pages[i] for i in idx) + 1
-        b_of_union = torch.repeat_interleave(torch.arange(len(idx)),
-                                             sel.union_indptr[1:] - sel.union_indptr[:-1])
-        union_global = b_of_union * pmax + sel.union_indices            # ascending
-        rows_per_b = (sel.indptr[1:] - sel.indptr[:-1]).view(len(idx), kvh).sum(1)
-        b_of_entry = torch.repeat_interleave(torch.arange(len(idx)), rows_per_b)
-        pos = torch.searchsorted(union_global, b_of_entry * pmax + sel.page_indices)
+        pos = sel.union_pos
+        if pos is None:             # not listed by the selection: found among the union's
+            pmax = max(self.n_pages[i] for i in idx) + 1
+            b_of_union = torch.repeat_interleave(torch.arange(len(idx)),
+                                                 sel.union_indptr[1:] - sel.union_indptr[:-1])
+            union_global = b_of_union * pmax + sel.union_indices            # ascending
+            rows_per_b = (sel.indptr[1:] - sel.indptr[:-1]).view(len(idx), kvh).sum(1)
+            b_of_entry = torch.repeat_interleave(torch.arange(len(idx)), rows_per_b)
+            pos = torch.searchsorted(union_global, b_of_entry * pmax + sel.page_indices)
         last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
         return PageTable(sel.indptr.to(torch.int32), union_slots[pos].to(torch.int32),
                          last.repeat_interleave(kvh), self.cfg.page_size), pos

@@ -209,6 +209,12 @@ def test_native_select_is_select_pages_over_the_selectors_scores(quest, dtype, n
                            _prior_tensor(priors, counts, scores), prior_pages)
         for f in _FIELDS:
             assert torch.equal(getattr(sel, f), getattr(ref, f)), (trial, f)
+        # each listed page's position among the union's, within its own sequence's
+        assert torch.equal(sel.union_indices[sel.union_pos], sel.page_indices)
+        rows = (sel.indptr[1:] - sel.indptr[:-1]).view(len(lens), kvh).sum(1)
+        b_of = torch.repeat_interleave(torch.arange(len(lens)), rows)
+        assert bool((sel.union_pos >= sel.union_indptr[b_of]).all())
+        assert bool((sel.union_pos < sel.union_indptr[b_of + 1]).all())
 
 
 @needs_native
