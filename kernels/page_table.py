@@ -128,3 +128,23 @@ def build_head_page_table(indptr: torch.Tensor, page_indices: torch.Tensor,
     last = torch.where(counts > 0, last, 0)
     as_i32 = lambda x: x.to(torch.int32)  # noqa: E731
     return PageTable(as_i32(indptr), as_i32(slots), as_i32(last), page_size)
+
+
+def selected_head_table(sel, union_slots: torch.Tensor, last_len: torch.Tensor,
+                        page_size: int) -> tuple[PageTable, torch.Tensor]:
+    """A sparse decode's rows over device slots: row b * KVH + h lists the slots of the pages
+    head h of sequence b selected (kernels/page_select.py's SelectedPages `sel`: ascending,
+    the partial last page last), union_slots [nnz_union] the slots of sel's union pages,
+    last_len [B] int32 each sequence's last page length. Returns (the table, each entry's
+    position among the union's pages)."""
+    kvh, b_size = sel.num_kv_heads, sel.batch_size
+    pos = sel.union_pos
+    if pos is None:             # not listed by the selection: found among the union's
+        span = int(sel.union_indices.max()) + 1 if sel.union_indices.numel() else 1
+        b_of_union = torch.repeat_interleave(torch.arange(b_size), sel.union_indptr.diff())
+        rows_per_b = sel.indptr.diff().view(b_size, kvh).sum(1)
+        b_of_entry = torch.repeat_interleave(torch.arange(b_size), rows_per_b)
+        pos = torch.searchsorted(b_of_union * span + sel.union_indices,      # ascending
+                                 b_of_entry * span + sel.page_indices)
+    return PageTable(sel.indptr.to(torch.int32), union_slots[pos].to(torch.int32),
+                     last_len.repeat_interleave(kvh), page_size), pos

@@ -17,7 +17,7 @@ from kernels.attention import AttentionBatch
 from kernels.page_prior import window_page_mass
 from kernels.page_summary import summarize_pages
 from kernels.layer_ops import summarize_slots, write_kv
-from kernels.page_table import PageTable
+from kernels.page_table import PageTable, selected_head_table
 from kernels.sparse_attention import NativeSparseDecode
 from kvstore.config import KVStoreConfig
 from kvstore.fetcher import Fetcher
@@ -411,22 +411,10 @@ class StepKV:
 
     def _sparse_table(self, idx: list[int], sel, union_slots: torch.Tensor
                       ) -> tuple[PageTable, torch.Tensor]:
-        """Per (sequence, KV head) rows over device slots: row b * KVH + h lists the slots of
-        the pages head h of sequence b selected (ascending; the partial last page is last).
-        Returns (the table, each entry's position among the union keys)."""
-        kvh = self.tiers.page_shape.num_kv_heads
-        pos = sel.union_pos
-        if pos is None:             # not listed by the selection: found among the union's
-            pmax = max(self.n_pages[i] for i in idx) + 1
-            b_of_union = torch.repeat_interleave(torch.arange(len(idx)),
-                                                 sel.union_indptr[1:] - sel.union_indptr[:-1])
-            union_global = b_of_union * pmax + sel.union_indices            # ascending
-            rows_per_b = (sel.indptr[1:] - sel.indptr[:-1]).view(len(idx), kvh).sum(1)
-            b_of_entry = torch.repeat_interleave(torch.arange(len(idx)), rows_per_b)
-            pos = torch.searchsorted(union_global, b_of_entry * pmax + sel.page_indices)
+        """Per (sequence, KV head) rows over device slots (kernels/page_table.py's
+        `selected_head_table`): (the table, each entry's position among the union keys)."""
         last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
-        return PageTable(sel.indptr.to(torch.int32), union_slots[pos].to(torch.int32),
-                         last.repeat_interleave(kvh), self.cfg.page_size), pos
+        return selected_head_table(sel, union_slots, last, self.cfg.page_size)
 
     def _union_table(self, idx: list[int], sel, union_slots: torch.Tensor) -> PageTable:
         """One row per sequence over the union of its heads' pages (the partial page last)."""

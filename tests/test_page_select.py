@@ -1,6 +1,8 @@
 """Page scoring (Quest bound, mean key) and top-k selection with sink and local pages."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from kernels.page_select import (MeanKeySelector, QuestSelector, SelectedPages, 
                                  make_selector, mean_scores, native_select, quest_scores,
                                  select_pages)
 from kernels.page_prior import window_page_mass
+from kernels.page_table import selected_head_table
 from kernels.page_summary import summarize_pages
 
 AWKWARD_LENS = [27, 61, 113, 577]
@@ -215,6 +218,13 @@ def test_native_select_is_select_pages_over_the_selectors_scores(quest, dtype, n
         b_of = torch.repeat_interleave(torch.arange(len(lens)), rows)
         assert bool((sel.union_pos >= sel.union_indptr[b_of]).all())
         assert bool((sel.union_pos < sel.union_indptr[b_of + 1]).all())
+        # a selection without them (the torch paths): the same table, positions searched
+        slots = torch.randperm(1000)[:sel.union_indices.numel()]
+        last = torch.randint(1, 17, (len(lens),), dtype=torch.int32)
+        listed = selected_head_table(sel, slots, last, 16)
+        searched = selected_head_table(dataclasses.replace(sel, union_pos=None), slots, last, 16)
+        assert torch.equal(listed[1], searched[1])
+        assert torch.equal(listed[0].indices, searched[0].indices)
 
 
 @needs_native
