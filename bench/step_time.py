@@ -1,0 +1,71 @@
+"""A decode step's time with the server's defaults, in-process, from any checkout (A/B of commits).
+
+    .venv/bin/python bench/step_time.py --checkout /tmp/before --context 7000 --batch 1
+    .venv/bin/python bench/step_time.py --context 7000 --batch 1 --sparse   # this checkout
+
+One engine built from `--checkout`'s code (a worktree of another commit, its extensions
+built; default: this one) with the server's defaults (--dtype auto, --weights auto, the
+core split), `--batch` random-token prompts of `--context` tokens prefilled, `--warm` decode
+steps untimed (the core split decides), then the median of `--steps` steps. `--sparse`: the
+throughput bench's sparse-tiered KV flags. Prints one JSON line; run two checkouts in turns,
+twice, on a quiet machine, and compare.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkout", default=str(Path(__file__).resolve().parents[1]))
+    ap.add_argument("--context", type=int, default=7000)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--sparse", action="store_true")
+    ap.add_argument("--warm", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=30)
+    args = ap.parse_args(argv)
+    root = str(Path(args.checkout).resolve())
+    sys.path.insert(0, root)
+    os.chdir(root)
+    os.environ.setdefault("STRATA_CACHE_DIR", str(Path(__file__).resolve().parents[1]
+                                                  / ".cache" / "models"))
+    import torch
+    from engine.args import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from scheduler.sampling_params import SamplingParams
+
+    kv = dict(kv_device_gb=0.5, kv_host_gb=1, kv_disk_gb=8, sparse_budget=1024) \
+        if args.sparse else dict(kv_device_gb=4.0)
+    engine_args = EngineArgs(max_model_len=8192, **kv)
+    engine = LLMEngine(engine_args)
+    engine.use_threads(*engine_args.torch_threads())
+    gen = torch.Generator().manual_seed(0)
+    ids = [f"r{i}" for i in range(args.batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(100, 40000, (args.context,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=args.warm + args.steps + 8, temperature=0,
+                                          ignore_eos=True))
+    while not all(engine.scheduler.get_request(r).output_token_ids for r in ids):
+        engine.step()
+    for _ in range(args.warm):
+        engine.step()
+    walls = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    split = engine.core_split.decided() if getattr(engine, "core_split", None) else None
+    print(json.dumps({"checkout": root, "context": args.context, "batch": args.batch,
+                      "sparse": args.sparse, "ms": round(1e3 * statistics.median(walls), 2),
+                      "core_split": None if split is None else
+                      {str(k): list(v) for k, v in split.items()}}))
+
+
+if __name__ == "__main__":
+    main()
