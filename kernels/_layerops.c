@@ -206,9 +206,11 @@ static PyObject *write_kv(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------------ page summaries */
 /* A page's keys of one KV head, k [valid, d], as kernels/page_summary.py's summarize_pages
- * summarizes them: the channel-wise min and max (key values: exact) and the mean (the
- * float32 sum over the tokens in order, divided by their count), into out [3, d] in the
- * keys' dtype. NaN propagates as in torch's amin / amax. No tokens: +inf, -inf, 0. */
+ * summarizes them: the channel-wise min and max (key values: its bits) and the mean (the
+ * float32 sum over the tokens in order, divided by their count; torch adds blocks of 16
+ * tokens and some head sizes in another order, so a mean may differ from its by float32
+ * rounding), into out [3, d] in the keys' dtype. NaN propagates as in torch's amin / amax.
+ * No tokens: +inf, -inf, 0. */
 CLONES static void summarize_head(const void *k, int bf16, int valid, int d, void *out) {
     float mn[MAX_HEAD], mx[MAX_HEAD], sum[MAX_HEAD];
     for (int i = 0; i < d; i++) {

@@ -115,7 +115,9 @@ def summarize_slots(pool: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor
                     ) -> torch.Tensor | None:
     """`summarize_pages(pool[slots, 0], valid)` (kernels/page_summary.py) read in place:
     slots, valid [n] int64 -> [n, KVH, 3, D] in the pool's dtype; None where the C op does
-    not serve these tensors (the caller uses summarize_pages)."""
+    not serve these tensors (the caller uses summarize_pages). min and max are its bits (key
+    values); the mean sums the tokens in order where torch adds blocks of them, so it may
+    differ by float32 rounding (one bf16 ulp at most)."""
     if not (LayerOps.enabled and _layerops is not None and pool.is_cpu
             and pool.dtype in _DTYPES and pool.is_contiguous() and pool.dim() == 5
             and pool.shape[4] <= 256 and slots.dtype == valid.dtype == torch.int64
