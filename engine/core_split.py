@@ -34,6 +34,9 @@ class CoreSplit:
         `probes` timed steps each in runs A, B, A (half of A's before B's, half after: a drift
         in step time weighs on both alike), each run after a switch starting with `settle`
         untimed steps; period: steps of a shape before it is timed again."""
+        if probes < 1 or warmup < 0 or settle < 0:
+            raise ValueError(f"CoreSplit needs probes >= 1 and warmup, settle >= 0 (got "
+                             f"{probes}, {warmup}, {settle})")
         self.splits: tuple[Split, Split] = ((cores, 1), (decode, cores))
         self.period = period
         first = probes // 2

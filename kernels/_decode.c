@@ -246,8 +246,15 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
     const int32_t *ll = (const int32_t *)(uintptr_t)last;
     const uint8_t *first = (const uint8_t *)(uintptr_t)first_ptr;
     /* the table must stay inside the pool: the rows read what it lists */
+    if (rows < 0) {
+        PyErr_Format(PyExc_ValueError, "%zd rows", rows);
+        return NULL;
+    }
     for (Py_ssize_t r = 0; r < rows; r++)
-        if (ll[r] > ps || (rp[r + 1] > rp[r] && ll[r] < 0)) {
+        if (rp[r + 1] < rp[r]) {
+            PyErr_SetString(PyExc_ValueError, "page table rows out of order (row_ptr falls)");
+            return NULL;
+        } else if (ll[r] > ps || (rp[r + 1] > rp[r] && ll[r] < 0)) {
             PyErr_Format(PyExc_ValueError, "page table outside the pool (last page length %d "
                          "of %d)", ll[r], ps);
             return NULL;

@@ -108,3 +108,8 @@ def test_the_engine_runs_decode_steps_on_the_chosen_split(smollm2_dir):
                                  decode_threads=1))
     fixed.use_threads(2, 1)
     assert fixed.core_split is None         # --decode-threads: the user's choice
+
+
+def test_a_plan_without_probes_is_refused():
+    with pytest.raises(ValueError, match="probes"):
+        CoreSplit(cores=2, decode=1, probes=0)

@@ -129,3 +129,10 @@ def test_both_halves_in_one_call_give_the_two_calls_bits(kernel, threads, last_f
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="entries"):
         kernel.forward_partial(qf, pool, table, GROUP, 0.125, first=first[1:])
+
+
+def test_a_table_whose_rows_fall_is_refused(kernel):
+    pool, table, q = _case(torch.float32, seed=7)
+    bad = PageTable(table.indptr.flip(0).contiguous(), table.indices, table.last_page_len, PAGE)
+    with pytest.raises(ValueError, match="out of order"):
+        kernel.forward_partial(q, pool, bad, GROUP, 0.125)
