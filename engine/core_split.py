@@ -27,18 +27,20 @@ Split = tuple[int, int]
 
 class CoreSplit:
     def __init__(self, cores: int, decode: int, probes: int = 4, period: int = 1024,
-                 warmup: int = 2, settle: int = 2):
+                 warmup: int = 2, settle: int = 2, margin: float = 0.05):
         """cores: every core the engine may use; decode: torch's threads when the attention
         has the cores (one left to the server's threads). A shape's first `warmup` steps are
         not timed (a fresh server's first steps fault its pages in), then the splits run
         `probes` timed steps each in runs A, B, A (half of A's before B's, half after: a drift
         in step time weighs on both alike), each run after a switch starting with `settle`
-        untimed steps; period: steps of a shape before it is timed again."""
+        untimed steps; period: steps of a shape before it is timed again, when the other
+        split takes over only if `margin` faster (noise on a shared machine does not flip a
+        choice for another `period` steps)."""
         if probes < 1 or warmup < 0 or settle < 0:
             raise ValueError(f"CoreSplit needs probes >= 1 and warmup, settle >= 0 (got "
                              f"{probes}, {warmup}, {settle})")
         self.splits: tuple[Split, Split] = ((cores, 1), (decode, cores))
-        self.period = period
+        self.period, self.margin = period, margin
         first = probes // 2
         # (split, timed) of each step of a shape's timing
         self._plan = [(0, False)] * warmup + [(0, True)] * first
@@ -47,6 +49,7 @@ class CoreSplit:
         self._timing: dict[tuple[int, int], list[tuple[int, bool, float]]] = {}
         self._chosen: dict[tuple[int, int], Split] = {}
         self._runs: dict[tuple[int, int], int] = {}     # steps since the shape's choice
+        self._previous: dict[tuple[int, int], int] = {}  # the choice a shape is timed again from
         self._pending: tuple[tuple[int, int], int, bool] | None = None
 
     @staticmethod
@@ -65,7 +68,7 @@ class CoreSplit:
             self._pending = None
             self._runs[key] += 1
             if self._runs[key] >= self.period:      # time the splits again from the next step
-                del self._chosen[key]
+                self._previous[key] = self.splits.index(self._chosen.pop(key))
             return chosen
         which, timed = self._plan[len(self._timing.setdefault(key, []))]
         self._pending = (key, which, timed)
@@ -83,6 +86,10 @@ class CoreSplit:
             medians = [statistics.median(t for w, on, t in timing if on and w == i)
                        for i in (0, 1)]
             best = 0 if medians[0] <= medians[1] else 1
+            prev = self._previous.pop(key, None)
+            if prev is not None and best != prev and \
+                    medians[best] > (1 - self.margin) * medians[prev]:
+                best = prev             # timed again: the other split must win by the margin
             self._chosen[key] = self.splits[best]
             self._runs[key] = 0
             del self._timing[key]

@@ -113,3 +113,16 @@ def test_the_engine_runs_decode_steps_on_the_chosen_split(smollm2_dir):
 def test_a_plan_without_probes_is_refused():
     with pytest.raises(ValueError, match="probes"):
         CoreSplit(cores=2, decode=1, probes=0)
+
+
+def test_timed_again_the_other_split_takes_over_only_by_a_margin():
+    """Re-timing on a noisy machine: 2% faster is noise and keeps the choice, 10% switches."""
+    split = CoreSplit(cores=2, decode=1, probes=2, period=10, warmup=0, settle=0, margin=0.05)
+    matmul, attention = (2, 1), (1, 2)
+    run(split, 1, 1000, {matmul: 0.010, attention: 0.013}, 4)
+    assert split.decided() == {CoreSplit.shape(1, 1000): matmul}
+    run(split, 1, 1000, {matmul: 0.010, attention: 0.013}, 10)     # then timed again
+    used = run(split, 1, 1000, {matmul: 0.010, attention: 0.0098}, 14)
+    assert used[4:] == [matmul] * 10
+    used = run(split, 1, 1000, {matmul: 0.010, attention: 0.0090}, 6)
+    assert used[4:] == [attention] * 2
