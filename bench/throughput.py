@@ -25,7 +25,8 @@ tokens of one request in the timed window. Prompts: Paul Graham essays cut to th
 question; greedy, ignore_eos; cancelled (client disconnect) after the last level.
 
 The burst (--burst N, "mode": "burst" cells), per context after the ramp, on the same Strata
-server once the ramp's requests are gone (Strata has no prefix cache): N streamed requests sent
+server once the ramp's requests are gone (its prefix cache may still hold the prompts the ramp
+sent: with a ramp of N or more requests a burst's prefills are cache hits): N streamed requests sent
 at once on the ramp's first N prompts, --burst-tokens tokens each. wall_s: from the first send
 until the last request ends; TTFT stats; decode tokens/s over the window while all N decode (from
 the last first token until the first request's last token); N x tokens / wall_s.
