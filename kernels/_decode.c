@@ -60,9 +60,16 @@ static inline int64_t row_chunks(int64_t pages, int64_t chunk) {
     return pages <= chunk ? 1 : (pages + chunk - 1) / chunk;
 }
 
+/* item i (of row r): its first page in the row, and its page count */
+static inline int64_t item_pages(const rows_job *j, int64_t r, int64_t i, int64_t *p0) {
+    const int64_t pages = j->rp[r + 1] - j->rp[r];
+    *p0 = (i - j->ip[r]) * j->chunk;
+    return pages - *p0 < j->chunk ? pages - *p0 : j->chunk;
+}
+
 static void run_item(const rows_job *j, int64_t r, int64_t i) {
     const int g = j->g, d = j->d;
-    const int64_t pages = j->rp[r + 1] - j->rp[r], c = i - j->ip[r];
+    const int64_t pages = j->rp[r + 1] - j->rp[r];
     const float *q = j->q + r * g * d;
     float *out = j->out + r * g * d, *lse = j->lse + r * g;
     const int64_t head_bytes = (r % j->kvh) * j->head_bytes;
@@ -74,9 +81,10 @@ static void run_item(const rows_job *j, int64_t r, int64_t i) {
         finish_row(m, l, out, lse, g, d);
         return;
     }
-    const int64_t p0 = c * j->chunk, n = pages - p0 < j->chunk ? pages - p0 : j->chunk;
+    int64_t p0;
+    const int64_t n = item_pages(j, r, i, &p0);
     float *m = j->state + i * g * (d + 2), *l = m + g, *acc = l + g;
-    start_row(m, l, acc, out, lse, g, d, j->carry && c == 0);
+    start_row(m, l, acc, out, lse, g, d, j->carry && p0 == 0);
     j->fn(q, j->pool, j->bf16, j->slot_bytes, head_bytes, j->v_bytes, j->sl + j->rp[r] + p0, n,
           p0 + n == pages ? j->ll[r] : j->ps, j->ps, d, g, j->scale, m, l, acc);
 }
@@ -84,10 +92,6 @@ static void run_item(const rows_job *j, int64_t r, int64_t i) {
 static void run_items(void *arg) {
     const rows_job *j = (const rows_job *)arg;
     int64_t r = 0;
-    if (j->i0 >= j->i1)
-        return;
-    while (j->ip[r + 1] <= j->i0)
-        r++;
     for (int64_t i = j->i0; i < j->i1; i++) {
         while (j->ip[r + 1] <= i)
             r++;
@@ -142,8 +146,8 @@ static void run_parallel(rows_job *base, Py_ssize_t rows, int threads) {
         while (i < items) {
             while (base->ip[r + 1] <= i)
                 r++;
-            const int64_t pages = base->rp[r + 1] - base->rp[r], p0 = (i - base->ip[r]) * base->chunk;
-            const int64_t n = pages - p0 < base->chunk ? pages - p0 : base->chunk;
+            int64_t p0;
+            const int64_t n = item_pages(base, r, i, &p0);
             if (t < threads - 1 && 2 * done + n > 2 * goal && i > jobs[t].i0)
                 break;                      /* the item's middle is past this run's share */
             done += n;
