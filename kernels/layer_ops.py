@@ -1,7 +1,8 @@
 """A decoder layer's small ops as one C call each (kernels/_layerops.c): RMSNorm with the
 residual add before it, RoPE in place, SiLU(gate) * up, the scatter of new K/V into the KV
-pool, and the summaries of the pages written (kernels/page_summary.py's, read in place). torch runs each as 3 to 8 ops with their dispatch and temporaries, which at one
-decode row is most of their cost. Same arithmetic as torch and transformers (float32
+pool, and the summaries of the pages written (kernels/page_summary.py's, read in place).
+torch runs each as 3 to 8 ops with their dispatch and temporaries, which at one decode row
+is most of their cost. Same arithmetic as torch and transformers (float32
 statistics, bf16 results rounded where torch's ops round them); CPU tensors in bfloat16 or
 float32 only: `supports` says when the model may call them (else it runs torch's ops).
 
@@ -24,6 +25,7 @@ class LayerOps:
 
 
 MAX_DIM = 16384         # the C ops' longest row (_layerops.c)
+MAX_HEAD = 256          # summarize's longest head (_layerops.c)
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -91,19 +93,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _serves_pool(pool: torch.Tensor, slots: torch.Tensor, per_slot: torch.Tensor) -> bool:
+    """Whether a C op may address pool [S, 2, KVH, page_size, D] (CPU, bf16 / float32,
+    contiguous) through slots and a second int64 index of as many entries."""
+    return pool.is_cpu and pool.dtype in _DTYPES and pool.is_contiguous() and pool.dim() == 5 \
+        and slots.dtype == per_slot.dtype == torch.int64 and slots.is_contiguous() \
+        and per_slot.is_contiguous() and slots.numel() == per_slot.numel()
+
+
 def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
              offsets: torch.Tensor) -> bool:
     """Token t's k[t], v[t] [KVH, D] into pool [S, 2, KVH, page_size, D] at slot slots[t],
     offset offsets[t] (int64), as `pool[slots, 0, :, offsets] = k` does. False (nothing
     written) where the C op does not serve these tensors: the caller uses torch's."""
-    if not (supports(k) and pool.is_cpu and pool.dtype in _DTYPES and pool.is_contiguous()
-            and k.dtype == v.dtype and slots.dtype == offsets.dtype == torch.int64
-            and slots.is_contiguous() and offsets.is_contiguous()):
+    if not (supports(k) and _serves_pool(pool, slots, offsets) and k.dtype == v.dtype):
         return False
     t, kvh, d = k.shape
     if k.stride()[1:] != (d, 1) or v.stride() != k.stride() or v.shape != k.shape \
-            or not v.is_cpu or pool.dim() != 5 or pool.shape[2] != kvh or pool.shape[4] != d \
-            or slots.numel() != t or offsets.numel() != t:
+            or not v.is_cpu or pool.shape[2] != kvh or pool.shape[4] != d or slots.numel() != t:
         return False
     _layerops.write_kv(pool.data_ptr(), pool.shape[0], kvh, pool.shape[3], d,
                        pool.dtype == torch.bfloat16, k.data_ptr(), v.data_ptr(), k.stride(0),
@@ -118,11 +125,8 @@ def summarize_slots(pool: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor
     not serve these tensors (the caller uses summarize_pages). min and max are its bits (key
     values); the mean sums the tokens in order where torch adds blocks of them, so it may
     differ by float32 rounding (one bf16 ulp at most)."""
-    if not (LayerOps.enabled and _layerops is not None and pool.is_cpu
-            and pool.dtype in _DTYPES and pool.is_contiguous() and pool.dim() == 5
-            and pool.shape[4] <= 256 and slots.dtype == valid.dtype == torch.int64
-            and slots.is_contiguous() and valid.is_contiguous()
-            and slots.numel() == valid.numel()):
+    if not (LayerOps.enabled and _layerops is not None and _serves_pool(pool, slots, valid)
+            and pool.shape[4] <= MAX_HEAD):
         return None
     n, (kvh, ps, d) = slots.numel(), pool.shape[2:]
     out = torch.empty(n, kvh, 3, d, dtype=pool.dtype)
