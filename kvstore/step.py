@@ -99,6 +99,7 @@ class StepKV:
         self.t_full_rids = [rid for rid, f in zip(self.t_full_rids, t_full) if f]
         self.n_pages = [-(-s.kv_len // ps) for s in seqs]
         self.last_len = [s.kv_len - (n - 1) * ps for s, n in zip(seqs, self.n_pages)]
+        self._last_lens = torch.tensor(self.last_len, dtype=torch.int32)   # per layer's tables
         self.page_tensors = [torch.tensor(s.page_ids[:n], **_I64) for s, n in zip(seqs, self.n_pages)]
         # [seqs, max pages] page ids, padded with 0 (for vectorized lookups of selected pages)
         self.page_mat = torch.nn.utils.rnn.pad_sequence(self.page_tensors, batch_first=True) \
@@ -413,12 +414,10 @@ class StepKV:
                       ) -> tuple[PageTable, torch.Tensor]:
         """Per (sequence, KV head) rows over device slots (kernels/page_table.py's
         `selected_head_table`): (the table, each entry's position among the union keys)."""
-        last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
-        return selected_head_table(sel, union_slots, last, self.cfg.page_size)
+        return selected_head_table(sel, union_slots, self._last_lens[idx], self.cfg.page_size)
 
     def _union_table(self, idx: list[int], sel, union_slots: torch.Tensor) -> PageTable:
         """One row per sequence over the union of its heads' pages (the partial page last)."""
-        last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
-        return PageTable(sel.union_indptr.to(torch.int32), union_slots.to(torch.int32), last,
-                         self.cfg.page_size)
+        return PageTable(sel.union_indptr.to(torch.int32), union_slots.to(torch.int32),
+                         self._last_lens[idx], self.cfg.page_size)
 
