@@ -244,6 +244,30 @@ def essay_prompts(tok, n: int, context: int) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------------------ in-process engine
+def decoding_engine(context: int, batch: int, max_tokens: int, **engine_kw):
+    """An in-process LLMEngine with the server's defaults (its torch threads and core split;
+    `engine_kw`: EngineArgs fields, max_model_len 8192 unless given), `batch` random-token
+    prompts of `context` tokens added (r0, r1, ...) and stepped until each has its first
+    token -> (engine, request ids). Imports the engine when called (bench/step_time.py puts
+    another checkout first on sys.path before it calls this)."""
+    import torch
+    from engine.args import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from scheduler.sampling_params import SamplingParams
+
+    args = EngineArgs(**{"max_model_len": 8192, **engine_kw})
+    engine = LLMEngine(args)
+    engine.use_threads(*args.torch_threads())
+    gen = torch.Generator().manual_seed(0)
+    ids = [f"r{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(100, 40000, (context,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    while not all(engine.scheduler.get_request(r).output_token_ids for r in ids):
+        engine.step()
+    return engine, ids
+
+
 class EngineSteps:
     """Steps an in-process LLMEngine, counting each request's tokens (`produced`) and keeping
     its errors (`errors`); with `raise_errors`, a step that sees an error raises."""

@@ -23,8 +23,8 @@ from pathlib import Path
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.core_split import CoreSplit  # noqa: E402
-from bench.common import (add_out_arg, cpu_line, machine, parser, result_header,  # noqa: E402
-                          time_calls, use_checkout_cache, write_json)
+from bench.common import (add_out_arg, cpu_line, decoding_engine, machine, parser,  # noqa: E402
+                          result_header, time_calls, use_checkout_cache, write_json)
 
 use_checkout_cache()
 
@@ -47,24 +47,11 @@ def switch(engine, variant: str, split) -> None:
 
 
 def measure(context: int, batch: int, steps: int, rounds: int) -> dict:
-    import torch
-    from engine.args import EngineArgs
-    from engine.llm_engine import LLMEngine
-    from scheduler.sampling_params import SamplingParams
-
     # the throughput bench's dense configuration: every page stays on the device tier
     tokens = rounds * len(VARIANTS) * (steps + WARMUP) + 32
-    args = EngineArgs(max_model_len=max(8192, context + tokens + 64), kv_device_gb=4.0)
-    engine = LLMEngine(args)
-    engine.use_threads(*args.torch_threads())
+    engine, _ = decoding_engine(context, batch, tokens, kv_device_gb=4.0,
+                                max_model_len=max(8192, context + tokens + 64))
     split = engine.core_split
-    gen = torch.Generator().manual_seed(0)
-    for i in range(batch):
-        ids = torch.randint(100, 40000, (context,), generator=gen).tolist()
-        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=tokens, temperature=0,
-                                                        ignore_eos=True))
-    while not all(engine.scheduler.get_request(f"r{i}").output_token_ids for i in range(batch)):
-        engine.step()
     times = {v: [] for v in VARIANTS}
     for _ in range(rounds):
         for v in VARIANTS:

@@ -12,7 +12,6 @@ twice, on a quiet machine, and compare.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -20,9 +19,13 @@ import sys
 import time
 from pathlib import Path
 
+if not __package__:                     # run as a script: import from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import decoding_engine, parser, use_checkout_cache  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--checkout", default=str(Path(__file__).resolve().parents[1]))
     ap.add_argument("--context", type=int, default=7000)
     ap.add_argument("--batch", type=int, default=1)
@@ -30,29 +33,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warm", type=int, default=40)
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args(argv)
+    use_checkout_cache()                # this checkout's converted model, whichever code runs
     root = str(Path(args.checkout).resolve())
-    sys.path.insert(0, root)
+    sys.path.insert(0, root)            # the engine's code from `--checkout` (bench's is loaded)
     os.chdir(root)
-    os.environ.setdefault("STRATA_CACHE_DIR", str(Path(__file__).resolve().parents[1]
-                                                  / ".cache" / "models"))
-    import torch
-    from engine.args import EngineArgs
-    from engine.llm_engine import LLMEngine
-    from scheduler.sampling_params import SamplingParams
-
     kv = dict(kv_device_gb=0.5, kv_host_gb=1, kv_disk_gb=8, sparse_budget=1024) \
         if args.sparse else dict(kv_device_gb=4.0)
-    engine_args = EngineArgs(max_model_len=8192, **kv)
-    engine = LLMEngine(engine_args)
-    engine.use_threads(*engine_args.torch_threads())
-    gen = torch.Generator().manual_seed(0)
-    ids = [f"r{i}" for i in range(args.batch)]
-    for rid in ids:
-        engine.add_request(rid, torch.randint(100, 40000, (args.context,), generator=gen).tolist(),
-                           SamplingParams(max_tokens=args.warm + args.steps + 8, temperature=0,
-                                          ignore_eos=True))
-    while not all(engine.scheduler.get_request(r).output_token_ids for r in ids):
-        engine.step()
+    engine, _ = decoding_engine(args.context, args.batch, args.warm + args.steps + 8, **kv)
     for _ in range(args.warm):
         engine.step()
     walls = []
