@@ -9,6 +9,7 @@ import torch
 
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode, native_decode_built
+from tests.test_sparse_attention import kernel  # noqa: F401  (the kernel on each SIMD path)
 
 pytestmark = pytest.mark.skipif(not native_decode_built(), reason="C kernel not built")
 
@@ -53,13 +54,6 @@ def _reference(q, pool, table, scale):
         out[r // KVH, heads] = torch.softmax(s, -1) @ v
         lse[r // KVH, heads] = torch.logsumexp(s, -1)
     return out, lse
-
-
-@pytest.fixture(params=[2, 1, 0], ids=["avx512", "avx2", "portable"])
-def kernel(request):
-    k = NativeSparseDecode()
-    k.simd = request.param
-    return k
 
 
 @pytest.mark.parametrize("q_scale", [1.0, 30.0])
