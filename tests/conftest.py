@@ -49,3 +49,15 @@ def tiny_folder(tmp_path_factory) -> Path:
                       eos_token_id=2, bos_token_id=1)
     LlamaForCausalLM(cfg).save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(params=[2, 1, 0], ids=["avx512", "avx2", "portable"])
+def kernel(request):
+    """The C decode attention (kernels/sparse_attention.py's NativeSparseDecode) with its
+    AVX-512 rows, its AVX2 rows, and its portable rows: every path this CPU has is tested (a
+    path the CPU lacks falls back to the next)."""
+    from kernels.sparse_attention import NativeSparseDecode
+
+    k = NativeSparseDecode()
+    k.simd = request.param
+    return k

@@ -9,7 +9,6 @@ import torch
 
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode, native_decode_built
-from tests.test_sparse_attention import kernel  # noqa: F401  (the kernel on each SIMD path)
 
 pytestmark = pytest.mark.skipif(not native_decode_built(), reason="C kernel not built")
 

@@ -67,15 +67,6 @@ def test_sparse_equals_dense_when_every_row_lists_every_page(page_size, group, d
         assert getattr(per_head, field).tolist() == getattr(table, field).tolist()
 
 
-@pytest.fixture(params=[2, 1, 0], ids=["avx512", "avx2", "portable"])
-def kernel(request):
-    """The C kernel with its AVX-512 rows, its AVX2 rows, and its portable rows: every path
-    this CPU has is tested (a path the CPU lacks falls back to the next)."""
-    k = NativeSparseDecode()
-    k.simd = request.param
-    return k
-
-
 def _random_selection(kv_lens, page_size, kv_heads, budget, seed):
     num_pages = [-(-n // page_size) for n in kv_lens]
     scores = torch.randn(len(kv_lens), kv_heads, max(num_pages),
