@@ -248,24 +248,38 @@ def decoding_engine(context: int, batch: int, max_tokens: int, **engine_kw):
     """An in-process LLMEngine with the server's defaults (its torch threads and core split;
     `engine_kw`: EngineArgs fields, max_model_len 8192 unless given), `batch` random-token
     prompts of `context` tokens added (r0, r1, ...) and stepped until each has its first
-    token -> (engine, request ids). Imports the engine when called (bench/step_time.py puts
-    another checkout first on sys.path before it calls this)."""
+    token -> (engine, request ids). `max_tokens`: the decode steps the caller takes after
+    this returns; each request may decode that many more (the earlier ones decode while the
+    later ones prefill), so that every step the caller takes has `batch` rows (check with
+    `all_decoding`). Imports the engine when called (bench/step_time.py puts another
+    checkout first on sys.path before it calls this)."""
     import torch
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from scheduler.sampling_params import SamplingParams
 
     args = EngineArgs(**{"max_model_len": 8192, **engine_kw})
+    # the steps the prompts' prefill may take: each of them decodes on the earlier requests
+    prefill_steps = -(-batch * context // args.max_num_batched_tokens) + batch
     engine = LLMEngine(args)
     engine.use_threads(*args.torch_threads())
     gen = torch.Generator().manual_seed(0)
     ids = [f"r{i}" for i in range(batch)]
+    params = SamplingParams(max_tokens=max_tokens + prefill_steps, temperature=0,
+                            ignore_eos=True)
     for rid in ids:
         engine.add_request(rid, torch.randint(100, 40000, (context,), generator=gen).tolist(),
-                           SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+                           params)
     while not all(engine.scheduler.get_request(r).output_token_ids for r in ids):
         engine.step()
     return engine, ids
+
+
+def all_decoding(engine, ids: list[str]) -> bool:
+    """Whether every request of `ids` is still in `engine` and unfinished (the steps timed
+    since decoding_engine had all of them as rows)."""
+    reqs = [engine.scheduler.get_request(r) for r in ids]
+    return all(r is not None and not r.finished for r in reqs)
 
 
 class EngineSteps:

@@ -23,8 +23,9 @@ from pathlib import Path
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.core_split import CoreSplit  # noqa: E402
-from bench.common import (add_out_arg, cpu_line, decoding_engine, machine, parser,  # noqa: E402
-                          result_header, time_calls, use_checkout_cache, write_json)
+from bench.common import (add_out_arg, all_decoding, cpu_line, decoding_engine,  # noqa: E402
+                          machine, parser, result_header, time_calls, use_checkout_cache,
+                          write_json)
 
 use_checkout_cache()
 
@@ -48,9 +49,9 @@ def switch(engine, variant: str, split) -> None:
 
 def measure(context: int, batch: int, steps: int, rounds: int) -> dict:
     # the throughput bench's dense configuration: every page stays on the device tier
-    tokens = rounds * len(VARIANTS) * (steps + WARMUP) + 32
-    engine, _ = decoding_engine(context, batch, tokens, kv_device_gb=4.0,
-                                max_model_len=max(8192, context + tokens + 64))
+    tokens = rounds * len(VARIANTS) * (steps + WARMUP)
+    engine, ids = decoding_engine(context, batch, tokens, kv_device_gb=4.0,
+                                  max_model_len=max(8192, context + tokens + batch * 8))
     split = engine.core_split
     times = {v: [] for v in VARIANTS}
     for _ in range(rounds):
@@ -58,6 +59,8 @@ def measure(context: int, batch: int, steps: int, rounds: int) -> dict:
             switch(engine, v, split)
             walls = time_calls(engine.step, steps, warmup=WARMUP)
             times[v].append(statistics.median(walls))
+    if not all_decoding(engine, ids):
+        raise RuntimeError(f"a request finished inside the timed steps: not all {batch} rows")
     switch(engine, VARIANTS[-1], split)
     return {"context": context, "batch": batch, "ms": {v: [1e3 * t for t in ts]
                                                        for v, ts in times.items()},

@@ -21,7 +21,7 @@ from pathlib import Path
 
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import decoding_engine, parser, use_checkout_cache  # noqa: E402
+from bench.common import all_decoding, decoding_engine, parser, use_checkout_cache  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     os.chdir(root)
     kv = dict(kv_device_gb=0.5, kv_host_gb=1, kv_disk_gb=8, sparse_budget=1024) \
         if args.sparse else dict(kv_device_gb=4.0)
-    engine, _ = decoding_engine(args.context, args.batch, args.warm + args.steps + 8, **kv)
+    engine, ids = decoding_engine(args.context, args.batch, args.warm + args.steps, **kv)
     for _ in range(args.warm):
         engine.step()
     walls = []
@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t0)
+    if not all_decoding(engine, ids):
+        raise RuntimeError("a request finished inside the timed steps: they were not all "
+                           f"{args.batch} rows")
     split = engine.core_split.decided() if getattr(engine, "core_split", None) else None
     print(json.dumps({"checkout": root, "context": args.context, "batch": args.batch,
                       "sparse": args.sparse, "ms": round(1e3 * statistics.median(walls), 2),
