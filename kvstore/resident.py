@@ -1,15 +1,19 @@
 """The resident decode step: decodes whose every page of every layer is already in a device slot.
 
-That is the steady state of dense decode whenever the device tier holds the context: nothing to
-select, resolve, fetch or evict, yet the general path (kvstore/step.py) pays for each of those
-stages in every layer, ~60 us of Python and small torch ops a layer against ~80 us of attention
-at 1K tokens. Here the slots of every layer are looked up once at the step's start, in one
-batch; each layer then writes its tokens' K/V and runs the C decode kernel over a head table
-made at the start; recency (one clock per layer, as the general path stamps them) and the
-write-back of pages that filled happen once, at the step's end. A step with any page outside
-the device tier (a new page, one demoted or spilled), a prefill, a sparse decode or KV
-recompute takes the general path, whose results this one equals bit for bit (the same kernel
-over the same slots in the same order).
+That is the steady state of decode whenever the device tier holds the context: nothing to
+resolve, fetch or evict, yet the general path (kvstore/step.py) pays for each of those stages
+in every layer, ~60 us of Python and small torch ops a layer against ~80 us of attention at 1K
+tokens. Here the slots of every layer are looked up once at the step's start, in one batch;
+each layer then writes its tokens' K/V and runs the C decode kernel over a head table made at
+the start, or, for sparse decodes in sparse layers, selects their pages (the same selection,
+statistics and split attention as the general path) and maps them through those slots; the
+lookup counts, recency (one clock per layer, as the general path stamps them, and the weak
+marks of pages the step before did not select) and the write-back of pages that filled
+happen once, at the step's end. A step with any page outside the device tier (a new page,
+one demoted or spilled), a prefill or KV recompute takes the general path, as do sparse
+decodes under a pipelined mode (whose stage threads overlap selection with attention) or
+--sparse-head-pages union; its results equal this one's bit for bit (the same kernels over the
+same slots in the same order).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch
 from kernels.layer_ops import write_kv
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode
+from kvstore.stages import LayerPart
 from kvstore.write_back import write_back
 
 
@@ -41,17 +46,29 @@ class ResidentDecode:
         self.head_slots = head_slots        # [L, entries] int64: each layer's slots for it
         self.tok_slots = tok_slots          # [L, T] int64: the slot each new token goes to
         self.full = full                    # (keys, slots, owners) of pages that filled
-        self.used_slots = used_slots        # [L, n] int64: every slot the step reads
+        self.used_slots = used_slots        # [L, n] int64: the slot of every page, in order
+        # sparse layers: the slots each used, the weak ones among them, lookups counted
+        self.layer_used: dict[int, torch.Tensor] = {}
+        self.weak: list[torch.Tensor] = []
+        self.lookups = 0
+        if step.sparse_idx:
+            starts = torch.tensor([0] + step.n_pages[:-1], dtype=torch.int64).cumsum(0)
+            self.starts = starts                # each sequence's first page in used_slots
+            self.dense_pos = torch.cat([torch.arange(starts[i], starts[i] + step.n_pages[i])
+                                        for i in step.dense_idx]) if step.dense_idx else None
 
     @classmethod
     def plan(cls, step) -> ResidentDecode | None:
-        """The plan of StepKV `step` if all its sequences are plain decodes (no sparse rows,
-        no KV recompute, the CPU's C kernel) and every page of every layer is on the device
-        tier, else None (the general path)."""
+        """The plan of StepKV `step` if all its sequences are plain decodes (no KV recompute,
+        the CPU's C kernel; sparse ones in sequential mode with per-head pages) and every page
+        of every layer is on the device tier, else None (the general path)."""
         tiers, kernel = step.tiers, step.parts.sparse_attention
-        if not cls.enabled or not step.seqs or step.sparse_idx \
-                or tiers.recompute is not None or any(s.q_len != 1 for s in step.seqs) \
+        if not cls.enabled or not step.seqs or tiers.recompute is not None \
+                or any(s.q_len != 1 for s in step.seqs) \
                 or not isinstance(kernel, NativeSparseDecode):
+            return None
+        if step.sparse_idx and (step.pipe.mode != "sequential"
+                                or step.cfg.head_pages == "union"):
             return None
         shape = tiers.page_shape       # the C kernel serves this pool (the general path's too)
         if not kernel.supports(torch.empty(0, shape.num_kv_heads, shape.head_dim), tiers.pool,
@@ -85,6 +102,8 @@ class ResidentDecode:
             pool[tok, 1, :, self.tok_off] = v.to(pool.dtype)
         if self.summaries:
             self.step.summarize(layer, self.t_slots[layer])
+        if self.step.sparse_idx and layer >= self.step.cfg.dense_layers:
+            return self._attend_sparse_layer(layer, q, scale)
         t0 = time.perf_counter()
         h = self.head
         table = PageTable(h.indptr, self.head_slots[layer], h.last_page_len, h.page_size)
@@ -93,16 +112,49 @@ class ResidentDecode:
         self.stats.observe_stage("compute", time.perf_counter() - t0)
         return out
 
+    def _attend_sparse_layer(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """A sparse layer: the dense rows over all their pages, the sparse decodes over the
+        pages they select (the general path's selection, split and kernels)."""
+        step, slots = self.step, self.used_slots[layer]
+        out = torch.empty_like(q)
+        used = []
+        if step.dense_idx:
+            dense = slots[self.dense_pos]
+            step.compute(layer, q, out, LayerPart(step.dense_idx, None, dense, dense), scale)
+            used.append(dense)
+        idx = step.sparse_idx
+        t0 = time.perf_counter()
+        sel = step.select(layer, q[step.query_rows(idx)], idx)
+        seq = torch.tensor(idx, dtype=torch.int64).repeat_interleave(sel.union_indptr.diff())
+        keys = layer * self.tiers.max_pages + step.page_mat[seq, sel.union_indices]
+        self.stats.observe_stage("select", time.perf_counter() - t0)
+        union = slots[self.starts[seq] + sel.union_indices]
+        reused = step.reused(keys)
+        step.compute(layer, q, out, LayerPart(idx, sel, keys, union, reused=reused), scale)
+        used.append(union)
+        self.weak.append(union[~reused])
+        self.layer_used[layer] = torch.cat(used)
+        self.lookups += self.layer_used[layer].numel()
+        return out
+
     def end(self) -> None:
         """After the last layer: the step's lookups, recency stamps and write-backs."""
         tiers = self.tiers
         L = tiers.num_layers
-        n = self.used_slots.numel()
+        sparse = self.layer_used
+        n = self.lookups + self.used_slots[0].numel() * (L - len(sparse))
         self.stats.count("lookups", "device", n)
         self.stats.count("hits", "device", n)
         clocks = self.now * L + torch.arange(L).view(L, 1)
-        touched = torch.cat([self.used_slots, self.tok_slots], dim=1)
-        tiers.touch(touched.reshape(-1), clocks.expand_as(touched).reshape(-1))
+        if not sparse:
+            touched = torch.cat([self.used_slots, self.tok_slots], dim=1)
+            tiers.touch(touched.reshape(-1), clocks.expand_as(touched).reshape(-1))
+        else:       # each layer its own slots (slots are per layer: no two layers share one)
+            rows = [torch.cat([sparse.get(layer, self.used_slots[layer]),
+                               self.tok_slots[layer]]) for layer in range(L)]
+            counts = torch.tensor([r.numel() for r in rows])
+            tiers.touch(torch.cat(rows), clocks.view(-1).repeat_interleave(counts),
+                        torch.cat(self.weak))
         tiers.at_layer(self.now, L - 1)
         if self.full is not None:
             write_back(tiers, *self.full)

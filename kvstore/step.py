@@ -216,16 +216,9 @@ class StepKV:
 
         # 4. compute over device slots, part by part as the pipeline hands them over
         out = torch.empty_like(q)
-
-        def compute(p: LayerPart, early: bool = False) -> None:
-            t0 = time.perf_counter()
-            if p.sel is None:
-                self._attend_dense(layer, q, out, p.idx, p.slots, sparse, scale)
-            else:
-                self._attend_sparse(q, out, p, scale, early)
-            self.stats.observe_stage("compute", time.perf_counter() - t0)
-
-        slots_all, sel = pipe.finish(parts, compute, lambda p: compute(p, early=True))
+        slots_all, sel = pipe.finish(
+            parts, lambda p: self.compute(layer, q, out, p, scale),
+            lambda p: self.compute(layer, q, out, p, scale, early=True))
         if predicted is not None and sel is not None:
             self._observe_lookahead(layer, sel, predicted)
 
@@ -242,6 +235,18 @@ class StepKV:
 
         pipe.overlap(bookkeeping)
         return out
+
+    def compute(self, layer: int, q: torch.Tensor, out: torch.Tensor, part: LayerPart,
+                scale: float, early: bool = False) -> None:
+        """The attention of `part`'s sequences over its device slots into their rows of out
+        (`early`: a sparse part's first half only, see _attend_sparse), timed."""
+        t0 = time.perf_counter()
+        if part.sel is None:
+            self._attend_dense(layer, q, out, part.idx, part.slots,
+                               layer >= self.cfg.dense_layers, scale)
+        else:
+            self._attend_sparse(q, out, part, scale, early)
+        self.stats.observe_stage("compute", time.perf_counter() - t0)
 
     def _attend_dense(self, layer: int, q: torch.Tensor, out: torch.Tensor, idx: list[int],
                       slots: torch.Tensor, sparse: bool, scale: float) -> None:

@@ -113,3 +113,33 @@ def test_resident_steps_keep_the_page_summaries_sparse_decode_selects_by(smollm2
     assert any(plans) and not all(plans)
     assert engine.store.stats.snapshot().selected_count > 0       # it did go sparse
     assert got == ref
+
+
+@pytest.mark.parametrize("residency", ["lru", "score"])
+def test_resident_sparse_steps_equal_the_general_path(smollm2_dir, plans, residency):
+    # every context on the device tier; three past the budget from the first decode step (their
+    # sparse layers select), one within it until it grows past it (a dense row in sparse
+    # layers, then a sparse one): the same tokens, selections, statistics and recency stamps
+    # (the score policy's weak marks too)
+    kw = dict(kv_device_gb=0.1, sparse_budget=64, sparse_sink_tokens=16,
+              sparse_local_tokens=16, residency=residency)
+    prompts = prompts_of(3, 300) + [prompts_of(1, 40)[0]]
+    ref, ref_engine = decode(smollm2_dir, prompts, resident=False, **kw)
+    plans.clear()
+    got, engine = decode(smollm2_dir, prompts, resident=True, **kw)
+    assert sum(plans) > len(plans) // 2
+    assert got == ref
+    a, b = engine.store.stats.snapshot(), ref_engine.store.stats.snapshot()
+    assert a.selected_count > 0 and a.dense_fallbacks["fits_budget"] > 0
+    for field in ("lookups", "hits", "evictions", "transfer_bytes", "dense_fallbacks",
+                  "selected_buckets", "selected_sum", "selected_count"):
+        assert getattr(a, field) == getattr(b, field), field
+    assert torch.equal(engine.store.tiers.residency.last_used,
+                       ref_engine.store.tiers.residency.last_used)
+
+
+def test_pipelined_sparse_decodes_take_the_general_path(smollm2_dir, plans):
+    kw = dict(kv_device_gb=0.1, sparse_budget=64, sparse_sink_tokens=16,
+              sparse_local_tokens=16, pipeline="sfc", micro_batch=1)
+    got, _ = decode(smollm2_dir, prompts_of(2, 300), resident=True, steps=8, **kw)
+    assert plans and not any(plans)
