@@ -114,8 +114,9 @@ class DecoderLayer(nn.Module):
         h = self.o(o.reshape(t, self.q_size))
         norm = self.post_attention_layernorm
         if native:          # h += x (the residual stream, in the new tensor), and its norm
-            gate_up = self.gate_up(layer_ops.rms_norm(h, norm.weight, norm.eps, residual=x))
-            return h + self.down(layer_ops.silu_mul(gate_up))
+            gate, up = self.gate_up(layer_ops.rms_norm(h, norm.weight, norm.eps,
+                                                       residual=x)).chunk(2, dim=-1)
+            return h + self.down(F.silu(gate) * up)
         x = x + h
         gate, up = self.gate_up(norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)

@@ -1,6 +1,5 @@
 """A decoder layer's small ops as one C call each (kernels/_layerops.c): RMSNorm with the
-residual add before it, RoPE in place, SiLU(gate) * up, the scatter of new K/V into the KV
-pool, and the summaries of the pages written (kernels/page_summary.py's, read in place).
+residual add before it, RoPE in place, the scatter of new K/V into the KV pool, and the summaries of the pages written (kernels/page_summary.py's, read in place).
 torch runs each as 3 to 8 ops with their dispatch and temporaries, which at one decode row
 is most of their cost. Same arithmetic as torch and transformers (float32
 statistics, bf16 results rounded where torch's ops round them); CPU tensors in bfloat16 or
@@ -79,18 +78,6 @@ def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor,
         raise ValueError("rope_: cos/sin must be contiguous")
     _layerops.rope(x.data_ptr(), x_stride, cos.data_ptr(), sin.data_ptr(), t, heads,
                    head_dim, x.dtype == torch.bfloat16)
-
-
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up [T, 2n] (contiguous) -> silu(gate) * up [T, n]."""
-    t, n2 = gate_up.shape
-    _rows(gate_up)
-    if not gate_up.is_contiguous() or n2 % 2:
-        raise ValueError("silu_mul: gate_up must be contiguous [T, 2n]")
-    out = torch.empty(t, n2 // 2, dtype=gate_up.dtype)
-    _layerops.silu_mul(gate_up.data_ptr(), out.data_ptr(), t, n2 // 2,
-                       gate_up.dtype == torch.bfloat16)
-    return out
 
 
 def _serves_pool(pool: torch.Tensor, slots: torch.Tensor, per_slot: torch.Tensor) -> bool:

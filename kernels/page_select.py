@@ -301,6 +301,8 @@ def _select_per_head(scores: torch.Tensor, num_pages, budget_pages, sink_pages: 
 
 def _any(pages: int | torch.Tensor) -> bool:
     """Whether a page count (or any of a tensor of them) is positive."""
+    if isinstance(pages, int):          # the common case, without a tensor (once a layer)
+        return pages > 0
     return bool((torch.as_tensor(pages) > 0).any())
 
 

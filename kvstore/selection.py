@@ -86,11 +86,11 @@ class PageSelection:
         else:
             sel = self.selector.select(qd, summaries, n_pages, group, budget, cfg.sink_pages,
                                        cfg.local_pages, priors, prior_pages)
-        if observe:
-            per_row = (sel.indptr[1:] - sel.indptr[:-1]) * cfg.page_size      # [B * KVH]
-            partial = cfg.page_size - torch.tensor(last_len, dtype=torch.int64)
+        if observe:         # tokens each row attends to: its pages, less the last's free end
+            ps, ends = cfg.page_size, sel.indptr.tolist()
             self.stats.observe_selected(
-                (per_row - partial.repeat_interleave(num_kv_heads)).tolist())
+                [(ends[r + 1] - ends[r] - 1) * ps + last_len[r // num_kv_heads]
+                 for r in range(len(ends) - 1)])
         return sel
 
     def _budgets(self, layer: int) -> tuple[int | torch.Tensor, int | torch.Tensor]:
