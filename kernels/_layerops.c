@@ -106,25 +106,38 @@ static PyObject *rms_norm(PyObject *self, PyObject *args) {
 
 /* ------------------------------------------------------------------ RoPE */
 /* heads of d values from x, each rotated in place: x * cos + rotate_half(x) * sin, where
- * rotate_half(x) = (-x2, x1); bf16: each product and the sum rounded (transformers' order) */
-CLONES static void rope_row(void *x, const void *cos, const void *sin, int heads, int d,
-                            int bf16) {
-    int half = d / 2;
-    float xf[MAX_DIM];
+ * rotate_half(x) = (-x2, x1); bf16: each product and the sum rounded (transformers' order).
+ * Element i of each half in one iteration (both read before either is written: no
+ * dependence between iterations), and bf16 a constant of each caller, so the loop
+ * vectorizes: the per-element form ran 4x slower than torch's ops at a 2048-token chunk. */
+static inline __attribute__((always_inline)) void rope_heads(void *x, const void *cos,
+                                                             const void *sin, int heads,
+                                                             int d, const int bf16) {
+    const int half = d / 2;
     for (int h = 0; h < heads; h++) {
-        Py_ssize_t base = (Py_ssize_t)h * d;
-        for (int i = 0; i < d; i++)
-            xf[i] = get(x, bf16, base + i);
-        for (int i = 0; i < d; i++) {
-            float rot = i < half ? -xf[i + half] : xf[i - half];
-            float a = xf[i] * get(cos, bf16, i), b = rot * get(sin, bf16, i);
+        const Py_ssize_t lo = (Py_ssize_t)h * d, hi = lo + half;
+        for (int i = 0; i < half; i++) {
+            float x1 = get(x, bf16, lo + i), x2 = get(x, bf16, hi + i);
+            float a1 = x1 * get(cos, bf16, i), b1 = -x2 * get(sin, bf16, i);
+            float a2 = x2 * get(cos, bf16, half + i), b2 = x1 * get(sin, bf16, half + i);
             if (bf16) {
-                a = rnd(a);
-                b = rnd(b);
+                a1 = rnd(a1);
+                b1 = rnd(b1);
+                a2 = rnd(a2);
+                b2 = rnd(b2);
             }
-            put(x, bf16, base + i, a + b);
+            put(x, bf16, lo + i, a1 + b1);
+            put(x, bf16, hi + i, a2 + b2);
         }
     }
+}
+
+CLONES static void rope_row(void *x, const void *cos, const void *sin, int heads, int d,
+                            int bf16) {
+    if (bf16)
+        rope_heads(x, cos, sin, heads, d, 1);
+    else
+        rope_heads(x, cos, sin, heads, d, 0);
 }
 
 static PyObject *rope(PyObject *self, PyObject *args) {

@@ -52,10 +52,11 @@ def test_rms_norm_adds_the_residual_in_place_first(dtype):
     same(out, torch_norm(total, w, 1e-6))
 
 
+@pytest.mark.parametrize("d", [64, 24, 128])     # halves of 32, 12 (no whole vector), 64
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_rotates_q_and_k_heads_in_place_as_transformers(dtype):
+def test_rope_rotates_q_and_k_heads_in_place_as_transformers(dtype, d):
     g = torch.Generator().manual_seed(2)
-    t, h, kvh, d = 6, 9, 3, 64
+    t, h, kvh = 6, 9, 3
     qkv = torch.randn(t, (h + 2 * kvh) * d, generator=g).to(dtype)
     rope = RotaryEmbedding(d, 4096, 10000.0, None, 4096)
     cos, sin = rope.cos_sin(torch.tensor([0, 1, 17, 500, 2000, 4095]), dtype)
