@@ -50,8 +50,8 @@ static inline void put(void *p, int bf16, Py_ssize_t i, float v) {
 /* ------------------------------------------------------------------ RMSNorm */
 /* out = w * (x * rsqrt(mean(x^2) + eps)); bf16: the normed row is rounded before the weight
  * multiplies it (transformers' LlamaRMSNorm). With `res`, x = x + res first, in place. */
-CLONES static void norm_row(void *x, const void *res, const void *w, void *out, int dim,
-                            float eps, int bf16) {
+static inline __attribute__((always_inline)) void norm_row_of(
+        void *x, const void *res, const void *w, void *out, int dim, float eps, const int bf16) {
     float xf[MAX_DIM];
     for (int i = 0; i < dim; i++) {
         float v = get(x, bf16, i);
@@ -82,6 +82,15 @@ CLONES static void norm_row(void *x, const void *res, const void *w, void *out, 
             y = rnd(y);
         put(out, bf16, i, get(w, bf16, i) * y);
     }
+}
+
+/* the dtype a constant of each call below: the loops vectorize */
+CLONES static void norm_row(void *x, const void *res, const void *w, void *out, int dim,
+                            float eps, int bf16) {
+    if (bf16)
+        norm_row_of(x, res, w, out, dim, eps, 1);
+    else
+        norm_row_of(x, res, w, out, dim, eps, 0);
 }
 
 static PyObject *rms_norm(PyObject *self, PyObject *args) {
