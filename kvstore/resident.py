@@ -75,8 +75,14 @@ class ResidentDecode:
                                1):
             return None
         L, dev = tiers.num_layers, tiers.device_tier
-        slots = dev.slots(tiers.keys_of(torch.cat(step.page_tensors))).view(L, -1)
-        if slots.numel() == 0 or bool((slots < 0).any()):     # -1: not on the device
+        pages = torch.cat(step.page_tensors)
+        # one layer first: a context the device tier does not hold (tiered sparse decode)
+        # fails here, at a 30th of the lookup
+        if pages.numel() == 0 or bool((dev.slots(tiers.keys_of(pages, range(L - 1, L)))
+                                       < 0).any()):
+            return None
+        slots = dev.slots(tiers.keys_of(pages)).view(L, -1)
+        if bool((slots < 0).any()):     # -1: not on the device
             return None
         slots = slots.long()
         t_keys = tiers.keys_of(step.t_pid).view(L, -1)
