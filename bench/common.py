@@ -245,28 +245,25 @@ def essay_prompts(tok, n: int, context: int) -> list[list[int]]:
 
 # ------------------------------------------------------------------------------ in-process engine
 def decoding_engine(context: int, batch: int, max_tokens: int, **engine_kw):
-    """An in-process LLMEngine with the server's defaults (its torch threads and core split;
+    """An in-process LLMEngine with the server's defaults (torch threads, core split;
     `engine_kw`: EngineArgs fields, max_model_len 8192 unless given), `batch` random-token
     prompts of `context` tokens added (r0, r1, ...) and stepped until each has its first
-    token -> (engine, request ids). `max_tokens`: the decode steps the caller takes after
-    this returns; each request may decode that many more (the earlier ones decode while the
-    later ones prefill), so that every step the caller takes has `batch` rows (check with
-    `all_decoding`). Imports the engine when called (bench/step_time.py puts another
-    checkout first on sys.path before it calls this)."""
+    token -> (engine, request ids). Each request may then decode `max_tokens` more (the
+    earlier ones also decode while the later ones prefill): the caller's steps have `batch`
+    rows (`all_decoding` checks). Imports the engine when called (step_time.py puts another
+    checkout first on sys.path)."""
     import torch
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from scheduler.sampling_params import SamplingParams
 
     args = EngineArgs(**{"max_model_len": 8192, **engine_kw})
-    # the steps the prompts' prefill may take: each of them decodes on the earlier requests
     prefill_steps = -(-batch * context // args.max_num_batched_tokens) + batch
     engine = LLMEngine(args)
     engine.use_threads(*args.torch_threads())
     gen = torch.Generator().manual_seed(0)
     ids = [f"r{i}" for i in range(batch)]
-    params = SamplingParams(max_tokens=max_tokens + prefill_steps, temperature=0,
-                            ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens + prefill_steps, temperature=0, ignore_eos=True)
     for rid in ids:
         engine.add_request(rid, torch.randint(100, 40000, (context,), generator=gen).tolist(),
                            params)
@@ -276,10 +273,9 @@ def decoding_engine(context: int, batch: int, max_tokens: int, **engine_kw):
 
 
 def all_decoding(engine, ids: list[str]) -> bool:
-    """Whether every request of `ids` is still in `engine` and unfinished (the steps timed
-    since decoding_engine had all of them as rows)."""
-    reqs = [engine.scheduler.get_request(r) for r in ids]
-    return all(r is not None and not r.finished for r in reqs)
+    """Whether every request of `ids` is in `engine` unfinished (each step had them all)."""
+    return all((r := engine.scheduler.get_request(i)) is not None and not r.finished
+               for i in ids)
 
 
 class EngineSteps:
