@@ -24,7 +24,7 @@ import torch
 from kernels.layer_ops import write_kv
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode
-from kvstore.stages import LayerPart
+from kvstore.stages import LayerPart, LayerStages
 from kvstore.write_back import write_back
 
 
@@ -47,13 +47,12 @@ class ResidentDecode:
         self.tok_slots = tok_slots          # [L, T] int64: the slot each new token goes to
         self.full = full                    # (keys, slots, owners) of pages that filled
         self.used_slots = used_slots        # [L, n] int64: the slot of every page, in order
-        # sparse layers: the slots each used, the weak ones among them, lookups counted
+        # sparse layers: the slots each used, and the weak ones among them
         self.layer_used: dict[int, torch.Tensor] = {}
         self.weak: list[torch.Tensor] = []
-        self.lookups = 0
-        if step.sparse_idx:
+        if step.sparse_idx:     # each sequence's first page in used_slots
             starts = torch.tensor([0] + step.n_pages[:-1], dtype=torch.int64).cumsum(0)
-            self.starts = starts                # each sequence's first page in used_slots
+            self.sparse_starts = starts[step.sparse_idx]
             self.dense_pos = torch.cat([torch.arange(starts[i], starts[i] + step.n_pages[i])
                                         for i in step.dense_idx]) if step.dense_idx else None
 
@@ -129,18 +128,14 @@ class ResidentDecode:
             step.compute(layer, q, out, LayerPart(step.dense_idx, None, dense, dense), scale)
             used.append(dense)
         idx = step.sparse_idx
-        t0 = time.perf_counter()
-        sel = step.select(layer, q[step.query_rows(idx)], idx)
-        seq = torch.tensor(idx, dtype=torch.int64).repeat_interleave(sel.union_indptr.diff())
-        keys = layer * self.tiers.max_pages + step.page_mat[seq, sel.union_indices]
-        self.stats.observe_stage("select", time.perf_counter() - t0)
-        union = slots[self.starts[seq] + sel.union_indices]
+        sel, keys = LayerStages(step, layer, q).select_keys(idx)     # the select stage, timed
+        union = slots[self.sparse_starts.repeat_interleave(sel.union_indptr.diff())
+                      + sel.union_indices]
         reused = step.reused(keys)
         step.compute(layer, q, out, LayerPart(idx, sel, keys, union, reused=reused), scale)
         used.append(union)
         self.weak.append(union[~reused])
         self.layer_used[layer] = torch.cat(used)
-        self.lookups += self.layer_used[layer].numel()
         return out
 
     def end(self) -> None:
@@ -148,7 +143,8 @@ class ResidentDecode:
         tiers = self.tiers
         L = tiers.num_layers
         sparse = self.layer_used
-        n = self.lookups + self.used_slots[0].numel() * (L - len(sparse))
+        n = sum(u.numel() for u in sparse.values()) \
+            + self.used_slots[0].numel() * (L - len(sparse))
         self.stats.count("lookups", "device", n)
         self.stats.count("hits", "device", n)
         clocks = self.now * L + torch.arange(L).view(L, 1)
