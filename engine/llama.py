@@ -114,12 +114,12 @@ class DecoderLayer(nn.Module):
         h = self.o(o.reshape(t, self.q_size))
         norm = self.post_attention_layernorm
         if native:          # h += x (the residual stream, in the new tensor), and its norm
-            gate, up = self.gate_up(layer_ops.rms_norm(h, norm.weight, norm.eps,
-                                                       residual=x)).chunk(2, dim=-1)
-            return h + self.down(F.silu(gate) * up)
-        x = x + h
-        gate, up = self.gate_up(norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+            normed = layer_ops.rms_norm(h, norm.weight, norm.eps, residual=x)
+        else:
+            h = x + h
+            normed = norm(h)
+        gate, up = self.gate_up(normed).chunk(2, dim=-1)
+        return h + self.down(F.silu(gate) * up)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,
