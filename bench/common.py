@@ -246,12 +246,12 @@ def essay_prompts(tok, n: int, context: int) -> list[list[int]]:
 # ------------------------------------------------------------------------------ in-process engine
 def decoding_engine(context: int, batch: int, max_tokens: int, **engine_kw):
     """An in-process LLMEngine with the server's defaults (torch threads, core split;
-    `engine_kw`: EngineArgs fields, max_model_len 8192 unless given), `batch` random-token
-    prompts of `context` tokens added (r0, r1, ...) and stepped until each has its first
-    token -> (engine, request ids). Each request may then decode `max_tokens` more (the
-    earlier ones also decode while the later ones prefill): the caller's steps have `batch`
-    rows (`all_decoding` checks). Imports the engine when called (step_time.py puts another
-    checkout first on sys.path)."""
+    `engine_kw`: EngineArgs fields), `batch` random-token prompts of `context` tokens added
+    (r0, r1, ...) and stepped until each has its first token -> (engine, request ids). Each
+    request may then decode `max_tokens` more (the earlier ones also decode while the later
+    ones prefill): the caller's steps have `batch` rows (`all_decoding` checks).
+    max_model_len unless given: 8192, or more where the prompt and those tokens need it.
+    Imports the engine when called (step_time.py puts another checkout first on sys.path)."""
     import torch
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
@@ -259,11 +259,14 @@ def decoding_engine(context: int, batch: int, max_tokens: int, **engine_kw):
 
     args = EngineArgs(**{"max_model_len": 8192, **engine_kw})
     prefill_steps = -(-batch * context // args.max_num_batched_tokens) + batch
+    if "max_model_len" not in engine_kw and context + max_tokens + prefill_steps > 8192:
+        args = EngineArgs(**engine_kw, max_model_len=context + max_tokens + prefill_steps)
     engine = LLMEngine(args)
     engine.use_threads(*args.torch_threads())
     gen = torch.Generator().manual_seed(0)
     ids = [f"r{i}" for i in range(batch)]
-    params = SamplingParams(max_tokens=max_tokens + prefill_steps, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens + prefill_steps, temperature=0,
+                            ignore_eos=True)
     for rid in ids:
         engine.add_request(rid, torch.randint(100, 40000, (context,), generator=gen).tolist(),
                            params)

@@ -50,8 +50,7 @@ def switch(engine, variant: str, split) -> None:
 def measure(context: int, batch: int, steps: int, rounds: int) -> dict:
     # the throughput bench's dense configuration: every page stays on the device tier
     tokens = rounds * len(VARIANTS) * (steps + WARMUP)
-    engine, ids = decoding_engine(context, batch, tokens, kv_device_gb=4.0,
-                                  max_model_len=max(8192, context + tokens + batch * 8))
+    engine, ids = decoding_engine(context, batch, tokens, kv_device_gb=4.0)
     split = engine.core_split
     times = {v: [] for v in VARIANTS}
     for _ in range(rounds):
