@@ -1,9 +1,10 @@
 """A decoder layer's small ops as one C call each (kernels/_layerops.c): RMSNorm with the
-residual add before it, RoPE in place, the scatter of new K/V into the KV pool, and the summaries of the pages written (kernels/page_summary.py's, read in place).
-torch runs each as 3 to 8 ops with their dispatch and temporaries, which at one decode row
-is most of their cost. Same arithmetic as torch and transformers (float32
-statistics, bf16 results rounded where torch's ops round them); CPU tensors in bfloat16 or
-float32 only: `supports` says when the model may call them (else it runs torch's ops).
+residual add before it, RoPE in place, the scatter of new K/V into the KV pool, and the
+summaries of the pages written (kernels/page_summary.py's, read in place). torch runs each as
+3 to 8 ops with their dispatch and temporaries, which at one decode row is most of their
+cost. Same arithmetic as torch and transformers (float32 statistics, bf16 results rounded
+where torch's ops round them); CPU tensors in bfloat16 or float32 only: `supports` says when
+the model may call them (else it runs torch's ops).
 
 Leaf module: imports only torch and kernels.*.
 """
