@@ -89,13 +89,12 @@ class LLMEngine:
         # (pipelined modes' stage threads run beside it: the decode count); which of the two
         # gets the cores in a decode step is timed per step shape (engine/core_split.py)
         # unless --decode-threads fixes torch's
-        kernel = self.store.sparse_attention
         sequential = self.store.pipeline.mode == "sequential"
         self.core_split = None
-        if hasattr(kernel, "threads"):
-            kernel.threads = prefill if sequential else decode
-            if sequential and decode < prefill and not self.args.decode_threads:
-                self.core_split = CoreSplit(prefill, decode)
+        self.store.attention_threads = prefill if sequential else decode
+        if hasattr(self.store.sparse_attention, "threads") and sequential \
+                and decode < prefill and not self.args.decode_threads:
+            self.core_split = CoreSplit(prefill, decode)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull, KVFull, a ValueError when it can never
@@ -126,14 +125,14 @@ class LLMEngine:
         if self.threads is None:
             return None
         split = self.core_split if batch.decode_only else None
-        kernel = self.store.sparse_attention
+        store = self.store
         if split is not None:
-            n, kernel.threads = split.choose(
+            n, store.attention_threads = split.choose(
                 len(batch.requests), sum(r.start_pos + 1 for r in batch.requests))
         else:
             n = self.threads[1 if batch.decode_only else 0]
             if self.core_split is not None:     # sequential mode: the attention's default
-                kernel.threads = self.threads[0]
+                store.attention_threads = self.threads[0]
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return split

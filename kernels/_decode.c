@@ -316,7 +316,20 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", NULL, -1, methods};
 
+/* the pool, for kernels/_select.c (a capsule: its calls run on these threads, not on a pool
+ * of its own spinning beside this one) */
+static struct { void (*run)(pool_fn, void **, int); } pool_api = {pool_run};
+
 PyMODINIT_FUNC PyInit__decode(void) {
     pool_init();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    PyObject *cap = PyCapsule_New(&pool_api, "kernels._decode.pool_api", NULL);
+    if (!cap || PyModule_AddObject(m, "pool_api", cap) < 0) {
+        Py_XDECREF(cap);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

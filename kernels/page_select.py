@@ -14,8 +14,9 @@ Shapes:
 `Selector.select` scores and selects in one call: in C without the GIL on the CPU
 (kernels/_select.c: 0.58-0.59 ms a layer for 8 x 438 pages with its AVX-512 scoring, 0.72-0.73
 with its portable one, against ~0.71 for the torch path, bench/results/sparse_ops.txt; the torch
-path also takes the GIL between its ~35 ops, which the pipeline's stage threads want), else
-select_pages over `score`.
+path also takes the GIL between its ~35 ops, which the pipeline's stage threads want; its
+sequences shared by the C decode attention's threads, `threads`), else select_pages over
+`score`.
 
 Leaf module: imports only torch and kernels.*.
 """
@@ -110,7 +111,7 @@ class Selector(Protocol):
                num_pages: torch.Tensor | Sequence[int], group: int, budget_pages: int,
                sink_pages: int, local_pages: int,
                priors: Sequence[torch.Tensor | None] | None = None,
-               prior_pages: int = 0) -> "SelectedPages": ...
+               prior_pages: int = 0, threads: int = 1) -> "SelectedPages": ...
 
 
 class _Selector:
@@ -122,14 +123,16 @@ class _Selector:
     native = True       # False: always the torch path (whose `score` a caller may wrap)
 
     def select(self, q, summaries, num_pages, group, budget_pages, sink_pages, local_pages,
-               priors=None, prior_pages=0):
+               priors=None, prior_pages=0, threads=1):
         """select_pages(score(...)), with `priors` (per sequence [>= num_pages[b], KVH]
-        float32, or None) as its prior when prior_pages > 0."""
+        float32, or None) as its prior when prior_pages > 0; the C call shares its sequences
+        among `threads` threads."""
         counts = _as_counts(num_pages)
         priors = priors if _any(prior_pages) else None
         if self.native and native_select_serves(q, summaries, priors):
             return native_select(q, summaries, counts, group, self.quest, budget_pages,
-                                 sink_pages, local_pages, priors, prior_pages)[0]
+                                 sink_pages, local_pages, priors, prior_pages,
+                                 threads=threads)[0]
         return select_with_priors(self.score(q, summaries, counts, group), counts,
                                   budget_pages, sink_pages, local_pages, priors, prior_pages)
 
@@ -345,11 +348,13 @@ def native_select_serves(q: torch.Tensor, summaries: Sequence[torch.Tensor],
 def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: list[int],
                   group: int, quest: bool, budget_pages: int | torch.Tensor, sink_pages: int,
                   local_pages: int, priors: Sequence[torch.Tensor | None] | None = None,
-                  prior_pages: int | torch.Tensor = 0, scores: bool = False
+                  prior_pages: int | torch.Tensor = 0, scores: bool = False, threads: int = 1
                   ) -> tuple[SelectedPages, torch.Tensor | None]:
     """select_pages over quest_scores (quest) or mean_scores, in C (`native_select_serves`
-    inputs); budgets and prior pages one for all or one per KV head. Returns (the selection, the scores [B, KVH, P_max] when `scores`, else None);
-    ties at the cut go to the lower page number."""
+    inputs); budgets and prior pages one for all or one per KV head. Returns (the selection,
+    the scores [B, KVH, P_max] when `scores`, else None); ties at the cut go to the lower page
+    number. `threads`: the sequences shared by that many threads (the C decode attention's
+    pool; the same bits for any count)."""
     _check_budget(budget_pages, sink_pages, local_pages)
     b_size, h, d = q.shape
     kvh = h // group
@@ -388,7 +393,8 @@ def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: li
                          group, d, n.data_ptr(), budget_pages, sink_pages, local_pages,
                          prior_pages, indptr.data_ptr(), indices.data_ptr(), uindptr.data_ptr(),
                          uindices.data_ptr(), 0 if out is None else out.data_ptr(), NATIVE_SIMD,
-                         0 if heads is None else heads.data_ptr(), upos.data_ptr())
+                         0 if heads is None else heads.data_ptr(), upos.data_ptr(),
+                         max(1, threads))
     nnz = int(indptr[-1])
     sel = SelectedPages(indptr, indices[:nnz], uindptr, uindices[:int(uindptr[-1])], kvh,
                         upos[:nnz])

@@ -41,6 +41,8 @@ class PageSelection:
         self.stats = stats
         self._selected_at = torch.full((max_keys,), -1, dtype=torch.int64)
         self._completed_step = 0
+        # the C selection's threads (KVStore.attention_threads; 0: torch's count at the call)
+        self.threads = 0
 
     @property
     def projected(self) -> bool:
@@ -85,7 +87,8 @@ class PageSelection:
                                         prior_pages)
         else:
             sel = self.selector.select(qd, summaries, n_pages, group, budget, cfg.sink_pages,
-                                       cfg.local_pages, priors, prior_pages)
+                                       cfg.local_pages, priors, prior_pages,
+                                       self.threads or torch.get_num_threads())
         if observe:         # tokens each row attends to: its pages, less the last's free end
             ps, ends = cfg.page_size, sel.indptr.tolist()
             self.stats.observe_selected(

@@ -132,6 +132,18 @@ class TieredKVStore:
         return self._selection
 
     @property
+    def attention_threads(self) -> int:
+        """Threads of the C decode attention and of the C page selection, which share one
+        pool (0: torch's intra-op count at each call)."""
+        return self._selection.threads
+
+    @attention_threads.setter
+    def attention_threads(self, n: int) -> None:
+        if hasattr(self.sparse_attention, "threads"):
+            self.sparse_attention.threads = n
+        self._selection.threads = n
+
+    @property
     def max_pages(self) -> int:
         return self._allocator.num_pages
 

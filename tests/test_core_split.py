@@ -91,6 +91,8 @@ def test_the_engine_runs_decode_steps_on_the_chosen_split(smollm2_dir):
     execute = engine.runner.execute
 
     def spy(batch, requests):
+        # the page selection shares the attention's pool and threads
+        assert engine.store.selection.threads == kernel.threads
         seen.append((batch.decode_only, torch.get_num_threads(), kernel.threads))
         return execute(batch, requests)
 

@@ -129,6 +129,8 @@ def test_the_server_engine_runs_steps_on_the_threads_its_args_ask_for(folder):
         server.engine.store.use_pipeline("sequential")
         server.engine.use_threads(2, 1)      # sequential: nothing computes beside attention
         assert server.engine.store.sparse_attention.threads == 2
+        # the C page selection runs on the attention's pool, with its threads
+        assert server.engine.store.selection.threads == 2
         assert server.engine.core_split is not None     # (and decode steps time the split)
     finally:
         server.shutdown()

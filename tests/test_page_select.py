@@ -186,17 +186,21 @@ def test_native_select_is_select_pages_over_the_selectors_scores(quest, dtype, n
     """kernels/_select.c computes the torch selector's scores and, over them, picks exactly
     select_pages' pages: sink, local and prior pages, budgets past the context, GQA groups of
     1-5 heads, head dims that are no multiple of 8 or 16 (24: the AVX-512 scoring for quest's
-    48-float rows, the portable one for mean's 24), NaN summaries (a page ranked last)."""
+    48-float rows, the portable one for mean's 24), NaN summaries (a page ranked last), many
+    equal scores (ties at the cut), 1-8 sequences shared by 1-4 threads."""
     gen = torch.Generator().manual_seed(2 * int(quest) + (dtype == torch.bfloat16))
     shapes = [(3, 3, 64), (2, 4, 32), (1, 1, 16), (2, 5, 24)]
     for trial in range(40):
         kvh, group, d = shapes[trial % len(shapes)]
-        lens = torch.randint(1, 40 * 16, (int(torch.randint(1, 5, (), generator=gen)),),
+        lens = torch.randint(1, 40 * 16, (int(torch.randint(1, 9, (), generator=gen)),),
                              generator=gen).tolist()
         _, summ = _sequences(lens, 16, kvh, d, dtype, seed=trial)
         counts = [-(-n // 16) for n in lens]
         if trial % 5 == 0 and counts[0] > 3:
             summ[0][2] = float("nan")
+        ties = trial % 4 == 1 and trial % 5 != 0
+        if ties:                    # a few distinct values: many pages score alike
+            summ = [(s * 2).round().clamp(-1, 1) / 2 for s in summ]
         q = torch.randn(len(lens), kvh * group, d, generator=gen).to(dtype)
         budget, sink, local, prior_pages = (int(torch.randint(1, 30, (), generator=gen)),
                                             trial % 3, trial % 5, trial % 7)
@@ -205,9 +209,16 @@ def test_native_select_is_select_pages_over_the_selectors_scores(quest, dtype, n
                               torch.randn(c + 2, kvh, generator=gen), -float("inf"))
                   for b, c in enumerate(counts)]
         sel, scores = native_select(q, summ, counts, group, quest, budget, sink, local, priors,
-                                    prior_pages, scores=True)
+                                    prior_pages, scores=True, threads=1 + trial % 4)
         ref_scores = (quest_scores if quest else mean_scores)(q, summ, counts, group)
         torch.testing.assert_close(scores, ref_scores, atol=1e-4, rtol=1e-4, equal_nan=True)
+        if ties:        # the lower page wins a tie at the cut (torch's top-k: any of them)
+            sel = native_select(q, summ, counts, group, quest, budget, sink, local,
+                                threads=1 + trial % 4)[0]
+            want = _reference_select(scores, counts, budget, sink, local)
+            assert [sel.page_indices[a:b].tolist() for a, b in
+                    zip(sel.indptr.tolist(), sel.indptr[1:].tolist())] == want, trial
+            continue
         ref = select_pages(scores, counts, budget, sink, local,
                            _prior_tensor(priors, counts, scores), prior_pages)
         for f in _FIELDS:
