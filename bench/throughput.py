@@ -340,7 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer-concurrency", type=int, nargs="+", default=None,
                     help="transformers batch sizes and llama.cpp ramp levels "
                          "(default: --concurrency)")
-    ap.add_argument("--steps", type=int, default=8, help="timed decode steps per level")
+    # NOTE: 8 steps made one-stream cells swing by 15-30% between runs (dense 1 x 1K: 89 tok/s
+    # in one run; 104.7 over 64 steps, llama.cpp 118.6 against 101.0): a step's noise on a
+    # shared 2-core box is ms, the step itself 10-20 ms
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps per level")
     ap.add_argument("--burst", type=int, nargs="+", default=[],
                     help="after each ramp, send N requests at once (Strata configs and "
                          "llama.cpp), for each N given")
