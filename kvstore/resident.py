@@ -9,8 +9,9 @@ the start, or, for sparse decodes in sparse layers, selects their pages (the sam
 statistics and split attention as the general path) and maps them through those slots; the
 lookup counts, recency (one clock per layer, as the general path stamps them, and the weak
 marks of pages the step before did not select) and the write-back of pages that filled
-happen once, at the step's end. A step with any page outside the device tier (a new page,
-one demoted or spilled), a prefill or KV recompute takes the general path, as do sparse
+happen once, at the step's end. A page the step opens gets its device slots in every layer
+at the start (where the device tier has them free). A step with any other page outside the
+device tier (demoted or spilled), a prefill or KV recompute takes the general path, as do sparse
 decodes under a pipelined mode (whose stage threads overlap selection with attention) or
 --sparse-head-pages union; its results equal this one's bit for bit (the same kernels over the
 same slots in the same order).
@@ -73,17 +74,10 @@ class ResidentDecode:
         if not kernel.supports(torch.empty(0, shape.num_kv_heads, shape.head_dim), tiers.pool,
                                1):
             return None
+        slots = cls._device_slots(step)
+        if slots is None:
+            return None
         L, dev = tiers.num_layers, tiers.device_tier
-        pages = torch.cat(step.page_tensors)
-        # one layer first: a context the device tier does not hold (tiered sparse decode)
-        # fails here, at a 30th of the lookup
-        if pages.numel() == 0 or bool((dev.slots(tiers.keys_of(pages, range(L - 1, L)))
-                                       < 0).any()):
-            return None
-        slots = dev.slots(tiers.keys_of(pages)).view(L, -1)
-        if bool((slots < 0).any()):     # -1: not on the device
-            return None
-        slots = slots.long()
         t_keys = tiers.keys_of(step.t_pid).view(L, -1)
         t_slots = dev.slots(t_keys.reshape(-1)).view(L, -1).long()
         full = None
@@ -96,6 +90,36 @@ class ResidentDecode:
                                      torch.arange(sum(step.n_pages)))
         return cls(step, kernel, head, slots[:, head.indices.long()].contiguous(), t_slots,
                    t_slots[:, step.tok_t].contiguous(), full, slots)
+
+    @staticmethod
+    def _device_slots(step) -> torch.Tensor | None:
+        """int64 [L, pages] the device slot of every page of the step's sequences in every
+        layer (in their order), or None where any is off the device. A page this step opens
+        (its first token: no slot yet) gets its slots in every layer here, as the general path
+        gives them layer by layer, where the device tier has them free (else None: making
+        room is the general path's eviction)."""
+        tiers = step.tiers
+        L, dev = tiers.num_layers, tiers.device_tier
+        pages = torch.cat(step.page_tensors)
+        if pages.numel() == 0:
+            return None
+        new = torch.isin(pages, step.t_pid[step.t_valid == 1])    # one token in: opened now
+        # one layer first: a context the device tier does not hold (tiered sparse decode)
+        # fails here, at a 30th of the lookup
+        if bool(((dev.slots(tiers.keys_of(pages, range(L - 1, L))) < 0) & ~new).any()):
+            return None
+        keys = tiers.keys_of(pages).view(L, -1)
+        slots = dev.slots(keys.reshape(-1)).view(L, -1)
+        missing = slots < 0                 # -1: not on the device
+        if bool(missing.any()):
+            if bool((missing & ~new).any()):
+                return None
+            need = keys[missing]            # layer-major, as the general path reserves them
+            if need.numel() > dev.num_free:
+                return None
+            step.fetcher.ensure(need, protect=need[:0], fill=False)
+            slots = dev.slots(keys.reshape(-1)).view(L, -1)
+        return slots.long()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:

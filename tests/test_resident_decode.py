@@ -1,6 +1,7 @@
 """The resident decode path (kvstore/resident.py) against the general one: decode steps whose
-pages are all on the device tier give the same tokens, log-probabilities, tier statistics,
-recency stamps and backing-tier writes as the per-layer path of kvstore/step.py."""
+pages are all on the device tier (or opened by the step) give the same tokens,
+log-probabilities, tier statistics, recency stamps and backing-tier writes as the per-layer
+path of kvstore/step.py."""
 from __future__ import annotations
 
 import pytest
@@ -74,8 +75,10 @@ def test_resident_steps_equal_the_general_path(smollm2_dir, tmp_path, plans, bac
     assert not any(plans)
     plans.clear()
     got, engine = decode(smollm2_dir, prompts, resident=True, **kw)
-    # most decode steps took the resident path; a step that opens a page takes the general one
-    assert sum(plans) > len(plans) // 2 and not all(plans)
+    # the prefill took the general path, then every decode step the resident one, those that
+    # open a page (2 or 3 of 40 a sequence: its slots are reserved at the step's start) too
+    first = plans.index(True)
+    assert 0 < first and all(plans[first:]), plans
     assert got == ref
     for e in (engine, ref_engine):      # disk writes count once they are in
         e.store.tiers.wait_writes()
