@@ -44,7 +44,7 @@ def switch(engine, variant: str, split) -> None:
     LayerOps.enabled = on >= 2
     engine.core_split = split if on >= 3 else None
     if on < 3:          # the fixed threads: torch's decode count, the attention every core
-        engine.store.sparse_attention.threads = engine.threads[0]
+        engine.store.attention_threads = engine.threads[0]
 
 
 def measure(context: int, batch: int, steps: int, rounds: int) -> dict:

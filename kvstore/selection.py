@@ -69,11 +69,12 @@ class PageSelection:
     def select(self, layer: int, qd: torch.Tensor, summaries: list[torch.Tensor],
                n_pages: list[int], last_len: list[int], num_kv_heads: int,
                priors: list | None = None, observe: bool = True,
-               indexes: list[CentroidIndex] | None = None):
+               indexes: list[CentroidIndex] | None = None, pooled: bool = True):
         """Top pages for sequences with queries qd [B, H, D] over their page `summaries`
         (one layer's, [pages, KVH, 3, summary_dim] each) and `priors` (the prompt's
         observation window, [pages, KVH] each, or None); `indexes`: the sequences' centroid
-        indexes (--selector centroid)."""
+        indexes (--selector centroid); `pooled`: the C selection may take the attention's
+        threads (False: the caller runs beside the attention, on one)."""
         cfg = self.cfg
         if self.projected:
             qd = self.projection.queries(layer, qd, qd.shape[1] // num_kv_heads)
@@ -88,7 +89,8 @@ class PageSelection:
         else:
             sel = self.selector.select(qd, summaries, n_pages, group, budget, cfg.sink_pages,
                                        cfg.local_pages, priors, prior_pages,
-                                       self.threads or torch.get_num_threads())
+                                       threads=(self.threads or torch.get_num_threads())
+                                       if pooled else 1)
         if observe:         # tokens each row attends to: its pages, less the last's free end
             ps, ends = cfg.page_size, sel.indptr.tolist()
             self.stats.observe_selected(

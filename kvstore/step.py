@@ -402,11 +402,14 @@ class StepKV:
         priors = None
         if self.cfg.prior_pages > 0:        # per layer and request: only when they are used
             priors = [None if r.prior is None else r.prior[layer] for r in reqs]
+        # pipelined modes select on stage threads while this thread's attention runs: the
+        # C selection keeps off the attention's pool there
         return self.selection.select(layer, qd, [r.summaries[layer] for r in reqs],
                                      [self.n_pages[i] for i in idx],
                                      [self.last_len[i] for i in idx],
                                      self.tiers.page_shape.num_kv_heads, priors, observe,
-                                     [r.centroids for r in reqs])
+                                     [r.centroids for r in reqs],
+                                     pooled=self.pipe.mode == "sequential")
 
     def reused(self, keys: torch.Tensor) -> torch.Tensor:
         """Which of a selection's `keys` the last completed step selected too (bool [n]);
