@@ -18,7 +18,8 @@ def test_selection_threads_follow_the_pipeline_mode(smollm2_dir, pipeline):
     engine = LLMEngine(EngineArgs(model=str(smollm2_dir), kv_device_gb=0.1, page_size=16,
                                   prefix_cache="off", sparse_budget=64, sparse_sink_tokens=16,
                                   sparse_local_tokens=16, pipeline=pipeline, micro_batch=1))
-    engine.use_threads(2, 1)
+    # sfc: the decode count, 2 (a bigger machine's), is the attention's there too
+    engine.use_threads(2, 1) if pipeline == "sequential" else engine.use_threads(3, 2)
     selector = engine.store.selection.selector
     seen = []
     original = selector.select
@@ -38,4 +39,4 @@ def test_selection_threads_follow_the_pipeline_mode(smollm2_dir, pipeline):
     if pipeline == "sequential":
         assert all(t == a >= 1 for t, a in seen) and any(t == 2 for t, _ in seen)
     else:
-        assert {t for t, _ in seen} == {1}
+        assert set(seen) == {(1, 2)}
