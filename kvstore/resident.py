@@ -117,7 +117,7 @@ class ResidentDecode:
             need = keys[missing]            # layer-major, as the general path reserves them
             if need.numel() > dev.num_free:
                 return None
-            step.fetcher.ensure(need, protect=need[:0], fill=False)
+            step.fetcher.ensure(need, protect=need[:0], fill=False)    # (no eviction)
             slots = dev.slots(keys.reshape(-1)).view(L, -1)
         return slots.long()
 

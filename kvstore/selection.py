@@ -41,7 +41,7 @@ class PageSelection:
         self.stats = stats
         self._selected_at = torch.full((max_keys,), -1, dtype=torch.int64)
         self._completed_step = 0
-        # the C selection's threads (KVStore.attention_threads; 0: torch's count at the call)
+        # the C selection's threads (TieredKVStore.attention_threads; 0: torch's count at the call)
         self.threads = 0
 
     @property

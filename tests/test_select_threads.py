@@ -18,8 +18,10 @@ def test_selection_threads_follow_the_pipeline_mode(smollm2_dir, pipeline):
     engine = LLMEngine(EngineArgs(model=str(smollm2_dir), kv_device_gb=0.1, page_size=16,
                                   prefix_cache="off", sparse_budget=64, sparse_sink_tokens=16,
                                   sparse_local_tokens=16, pipeline=pipeline, micro_batch=1))
-    # sfc: the decode count, 2 (a bigger machine's), is the attention's there too
-    engine.use_threads(2, 1) if pipeline == "sequential" else engine.use_threads(3, 2)
+    if pipeline == "sequential":
+        engine.use_threads(2, 1)
+    else:       # the decode count, 2 (a bigger machine's), is the attention's there too
+        engine.use_threads(3, 2)
     selector = engine.store.selection.selector
     seen = []
     original = selector.select
