@@ -227,48 +227,50 @@ static row_fn pick_row_fn(int d, int simd) {
     return attend_row;
 }
 
-static PyObject *sparse_decode(PyObject *self, PyObject *args) {
-    unsigned long long q, pool, row_ptr, slots, last, out, lse, first_ptr = 0;
-    int bf16, kvh, ps, d, g, carry, simd = 2, threads = 1;
-    Py_ssize_t rows, n_slots;
-    float scale;
-    if (!PyArg_ParseTuple(args, "KKiiiiiKKKnfKKpn|iiK", &q, &pool, &bf16, &kvh, &ps, &d, &g,
-                          &row_ptr, &slots, &last, &rows, &scale, &out, &lse, &carry, &n_slots,
-                          &simd, &threads, &first_ptr))
-        return NULL;
+static int check_shape(int d, int g, int ps, int kvh) {
     if (d < 1 || d > MAX_D || g < 1 || g > MAX_G || ps < 1 || ps > MAX_PS || kvh < 1) {
         PyErr_Format(PyExc_ValueError, "unsupported shape: head_dim %d (<= %d), group %d "
                      "(<= %d), page_size %d (<= %d)", d, MAX_D, g, MAX_G, ps, MAX_PS);
-        return NULL;
+        return -1;
     }
-    const int64_t elem = bf16 ? 2 : 4;
-    const int64_t head_bytes = (int64_t)ps * d * elem;
-    const int64_t v_bytes = kvh * head_bytes;
-    const int64_t slot_bytes = 2 * v_bytes;
-    const int64_t *rp = (const int64_t *)(uintptr_t)row_ptr;
-    const int64_t *sl = (const int64_t *)(uintptr_t)slots;
-    const int32_t *ll = (const int32_t *)(uintptr_t)last;
-    const uint8_t *first = (const uint8_t *)(uintptr_t)first_ptr;
-    /* the table must stay inside the pool: the rows read what it lists */
+    return 0;
+}
+
+/* the table must stay inside the pool: the rows read what it lists (-1: a ValueError set) */
+static int check_table(const int64_t *rp, const int64_t *sl, const int32_t *ll,
+                       Py_ssize_t rows, int ps, Py_ssize_t n_slots) {
     if (rows < 0) {
         PyErr_Format(PyExc_ValueError, "%zd rows", rows);
-        return NULL;
+        return -1;
     }
     for (Py_ssize_t r = 0; r < rows; r++)
         if (rp[r + 1] < rp[r]) {
             PyErr_SetString(PyExc_ValueError, "page table rows out of order (row_ptr falls)");
-            return NULL;
+            return -1;
         } else if (ll[r] > ps || (rp[r + 1] > rp[r] && ll[r] < 0)) {
             PyErr_Format(PyExc_ValueError, "page table outside the pool (last page length %d "
                          "of %d)", ll[r], ps);
-            return NULL;
+            return -1;
         }
     for (int64_t i = rp[0]; i < rp[rows]; i++)
         if (sl[i] < 0 || sl[i] >= n_slots) {
             PyErr_Format(PyExc_ValueError, "page table outside the pool (slot %lld in a pool "
                          "of %zd)", (long long)sl[i], n_slots);
-            return NULL;
+            return -1;
         }
+    return 0;
+}
+
+/* the rows of a checked table (with `first`: its entries where set, then the others, going
+ * on from them), without the GIL */
+static PyObject *run_decode(const float *q, const char *pool, int bf16, int kvh, int ps, int d,
+                            int g, const int64_t *rp, const int64_t *sl, const int32_t *ll,
+                            const uint8_t *first, Py_ssize_t rows, float scale, float *out,
+                            float *lse, int carry, int simd, int threads) {
+    const int64_t elem = bf16 ? 2 : 4;
+    const int64_t head_bytes = (int64_t)ps * d * elem;
+    const int64_t v_bytes = kvh * head_bytes;
+    const int64_t slot_bytes = 2 * v_bytes;
     const int64_t chunk = CHUNK_TOKENS / ps > 0 ? CHUNK_TOKENS / ps : 1;
     const int64_t nnz = rp[rows] - rp[0];
     /* scratch: with `first` the two halves' tables, then the items' rows and states (at most
@@ -280,10 +282,8 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
     if (buf == NULL)
         return PyErr_NoMemory();
     int64_t *ip = buf + split_words;
-    rows_job job = {pick_row_fn(d, simd), (const float *)(uintptr_t)q,
-                    (const char *)(uintptr_t)pool, bf16, kvh, ps, d, g, carry, chunk,
-                    slot_bytes, head_bytes, v_bytes, rp, sl, ip, ll, scale,
-                    (float *)(uintptr_t)out, (float *)(uintptr_t)lse,
+    rows_job job = {pick_row_fn(d, simd), q, pool, bf16, kvh, ps, d, g, carry, chunk,
+                    slot_bytes, head_bytes, v_bytes, rp, sl, ip, ll, scale, out, lse,
                     (float *)(ip + rows + 1), 0, 0};
     Py_BEGIN_ALLOW_THREADS
     if (first == NULL) {
@@ -299,6 +299,27 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *sparse_decode(PyObject *self, PyObject *args) {
+    unsigned long long q, pool, row_ptr, slots, last, out, lse, first_ptr = 0;
+    int bf16, kvh, ps, d, g, carry, simd = 2, threads = 1;
+    Py_ssize_t rows, n_slots;
+    float scale;
+    if (!PyArg_ParseTuple(args, "KKiiiiiKKKnfKKpn|iiK", &q, &pool, &bf16, &kvh, &ps, &d, &g,
+                          &row_ptr, &slots, &last, &rows, &scale, &out, &lse, &carry, &n_slots,
+                          &simd, &threads, &first_ptr))
+        return NULL;
+    const int64_t *rp = (const int64_t *)(uintptr_t)row_ptr;
+    const int64_t *sl = (const int64_t *)(uintptr_t)slots;
+    const int32_t *ll = (const int32_t *)(uintptr_t)last;
+    if (check_shape(d, g, ps, kvh) < 0 || check_table(rp, sl, ll, rows, ps, n_slots) < 0)
+        return NULL;
+    return run_decode((const float *)(uintptr_t)q, (const char *)(uintptr_t)pool, bf16, kvh,
+                      ps, d, g, rp, sl, ll, (const uint8_t *)(uintptr_t)first_ptr, rows, scale,
+                      (float *)(uintptr_t)out, (float *)(uintptr_t)lse, carry, simd, threads);
+}
+
+#include "_decode_selected.h"
+
 static PyMethodDef methods[] = {
     {"sparse_decode", sparse_decode, METH_VARARGS,
      "sparse_decode(q, pool, bf16, kvh, page_size, head_dim, group, row_ptr, slots, last_len, "
@@ -311,6 +332,7 @@ static PyMethodDef methods[] = {
      "the address of a bool [entries] (0: none): each row attends to its entries where it "
      "is set, then goes on over the others as a carry would (two calls' bits in one); "
      "without the GIL"},
+    {"sparse_decode_selected", sparse_decode_selected, METH_VARARGS, SPARSE_DECODE_SELECTED_DOC},
     {NULL, NULL, 0, NULL},
 };
 

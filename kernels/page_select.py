@@ -334,8 +334,11 @@ NATIVE_SIMD = True
 def native_select_serves(q: torch.Tensor, summaries: Sequence[torch.Tensor],
                          priors: Sequence[torch.Tensor | None] | None) -> bool:
     """Whether kernels/_select.c takes these inputs: CPU, contiguous, bf16 or float32
-    summaries of one dtype, float32 priors."""
+    summaries of one dtype, float32 priors, GQA groups of at most 16 heads of at most 256."""
     if _select is None or q.device.type != "cpu" or not summaries:
+        return False
+    kvh = summaries[0].shape[1] if summaries[0].dim() == 4 else 0
+    if not kvh or q.shape[1] % kvh or q.shape[1] // kvh > 16 or q.shape[2] > 256:
         return False
     dt = summaries[0].dtype
     if dt not in (torch.bfloat16, torch.float32) or not all(

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.decode_upcast import Upcast, upcast_wins
-from kernels.page_table import PageTable
+from kernels.page_table import PageTable, selected_head_table
 
 try:
     from kernels import _decode
@@ -225,6 +225,46 @@ class NativeSparseDecode:
                               self.threads or torch.get_num_threads(),   # checks the table against the pool
                               0 if first is None else first.data_ptr())
         return out, lse
+
+    def forward_selected(self, q: torch.Tensor, kv_pool: torch.Tensor, sel, group: int,
+                         scale: float, layer_slots: torch.Tensor, starts: torch.Tensor,
+                         last_len: torch.Tensor, marks: tuple[torch.Tensor, int],
+                         key_base: int, page_ids: torch.Tensor) -> torch.Tensor:
+        """q [B, H, D] attending to the pages a selection `sel` (kernels/page_select.py's
+        SelectedPages, page numbers within each sequence) lists, split as forward_partial's
+        `first` with the pages the last step selected too (and each row's last) first:
+        the table and split kvstore/step.py builds from the selection, made in C.
+        layer_slots int64 [N]: the device slot of each page of the step's sequences in this
+        layer; starts int64 [B]: each sequence's first page among them; last_len int32 [B];
+        marks: (int64 [keys] the last step that selected each key, the last completed step);
+        key_base: the layer's first key; page_ids int64 [B, P]: each sequence's page ids.
+        -> [B, H, D] in q's dtype (torch's rows, unsplit, where the C kernel does not serve)."""
+        if not self.supports(q, kv_pool, group):
+            union = layer_slots[starts.repeat_interleave(sel.union_indptr.diff())
+                                + sel.union_indices]
+            table, _ = selected_head_table(sel, union, last_len, kv_pool.shape[3])
+            return self._torch.forward(q, kv_pool, table, group, scale)
+        b, h, d = q.shape
+        kvh = kv_pool.shape[2]
+        indptr, pages = sel.indptr.contiguous(), sel.page_indices.contiguous()
+        ints = (indptr, pages, layer_slots, starts, marks[0], page_ids)
+        if h != kvh * group or indptr.numel() != b * kvh + 1 or any(
+                t.dtype != torch.int64 or not t.is_contiguous() for t in ints) \
+                or last_len.dtype != torch.int32 or not last_len.is_contiguous() \
+                or page_ids.dim() != 2 or page_ids.shape[0] < b or starts.numel() < b:
+            raise ValueError("forward_selected: the selection, slots and marks must be "
+                             "contiguous int64 (last_len int32) for q's sequences and heads")
+        qf = q.to(torch.float32).contiguous()
+        out = torch.empty(b, h, d, dtype=torch.float32)
+        lse = torch.empty(b, h, dtype=torch.float32)
+        _decode.sparse_decode_selected(
+            qf.data_ptr(), kv_pool.data_ptr(), int(kv_pool.dtype == torch.bfloat16), kvh,
+            kv_pool.shape[3], d, group, b, indptr.data_ptr(), pages.data_ptr(),
+            layer_slots.data_ptr(), layer_slots.numel(), starts.data_ptr(), last_len.data_ptr(),
+            marks[0].data_ptr(), marks[0].numel(), marks[1], key_base, page_ids.data_ptr(),
+            page_ids.shape[1], scale, out.data_ptr(), lse.data_ptr(), kv_pool.shape[0],
+            int(self.simd), self.threads or torch.get_num_threads())
+        return out.to(q.dtype)
 
 
 def native_decode_built() -> bool:

@@ -5,11 +5,13 @@ resolve, fetch or evict, yet the general path (kvstore/step.py) pays for each of
 in every layer, ~60 us of Python and small torch ops a layer against ~80 us of attention at 1K
 tokens. Here the slots of every layer are looked up once at the step's start, in one batch;
 each layer then writes its tokens' K/V and runs the C decode kernel over a head table made at
-the start, or, for sparse decodes in sparse layers, selects their pages (the same selection,
-statistics and split attention as the general path) and maps them through those slots; the
+the start, or, for sparse decodes in sparse layers, selects their pages (the general path's
+selection) and runs the C kernel over them in one call that maps them through those slots
+and splits them as the general path does (`NativeSparseDecode.forward_selected`: the table
+kvstore/step.py builds in ~25 small torch ops a layer, made in C); the selection statistics,
 lookup counts, recency (one clock per layer, as the general path stamps them, and the weak
 marks of pages the step before did not select) and the write-back of pages that filled
-happen once, at the step's end. A page the step opens gets its device slots in every layer
+happen once, at the step's end, for all layers at once. A page the step opens gets its device slots in every layer
 at the start (where the device tier has them free). A step with any other page outside the
 device tier (demoted or spilled), a prefill or KV recompute takes the general path, as do sparse
 decodes under a pipelined mode (whose stage threads overlap selection with attention) or
@@ -25,7 +27,8 @@ import torch
 from kernels.layer_ops import write_kv
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode
-from kvstore.stages import LayerPart, LayerStages
+from kernels.page_select import SelectedPages
+from kvstore.stages import LayerPart
 from kvstore.write_back import write_back
 
 
@@ -48,14 +51,21 @@ class ResidentDecode:
         self.tok_slots = tok_slots          # [L, T] int64: the slot each new token goes to
         self.full = full                    # (keys, slots, owners) of pages that filled
         self.used_slots = used_slots        # [L, n] int64: the slot of every page, in order
-        # sparse layers: the slots each used, and the weak ones among them
-        self.layer_used: dict[int, torch.Tensor] = {}
+        # sparse layers: their selections (settled at the step's end), the weak slots
+        self.selected: dict[int, SelectedPages] = {}
         self.weak: list[torch.Tensor] = []
+        self.dense_pos = None
         if step.sparse_idx:     # each sequence's first page in used_slots
+            idx = step.sparse_idx
             starts = torch.tensor([0] + step.n_pages[:-1], dtype=torch.int64).cumsum(0)
-            self.sparse_starts = starts[step.sparse_idx]
-            self.dense_pos = torch.cat([torch.arange(starts[i], starts[i] + step.n_pages[i])
-                                        for i in step.dense_idx]) if step.dense_idx else None
+            self.sparse_starts = starts[idx]
+            if step.dense_idx:
+                self.dense_pos = torch.cat([torch.arange(starts[i], starts[i] + step.n_pages[i])
+                                            for i in step.dense_idx])
+            self.sparse_pages = step.page_mat[idx]      # [sparse, pages] their page ids
+            self.sparse_last = [step.last_len[i] for i in idx]
+            self.sparse_last_t = torch.tensor(self.sparse_last, dtype=torch.int32)
+            self.marks = step.selection.marks()
 
     @classmethod
     def plan(cls, step) -> ResidentDecode | None:
@@ -143,44 +153,74 @@ class ResidentDecode:
 
     def _attend_sparse_layer(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """A sparse layer: the dense rows over all their pages, the sparse decodes over the
-        pages they select (the general path's selection, split and kernels)."""
-        step, slots = self.step, self.used_slots[layer]
+        pages they select (the general path's selection; its table and split attention made
+        in C from the selection, the same bits). What the selection touched is settled at the
+        step's end, all layers at once (`_settle`)."""
+        step, slots, pool = self.step, self.used_slots[layer], self.tiers.pool
         out = torch.empty_like(q)
-        used = []
         if step.dense_idx:
             dense = slots[self.dense_pos]
             step.compute(layer, q, out, LayerPart(step.dense_idx, None, dense, dense), scale)
-            used.append(dense)
         idx = step.sparse_idx
-        sel, keys = LayerStages(step, layer, q).select_keys(idx)     # the select stage, timed
-        union = slots[self.sparse_starts.repeat_interleave(sel.union_indptr.diff())
-                      + sel.union_indices]
-        reused = step.reused(keys)
-        step.compute(layer, q, out, LayerPart(idx, sel, keys, union, reused=reused), scale)
-        used.append(union)
-        self.weak.append(union[~reused])
-        self.layer_used[layer] = torch.cat(used)
+        t0 = time.perf_counter()
+        rows = step.query_rows(idx)
+        qs = q[rows]
+        sel = step.select(layer, qs, idx, observe=False)
+        t1 = time.perf_counter()
+        self.stats.observe_stage("select", t1 - t0)
+        out[rows] = self.kernel.forward_selected(
+            qs, pool, sel, q.shape[1] // pool.shape[2], scale, slots, self.sparse_starts,
+            self.sparse_last_t, self.marks, layer * self.tiers.max_pages, self.sparse_pages)
+        self.stats.observe_stage("compute", time.perf_counter() - t1)
+        self.selected[layer] = sel
         return out
+
+    def _settle(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sparse layers' selections at once: the statistics, the keys they select
+        (recorded for the step's end, StepKV.reused) and the weak marks of the slots the
+        step before did not select. Returns (slots, layers) of each page any head of a
+        sequence selected in a layer."""
+        step, sels = self.step, list(self.selected.values())
+        kvh = self.tiers.page_shape.num_kv_heads
+        step.selection.observe(sels, self.sparse_last, kvh)
+        counts = torch.stack([s.union_indptr for s in sels]).diff(dim=1)    # [layers, seqs]
+        pages = torch.cat([s.union_indices for s in sels])
+        seq = torch.arange(counts.shape[1]).repeat(len(sels)).repeat_interleave(
+            counts.reshape(-1))
+        layer = torch.tensor(list(self.selected), dtype=torch.int64).repeat_interleave(
+            counts.sum(dim=1))
+        slots = self.used_slots[layer, self.sparse_starts[seq] + pages]
+        reused = step.reused(layer * self.tiers.max_pages + self.sparse_pages[seq, pages])
+        self.weak.append(slots[~reused])
+        return slots, layer
 
     def end(self) -> None:
         """After the last layer: the step's lookups, recency stamps and write-backs."""
         tiers = self.tiers
-        L = tiers.num_layers
-        sparse = self.layer_used
-        n = sum(u.numel() for u in sparse.values()) \
-            + self.used_slots[0].numel() * (L - len(sparse))
+        L, per_layer = tiers.num_layers, self.used_slots.shape[1]
+        if not self.selected:
+            used = self.used_slots.reshape(-1)
+            used_layer = torch.arange(L).repeat_interleave(per_layer)
+        else:       # each layer its own slots (slots are per layer: no two layers share one)
+            union, union_layer = self._settle()
+            sparse = list(self.selected)
+            dense = [layer for layer in range(L) if layer not in self.selected]
+            parts = [(self.used_slots[dense].reshape(-1),
+                      torch.tensor(dense, dtype=torch.int64).repeat_interleave(per_layer)),
+                     (union, union_layer)]
+            if self.dense_pos is not None:      # the dense rows of the sparse layers
+                rows = self.used_slots[sparse][:, self.dense_pos]
+                parts.append((rows.reshape(-1), torch.tensor(sparse, dtype=torch.int64)
+                              .repeat_interleave(rows.shape[1])))
+            used = torch.cat([s for s, _ in parts])
+            used_layer = torch.cat([lay for _, lay in parts])
+        n = used.numel()
         self.stats.count("lookups", "device", n)
         self.stats.count("hits", "device", n)
-        clocks = self.now * L + torch.arange(L).view(L, 1)
-        if not sparse:
-            touched = torch.cat([self.used_slots, self.tok_slots], dim=1)
-            tiers.touch(touched.reshape(-1), clocks.expand_as(touched).reshape(-1))
-        else:       # each layer its own slots (slots are per layer: no two layers share one)
-            rows = [torch.cat([sparse.get(layer, self.used_slots[layer]),
-                               self.tok_slots[layer]]) for layer in range(L)]
-            counts = torch.tensor([r.numel() for r in rows])
-            tiers.touch(torch.cat(rows), clocks.view(-1).repeat_interleave(counts),
-                        torch.cat(self.weak))
+        tok_layer = torch.arange(L).repeat_interleave(self.tok_slots.shape[1])
+        tiers.touch(torch.cat([used, self.tok_slots.reshape(-1)]),
+                    self.now * L + torch.cat([used_layer, tok_layer]),
+                    torch.cat(self.weak) if self.weak else None)
         tiers.at_layer(self.now, L - 1)
         if self.full is not None:
             write_back(tiers, *self.full)

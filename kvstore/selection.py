@@ -91,12 +91,25 @@ class PageSelection:
                                        cfg.local_pages, priors, prior_pages,
                                        threads=(self.threads or torch.get_num_threads())
                                        if pooled else 1)
-        if observe:         # tokens each row attends to: its pages, less the last's free end
-            ps, ends = cfg.page_size, sel.indptr.tolist()
-            self.stats.observe_selected(
-                [(ends[r + 1] - ends[r] - 1) * ps + last_len[r // num_kv_heads]
-                 for r in range(len(ends) - 1)])
+        if observe:
+            self.observe([sel], last_len, num_kv_heads)
         return sel
+
+    def observe(self, sels: list, last_len: list[int], num_kv_heads: int) -> None:
+        """Record what selections of the same sequences (a step's layers) attend to: the
+        tokens of each row's pages, less the last page's free end (last_len: a sequence's
+        last page's tokens)."""
+        ps, tokens = self.cfg.page_size, []
+        for sel in sels:
+            ends = sel.indptr.tolist()
+            tokens += [(ends[r + 1] - ends[r] - 1) * ps + last_len[r // num_kv_heads]
+                       for r in range(len(ends) - 1)]
+        self.stats.observe_selected(tokens)
+
+    def marks(self) -> tuple[torch.Tensor, int]:
+        """(int64 [keys] the last completed step whose sparse decode selected each key, that
+        step): what `reused` reads, for a kernel that splits on it in C."""
+        return self._selected_at, self._completed_step
 
     def _budgets(self, layer: int) -> tuple[int | torch.Tensor, int | torch.Tensor]:
         """(budget pages, prior pages) of the layer: ints, or per KV head with a plan."""
