@@ -11,12 +11,12 @@ and splits them as the general path does (`NativeSparseDecode.forward_selected`:
 kvstore/step.py builds in ~25 small torch ops a layer, made in C); the selection statistics,
 lookup counts, recency (one clock per layer, as the general path stamps them, and the weak
 marks of pages the step before did not select) and the write-back of pages that filled
-happen once, at the step's end, for all layers at once. A page the step opens gets its device slots in every layer
-at the start (where the device tier has them free). A step with any other page outside the
-device tier (demoted or spilled), a prefill or KV recompute takes the general path, as do sparse
-decodes under a pipelined mode (whose stage threads overlap selection with attention) or
---sparse-head-pages union; its results equal this one's bit for bit (the same kernels over the
-same slots in the same order).
+happen once, at the step's end, for all layers at once. A page the step opens gets its
+device slots in every layer at the start (where the device tier has them free). A step with
+any other page outside the device tier (demoted or spilled), a prefill or KV recompute takes
+the general path, as do sparse decodes under a pipelined mode (whose stage threads overlap
+selection with attention) or --sparse-head-pages union; its results equal this one's bit for
+bit (the same kernels over the same slots in the same order).
 """
 from __future__ import annotations
 
