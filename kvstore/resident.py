@@ -51,9 +51,8 @@ class ResidentDecode:
         self.tok_slots = tok_slots          # [L, T] int64: the slot each new token goes to
         self.full = full                    # (keys, slots, owners) of pages that filled
         self.used_slots = used_slots        # [L, n] int64: the slot of every page, in order
-        # sparse layers: their selections (settled at the step's end), the weak slots
+        # sparse layers: their selections (settled at the step's end)
         self.selected: dict[int, SelectedPages] = {}
-        self.weak: list[torch.Tensor] = []
         self.dense_pos = None
         if step.sparse_idx:     # each sequence's first page in used_slots
             idx = step.sparse_idx
@@ -175,11 +174,11 @@ class ResidentDecode:
         self.selected[layer] = sel
         return out
 
-    def _settle(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sparse layers' selections at once: the statistics, the keys they select
-        (recorded for the step's end, StepKV.reused) and the weak marks of the slots the
-        step before did not select. Returns (slots, layers) of each page any head of a
-        sequence selected in a layer."""
+    def _settle(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sparse layers' selections at once: their statistics, and the keys they select
+        (recorded for the step's end, StepKV.reused). Returns (slots, layers) of each page
+        any head of a sequence selected in a layer, and the weak ones among those slots (the
+        step before did not select their page)."""
         step, sels = self.step, list(self.selected.values())
         kvh = self.tiers.page_shape.num_kv_heads
         step.selection.observe(sels, self.sparse_last, kvh)
@@ -191,18 +190,18 @@ class ResidentDecode:
             counts.sum(dim=1))
         slots = self.used_slots[layer, self.sparse_starts[seq] + pages]
         reused = step.reused(layer * self.tiers.max_pages + self.sparse_pages[seq, pages])
-        self.weak.append(slots[~reused])
-        return slots, layer
+        return slots, layer, slots[~reused]
 
     def end(self) -> None:
         """After the last layer: the step's lookups, recency stamps and write-backs."""
         tiers = self.tiers
         L, per_layer = tiers.num_layers, self.used_slots.shape[1]
+        weak = None
         if not self.selected:
             used = self.used_slots.reshape(-1)
             used_layer = torch.arange(L).repeat_interleave(per_layer)
         else:       # each layer its own slots (slots are per layer: no two layers share one)
-            union, union_layer = self._settle()
+            union, union_layer, weak = self._settle()
             sparse = list(self.selected)
             dense = [layer for layer in range(L) if layer not in self.selected]
             parts = [(self.used_slots[dense].reshape(-1),
@@ -219,8 +218,7 @@ class ResidentDecode:
         self.stats.count("hits", "device", n)
         tok_layer = torch.arange(L).repeat_interleave(self.tok_slots.shape[1])
         tiers.touch(torch.cat([used, self.tok_slots.reshape(-1)]),
-                    self.now * L + torch.cat([used_layer, tok_layer]),
-                    torch.cat(self.weak) if self.weak else None)
+                    self.now * L + torch.cat([used_layer, tok_layer]), weak)
         tiers.at_layer(self.now, L - 1)
         if self.full is not None:
             write_back(tiers, *self.full)
