@@ -306,7 +306,7 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     if (failed)
         return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    return Py_BuildValue("LL", (long long)ip[(int64_t)b_size * kvh], (long long)up[b_size]);
 }
 
 static PyMethodDef methods[] = {
@@ -320,7 +320,7 @@ static PyMethodDef methods[] = {
      "the AVX-512 scoring where the CPU has it; head_budgets: 0 or int64 [2, KVH], each KV head's "
      "budget then its prior pages, budget their largest); union_pos: 0 or int64 [B*KVH*k], "
      "each listed page's position in union_indices; threads: sequences shared by this many "
-     "threads (kernels/_decode.c's pool); without the GIL"},
+     "threads (kernels/_decode.c's pool); without the GIL. Returns (entries, union entries)"},
     {NULL, NULL, 0, NULL},
 };
 
