@@ -51,10 +51,14 @@ static PyObject *sparse_decode_selected(PyObject *self, PyObject *args) {
     const int64_t *sa = (const int64_t *)(uintptr_t)sel_at;
     const int64_t *pid = (const int64_t *)(uintptr_t)page_ids;
     for (Py_ssize_t r = 0; r < rows; r++)
-        if (rp[r + 1] < rp[r] || rp[0] != 0) {
+        if (rp[r + 1] < rp[r]) {
             PyErr_SetString(PyExc_ValueError, "selection rows out of order (indptr falls)");
             return NULL;
         }
+    if (rp[0] != 0) {
+        PyErr_SetString(PyExc_ValueError, "selection rows start at entry 0 (indptr[0])");
+        return NULL;
+    }
     const int64_t nnz = rp[rows];
     /* the table: slots [nnz], first [nnz], last lengths [rows] */
     int64_t *sl = malloc(sizeof(int64_t) * (size_t)(nnz + 1) + (size_t)nnz +

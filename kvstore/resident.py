@@ -112,16 +112,23 @@ class ResidentDecode:
         pages = torch.cat(step.page_tensors)
         if pages.numel() == 0:
             return None
-        new = torch.isin(pages, step.t_pid[step.t_valid == 1])    # one token in: opened now
+
+        def off_device(missing: torch.Tensor) -> bool:
+            """Whether a page missing from the device (bool per page, or [L, pages]) is not
+            one this step opens (its one token written now)."""
+            new = torch.isin(pages, step.t_pid[step.t_valid == 1])
+            return bool((missing & ~new).any())
+
         # one layer first: a context the device tier does not hold (tiered sparse decode)
         # fails here, at a 30th of the lookup
-        if bool(((dev.slots(tiers.keys_of(pages, range(L - 1, L))) < 0) & ~new).any()):
+        last = dev.slots(tiers.keys_of(pages, range(L - 1, L))) < 0
+        if bool(last.any()) and off_device(last):
             return None
         keys = tiers.keys_of(pages).view(L, -1)
         slots = dev.slots(keys.reshape(-1)).view(L, -1)
         missing = slots < 0                 # -1: not on the device
         if bool(missing.any()):
-            if bool((missing & ~new).any()):
+            if off_device(missing):
                 return None
             need = keys[missing]            # layer-major, as the general path reserves them
             if need.numel() > dev.num_free:
