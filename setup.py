@@ -18,8 +18,8 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                    # NOTE: Python's CFLAGS carry -fwrapv, which halves the speed of this
                    # kernel's vectorized loops (measured 2.5 against 1.3 ms per call)
                    Extension("kernels._decode", ["kernels/_decode.c"],
-                             depends=["kernels/_rows.h", "kernels/_attend_rows.h", "kernels/_pool.h",
-                                      "kernels/_decode_selected.h"],
+                             depends=["kernels/_rows.h", "kernels/_attend_rows.h",
+                                      "kernels/_pool.h", "kernels/_decode_selected.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"],
                              extra_link_args=["-pthread"]),
                    Extension("kernels._layerops", ["kernels/_layerops.c"],

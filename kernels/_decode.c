@@ -332,7 +332,8 @@ static PyMethodDef methods[] = {
      "the address of a bool [entries] (0: none): each row attends to its entries where it "
      "is set, then goes on over the others as a carry would (two calls' bits in one); "
      "without the GIL"},
-    {"sparse_decode_selected", sparse_decode_selected, METH_VARARGS, SPARSE_DECODE_SELECTED_DOC},
+    {"sparse_decode_selected", sparse_decode_selected, METH_VARARGS,
+     SPARSE_DECODE_SELECTED_DOC},
     {NULL, NULL, 0, NULL},
 };
 
