@@ -348,6 +348,19 @@ def native_select_serves(q: torch.Tensor, summaries: Sequence[torch.Tensor],
                                                and p.dtype == torch.float32) for p in priors)
 
 
+def native_budget(budget_pages: int | torch.Tensor, prior_pages: int | torch.Tensor,
+                  num_kv_heads: int) -> tuple[int, int, torch.Tensor | None]:
+    """A layer's budget and prior pages, one for all KV heads or one each, as the C selection
+    takes them: (the largest budget, the largest prior share, int64 [2, KVH] each head's
+    budget then prior share, or None when they are one for all)."""
+    if not (isinstance(budget_pages, torch.Tensor) or isinstance(prior_pages, torch.Tensor)):
+        return int(budget_pages), int(prior_pages), None
+    heads = torch.stack([torch.as_tensor(budget_pages, dtype=torch.int64).expand(num_kv_heads),
+                         torch.as_tensor(prior_pages, dtype=torch.int64).expand(num_kv_heads)])
+    heads = heads.contiguous()
+    return int(heads[0].max()), int(heads[1].max()), heads
+
+
 def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: list[int],
                   group: int, quest: bool, budget_pages: int | torch.Tensor, sink_pages: int,
                   local_pages: int, priors: Sequence[torch.Tensor | None] | None = None,
@@ -361,12 +374,7 @@ def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: li
     _check_budget(budget_pages, sink_pages, local_pages)
     b_size, h, d = q.shape
     kvh = h // group
-    heads = None
-    if isinstance(budget_pages, torch.Tensor) or isinstance(prior_pages, torch.Tensor):
-        heads = torch.stack([torch.as_tensor(budget_pages, dtype=torch.int64).expand(kvh),
-                             torch.as_tensor(prior_pages, dtype=torch.int64).expand(kvh)])
-        heads = heads.contiguous()
-        budget_pages, prior_pages = int(heads[0].max()), int(heads[1].max())
+    budget_pages, prior_pages, heads = native_budget(budget_pages, prior_pages, kvh)
     # NOTE: the C code trusts these shapes (it reads n pages of each)
     for b, (s, n) in enumerate(zip(summaries, counts)):
         if s.dim() != 4 or s.shape[0] < n or s.shape[1:] != (kvh, 3, d):

@@ -65,6 +65,9 @@ class ResidentDecode:
             self.sparse_last = [step.last_len[i] for i in idx]
             self.sparse_last_t = torch.tensor(self.sparse_last, dtype=torch.int32)
             self.marks = step.selection.marks()
+            # the selection and attention of every sparse layer, prepared at the first
+            # (None: that layer by layer)
+            self._plans: tuple | None = None
 
     @classmethod
     def plan(cls, step) -> ResidentDecode | None:
@@ -163,23 +166,38 @@ class ResidentDecode:
         in C from the selection, the same bits). What the selection touched is settled at the
         step's end, all layers at once (`_settle`)."""
         step, slots, pool = self.step, self.used_slots[layer], self.tiers.pool
-        out = torch.empty_like(q)
+        out = None
         if step.dense_idx:
+            out = torch.empty_like(q)
             dense = slots[self.dense_pos]
             step.compute(layer, q, out, LayerPart(step.dense_idx, None, dense, dense), scale)
         idx = step.sparse_idx
         t0 = time.perf_counter()
         rows = step.query_rows(idx)
         qs = q[rows]
-        sel = step.select(layer, qs, idx, observe=False)
-        t1 = time.perf_counter()
+        group = q.shape[1] // pool.shape[2]
+        if self._plans is None:
+            self._plans = (step.select_plan(idx, group), self.kernel.selected_plan(
+                pool, group, self.used_slots, self.sparse_starts, self.sparse_last_t,
+                self.marks, self.tiers.max_pages, self.sparse_pages))
+        select, decode = self._plans
+        if select is not None and decode is not None:
+            qf = qs.to(torch.float32).contiguous()
+            sel = select.select(layer, qf)
+            t1 = time.perf_counter()
+            res = decode(layer, qf, sel, scale).to(q.dtype)
+        else:
+            sel = step.select(layer, qs, idx, observe=False)
+            t1 = time.perf_counter()
+            res = self.kernel.forward_selected(
+                qs, pool, sel, group, scale, slots, self.sparse_starts, self.sparse_last_t,
+                self.marks, layer * self.tiers.max_pages, self.sparse_pages)
         self.stats.observe_stage("select", t1 - t0)
-        out[rows] = self.kernel.forward_selected(
-            qs, pool, sel, q.shape[1] // pool.shape[2], scale, slots, self.sparse_starts,
-            self.sparse_last_t, self.marks, layer * self.tiers.max_pages, self.sparse_pages)
+        if out is not None:
+            out[rows] = res
         self.stats.observe_stage("compute", time.perf_counter() - t1)
         self.selected[layer] = sel
-        return out
+        return res if out is None else out
 
     def _settle(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sparse layers' selections at once: their statistics, and the keys they select

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kernels.page_select import make_selector, select_with_priors
+from kernels.select_plan import LayerBudget, SelectPlan, layer_budgets
 from kvstore.centroids import CentroidIndex
 from kvstore.config import KVStoreConfig
 from kvstore.lowrank import LowRankProjection
@@ -43,6 +44,7 @@ class PageSelection:
         self._completed_step = 0
         # the C selection's threads (TieredKVStore.attention_threads; 0: torch's count at the call)
         self.threads = 0
+        self._layer_budgets: list[LayerBudget] | None = None       # `plan`'s, per cfg
 
     @property
     def projected(self) -> bool:
@@ -60,6 +62,7 @@ class PageSelection:
         if cfg.selector != self.cfg.selector:
             self.selector = make_selector(_kernel(cfg.selector))
         self.cfg = cfg
+        self._layer_budgets = None
 
     def summary_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         """The keys a page summary is made of: k [..., KVH, ps, D] as they are, or projected
@@ -94,6 +97,28 @@ class PageSelection:
         if observe:
             self.observe([sel], last_len, num_kv_heads)
         return sel
+
+    def plan(self, summaries: list[torch.Tensor], n_pages: list[int],
+             priors: list | None, num_kv_heads: int, group: int,
+             pooled: bool = True) -> SelectPlan | None:
+        """`select` of the same sequences in every layer of a step, prepared once
+        (kernels/select_plan.py): summaries and priors as `select` takes them but of every
+        layer ([L, ...] each); no projection, centroid index or observation. None where the
+        C selection does not serve them (then `select`, layer by layer)."""
+        cfg = self.cfg
+        if cfg.selector == "centroid" or self.projected or not self.selector.native \
+                or not summaries:
+            return None
+        if self._layer_budgets is None:
+            layers = summaries[0].shape[0]
+            self._layer_budgets = layer_budgets([self._budgets(lay) for lay in range(layers)],
+                                                num_kv_heads, cfg.sink_pages, cfg.local_pages)
+        if cfg.prior_pages <= 0 or not any(prior for _, prior, _ in self._layer_budgets):
+            priors = None
+        return SelectPlan.build(summaries, n_pages, group, self.selector.quest,
+                                self._layer_budgets, cfg.sink_pages, cfg.local_pages, priors,
+                                threads=(self.threads or torch.get_num_threads())
+                                if pooled else 1)
 
     def observe(self, sels: list, last_len: list[int], num_kv_heads: int) -> None:
         """Record what selections of the same sequences (a step's layers) attend to: the

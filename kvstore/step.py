@@ -411,6 +411,15 @@ class StepKV:
                                      [r.centroids for r in reqs],
                                      pooled=self.pipe.mode == "sequential")
 
+    def select_plan(self, idx: list[int], group: int):
+        """`select` of the sequences idx prepared for every layer of the step
+        (PageSelection.plan; no observation), or None where it does not serve them."""
+        reqs = [self.parts.requests[self.seqs[i].request_id] for i in idx]
+        priors = [r.prior for r in reqs] if self.cfg.prior_pages > 0 else None
+        return self.selection.plan([r.summaries for r in reqs], [self.n_pages[i] for i in idx],
+                                   priors, self.tiers.page_shape.num_kv_heads, group,
+                                   pooled=self.pipe.mode == "sequential")
+
     def reused(self, keys: torch.Tensor) -> torch.Tensor:
         """Which of a selection's `keys` the last completed step selected too (bool [n]);
         records this step's (the store's end_step stamps them once the step completes, so a

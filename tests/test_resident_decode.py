@@ -9,6 +9,8 @@ import torch
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
+from kernels.select_plan import SelectPlan
+from kvstore.budget_plan import BudgetPlan
 from kvstore.resident import ResidentDecode
 from scheduler.sampling_params import SamplingParams
 
@@ -118,19 +120,29 @@ def test_resident_steps_keep_the_page_summaries_sparse_decode_selects_by(smollm2
     assert got == ref
 
 
-@pytest.mark.parametrize("residency", ["lru", "score"])
-def test_resident_sparse_steps_equal_the_general_path(smollm2_dir, plans, residency):
+@pytest.mark.parametrize("residency,per_head", [("lru", False), ("score", False),
+                                                ("lru", True)])
+def test_resident_sparse_steps_equal_the_general_path(smollm2_dir, plans, tmp_path, monkeypatch,
+                                                      residency, per_head):
     # every context on the device tier; three past the budget from the first decode step (their
     # sparse layers select), one within it until it grows past it (a dense row in sparse
     # layers, then a sparse one): the same tokens, selections, statistics and recency stamps
-    # (the score policy's weak marks too)
+    # (the score policy's weak marks too); per_head: a budget per layer and KV head
     kw = dict(kv_device_gb=0.1, sparse_budget=64, sparse_sink_tokens=16,
               sparse_local_tokens=16, residency=residency)
+    if per_head:
+        budgets = tuple(tuple((32, 64, 128)[(i + h) % 3] for h in range(3)) for i in range(30))
+        BudgetPlan(budgets, 64, 16, 2, (32, 64, 128), [[[1.0] * 3] * 3] * 30, 100,
+                   "quest").save(tmp_path / "plan.json")
+        kw = dict(kw, sparse_budget_plan=str(tmp_path / "plan.json"))
     prompts = prompts_of(3, 300) + [prompts_of(1, 40)[0]]
     ref, ref_engine = decode(smollm2_dir, prompts, resident=False, **kw)
     plans.clear()
+    prepared = []       # the resident steps' layers select with the step's SelectPlan
+    select = SelectPlan.select
+    monkeypatch.setattr(SelectPlan, "select", lambda *a: prepared.append(1) or select(*a))
     got, engine = decode(smollm2_dir, prompts, resident=True, **kw)
-    assert sum(plans) > len(plans) // 2
+    assert sum(plans) > len(plans) // 2 and prepared
     assert got == ref
     a, b = engine.store.stats.snapshot(), ref_engine.store.stats.snapshot()
     assert a.selected_count > 0 and a.dense_fallbacks["fits_budget"] > 0

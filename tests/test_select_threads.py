@@ -8,13 +8,14 @@ import torch
 
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
+from kernels.select_plan import SelectPlan
 from scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("pipeline", ["sequential", "sfc"])
-def test_selection_threads_follow_the_pipeline_mode(smollm2_dir, pipeline):
+def test_selection_threads_follow_the_pipeline_mode(smollm2_dir, monkeypatch, pipeline):
     engine = LLMEngine(EngineArgs(model=str(smollm2_dir), kv_device_gb=0.1, page_size=16,
                                   prefix_cache="off", sparse_budget=64, sparse_sink_tokens=16,
                                   sparse_local_tokens=16, pipeline=pipeline, micro_batch=1))
@@ -31,6 +32,13 @@ def test_selection_threads_follow_the_pipeline_mode(smollm2_dir, pipeline):
         return original(*args, threads=threads, **kwargs)
 
     selector.select = spy
+    build = SelectPlan.build.__func__       # a resident step's selection, prepared a step
+
+    def spy_plan(cls, *args, threads=1, **kwargs):
+        seen.append((threads, engine.store.attention_threads))
+        return build(cls, *args, threads=threads, **kwargs)
+
+    monkeypatch.setattr(SelectPlan, "build", classmethod(spy_plan))
     gen = torch.Generator().manual_seed(3)
     for i in range(2):
         engine.add_request(f"r{i}", torch.randint(100, 40000, (300,), generator=gen).tolist(),
