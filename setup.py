@@ -32,5 +32,6 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"],
                              extra_link_args=["-pthread"]),
                    Extension("kernels._select", ["kernels/_select.c"],
-                             depends=["kernels/_rows.h", "kernels/_select_score.h"],
+                             depends=["kernels/_rows.h", "kernels/_select_score.h",
+                                      "kernels/_select_top.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv"])])

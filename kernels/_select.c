@@ -20,7 +20,8 @@
  * the lower page number. The union of a sequence's heads' pages is listed too.
  *
  * `threads` > 1: the sequences are shared by that many threads of kernels/_decode.c's pool
- * (8 x 438 pages, budget 64: 330 -> 175 us a layer on two threads, 2-core AMD EPYC); each
+ * (8 x 438 pages, budget 64: 330 -> 175 us a layer on two threads, 2-core AMD EPYC), and
+ * with fewer sequences than threads their pages' scoring is (`score_first`); each
  * sequence's rows go to fixed places, then one pass moves them to CSR order, so the output
  * does not depend on the thread count.
  */
@@ -33,68 +34,7 @@
 #include <string.h>
 
 #include "_select_score.h"
-
-/* a float's bits as an unsigned key in the same order (-0 as +0; no NaN comes here) */
-static inline uint32_t order_key(float f) {
-    f += 0.0f;
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u & 0x80000000u ? ~u : u | 0x80000000u;
-}
-
-/* the value of rank `k` (0-based, descending) among w[0..n-1] (w is scratch, overwritten):
- * a radix select over the order keys, a byte at a time from the top, each pass keeping only
- * the keys whose bytes so far are the rank's (quickselect's data-dependent branches: a row
- * of 438 pages took 4.6 us to select with it, 3.2 with this; 8 rows x 438 pages, budget 64:
- * 381 -> 330 us a layer on one thread) */
-static float kth_largest(float *w, int64_t n, int64_t k) {
-    uint32_t *key = (uint32_t *)w;      /* in place: a key per value */
-    for (int64_t i = 0; i < n; i++)
-        key[i] = order_key(w[i]);
-    uint32_t rank_key = 0;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        int64_t hist[256] = {0};
-        for (int64_t i = 0; i < n; i++)
-            hist[key[i] >> shift & 255]++;
-        int bin = 255;
-        while (k >= hist[bin])
-            k -= hist[bin--];
-        rank_key |= (uint32_t)bin << shift;
-        int64_t m = 0;          /* keep this bin's keys (no branch: half of them may differ) */
-        for (int64_t i = 0; i < n; i++) {
-            key[m] = key[i];
-            m += (key[i] >> shift & 255) == (uint32_t)bin;
-        }
-        n = m;
-    }
-    uint32_t u = rank_key & 0x80000000u ? rank_key & 0x7fffffffu : ~rank_key;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* mark (chosen[p] = 1) the `k` entries of key[0..n-1] with the largest values among those
- * with eligible[p], ties to the lower p; returns how many */
-static int64_t mark_top(const float *key, const uint8_t *eligible, int64_t n, int64_t k,
-                        float *scratch, uint8_t *chosen) {
-    int64_t m = 0;
-    for (int64_t p = 0; p < n; p++)
-        if (eligible[p]) scratch[m++] = key[p];
-    if (k <= 0 || m == 0)
-        return 0;
-    if (k >= m) {
-        for (int64_t p = 0; p < n; p++)
-            if (eligible[p]) chosen[p] = 1;
-        return m;
-    }
-    float t = kth_largest(scratch, m, k - 1);
-    int64_t c = 0;
-    for (int64_t p = 0; p < n; p++)
-        if (eligible[p] && key[p] > t) { chosen[p] = 1; c++; }
-    for (int64_t p = 0; p < n && c < k; p++)
-        if (eligible[p] && key[p] == t && !chosen[p]) { chosen[p] = 1; c++; }
-    return c;
-}
+#include "_select_top.h"
 
 /* what one select_pages call shares with its tasks */
 typedef struct {
@@ -108,15 +48,30 @@ typedef struct {
      * ux + b * p_max, its count in ucnt[b] */
     int64_t *ix, *cnt, *ux, *ucnt, *upos;
     float *so;
+    /* [B][KVH][p_max + 1] the scores, when tasks of page ranges made them before the
+     * selection (few sequences, more threads); NULL: each sequence's task scores it */
+    float *scored;
 } sel_call;
 
-/* one task: sequences b0 .. b1 - 1 */
+/* one task: sequences b0 .. b1 - 1; a scoring task: pages p0 .. p1 - 1 of sequence b0 */
 typedef struct {
     const sel_call *c;
     int b0, b1, failed;
+    int64_t p0, p1;
 } sel_task;
 
-/* select one sequence's rows (see the file's comment) into the call's fixed places */
+/* scores of pages p0 .. p1 - 1 of sequence b into out [KVH][stride] (from its page 0) */
+static void score_range(const sel_call *c, int b, int64_t p0, int64_t p1, float *out,
+                        int64_t stride, float *qq) {
+    score_seq(c->q + (int64_t)b * c->kvh * c->g * c->d, c->kvh, c->g, c->d,
+              (const char *)(uintptr_t)c->sa[b] + p0 * c->page_bytes, c->page_bytes,
+              c->head_bytes, c->row_bytes, c->bf16, c->quest, p1 - p0, out + p0, stride, qq,
+              c->simd);
+}
+
+/* select one sequence's rows (see the file's comment) into the call's fixed places; sc:
+ * scratch [KVH + 2][stride] and [KVH * g * 2D] floats, its first KVH rows the scores unless
+ * the call has them (c->scored) */
 static void select_seq(const sel_call *c, int b, float *sc, uint8_t *chosen, int64_t *umap,
                        int64_t stride) {
     const int kvh = c->kvh;
@@ -124,9 +79,10 @@ static void select_seq(const sel_call *c, int b, float *sc, uint8_t *chosen, int
     float *scratch = sc + stride * kvh, *pv = scratch + stride, *qq = pv + stride;
     uint8_t *any = chosen + (size_t)stride * kvh, *elig = any + stride;
     memset(any, 0, (size_t)n);
-    score_seq(c->q + (int64_t)b * kvh * c->g * c->d, kvh, c->g, c->d,
-              (const char *)(uintptr_t)c->sa[b], c->page_bytes, c->head_bytes, c->row_bytes,
-              c->bf16, c->quest, n, sc, stride, qq, c->simd);
+    if (c->scored)
+        sc = c->scored + (int64_t)b * kvh * stride;
+    else
+        score_range(c, b, 0, n, sc, stride, qq);
     for (int h = 0; h < kvh; h++) {
         const int64_t r = (int64_t)b * kvh + h;
         uint8_t *ch = chosen + (size_t)stride * h;
@@ -182,6 +138,19 @@ static void select_seq(const sel_call *c, int b, float *sc, uint8_t *chosen, int
         }
 }
 
+/* a scoring task (c->scored): its page range's scores */
+static void run_score_task(void *arg) {
+    sel_task *t = arg;
+    const sel_call *c = t->c;
+    float *qq = malloc(sizeof(float) * (size_t)((int64_t)c->kvh * c->g * 2 * c->d));
+    if (!qq)
+        t->failed = 1;
+    else
+        score_range(c, t->b0, t->p0, t->p1, c->scored + (int64_t)t->b0 * c->kvh *
+                    (c->p_max + 1), c->p_max + 1, qq);
+    free(qq);
+}
+
 static void run_task(void *arg) {
     sel_task *t = arg;
     const sel_call *c = t->c;
@@ -217,6 +186,43 @@ static void compact(int64_t *v, const int64_t *cnt, int64_t rows, int64_t width,
         memmove(v + ptr[r], v + r * width, sizeof(int64_t) * (size_t)cnt[r]);
         ptr[r + 1] = ptr[r] + cnt[r];
     }
+}
+
+/* Fewer sequences than threads (one stream's decode): the threads score page ranges of each
+ * sequence into c->scored first, then the sequences' tasks select from it (a page's score
+ * is its own summaries' and query's: the same bits in any range). Ranges are multiples of 16
+ * pages, the AVX-512 scoring's blocks. Returns 1 if out of memory; does nothing (c->scored
+ * NULL) for calls too small to share. B = 1, 438 pages, two threads: 34 -> 25 us. */
+#define SPLIT_MIN_PAGES 96
+
+static int score_first(sel_call *c, int b_size, int threads, int64_t total) {
+    int parts = b_size > 0 ? threads / b_size : 0;
+    if (parts > MAX_TASKS / b_size) parts = MAX_TASKS / b_size;
+    if (!shared_pool || parts < 2 || total < SPLIT_MIN_PAGES)
+        return 0;
+    const int64_t stride = c->p_max + 1;
+    c->scored = malloc(sizeof(float) * (size_t)((int64_t)b_size * c->kvh * stride));
+    if (!c->scored)
+        return 1;
+    sel_task tasks[MAX_TASKS];
+    void *targs[MAX_TASKS];
+    int n = 0;
+    for (int b = 0; b < b_size; b++) {
+        const int64_t np = c->np_[b], per = ((np + parts - 1) / parts + 15) / 16 * 16;
+        for (int64_t p0 = 0; p0 < np; p0 += per) {
+            tasks[n] = (sel_task){c, b, b + 1, 0, p0, p0 + per < np ? p0 + per : np};
+            targs[n] = &tasks[n];
+            n++;
+        }
+    }
+    if (n > 1)
+        shared_pool->run(run_score_task, targs, n);
+    else if (n == 1)
+        run_score_task(targs[0]);
+    int failed = 0;
+    for (int i = 0; i < n; i++)
+        failed |= tasks[i].failed;
+    return failed;
 }
 
 static PyObject *select_pages(PyObject *self, PyObject *args) {
@@ -285,9 +291,10 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
             tasks[i].b1 = b;
             targs[i] = &tasks[i];
         }
-        if (n_tasks > 1)
+        failed = score_first(&c, b_size, threads, total);
+        if (!failed && n_tasks > 1)
             shared_pool->run(run_task, targs, n_tasks);
-        else
+        else if (!failed)
             run_task(targs[0]);
         for (int i = 0; i < n_tasks; i++)
             failed |= tasks[i].failed;
@@ -303,6 +310,7 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
         }
     }
     free(cnt);
+    free(c.scored);
     Py_END_ALLOW_THREADS
     if (failed)
         return PyErr_NoMemory();
