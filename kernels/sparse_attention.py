@@ -266,63 +266,6 @@ class NativeSparseDecode:
             int(self.simd), self.threads or torch.get_num_threads())
         return out.to(q.dtype)
 
-    def selected_plan(self, kv_pool: torch.Tensor, group: int, slots: torch.Tensor,
-                      starts: torch.Tensor, last_len: torch.Tensor,
-                      marks: tuple[torch.Tensor, int], key_stride: int,
-                      page_ids: torch.Tensor) -> SelectedDecodePlan | None:
-        """forward_selected for the same sequences in every layer of a step, its checks and
-        arguments made once: slots int64 [L, N] (row l: forward_selected's layer_slots of
-        layer l), layer l's key_base = l * key_stride; the rest as forward_selected's.
-        None where the C kernel does not serve the pool (then forward_selected per layer)."""
-        kvh = kv_pool.shape[2]
-        probe = torch.empty(1, kvh * group, kv_pool.shape[4])
-        ints = (slots, starts, marks[0], page_ids)
-        if not self.supports(probe, kv_pool, group) or slots.dim() != 2 or any(
-                t.dtype != torch.int64 or not t.is_contiguous() for t in ints) \
-                or last_len.dtype != torch.int32 or not last_len.is_contiguous() \
-                or page_ids.dim() != 2 or page_ids.shape[0] != starts.numel() \
-                or last_len.numel() != starts.numel():
-            return None
-        return SelectedDecodePlan(self, kv_pool, group, slots, starts, last_len, marks,
-                                  key_stride, page_ids)
-
-
-class SelectedDecodePlan:
-    """NativeSparseDecode.forward_selected with one step's arguments (`selected_plan`)."""
-
-    def __init__(self, kernel: NativeSparseDecode, kv_pool: torch.Tensor, group: int,
-                 slots: torch.Tensor, starts: torch.Tensor, last_len: torch.Tensor,
-                 marks: tuple[torch.Tensor, int], key_stride: int, page_ids: torch.Tensor):
-        self.b, self.kvh, self.group = starts.numel(), kv_pool.shape[2], group
-        self.h, self.d = self.kvh * group, kv_pool.shape[4]
-        self.slots, self.key_stride = slots, key_stride
-        self._keep = (kv_pool, starts, last_len, marks[0], page_ids)    # read by address
-        self.pool_args = (kv_pool.data_ptr(), int(kv_pool.dtype == torch.bfloat16), self.kvh,
-                          kv_pool.shape[3], self.d, group, self.b)
-        self.seq_args = (starts.data_ptr(), last_len.data_ptr(), marks[0].data_ptr(),
-                         marks[0].numel(), marks[1])
-        self.tail = (page_ids.data_ptr(), page_ids.shape[1])
-        self.pool_slots = kv_pool.shape[0]
-        self.simd, self.threads = int(kernel.simd), kernel.threads or torch.get_num_threads()
-
-    def __call__(self, layer: int, qf: torch.Tensor, sel, scale: float) -> torch.Tensor:
-        """forward_selected(q, ..., layer_slots=slots[layer], key_base=layer * key_stride)
-        for qf [B, H, D] float32 contiguous: [B, H, D] float32."""
-        b, h, d = self.b, self.h, self.d
-        if qf.dtype != torch.float32 or not qf.is_contiguous() or qf.shape != (b, h, d) \
-                or sel.indptr.numel() != b * self.kvh + 1 \
-                or not 0 <= layer < self.slots.shape[0]:
-            raise ValueError("SelectedDecodePlan: float32 contiguous queries, a selection of "
-                             "the plan's sequences and one of its layers")
-        out = torch.empty(b * h * (d + 1), dtype=torch.float32)     # the lse after the rows
-        slots = self.slots
-        _decode.sparse_decode_selected(
-            qf.data_ptr(), *self.pool_args, sel.indptr.data_ptr(), sel.page_indices.data_ptr(),
-            slots.data_ptr() + layer * slots.shape[1] * 8, slots.shape[1], *self.seq_args,
-            layer * self.key_stride, *self.tail, scale, out.data_ptr(),
-            out.data_ptr() + b * h * d * 4, self.pool_slots, self.simd, self.threads)
-        return out[:b * h * d].view(b, h, d)
-
 
 def native_decode_built() -> bool:
     """Whether the C kernel (kernels/_decode.c) is built (`make setup` builds it)."""

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from kernels.decode_plan import selected_plan, table_plan
 from kernels.layer_ops import write_kv
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode
@@ -51,6 +52,9 @@ class ResidentDecode:
         self.tok_slots = tok_slots          # [L, T] int64: the slot each new token goes to
         self.full = full                    # (keys, slots, owners) of pages that filled
         self.used_slots = used_slots        # [L, n] int64: the slot of every page, in order
+        # the attention over the head table in every layer, its arguments made at the first
+        # layer (False: the kernel's forward, layer by layer)
+        self._dense_plan = None
         # sparse layers: their selections (settled at the step's end)
         self.selected: dict[int, SelectedPages] = {}
         self.dense_pos = None
@@ -153,10 +157,16 @@ class ResidentDecode:
         if self.step.sparse_idx and layer >= self.step.cfg.dense_layers:
             return self._attend_sparse_layer(layer, q, scale)
         t0 = time.perf_counter()
-        h = self.head
-        table = PageTable(h.indptr, self.head_slots[layer], h.last_page_len, h.page_size)
         group = q.shape[1] // pool.shape[2]
-        out = self.kernel.forward(q, pool, table, group, scale)   # (torch's if unsupported)
+        if self._dense_plan is None:
+            self._dense_plan = table_plan(self.kernel, pool, group, self.head,
+                                          self.head_slots) or False
+        if self._dense_plan:
+            out = self._dense_plan(layer, q, scale)
+        else:
+            h = self.head
+            table = PageTable(h.indptr, self.head_slots[layer], h.last_page_len, h.page_size)
+            out = self.kernel.forward(q, pool, table, group, scale)   # (torch's if unsupported)
         self.stats.observe_stage("compute", time.perf_counter() - t0)
         return out
 
@@ -177,9 +187,9 @@ class ResidentDecode:
         qs = q[rows]
         group = q.shape[1] // pool.shape[2]
         if self._plans is None:
-            self._plans = (step.select_plan(idx, group), self.kernel.selected_plan(
-                pool, group, self.used_slots, self.sparse_starts, self.sparse_last_t,
-                self.marks, self.tiers.max_pages, self.sparse_pages))
+            self._plans = (step.select_plan(idx, group), selected_plan(
+                self.kernel, pool, group, self.used_slots, self.sparse_starts,
+                self.sparse_last_t, self.marks, self.tiers.max_pages, self.sparse_pages))
         select, decode = self._plans
         if select is not None and decode is not None:
             qf = qs.to(torch.float32).contiguous()

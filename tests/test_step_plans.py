@@ -1,13 +1,16 @@
 """A step's prepared selection and attention (kernels/select_plan.py's SelectPlan,
-NativeSparseDecode.selected_plan) equal, layer by layer and bit for bit, the per-call
-native_select and forward_selected they stand in for; inputs they do not serve get None."""
+kernels/decode_plan.py's table and selected plans) equal, layer by layer and bit for bit, the
+per-call native_select, forward and forward_selected they stand in for; inputs they do not
+serve get None."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels.page_select import _select, native_select
+from kernels.page_table import PageTable, selected_head_table
 from kernels.select_plan import SelectPlan, layer_budgets
+from kernels.decode_plan import selected_plan, table_plan
 from kernels.sparse_attention import NativeSparseDecode, _decode
 
 pytestmark = pytest.mark.skipif(_select is None or _decode is None,
@@ -114,7 +117,7 @@ def test_each_layer_attends_as_forward_selected(group, dtype):
     kernel = NativeSparseDecode()
     for seed in range(5):
         q, pool, sels, slots, starts, last, marks, ids = _decode_case(dtype, seed, group)
-        plan = kernel.selected_plan(pool, group, slots, starts, last, marks, 200, ids)
+        plan = selected_plan(kernel, pool, group, slots, starts, last, marks, 200, ids)
         assert plan is not None
         for layer in (3, 1, 0, 2):
             want = kernel.forward_selected(q[layer], pool, sels[layer], group, 0.125,
@@ -127,12 +130,40 @@ def test_each_layer_attends_as_forward_selected(group, dtype):
 def test_pools_and_tables_the_c_attention_does_not_serve_get_no_plan():
     kernel = NativeSparseDecode()
     q, pool, sels, slots, starts, last, marks, ids = _decode_case(torch.float32, 2, 3)
-    plan = kernel.selected_plan
+
+    def plan(*args):
+        return selected_plan(kernel, *args)
+
     assert plan(pool, 3, slots, starts, last, marks, 200, ids) is not None
     assert plan(pool.half(), 3, slots, starts, last, marks, 200, ids) is None
     assert plan(pool, 3, slots.int(), starts, last, marks, 200, ids) is None
     assert plan(pool, 3, slots, starts, last.long(), marks, 200, ids) is None
     assert plan(pool, 3, slots, starts[:-1], last, marks, 200, ids) is None
     good = plan(pool, 3, slots, starts, last, marks, 200, ids)
-    with pytest.raises(ValueError, match="one of its layers"):
+    with pytest.raises(ValueError, match="one of its 4 layers"):
         good(L, q[0].contiguous(), sels[0], 0.125)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 3])
+def test_each_layer_attends_over_the_table_as_forward(group, dtype):
+    kernel = NativeSparseDecode()
+    for seed in range(5):
+        q, pool, sels, _, _, last, _, _ = _decode_case(dtype, seed, group)
+        gen = torch.Generator().manual_seed(seed)
+        n = sels[0].union_indices.numel()
+        table, _ = selected_head_table(sels[0], torch.arange(n), last, PS)  # entries: positions
+        slots = torch.stack([torch.randperm(pool.shape[0], generator=gen)[:n][table.indices]
+                             for _ in range(L)])
+        plan = table_plan(kernel, pool, group, table, slots)
+        assert plan is not None
+        for layer in (1, 3, 0, 2):
+            want = kernel.forward(q[layer].to(dtype), pool, PageTable(
+                table.indptr, slots[layer], table.last_page_len, PS), group, 0.125)
+            got = plan(layer, q[layer].to(dtype), 0.125)
+            assert got.dtype == dtype and torch.equal(got, want), layer
+        assert table_plan(kernel, pool.half(), group, table, slots) is None
+        assert table_plan(kernel, pool, group, table, slots.int()) is None
+        assert table_plan(kernel, pool, group, table, slots[:, 1:]) is None
+        with pytest.raises(ValueError, match="one of its 4 layers"):
+            plan(L, q[0].to(dtype), 0.125)
