@@ -8,6 +8,7 @@ Everything per layer is batched over the step's sequences (no per-page Python lo
 """
 from __future__ import annotations
 
+
 import time
 from dataclasses import dataclass
 
@@ -75,6 +76,7 @@ class StepKV:
         tok_t, tok_off = [], []
         # touched pages (being written this step), per sequence a contiguous run of page indices
         self.t_runs: list[tuple[int, int, int]] = []      # (seq, first page index, count)
+        self.s_counts: list[int] = []       # each run's full pages (`summarize`)
         t_pid, t_valid, t_full = [], [], []
         for i, s in enumerate(seqs):
             self.qo.append(self.qo[-1] + s.q_len)
@@ -88,12 +90,16 @@ class StepKV:
                 valid = min(ps, s.kv_len - j * ps)
                 t_valid.append(valid)
                 t_full.append(valid == ps and s.start_pos - j * ps < ps)   # filled in this step
+            self.s_counts.append(sum(t_full[len(t_full) - (j1 - j0 + 1):]))   # full, leading
         # each token's page, as an index into the touched pages (t_pid)
         self.tok_t = torch.tensor(tok_t, **_I64)
         self.tok_off = torch.tensor(tok_off, **_I64)
         self.t_pid = torch.tensor(t_pid, **_I64)
         self.t_valid = torch.tensor(t_valid, **_I64)
         self.t_full = torch.tensor(t_full, dtype=torch.bool)
+        # the written pages `summarize` summarizes: the full ones (a partial page is its
+        # sequence's last, which selection always keeps: --sparse-local-tokens is >= 1 page)
+        self.s_idx = torch.tensor([u for u, f in enumerate(t_full) if f], **_I64)
         # the owner of each page that became full, in t_full order (for per-request write-back)
         self.t_full_rids = [seqs[i].request_id for (i, _, n) in self.t_runs for _ in range(n)]
         self.t_full_rids = [rid for rid, f in zip(self.t_full_rids, t_full) if f]
@@ -131,15 +137,19 @@ class StepKV:
         summaries of `layer` (selection's input; prompts also into its index)."""
         # NOTE: recomputed from the page contents, so a retried step cannot double count
         # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]
-        pool = self.tiers.pool
-        summ = None if self.selection.projected else summarize_slots(pool, t_slots, self.t_valid)
-        if summ is None:
-            summ = summarize_pages(self.selection.summary_keys(layer, pool[t_slots, 0]),
-                                   self.t_valid)
+        # NOTE: only full pages (s_idx): a decode step fills one page in 16
+        pool, full = self.tiers.pool, self.s_idx
+        if full.numel():
+            t_slots, valid = t_slots[full], self.t_valid[full]
+            summ = None if self.selection.projected else summarize_slots(pool, t_slots, valid)
+            if summ is None:
+                summ = summarize_pages(self.selection.summary_keys(layer, pool[t_slots, 0]),
+                                       valid)
         u, prompts = 0, []
-        for i, j0, n in self.t_runs:
+        for (i, j0, _), n in zip(self.t_runs, self.s_counts):
             rkv = self.parts.requests[self.seqs[i].request_id]
-            rkv.summaries[layer, j0:j0 + n] = summ[u:u + n]
+            if n:
+                rkv.summaries[layer, j0:j0 + n] = summ[u:u + n]
             u += n
             if self.seqs[i].q_len > 1:
                 prompts.append((rkv, self.n_pages[i]))

@@ -120,6 +120,34 @@ def test_resident_steps_keep_the_page_summaries_sparse_decode_selects_by(smollm2
     assert got == ref
 
 
+def test_every_full_page_keeps_the_summary_of_its_keys(smollm2_dir, plans):
+    # pages filled by prefill and by decode steps: their summaries (selection's input) are
+    # those of the keys on the device; a sequence's partial last page is not summarized
+    # until it fills (the local window always keeps it)
+    from kernels.page_summary import summarize_pages
+    kw = dict(kv_device_gb=0.1, sparse_budget=64, sparse_sink_tokens=16,
+              sparse_local_tokens=16)
+    engine = LLMEngine(EngineArgs(model=str(smollm2_dir), page_size=16, prefix_cache="off",
+                                  **kw))
+    for i, p in enumerate(prompts_of(2, 300)):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=60, temperature=0.0,
+                                                      ignore_eos=True))
+    for _ in range(45):
+        engine.step()
+    store, tiers = engine.store, engine.store.tiers
+    for rid in ("r0", "r1"):
+        pages = torch.tensor(store.pages(rid), dtype=torch.int64)
+        tokens = 300 + 9 * int(rid[1]) + 45
+        full = tokens // 16
+        assert full > 300 // 16 + 1         # decode filled some
+        for layer in (0, 17, 29):
+            slots = tiers.device_tier.slots(tiers.keys_of(pages[:full], range(layer, layer + 1)))
+            assert bool((slots >= 0).all())
+            want = summarize_pages(tiers.pool[slots.long(), 0], [16] * full,
+                                   store.request(rid).summaries.dtype)
+            assert torch.equal(store.request(rid).summaries[layer, :full], want), (rid, layer)
+
+
 @pytest.mark.parametrize("residency,per_head", [("lru", False), ("score", False),
                                                 ("lru", True)])
 def test_resident_sparse_steps_equal_the_general_path(smollm2_dir, plans, tmp_path, monkeypatch,
