@@ -24,7 +24,8 @@ import torch  # noqa: E402
 from bench.common import add_shape_args, parser, time_calls  # noqa: E402
 from kernels.attention import AttentionBatch, TorchPagedAttention  # noqa: E402
 from kernels import page_select  # noqa: E402
-from kernels.page_select import make_selector, native_select_serves, select_pages  # noqa: E402
+from kernels.page_select import make_selector, native_select_serves  # noqa: E402
+from kernels.page_topk import select_pages  # noqa: E402
 from kernels.page_summary import summarize_pages, update_summaries  # noqa: E402
 from kernels.page_table import build_head_page_table  # noqa: E402
 from kernels.backends import make_sparse_decode  # noqa: E402

@@ -17,7 +17,8 @@ from typing import Sequence
 import torch
 
 from kernels import page_select
-from kernels.page_select import SelectedPages, _check_budget, native_budget
+from kernels.page_select import native_budget
+from kernels.page_topk import SelectedPages, _check_budget
 
 
 LayerBudget = tuple[int, int, "torch.Tensor | None"]

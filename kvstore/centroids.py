@@ -8,7 +8,7 @@ kept in the summaries' dtype (the KV dtype: bf16 by default), as Quest's summari
 scores the centroids (q . c, the largest over the query heads of a GQA group, as the page
 selectors combine heads), and the pages are ranked by their cluster's rank: whole clusters
 best first, and within a cluster the newest pages first, so the cluster at the budget's cut
-gives its newest pages. kernels.page_select.select_pages then keeps the sink pages, the local
+gives its newest pages. kernels.page_topk.select_pages then keeps the sink pages, the local
 window and the prompt prior's pages and fills the budget in that order.
 
 Index bytes per page and KV head: head_dim / centroid_pages values and one int32 label: 68

@@ -28,7 +28,7 @@ from kernels.decode_plan import selected_plan, table_plan
 from kernels.layer_ops import write_kv
 from kernels.page_table import PageTable
 from kernels.sparse_attention import NativeSparseDecode
-from kernels.page_select import SelectedPages
+from kernels.page_topk import SelectedPages
 from kvstore.stages import LayerPart
 from kvstore.write_back import write_back
 

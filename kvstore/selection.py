@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.page_select import make_selector, select_with_priors
+from kernels.page_select import make_selector
+from kernels.page_topk import select_with_priors
 from kernels.select_plan import LayerBudget, SelectPlan, layer_budgets
 from kvstore.centroids import CentroidIndex
 from kvstore.config import KVStoreConfig

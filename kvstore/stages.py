@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from kernels.page_select import SelectedPages, cat_selected
+from kernels.page_topk import SelectedPages, cat_selected
 from kvstore.resolution import Resolution
 
 _I64 = dict(dtype=torch.int64)

@@ -8,24 +8,21 @@ Everything per layer is batched over the step's sequences (no per-page Python lo
 """
 from __future__ import annotations
 
-
 import time
 from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import AttentionBatch
-from kernels.page_prior import window_page_mass
 from kernels.page_summary import summarize_pages
 from kernels.layer_ops import summarize_slots, write_kv
-from kernels.page_table import PageTable, selected_head_table
-from kernels.sparse_attention import NativeSparseDecode
+from kernels.page_table import PageTable
 from kvstore.config import KVStoreConfig
 from kvstore.fetcher import Fetcher
 from kvstore.requests import RequestTable
 from kvstore.resident import ResidentDecode
 from kvstore.selection import PageSelection
 from kvstore.stages import LayerPart, LayerStages, weak_slots
+from kvstore.step_attention import attend_dense, attend_sparse, dense_batch
 from kvstore.stats import KVStats
 from kvstore.tierset import TierSet
 from kvstore.write_back import write_back
@@ -105,8 +102,9 @@ class StepKV:
         self.t_full_rids = [rid for rid, f in zip(self.t_full_rids, t_full) if f]
         self.n_pages = [-(-s.kv_len // ps) for s in seqs]
         self.last_len = [s.kv_len - (n - 1) * ps for s, n in zip(seqs, self.n_pages)]
-        self._last_lens = torch.tensor(self.last_len, dtype=torch.int32)   # per layer's tables
-        self.page_tensors = [torch.tensor(s.page_ids[:n], **_I64) for s, n in zip(seqs, self.n_pages)]
+        self.last_lens = torch.tensor(self.last_len, dtype=torch.int32)   # per layer's tables
+        self.page_tensors = [torch.tensor(s.page_ids[:n], **_I64)
+                             for s, n in zip(seqs, self.n_pages)]
         # [seqs, max pages] page ids, padded with 0 (for vectorized lookups of selected pages)
         self.page_mat = torch.nn.utils.rnn.pad_sequence(self.page_tensors, batch_first=True) \
             if seqs else torch.empty(0, 0, **_I64)
@@ -249,108 +247,14 @@ class StepKV:
     def compute(self, layer: int, q: torch.Tensor, out: torch.Tensor, part: LayerPart,
                 scale: float, early: bool = False) -> None:
         """The attention of `part`'s sequences over its device slots into their rows of out
-        (`early`: a sparse part's first half only, see _attend_sparse), timed."""
+        (`early`: a sparse part's first half only, see step_attention.attend_sparse), timed."""
         t0 = time.perf_counter()
         if part.sel is None:
-            self._attend_dense(layer, q, out, part.idx, part.slots,
-                               layer >= self.cfg.dense_layers, scale)
+            attend_dense(self, layer, q, out, part.idx, part.slots,
+                         layer >= self.cfg.dense_layers, scale)
         else:
-            self._attend_sparse(q, out, part, scale, early)
+            attend_sparse(self, q, out, part, scale, early)
         self.stats.observe_stage("compute", time.perf_counter() - t0)
-
-    def _attend_dense(self, layer: int, q: torch.Tensor, out: torch.Tensor, idx: list[int],
-                      slots: torch.Tensor, sparse: bool, scale: float) -> None:
-        """Every page of the sequences idx (prefills, contexts within the budget, dense
-        layers); in a sparse layer, prefills ending this step also rank their pages."""
-        parts = self.parts
-        rows = self.query_rows(idx)
-        pool, qr = self.tiers.pool, q[rows]
-        group = q.shape[1] // self.tiers.page_shape.num_kv_heads
-        kernel = self._c_kernel(qr, group)
-        if kernel is not None and all(self.seqs[i].q_len == 1 for i in idx):
-            # decodes: the C kernel reads each page in place (1.8x faster than gathering
-            # them for SDPA: 12.8 against 23.4 ms a layer for 8 x 7K tokens, one thread,
-            # bench/sparse_ops.py)
-            out[rows] = kernel.forward(qr, pool, self.dense_head_table(idx, slots), group,
-                                       scale)
-        else:
-            out[rows] = parts.dense_attention.forward(qr, pool, self._dense_batch(idx, slots),
-                                                      scale)
-        if sparse and self.observe_idx:
-            self._observe_window(layer, q, idx, slots, scale)
-
-    def _attend_sparse(self, q: torch.Tensor, out: torch.Tensor, part: LayerPart, scale: float,
-                       early: bool = False) -> None:
-        """The selected pages of the sparse decodes part.idx (a micro-batch, or all of them).
-        With the C kernel, each row attends first to its pages the last step selected too (and
-        the partial last page), then goes on over the others: `early` computes only the first
-        half (into part.head), while the others are fetched."""
-        parts = self.parts
-        pool = self.tiers.pool
-        idx, sel = part.idx, part.sel
-        rows = self.query_rows(idx)
-        qr = q[rows]
-        group = q.shape[1] // self.tiers.page_shape.num_kv_heads
-        kernel = self._c_kernel(qr, group)
-        if early and (kernel is None or part.reused is None or self.cfg.head_pages == "union"):
-            return          # no first half to compute apart: all of it once the fill is in
-        if self.cfg.head_pages == "union":
-            # every head attends to the pages any head selected (fetched anyway): the
-            # dense kernel gathers 2 KB head runs of them, and a page one head missed
-            # still counts
-            table = self._union_table(idx, sel, part.slots)
-            batch = AttentionBatch(torch.arange(len(idx) + 1, dtype=torch.int32),
-                                   table, torch.empty(0, **_I64))
-            out[rows] = parts.dense_attention.forward(qr, pool, batch, scale)
-            return
-        if part.reused is None or kernel is None:
-            table, _ = self._sparse_table(idx, sel, part.slots)
-            out[rows] = parts.sparse_attention.forward(qr, pool, table, group, scale)
-            return
-        qr = qr.float()                 # converted once for both halves
-        if part.head is None:
-            table, pos = self._sparse_table(idx, sel, part.slots)
-            first = part.reused[pos]
-            first[table.indptr[1:].long() - 1] = True        # the partial page: resident
-            if not early:       # both halves at once: one call, the same bits as two
-                out[rows] = kernel.forward_partial(qr, pool, table, group, scale,
-                                                   first=first)[0].to(q.dtype)
-                return
-            head, rest = table.split(first)
-            part.head = (kernel.forward_partial(qr, pool, head, group, scale), rest)
-        if early:
-            return
-        first_half, rest = part.head
-        part.head = None
-        out[rows] = kernel.forward_partial(qr, pool, rest, group, scale,
-                                           carry=first_half)[0].to(q.dtype)
-
-    def _c_kernel(self, qr: torch.Tensor, group: int) -> NativeSparseDecode | None:
-        """The store's C decode kernel when it serves the queries `qr` over the device pool
-        (else None: a torch path computes them)."""
-        kernel = self.parts.sparse_attention
-        if isinstance(kernel, NativeSparseDecode) and kernel.supports(qr, self.tiers.pool, group):
-            return kernel
-        return None
-
-    def _observe_window(self, layer: int, q: torch.Tensor, dense_idx: list[int],
-                        slots: torch.Tensor, scale: float) -> None:
-        """Prefills ending this step: the attention mass of their last obs_window queries over
-        each page (all on device now) becomes the pages' prior for sparse decode."""
-        cfg = self.cfg
-        pool = self.tiers.pool
-        group = q.shape[1] // self.tiers.page_shape.num_kv_heads
-        at = 0
-        for i in dense_idx:
-            n = self.n_pages[i]
-            if i in self.observe_idx:
-                s = self.seqs[i]
-                w = min(cfg.obs_window, s.q_len)
-                mass = window_page_mass(q[self.qo[i + 1] - w:self.qo[i + 1]],
-                                        pool[slots[at:at + n].long(), 0], s.kv_len, scale, group,
-                                        cfg.obs_reduce)
-                self.parts.requests[s.request_id].prior[layer, :n] = mass
-            at += n
 
     def _observe_lookahead(self, layer: int, sel, predicted) -> None:
         """Recall of the layer-ahead prediction: exact union pages it had fetched."""
@@ -383,24 +287,12 @@ class StepKV:
         key = tuple(idx)
         plan = self._head_tables.get(key)
         if plan is None:
-            table = self._dense_batch(idx, torch.arange(sum(self.n_pages[i] for i in idx)))
+            table = dense_batch(self, idx, torch.arange(sum(self.n_pages[i] for i in idx)))
             heads = table.page_table.per_head(self.tiers.page_shape.num_kv_heads)
             plan = self._head_tables[key] = PageTable(heads.indptr, heads.indices.long(),
                                                heads.last_page_len, heads.page_size)
         return PageTable(plan.indptr, slots[plan.indices].to(torch.int32), plan.last_page_len,
                          plan.page_size)
-
-    def _dense_batch(self, idx: list[int], slots: torch.Tensor) -> AttentionBatch:
-        """Page table over device slots for the dense sequences (slots in page order)."""
-        counts = torch.tensor([self.n_pages[i] for i in idx], dtype=torch.int32)
-        indptr = torch.zeros(len(idx) + 1, dtype=torch.int32)
-        torch.cumsum(counts, 0, out=indptr[1:])
-        last = torch.tensor([self.last_len[i] for i in idx], dtype=torch.int32)
-        qo = torch.zeros(len(idx) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor([self.seqs[i].q_len for i in idx], dtype=torch.int32), 0,
-                     out=qo[1:])
-        table = PageTable(indptr, slots.to(torch.int32), last, self.cfg.page_size)
-        return AttentionBatch(qo, table, torch.empty(0, **_I64))
 
     def select(self, layer: int, qd: torch.Tensor, idx: list[int], observe: bool = True):
         """Top pages of layer `layer` for the step's sequences `idx`, queries qd [B, H, D]."""
@@ -436,15 +328,3 @@ class StepKV:
         step run again after a failure splits as it did the first time)."""
         self.selected.append(keys)
         return self.selection.reused(keys)
-
-    def _sparse_table(self, idx: list[int], sel, union_slots: torch.Tensor
-                      ) -> tuple[PageTable, torch.Tensor]:
-        """Per (sequence, KV head) rows over device slots (kernels/page_table.py's
-        `selected_head_table`): (the table, each entry's position among the union keys)."""
-        return selected_head_table(sel, union_slots, self._last_lens[idx], self.cfg.page_size)
-
-    def _union_table(self, idx: list[int], sel, union_slots: torch.Tensor) -> PageTable:
-        """One row per sequence over the union of its heads' pages (the partial page last)."""
-        return PageTable(sel.union_indptr.to(torch.int32), union_slots.to(torch.int32),
-                         self._last_lens[idx], self.cfg.page_size)
-

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kernels.page_select import select_pages
+from kernels.page_topk import select_pages
 from kvstore.budget_plan import BudgetPlan, recall_curves, solve
 from tests import engine_helpers
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.page_select import select_pages
+from kernels.page_topk import select_pages
 from kernels.page_summary import SUMMARY_MEAN
 from kvstore.centroids import CentroidIndex, kmeans, nearest
 from kvstore.selection import PageSelection

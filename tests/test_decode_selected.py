@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.page_select import native_select, select_pages
+from kernels.page_select import native_select
+from kernels.page_topk import select_pages
 from kernels.page_table import selected_head_table
 from kernels.sparse_attention import NativeSparseDecode, TorchSparseDecode, _decode
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from kernels import page_select
-from kernels.page_select import (MeanKeySelector, QuestSelector, SelectedPages, Selector,
-                                 make_selector, mean_scores, native_select, quest_scores,
-                                 select_pages)
+from kernels.page_select import (MeanKeySelector, QuestSelector, Selector, make_selector,
+                                 mean_scores, native_select, quest_scores)
 from kernels.page_prior import window_page_mass
 from kernels.page_table import selected_head_table
 from kernels.page_summary import summarize_pages
+from kernels.page_topk import SelectedPages, select_pages
 
 AWKWARD_LENS = [27, 61, 113, 577]
 
