@@ -23,9 +23,9 @@ from pathlib import Path
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.core_split import CoreSplit  # noqa: E402
-from bench.common import (add_out_arg, all_decoding, cpu_line, decoding_engine,  # noqa: E402
-                          machine, parser, result_header, time_calls, use_checkout_cache,
-                          write_json)
+from bench.common import (add_out_arg, cpu_line, machine, parser, result_header,  # noqa: E402
+                          time_calls, use_checkout_cache, write_json)
+from bench.engine_steps import all_decoding, decoding_engine  # noqa: E402
 
 use_checkout_cache()
 

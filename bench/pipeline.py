@@ -35,10 +35,11 @@ from pathlib import Path
 
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (KV_TMP, RESULTS, EngineSteps, add_out_arg,  # noqa: E402
-                          add_replot_arg, add_thread_args, code_version, counter_delta,
-                          essay_prompts, parser, profile_text, pyplot, read_json, result_path,
-                          save_figure, use_checkout_cache, write_json)
+from bench.common import (KV_TMP, RESULTS, add_out_arg, add_replot_arg,  # noqa: E402
+                          add_thread_args, code_version, counter_delta, essay_prompts, parser,
+                          profile_text, pyplot, read_json, result_path, save_figure,
+                          use_checkout_cache, write_json)
+from bench.engine_steps import EngineSteps  # noqa: E402
 
 use_checkout_cache()
 STAGES = ("select", "resolve", "fetch", "compute")

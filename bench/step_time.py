@@ -21,7 +21,8 @@ from pathlib import Path
 
 if not __package__:                     # run as a script: import from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import all_decoding, decoding_engine, parser, use_checkout_cache  # noqa: E402
+from bench.common import parser, use_checkout_cache  # noqa: E402
+from bench.engine_steps import all_decoding, decoding_engine  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

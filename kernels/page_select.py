@@ -28,7 +28,6 @@ import torch
 
 from kernels.page_summary import SUMMARY_MAX, SUMMARY_MEAN, SUMMARY_MIN
 from kernels.page_topk import SelectedPages, _any, _check_budget, select_with_priors
-from kernels.page_topk import cat_selected, select_pages  # noqa: F401  TEMP until importers move
 
 try:
     from kernels import _select

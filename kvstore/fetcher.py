@@ -1,6 +1,7 @@
 """Fetcher: moves pages between tiers for a step. Hits and misses per tier, evictions with
 demotion to the host tier, fills from host or disk into device slots (write-back of full
-pages to the backing tier: kvstore/write_back.py)."""
+pages to the backing tier: kvstore/write_back.py; copies up through a copy stream:
+kvstore/fill_copies.py)."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +11,7 @@ import torch
 
 from kvstore import native_evict
 from kvstore.errors import RequestKVError
+from kvstore.fill_copies import copy_up, send_up, unstage
 from kvstore.resolution import NONE as _NONE, Resolution
 from kvstore.tiers.errors import TierError
 
@@ -326,7 +328,7 @@ class Fetcher:
                     if copies is None:
                         host.load_into(pool, res.host_dst, res.host_src)
                     else:
-                        self._copy_up(res, res.host_dst, lambda buf: host.load_into(
+                        copy_up(tiers, res, res.host_dst, lambda buf: host.load_into(
                             buf, torch.arange(res.host_src.numel()), res.host_src))
                     tiers.stats.add_transfer("host", "device",
                                              res.host_src.numel() * host.page_bytes)
@@ -337,13 +339,13 @@ class Fetcher:
                 if reads is not None:    # never return with reads still landing in the pool
                     reads.result()
             if res.staged is not None:          # read into staging: up it goes
-                self._send_up(res, res.disk_dst, res.staged)
+                send_up(tiers, res, res.disk_dst, res.staged)
                 res.staged = None
         except TierError as exc:
             raise tiers.lost(exc.keys, str(exc)) from exc
         finally:
             tiers.host_pinned[res.host_src] = False
-            self._unstage(res)
+            unstage(tiers, res)
         # NOTE: after a failure the slots stay pinned until `forget` drops them
         tiers.device_pinned[res.host_dst] = False
         tiers.device_pinned[res.disk_slots] = False
@@ -361,31 +363,6 @@ class Fetcher:
             moved += r * tiers.recompute.page_bytes
         tiers.stats.add_transfer("disk", "device", moved)
 
-    def _copy_up(self, res: Resolution, dst: torch.Tensor, gather) -> None:
-        """Pages into device slots `dst` through the copy stream: `gather(buf)` writes them
-        into a staging buffer, whose copy up then runs after `res.after`; `res.ready` becomes
-        its event (the copy stream runs in order, so it covers the fill's earlier copies)."""
-        buf = self.tiers.copies.staging.take(dst.numel())
-        try:
-            gather(buf)
-        except BaseException:
-            self.tiers.copies.staging.release(buf, None)
-            raise
-        self._send_up(res, dst, buf)
-
-    def _send_up(self, res: Resolution, dst: torch.Tensor, buf: torch.Tensor) -> None:
-        """The staging buffer `buf` into device slots `dst` on the copy stream, after
-        `res.after`; `res.ready` becomes the copy's event, which frees the buffer."""
-        copies = self.tiers.copies
-        res.ready = copies.to_device(self.tiers.device_tier.pool, dst, buf, res.after)
-        copies.staging.release(buf, res.ready)
-
-    def _unstage(self, res: Resolution) -> None:
-        """A staging buffer whose reads will never be copied up (a failure) is free again."""
-        if res.staged is not None:
-            self.tiers.copies.staging.release(res.staged, None)
-            res.staged = None
-
     def arrived(self, res: Resolution | None) -> None:
         """Compute that reads the pages `res` filled waits for their copies (a copy stream's
         event; nothing to wait for where fills write the pool in place)."""
@@ -397,7 +374,7 @@ class Fetcher:
         for its disk reads, if issued, unpin its host pages and drop its slots (`forget`)."""
         if res.reads is not None:
             wait([res.reads])            # no read may land in a slot given to another page
-        self._unstage(res)
+        unstage(self.tiers, res)
         if res.inputs is not None:
             wait([res.inputs[0]])
         self.tiers.host_pinned[res.host_src] = False

@@ -40,7 +40,8 @@ it, and unpins them when done (disjoint entries of the pin masks).
 
 Metrics (kvstore.stats): `strata_stage_seconds{stage}` per stage per micro-batch, busy and
 stall seconds (a stage waiting on the one before it). Stage functions and layer parts:
-kvstore/stages.py; calibration of the micro-batch: kvstore/calibration.py.
+kvstore/stages.py; calibration of the micro-batch: kvstore/calibration.py; a layer's stages
+one after the other: kvstore/sequential.py.
 """
 from __future__ import annotations
 
@@ -51,12 +52,13 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 
-from kernels.page_select import SelectedPages, cat_selected
+from kernels.page_topk import SelectedPages, cat_selected
 from kvstore.ahead import ReuseAhead, prefetch_predicted
 from kvstore.calibration import MicroBatchCalibration
 from kvstore.config import PIPELINES
 from kvstore.fetcher import Fetcher
 from kvstore.resolution import Resolution
+from kvstore.sequential import run_sequential
 from kvstore.stages import ComputeFn, LayerPart, LayerStages, filled, merge_sparse
 
 logger = logging.getLogger(__name__)
@@ -198,7 +200,7 @@ class Pipeline:
         if mb and max(len(sparse_idx), len(dense_idx)) > 1:
             parts = self._run_sfc(stages, dense_idx, sparse_idx, protect, mb)
         else:
-            parts = self._run_sequential(stages, dense_idx, sparse_idx, protect)
+            parts = run_sequential(self, stages, dense_idx, sparse_idx, protect)
         if self.ahead is not None and stages.step.sparse_idx:
             self.ahead.issue(stages, parts, protect, ahead_keys)
         return parts
@@ -286,36 +288,6 @@ class Pipeline:
         t0 = time.perf_counter()
         errors = [e for p in parts if p.filled is not None and (e := self._settle(p))]
         return time.perf_counter() - t0, (errors[0] if errors else None)
-
-    def _run_sequential(self, stages, dense_idx, sparse_idx, protect):
-        st = self.stats
-        sel = None
-        keys = dense_keys = stages.dense_keys(dense_idx)
-        if sparse_idx:
-            sel, sparse_keys = stages.select_keys(sparse_idx)
-            reused = stages.reused(sparse_keys)
-            keys = torch.cat([dense_keys, sparse_keys])
-        t0 = time.perf_counter()
-        res = stages.resolve(keys, torch.cat([keys, protect]))
-        t1 = time.perf_counter()
-        st.observe_stage("resolve", t1 - t0)
-        try:
-            stages.fill(res)
-        except Exception:
-            stages.step.fetcher.forget(res)
-            raise
-        self.fetcher.arrived(res)
-        st.observe_stage("fetch", time.perf_counter() - t1)
-        n = dense_keys.numel()
-        parts = []
-        if dense_idx:
-            parts.append(LayerPart(dense_idx, None, dense_keys, res.slots[:n]))
-        if sparse_idx:       # sfc's fetch ahead turns on by its misses (sequential: unread)
-            misses = int(res.fills(res.slots[n:]).sum()) \
-                if res.misses and self.ahead is not None else 0
-            parts.append(LayerPart(sparse_idx, sel, keys[n:], res.slots[n:], misses,
-                                   reused=reused))
-        return parts
 
     def _run_sfc(self, stages, dense_idx, sparse_idx, protect_keys, mb):
         resolver, fetcher = self.threads()

@@ -25,6 +25,7 @@ import torch
 
 from kernels.backends import make_attention_backend, make_sparse_decode
 from kvstore.config import KVStoreConfig
+from kvstore.disk_room import register_on_disk
 from kvstore.errors import KVFull, KVNeverFits, RequestKVError
 from kvstore.page_allocator import PageAllocator
 from kvstore.pipeline import Pipeline
@@ -43,7 +44,6 @@ from kvstore.lowrank import LowRankProjection
 from kvstore.backing import backing_geometry
 from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.disk_layout import DiskLayout
-from kvstore.tiers.errors import TierFull
 from kvstore.tierset import TierSet
 
 __all__ = ["KVFull", "KVNeverFits", "RequestKVError", "TieredKVStore"]
@@ -161,12 +161,7 @@ class TieredKVStore:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in the KV store")
         handle = self._requests.new_handle()
-        disk = self._tiers.disk_tier
-        if disk is not None:
-            try:
-                disk.register_request(handle, cap)
-            except TierFull:
-                self._make_disk_room(handle, cap)
+        register_on_disk(self._tiers, self._prefix, handle, cap)
         shape, cfg = self.page_shape, self.cfg
         # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper
         # bound. Only sparse decode reads them.
@@ -178,20 +173,6 @@ class TieredKVStore:
             prior = torch.full((self.num_layers, cap, shape.num_kv_heads), -float("inf"))
         self._requests.add(RequestKV(request_id, handle, cap, summaries, prior=prior,
                                      centroids=CentroidIndex(cap)))
-
-    def _make_disk_room(self, handle: int, cap: int) -> None:
-        """Register the request's file once room is made: files of finished requests may
-        still wait for their last writes (`release` defers their close), and cached pages
-        only the prefix cache holds give their space back (least recently used first)."""
-        disk = self._tiers.disk_tier
-        self._tiers.reap(block=True)
-        while True:
-            try:
-                disk.register_request(handle, cap)
-                return
-            except TierFull as exc:
-                if self._prefix is None or not self._prefix.reclaim(64):
-                    raise KVFull(f"disk tier is full for now ({exc}); retry later") from exc
 
     def release(self, request_id: str) -> None:
         """The request ended: its pages leave every tier, its disk file goes once its writes

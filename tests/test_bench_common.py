@@ -1,5 +1,6 @@
 """bench/common.py, the helpers the benchmark scripts share: where results go, what they name,
-the timing loop, percentiles, a server that will not start, stepping an engine, the budget plot.
+the timing loop, percentiles, a server that will not start, the budget plot; and stepping an
+engine (bench/engine_steps.py).
 No model and no server: the scripts' own tests (test_bench_suite.py, test_soak.py, ...) run
 them for real."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import common, servers
+from bench import common, engine_steps, servers
 
 
 def test_results_go_under_bench_results_unless_out_says_otherwise(tmp_path):
@@ -75,10 +76,10 @@ class FakeEngine:
 
 
 def test_engine_steps_prefill_one_request_at_a_time_and_keep_errors():
-    run = common.EngineSteps(FakeEngine())
+    run = engine_steps.EngineSteps(FakeEngine())
     assert run.prefill_one_by_one({"a": [1], "b": [2], "bad": [3]}, None, "prefill") == 3
     assert run.produced == {"a": 3, "b": 2, "bad": 0} and run.errors == {"bad": "broken"}
-    strict = common.EngineSteps(FakeEngine(), raise_errors=True)
+    strict = engine_steps.EngineSteps(FakeEngine(), raise_errors=True)
     strict.engine.add_request("bad", [3], None)
     with pytest.raises(RuntimeError, match="requests failed"):
         strict.step()

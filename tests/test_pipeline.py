@@ -360,16 +360,16 @@ def test_a_failing_early_half_waits_for_the_fills_and_leaks_nothing(smollm2_dir,
     # attention over the pages selected last step fails while the rest is being fetched: the
     # error leaves the layer only once its fills have ended; the step's requests fail, and
     # no pin, slot or page is left behind
-    from kvstore.step import StepKV
+    from kvstore import step as step_module
     engine = make(smollm2_dir, tmp_path, pipeline="sfc", micro_batch=2)
     pipe = engine.store.pipeline
-    attend, finish, raised, in_flight = StepKV._attend_sparse, pipe.finish, [], []
+    attend, finish, raised, in_flight = step_module.attend_sparse, pipe.finish, [], []
 
-    def failing(self, q, out, part, scale, early=False):
+    def failing(step, q, out, part, scale, early=False):
         if early and not raised:
             raised.append(True)
             raise RuntimeError("injected: early half failed")
-        return attend(self, q, out, part, scale, early)
+        return attend(step, q, out, part, scale, early)
 
     def watched(parts, *a):
         try:
@@ -378,7 +378,7 @@ def test_a_failing_early_half_waits_for_the_fills_and_leaks_nothing(smollm2_dir,
             in_flight.extend(p for p in parts if p.filled is not None and not p.filled.done())
             raise
 
-    monkeypatch.setattr(StepKV, "_attend_sparse", failing)
+    monkeypatch.setattr(step_module, "attend_sparse", failing)     # StepKV.compute's
     pipe.finish = watched
     got, errors = run(engine, prompts)
     assert raised and not in_flight

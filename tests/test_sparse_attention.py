@@ -1,7 +1,7 @@
-"""Sparse decode attention (own page list per sequence and KV head) and its page table."""
+"""Sparse decode attention (own page list per sequence and KV head) and its page table: the
+torch and C backends (FlashInfer's: test_sparse_attention_flashinfer.py)."""
 from __future__ import annotations
 
-import importlib.util
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels.attention import AttentionBatch, TorchPagedAttention
-from kernels.page_select import select_pages
+from kernels.page_topk import select_pages
 from kernels.page_table import build_head_page_table
 from kernels.page_table import PageTable
 from kernels.backends import make_sparse_decode
@@ -275,81 +275,6 @@ def test_rows_must_match_the_query_batch():
     table = build_head_page_table(indptr, pages, slots, [27], 16)
     with pytest.raises(ValueError, match="rows"):
         sparse_decode_attention(torch.randn(2, 9, HEAD_DIM), pool, table, 3, 0.125)
-
-
-# --- FlashInfer (CUDA only) -------------------------------------------------------------------
-
-needs_gpu = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available()
-                       or importlib.util.find_spec("flashinfer") is None,
-                       reason="needs CUDA and flashinfer"),
-]
-
-
-def gpu(fn):
-    for mark in needs_gpu:
-        fn = mark(fn)
-    return fn
-
-
-@gpu
-@pytest.mark.parametrize("page_size", [16, 8])
-@pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("budget", [5, 1000])
-def test_flashinfer_sparse_decode_matches_torch(budget, group, page_size):
-    from kernels.flashinfer_sparse_attention import FlashInferSparseDecode
-
-    pool, slots = _pool(AWKWARD_LENS, page_size, 3, torch.bfloat16, seed=7)
-    sel = _random_selection(AWKWARD_LENS, page_size, 3, budget, seed=8)
-    table = build_head_page_table(sel.indptr, sel.page_indices, slots, AWKWARD_LENS, page_size)
-    q = torch.randn(len(AWKWARD_LENS), 3 * group, HEAD_DIM).to(torch.bfloat16)
-    want = reference_sparse_decode_attention(q, pool, table, group, 0.125)
-    got = FlashInferSparseDecode("cuda").forward(q.cuda(), pool.cuda(), table, group, 0.125)
-    torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=0)
-
-
-class _FakeWrapper:
-    def __init__(self, workspace, layout):
-        assert layout == "HND"
-        self.calls = []
-
-    def plan(self, *args, **kwargs):
-        self.calls.append(("plan", args, kwargs))
-
-    def run(self, q, kv):
-        self.calls.append(("run", q.shape, kv.shape, kv.stride()))
-        return q * 0 + len(self.calls)
-
-
-def test_flashinfer_sparse_decode_plans_one_batch_per_kv_head(monkeypatch):
-    """CPU-only wiring check with a stand-in flashinfer module."""
-    import sys
-    import types
-
-    from kernels.flashinfer_sparse_attention import FlashInferSparseDecode
-
-    fake = types.SimpleNamespace(BatchDecodeWithPagedKVCacheWrapper=_FakeWrapper)
-    monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    attn = FlashInferSparseDecode("cpu")
-    slots = torch.tensor([[5, 1, 6], [3, 2, -1]])
-    indptr = torch.tensor([0, 2, 3, 4, 6])          # (b0,h0)=[0,1] (b0,h1)=[2] (b1,h0)=[0] ...
-    table = build_head_page_table(indptr, torch.tensor([0, 1, 2, 0, 0, 1]), slots, [9, 6], 4)
-    pool = torch.zeros(8, 2, 2, 4, 16)               # HND: KVH 2, page 4
-    q = torch.zeros(2, 6, 16)
-    out = attn.forward(q, pool, table, 3, 0.25)
-    attn.forward(q, pool, table, 3, 0.25)            # same table: planned once
-    h0, h1 = attn._wrappers
-    (_, args0, kw0), (_, args1, _) = h0.calls[0], h1.calls[0]
-    assert [c[0] for c in h0.calls] == ["plan", "run", "run"]
-    assert args0[0].tolist() == [0, 2, 3] and args0[1].tolist() == [5, 1, 3]
-    assert args0[2].tolist() == [4, 4] and args0[3:7] == (3, 1, 16, 4)
-    assert args1[0].tolist() == [0, 1, 3] and args1[1].tolist() == [6, 3, 2]
-    assert args1[2].tolist() == [1, 2] and kw0["sm_scale"] == 0.25
-    _, q_shape, kv_shape, kv_stride = h1.calls[1]
-    assert q_shape == (2, 3, 16) and kv_shape == (8, 2, 1, 4, 16)
-    assert kv_stride == pool.stride()                # a view of the pool, no copy
-    assert (out.view(2, 2, 3, 16)[:, 0] == 2).all() and (out.view(2, 2, 3, 16)[:, 1] == 2).all()
 
 
 def test_c_kernel_propagates_a_nan_key_as_torch_does(kernel):

@@ -7,7 +7,7 @@ page extents). A request must `register_request` (reserving its budget up front,
 it does not fit) before its pages are bound. Its file (a segment, segments.py) outlives it
 while pages bound to it live (`unbind` lets them go): the prefix cache keeps pages, and
 records them in the segment's index log (`record`), so a restarted server finds them again
-(`restore`).
+(`restore`: disk_restore.py).
 
 Codec (codec.py): pages stored as 8-/4-bit codes at their own size, coded on the I/O thread;
 the scales stay in memory (`_meta`, beside `_crc`) and travel in the index records.
@@ -27,7 +27,6 @@ import logging
 import os
 import shutil
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,24 +37,13 @@ from kvstore.tiers.codec import PageCodec
 from kvstore.tiers.disk_fault import DiskFault
 from kvstore.tiers.direct_io import probe_direct_io
 from kvstore.tiers.disk_layout import DiskLayout
+from kvstore.tiers.disk_restore import RestoredPages, restore_segments
 from kvstore.tiers.errors import PageMissing, TierFull
 from kvstore.tiers.extent_io import ExtentIO, ExtentJob, plan_extents
-from kvstore.tiers.segment_log import SegmentLog, parse
 from kvstore.tiers.segments import Segments
 from kvstore.tiers.staging import StagingBuffers, read_via_buffer
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RestoredPages:
-    """A segment's cached pages found at start-up (`DiskTier.restore`)."""
-    handle: int
-    indices: np.ndarray            # int64 [n] page indices in the file
-    keys: list[bytes]              # their chain keys
-    crcs: np.ndarray               # uint64 [n, layers] checksums of their bytes
-    summaries: list[bytes | None]
-    meta: list[bytes | None]        # the codec's scales of each page, all layers
 
 
 class DiskTier(Tier):
@@ -215,36 +203,8 @@ class DiskTier(Tier):
     def restore(self) -> list[RestoredPages]:
         """Segments a previous server left with indexed pages of this namespace: opened, with
         their pages to be taken (`adopt`). Files of other namespaces are left alone; request
-        files without an index (a crash mid-request) are removed."""
-        found, foreign = [], 0
-        for handle, path in self.layout.segment_files():
-            parsed = parse(self.layout.index_path(handle))
-            head = parsed.header
-            if head is not None and head.namespace != self.segments.namespace:
-                foreign += 1
-                continue
-            if head is None or not parsed.pages or head.num_layers != self.layout.num_layers \
-                    or head.summary_bytes != self.segments.summary_bytes \
-                    or head.meta_bytes != self.segments.meta_bytes:
-                path.unlink(missing_ok=True)
-                self.layout.index_path(handle).unlink(missing_ok=True)
-                continue
-            if parsed.damaged:
-                logger.warning("disk tier: the index of %s ends in a torn or corrupt record "
-                               "(a crash mid-write?): cut after %d pages", path.name,
-                               len(parsed.pages))
-            log = SegmentLog(self.layout.index_path(handle), head, parsed.good_bytes)
-            self.segments.adopt(handle, head.capacity, log)
-            recs = sorted(parsed.pages.values(), key=lambda r: r.index)
-            found.append(RestoredPages(handle, np.array([r.index for r in recs], np.int64),
-                                       [r.key for r in recs], np.stack([r.crcs for r in recs]),
-                                       [r.summaries for r in recs],
-                                       [r.meta or None for r in recs]))
-        if foreign:
-            logger.info("disk tier: left alone %d cached files of another model or layout "
-                        "under %s (`strata cache clear` removes them)", foreign,
-                        self.layout.root)
-        return found
+        files without an index (a crash mid-request) are removed (disk_restore.py)."""
+        return restore_segments(self.layout, self.segments)
 
     def adopt(self, handle: int, page_ids, indices: np.ndarray, crcs: np.ndarray,
               meta: list[bytes | None] | None = None) -> None:

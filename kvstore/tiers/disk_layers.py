@@ -22,9 +22,10 @@ import torch
 
 from kvstore.tiers.base import PageShape
 from kvstore.tiers.codec import PageCodec
-from kvstore.tiers.disk import DiskTier, RestoredPages
+from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_layout import RAW_FOLDER
 from kvstore.tiers.disk_members import DiskMembers
+from kvstore.tiers.disk_restore import RestoredPages
 from kvstore.tiers.disk_set import DiskSet
 from kvstore.tiers.errors import PageMissing, TierFull
 

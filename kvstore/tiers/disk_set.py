@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from kvstore.tiers.base import PageShape
-from kvstore.tiers.disk import DiskTier, RestoredPages
+from kvstore.tiers.disk import DiskTier
 from kvstore.tiers.disk_members import DiskMembers
+from kvstore.tiers.disk_restore import RestoredPages
 from kvstore.tiers.errors import PageMissing, TierFull
 
 
