@@ -6,7 +6,35 @@ device tier's eviction pass with host admission), kernels/_decode.c
 kernels/_select.c (page selection on the CPU) and kernels/_qmatmul.c (matmuls by
 4- and 8-bit weights);
 everything else is in pyproject.toml."""
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
 from setuptools import Extension, setup
+
+
+def openmp_flags() -> list[str]:
+    """-fopenmp where the C compiler builds with it (then kernels/_pool.h runs its calls on
+    torch's OpenMP team, the same libgomp.so.1), else none (its own threads)."""
+    cc = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "t.c")
+        with open(src, "w") as f:
+            f.write("#include <omp.h>\nint main(void) { return omp_get_max_threads() < 1; }\n")
+        try:
+            ok = subprocess.run(cc + ["-fopenmp", src, "-o", os.path.join(tmp, "t")],
+                                capture_output=True).returncode == 0
+        except OSError:
+            ok = False
+    if not ok:
+        print("setup.py: the C compiler has no OpenMP; kernels use threads of their own",
+              file=sys.stderr)
+    return ["-fopenmp"] if ok else []
+
+
+OPENMP = openmp_flags()
 
 setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"],
                              depends=["kvstore/tiers/_pageio_ring.h"],
@@ -20,8 +48,9 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                    Extension("kernels._decode", ["kernels/_decode.c"],
                              depends=["kernels/_rows.h", "kernels/_attend_rows.h",
                                       "kernels/_pool.h", "kernels/_decode_selected.h"],
-                             extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"],
-                             extra_link_args=["-pthread"]),
+                             extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"]
+                             + OPENMP,
+                             extra_link_args=["-pthread"] + OPENMP),
                    Extension("kernels._layerops", ["kernels/_layerops.c"],
                              depends=["kernels/_rows.h"],
                              # NOTE: no a*b+c fused into one rounding: torch's ops round each
@@ -29,8 +58,9 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                                                  "-ffp-contract=off"]),
                    Extension("kernels._qmatmul", ["kernels/_qmatmul.c"],
                              depends=["kernels/_pool.h"],
-                             extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"],
-                             extra_link_args=["-pthread"]),
+                             extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"]
+                             + OPENMP,
+                             extra_link_args=["-pthread"] + OPENMP),
                    Extension("kernels._select", ["kernels/_select.c"],
                              depends=["kernels/_rows.h", "kernels/_select_score.h",
                                       "kernels/_select_top.h"],

@@ -13,6 +13,12 @@ lower median; it times them again every `period` steps (contexts grow, the load 
 The first steps after a switch are slower than the split's own (1 x 7K tokens: 20.8-25.6 ms,
 then 16.1, a pool's threads still spinning or asleep from the other split), so the turns are
 runs of steps whose first `settle` steps are not timed.
+
+Where the C kernels run on torch's own OpenMP team (kernels/threads.py: one libgomp in the
+process, the usual case) there is no second pool to spin beside torch's: the first split
+then gives both every core (2-core AMD EPYC with AVX-512, in-process: 1 x 1K dense 8.8 ->
+7.6 ms a step, 8 x 7K sparse 45.1 -> 37.5, against the split), and the second, torch a core
+short, stays for the server's threads (timed as before).
 """
 from __future__ import annotations
 
@@ -27,9 +33,13 @@ Split = tuple[int, int]
 
 class CoreSplit:
     def __init__(self, cores: int, decode: int, probes: int = 4, period: int = 1024,
-                 warmup: int = 2, settle: int = 2, margin: float = 0.05):
+                 warmup: int = 2, settle: int = 2, margin: float = 0.05,
+                 shared: bool = False):
         """cores: every core the engine may use; decode: torch's threads when the attention
-        has the cores (one left to the server's threads). A shape's first `warmup` steps are
+        has the cores (one left to the server's threads); shared: the attention runs on
+        torch's own OpenMP team (kernels/threads.py), so the first split gives both every
+        core (torch's matmuls, then the attention, on the same threads) rather than the
+        attention one. A shape's first `warmup` steps are
         not timed (a fresh server's first steps fault its pages in), then the splits run
         `probes` timed steps each in runs A, B, A (half of A's before B's, half after: a drift
         in step time weighs on both alike), each run after a switch starting with `settle`
@@ -39,7 +49,7 @@ class CoreSplit:
         if probes < 1 or warmup < 0 or settle < 0:
             raise ValueError(f"CoreSplit needs probes >= 1 and warmup, settle >= 0 (got "
                              f"{probes}, {warmup}, {settle})")
-        self.splits: tuple[Split, Split] = ((cores, 1), (decode, cores))
+        self.splits: tuple[Split, Split] = ((cores, cores if shared else 1), (decode, cores))
         self.period, self.margin = period, margin
         first = probes // 2
         # (split, timed) of each step of a shape's timing

@@ -15,6 +15,7 @@ from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.weight_plan import plan_weights
+from kernels.threads import share_torch_openmp
 from kvstore.errors import RequestKVError
 from kvstore.lowrank import projection_path
 from scheduler.request import Request
@@ -94,7 +95,7 @@ class LLMEngine:
         self.store.attention_threads = prefill if sequential else decode
         if hasattr(self.store.sparse_attention, "threads") and sequential \
                 and decode < prefill and not self.args.decode_threads:
-            self.core_split = CoreSplit(prefill, decode)
+            self.core_split = CoreSplit(prefill, decode, shared=share_torch_openmp())
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull, KVFull, a ValueError when it can never

@@ -1,17 +1,29 @@
-/* A pool of threads kept between calls, for the CPU kernels (kernels/_qmatmul.c).
+/* A pool of threads kept between calls, for the CPU kernels (kernels/_decode.c, _qmatmul.c).
  *
  * A decode step makes ~150 kernel calls of 0.05-0.5 ms each: starting threads per call would
  * cost as much as the work. `pool_run(fn, args, n)` runs fn(args[0]) on the calling thread
- * and fn(args[i]) on worker i (started on first need, kept for the process's life), and
- * returns when all are done. Workers wait for a new generation of tasks, spinning briefly (the
- * next call of a step comes within microseconds), then sleeping. One call at a time uses the
- * pool: a concurrent caller runs its tasks on its own thread. Fork-safe: a forked child
- * starts a new pool (call pool_init from the module's init). */
+ * and fn(args[i]) on the others, and returns when all are done. One call at a time uses the
+ * pool: a concurrent caller runs its tasks on its own thread.
+ *
+ * Which threads: torch's own OpenMP team where the module is built with OpenMP and shares
+ * torch's runtime (`pool_use_openmp`, set from Python once kernels/threads.py has checked
+ * that torch's thread count is the one this runtime sees). torch's workers spin for a while
+ * after each op, and so did a pool of ours, each on every core: a step on two cores was
+ * slower with both pools on both than with either alone, so the cores were split between
+ * the matmuls and the attention (engine/core_split.py). On one team both get every core
+ * (2-core AMD EPYC, 8 x 7K tokens sparse: 45.1 -> 37.5 ms a step, 1 x 1K dense 8.8 -> 7.6).
+ * Otherwise, threads of our own: worker i started on first need and kept for the process's
+ * life, waiting for a new generation of tasks, spinning briefly (the next call of a step
+ * comes within microseconds), then sleeping. Fork-safe: a forked child starts a new pool of
+ * its own threads (call pool_init from the module's init). */
 #ifndef STRATA_KERNELS_POOL_H
 #define STRATA_KERNELS_POOL_H
 
 #include <pthread.h>
 #include <stdint.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define POOL_MAX 64
 #define POOL_SPIN 4000
@@ -30,6 +42,7 @@ static struct {
      * caller waits for exactly those), and how many of them are still running */
     uint64_t word, start[POOL_MAX];
     int remaining;
+    int openmp;         /* 1: the calls run on the OpenMP team (pool_use_openmp) */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
           PTHREAD_COND_INITIALIZER, 0};
 
@@ -75,9 +88,26 @@ static void pool_after_fork(void) {
     pthread_cond_init(&pool.wake, NULL);
     pthread_cond_init(&pool.done, NULL);
     pool.size = 0;
+    pool.openmp = 0;        /* the parent's OpenMP team is not the child's either */
 }
 
 static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* Python's pool_openmp(flag): run the calls on the OpenMP team (1) or our own threads (0);
+ * returns the OpenMP runtime's thread count (omp_get_max_threads, which kernels/threads.py
+ * compares with torch's), or -1 where the module is built without OpenMP (flag ignored) */
+static PyObject *pool_openmp(PyObject *self, PyObject *args) {
+    int flag;
+    if (!PyArg_ParseTuple(args, "p", &flag))
+        return NULL;
+#ifdef _OPENMP
+    pool.openmp = flag;
+    return PyLong_FromLong(omp_get_max_threads());
+#else
+    (void)flag;
+    return PyLong_FromLong(-1);
+#endif
+}
 
 /* fn(args[i]) for i < n, args[0] on this thread; returns when all are done */
 static void pool_run(pool_fn fn, void **args, int n) {
@@ -88,6 +118,15 @@ static void pool_run(pool_fn fn, void **args, int n) {
             fn(args[i]);
         return;
     }
+#ifdef _OPENMP
+    if (pool.openmp) {
+#pragma omp parallel for num_threads(n) schedule(static, 1)
+        for (int i = 0; i < n; i++)
+            fn(args[i]);
+        pthread_mutex_unlock(&pool.busy);
+        return;
+    }
+#endif
     while (pool.size < n - 1 &&
            (pool.start[pool.size + 1] = __atomic_load_n(&pool.word, __ATOMIC_ACQUIRE), 1) &&
            pthread_create(&pool.tid[pool.size + 1], NULL, pool_worker,

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.core_split import CoreSplit
+from kernels.threads import share_torch_openmp
 
 
 def run(split: CoreSplit, rows: int, tokens: int, cost: dict, steps: int) -> list:
@@ -31,6 +32,12 @@ def test_each_shape_times_both_splits_then_keeps_the_faster():
     assert used[10:] == [attention] * 2
     assert split.decided() == {CoreSplit.shape(1, 1000): matmul,
                                CoreSplit.shape(8, 64000): attention}
+
+
+def test_on_torchs_openmp_team_the_first_split_gives_both_every_core():
+    split = CoreSplit(cores=4, decode=3, shared=True)
+    assert split.splits == ((4, 4), (3, 4))
+    assert CoreSplit(cores=4, decode=3).splits == ((4, 1), (3, 4))
 
 
 def test_the_median_decides_not_one_outlier():
@@ -105,7 +112,10 @@ def test_the_engine_runs_decode_steps_on_the_chosen_split(smollm2_dir):
     (torch_threads, kernel_threads), = decided.values()
     assert seen[0] == (False, 2, 2)         # the prefill: every core, the attention's default
     assert seen[-1] == (True, torch_threads, kernel_threads)
-    assert {s[1:] for s in seen[3:3 + engine.core_split.timing_steps]} == {(2, 1), (1, 2)}
+    # torch on both cores and the attention on both too where they share torch's OpenMP
+    # team (kernels/threads.py), else on one
+    both = 2 if share_torch_openmp() else 1
+    assert {s[1:] for s in seen[3:3 + engine.core_split.timing_steps]} == {(2, both), (1, 2)}
     fixed = LLMEngine(EngineArgs(model=str(smollm2_dir), kv_device_gb=0.1, prefix_cache="off",
                                  decode_threads=1))
     fixed.use_threads(2, 1)
