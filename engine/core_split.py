@@ -16,9 +16,9 @@ runs of steps whose first `settle` steps are not timed.
 
 Where the C kernels run on torch's own OpenMP team (kernels/threads.py: one libgomp in the
 process, the usual case) there is no second pool to spin beside torch's: the first split
-then gives both every core (2-core AMD EPYC with AVX-512, in-process: 1 x 1K dense 8.8 ->
-7.6 ms a step, 8 x 7K sparse 45.1 -> 37.5, against the split), and the second, torch a core
-short, stays for the server's threads (timed as before).
+then gives both every core (2-core AMD EPYC with AVX-512, in-process: 1 x 1K dense 8.5 ->
+7.8 ms a step, 8 x 7K sparse 44.7 -> 35.3, against the split; docs/perf-notes.md), and the
+second, torch a core short, stays for the server's threads (timed as before).
 """
 from __future__ import annotations
 

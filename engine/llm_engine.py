@@ -85,17 +85,20 @@ class LLMEngine:
         if prefill < 1 or decode < 1:
             raise ValueError(f"torch threads must be >= 1, got {prefill} and {decode}")
         self.threads = (prefill, decode)
-        # the C decode attention splits its rows over threads of its own, while torch's
-        # wait: in sequential mode nothing else computes then, so it may take every core
-        # (pipelined modes' stage threads run beside it: the decode count); which of the two
-        # gets the cores in a decode step is timed per step shape (engine/core_split.py)
-        # unless --decode-threads fixes torch's
+        # the C kernels' threaded calls on torch's own OpenMP team where they can be
+        # (kernels/threads.py), so the two do not spin beside each other
+        shared = share_torch_openmp()
+        # the C decode attention splits its rows over threads while torch's ops wait: in
+        # sequential mode nothing else computes then, so it may take every core (pipelined
+        # modes' stage threads run beside it: the decode count); how many cores torch's
+        # matmuls and the attention get in a decode step is timed per step shape
+        # (engine/core_split.py) unless --decode-threads fixes torch's
         sequential = self.store.pipeline.mode == "sequential"
         self.core_split = None
         self.store.attention_threads = prefill if sequential else decode
         if hasattr(self.store.sparse_attention, "threads") and sequential \
                 and decode < prefill and not self.args.decode_threads:
-            self.core_split = CoreSplit(prefill, decode, shared=share_torch_openmp())
+            self.core_split = CoreSplit(prefill, decode, shared=shared)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull, KVFull, a ValueError when it can never

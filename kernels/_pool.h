@@ -6,12 +6,13 @@
  * pool: a concurrent caller runs its tasks on its own thread.
  *
  * Which threads: torch's own OpenMP team where the module is built with OpenMP and shares
- * torch's runtime (`pool_use_openmp`, set from Python once kernels/threads.py has checked
+ * torch's runtime (`pool_openmp`, set from Python once kernels/threads.py has checked
  * that torch's thread count is the one this runtime sees). torch's workers spin for a while
  * after each op, and so did a pool of ours, each on every core: a step on two cores was
  * slower with both pools on both than with either alone, so the cores were split between
  * the matmuls and the attention (engine/core_split.py). On one team both get every core
- * (2-core AMD EPYC, 8 x 7K tokens sparse: 45.1 -> 37.5 ms a step, 1 x 1K dense 8.8 -> 7.6).
+ * (2-core AMD EPYC, in-process: 8 x 7K tokens sparse 44.7 -> 35.3 ms a step, 1 x 1K dense
+ * 8.5 -> 7.8; docs/perf-notes.md, 2026-11-27 sixth).
  * Otherwise, threads of our own: worker i started on first need and kept for the process's
  * life, waiting for a new generation of tasks, spinning briefly (the next call of a step
  * comes within microseconds), then sleeping. Fork-safe: a forked child starts a new pool of
@@ -42,7 +43,7 @@ static struct {
      * caller waits for exactly those), and how many of them are still running */
     uint64_t word, start[POOL_MAX];
     int remaining;
-    int openmp;         /* 1: the calls run on the OpenMP team (pool_use_openmp) */
+    int openmp;         /* 1: the calls run on the OpenMP team (pool_openmp) */
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
           PTHREAD_COND_INITIALIZER, 0};
 
@@ -93,19 +94,21 @@ static void pool_after_fork(void) {
 
 static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
 
-/* Python's pool_openmp(flag): run the calls on the OpenMP team (1) or our own threads (0);
- * returns the OpenMP runtime's thread count (omp_get_max_threads, which kernels/threads.py
- * compares with torch's), or -1 where the module is built without OpenMP (flag ignored) */
+/* Python's pool_openmp(flag): run the calls on the OpenMP team (1) or our own threads (0;
+ * -1: as they are); returns (1 if they run on the team now, else 0; the OpenMP runtime's
+ * thread count, omp_get_max_threads, which kernels/threads.py compares with torch's, or -1
+ * where the module is built without OpenMP: then the flag is ignored) */
 static PyObject *pool_openmp(PyObject *self, PyObject *args) {
     int flag;
-    if (!PyArg_ParseTuple(args, "p", &flag))
+    if (!PyArg_ParseTuple(args, "i", &flag))
         return NULL;
 #ifdef _OPENMP
-    pool.openmp = flag;
-    return PyLong_FromLong(omp_get_max_threads());
+    if (flag >= 0)
+        pool.openmp = flag != 0;
+    return Py_BuildValue("ii", pool.openmp, omp_get_max_threads());
 #else
     (void)flag;
-    return PyLong_FromLong(-1);
+    return Py_BuildValue("ii", 0, -1);
 #endif
 }
 

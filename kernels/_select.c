@@ -196,9 +196,11 @@ static void compact(int64_t *v, const int64_t *cnt, int64_t rows, int64_t width,
 #define SPLIT_MIN_PAGES 96
 
 static int score_first(sel_call *c, int b_size, int threads, int64_t total) {
-    int parts = b_size > 0 ? threads / b_size : 0;
+    if (b_size < 1 || !shared_pool)
+        return 0;
+    int parts = threads / b_size;
     if (parts > MAX_TASKS / b_size) parts = MAX_TASKS / b_size;
-    if (!shared_pool || parts < 2 || total < SPLIT_MIN_PAGES)
+    if (parts < 2 || total < SPLIT_MIN_PAGES)
         return 0;
     const int64_t stride = c->p_max + 1;
     c->scored = malloc(sizeof(float) * (size_t)((int64_t)b_size * c->kvh * stride));
@@ -221,6 +223,35 @@ static int score_first(sel_call *c, int b_size, int threads, int64_t total) {
         run_score_task(targs[0]);
     int failed = 0;
     for (int i = 0; i < n; i++)
+        failed |= tasks[i].failed;
+    return failed;
+}
+
+/* every sequence's selection: tasks of contiguous sequences with about as many pages each on
+ * the pool (after score_first's page ranges, where it takes them); returns 1 if out of
+ * memory */
+static int run_tasks(sel_call *c, int b_size, int threads) {
+    int n_tasks = threads < b_size ? threads : b_size;
+    if (n_tasks > MAX_TASKS) n_tasks = MAX_TASKS;
+    if (n_tasks < 1 || !shared_pool) n_tasks = 1;
+    sel_task tasks[MAX_TASKS];
+    void *targs[MAX_TASKS];
+    int64_t total = 0, seen = 0;
+    for (int b = 0; b < b_size; b++)
+        total += c->np_[b] + 1;
+    for (int i = 0, b = 0; i < n_tasks; i++) {
+        tasks[i] = (sel_task){c, b, b, 0};
+        while (b < b_size && (i == n_tasks - 1 || seen * n_tasks < total * (i + 1)))
+            seen += c->np_[b++] + 1;
+        tasks[i].b1 = b;
+        targs[i] = &tasks[i];
+    }
+    int failed = score_first(c, b_size, threads, total);
+    if (!failed && n_tasks > 1)
+        shared_pool->run(run_task, targs, n_tasks);
+    else if (!failed)
+        run_task(targs[0]);
+    for (int i = 0; i < n_tasks; i++)
         failed |= tasks[i].failed;
     return failed;
 }
@@ -275,29 +306,7 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
     } else {
         c.cnt = cnt;
         c.ucnt = cnt + (int64_t)b_size * kvh;
-        /* tasks of contiguous sequences with about as many pages each */
-        int n_tasks = threads < b_size ? threads : b_size;
-        if (n_tasks > MAX_TASKS) n_tasks = MAX_TASKS;
-        if (n_tasks < 1 || !shared_pool) n_tasks = 1;
-        sel_task tasks[MAX_TASKS];
-        void *targs[MAX_TASKS];
-        int64_t total = 0, seen = 0;
-        for (int b = 0; b < b_size; b++)
-            total += c.np_[b] + 1;
-        for (int i = 0, b = 0; i < n_tasks; i++) {
-            tasks[i] = (sel_task){&c, b, b, 0};
-            while (b < b_size && (i == n_tasks - 1 || seen * n_tasks < total * (i + 1)))
-                seen += c.np_[b++] + 1;
-            tasks[i].b1 = b;
-            targs[i] = &tasks[i];
-        }
-        failed = score_first(&c, b_size, threads, total);
-        if (!failed && n_tasks > 1)
-            shared_pool->run(run_task, targs, n_tasks);
-        else if (!failed)
-            run_task(targs[0]);
-        for (int i = 0; i < n_tasks; i++)
-            failed |= tasks[i].failed;
+        failed = run_tasks(&c, b_size, threads);
         if (!failed) {
             compact(c.ix, c.cnt, (int64_t)b_size * kvh, c.kk, ip);
             if (c.upos)     /* laid out as the rows: the same offsets */

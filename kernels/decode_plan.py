@@ -16,7 +16,12 @@ from __future__ import annotations
 import torch
 
 from kernels.page_table import PageTable
-from kernels.sparse_attention import NativeSparseDecode, _decode
+from kernels.sparse_attention import NativeSparseDecode
+
+try:
+    from kernels import _decode
+except ImportError:         # a checkout whose extensions are not built (then no plan serves)
+    _decode = None
 
 
 def _int64s(*tensors: torch.Tensor) -> bool:
@@ -42,7 +47,7 @@ class _Plan:
         self.simd, self.threads = int(kernel.simd), kernel.threads or torch.get_num_threads()
 
     def _check(self, layer: int, qf: torch.Tensor) -> None:
-        if qf.dtype != torch.float32 or not qf.is_contiguous() \
+        if qf.dtype != torch.float32 or not qf.is_contiguous() or not qf.is_cpu \
                 or qf.shape != (self.b, self.h, self.d) or not 0 <= layer < self.slots.shape[0]:
             raise ValueError(f"{type(self).__name__}: float32 contiguous queries "
                              f"[{self.b}, {self.h}, {self.d}] and one of its "
@@ -123,12 +128,14 @@ class SelectedPlan(_Plan):
 
     def __call__(self, layer: int, qf: torch.Tensor, sel, scale: float) -> torch.Tensor:
         """Layer `layer`'s attention of qf [B, H, D] (float32, contiguous) to the pages of
-        `sel` (kernels/page_select.py's SelectedPages of these sequences): [B, H, D]
+        `sel` (kernels/page_topk.py's SelectedPages of these sequences): [B, H, D]
         float32."""
         self._check(layer, qf)
-        if sel.indptr.numel() != self.b * self.kvh + 1:
-            raise ValueError(f"SelectedPlan: a selection of {self.b} sequences' "
-                             f"{self.kvh} rows, got {sel.indptr.numel() - 1} rows")
+        if sel.indptr.numel() != self.b * self.kvh + 1 or not _int64s(sel.indptr,
+                                                                      sel.page_indices):
+            raise ValueError(f"SelectedPlan: a selection of {self.b} sequences' {self.kvh} "
+                             f"rows in contiguous int64 tensors, got "
+                             f"{sel.indptr.numel() - 1} rows")
         out, o, lse = self._out()
         _decode.sparse_decode_selected(
             qf.data_ptr(), *self.pool_args, self.b, sel.indptr.data_ptr(),

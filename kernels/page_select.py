@@ -1,8 +1,9 @@
 """Query-aware page selection for sparse decode: score pages from their summaries, keep the top.
 
 Quest's two ops, batched: estimate (page scores from page summaries, see kernels.page_summary)
-then top-k with sink pages and a local window always kept (kernels/page_topk.py). Scores are per (sequence, KV head):
-the query heads of a GQA group share one page list, because they share the KV head's pages.
+then top-k with sink pages and a local window always kept (kernels/page_topk.py). Scores are
+per (sequence, KV head): the query heads of a GQA group share one page list, because they
+share the KV head's pages.
 
 Shapes:
   q          [B, H, D]          one decode query per sequence; H = KVH * group, query head h
@@ -27,7 +28,7 @@ from typing import Protocol, Sequence
 import torch
 
 from kernels.page_summary import SUMMARY_MAX, SUMMARY_MEAN, SUMMARY_MIN
-from kernels.page_topk import SelectedPages, _any, _check_budget, select_with_priors
+from kernels.page_topk import SelectedPages, any_pages, check_budget, select_with_priors
 
 try:
     from kernels import _select
@@ -128,7 +129,7 @@ class _Selector:
         float32, or None) as its prior when prior_pages > 0; the C call shares its sequences
         among `threads` threads."""
         counts = _as_counts(num_pages)
-        priors = priors if _any(prior_pages) else None
+        priors = priors if any_pages(prior_pages) else None
         if self.native and native_select_serves(q, summaries, priors):
             return native_select(q, summaries, counts, group, self.quest, budget_pages,
                                  sink_pages, local_pages, priors, prior_pages,
@@ -211,7 +212,7 @@ def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: li
     the scores [B, KVH, P_max] when `scores`, else None); ties at the cut go to the lower page
     number. `threads`: the sequences shared by that many threads (the C decode attention's
     pool; the same bits for any count)."""
-    _check_budget(budget_pages, sink_pages, local_pages)
+    check_budget(budget_pages, sink_pages, local_pages)
     b_size, h, d = q.shape
     kvh = h // group
     budget_pages, prior_pages, heads = native_budget(budget_pages, prior_pages, kvh)

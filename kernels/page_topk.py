@@ -21,7 +21,8 @@ class SelectedPages:
 
     Page numbers index the sequence's own page list (0 = its first page), not cache slots.
     """
-    indptr: torch.Tensor          # [B * KVH + 1] int64: row r is page_indices[indptr[r]:indptr[r+1]]
+    # [B * KVH + 1] int64: row r is page_indices[indptr[r]:indptr[r+1]]
+    indptr: torch.Tensor
     page_indices: torch.Tensor    # [nnz] int64, ascending within each row
     union_indptr: torch.Tensor    # [B + 1] int64
     union_indices: torch.Tensor   # [nnz_union] int64: pages any head of b selected, ascending;
@@ -43,7 +44,8 @@ class SelectedPages:
         return self.union_indices[int(self.union_indptr[b]):int(self.union_indptr[b + 1])]
 
 
-def _check_budget(budget_pages: int | torch.Tensor, sink_pages: int, local_pages: int) -> None:
+def check_budget(budget_pages: int | torch.Tensor, sink_pages: int, local_pages: int) -> None:
+    """ValueError unless every budget is at least a page and sink / local pages >= 0."""
     if isinstance(budget_pages, torch.Tensor):
         budget_pages = int(budget_pages.min()) if budget_pages.numel() else 0
     if budget_pages < 1 or sink_pages < 0 or local_pages < 0:
@@ -71,7 +73,7 @@ def select_pages(scores: torch.Tensor, num_pages: torch.Tensor | Sequence[int],
     budget_pages and prior_pages may be int64 tensors [KVH] instead: a budget per KV head
     (--sparse-budget-plan), the same for every sequence.
     """
-    _check_budget(budget_pages, sink_pages, local_pages)
+    check_budget(budget_pages, sink_pages, local_pages)
     if isinstance(budget_pages, torch.Tensor) or isinstance(prior_pages, torch.Tensor):
         return _select_per_head(scores, num_pages, budget_pages, sink_pages, local_pages,
                                 prior, prior_pages)
@@ -151,7 +153,7 @@ def _select_per_head(scores: torch.Tensor, num_pages, budget_pages, sink_pages: 
     return _picked(top, p_max)
 
 
-def _any(pages: int | torch.Tensor) -> bool:
+def any_pages(pages: int | torch.Tensor) -> bool:
     """Whether a page count (or any of a tensor of them) is positive."""
     if isinstance(pages, int):          # the common case, without a tensor (once a layer)
         return pages > 0
@@ -166,7 +168,7 @@ def select_with_priors(scores: torch.Tensor, counts: list[int],
     float32 each, or None) as its prior when prior_pages > 0 (budgets and prior pages per KV
     head as select_pages takes them)."""
     prior = None
-    if priors is not None and _any(prior_pages):
+    if priors is not None and any_pages(prior_pages):
         prior = torch.full_like(scores, -float("inf"))
         for b, p in enumerate(priors):
             if p is not None:

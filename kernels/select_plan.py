@@ -16,9 +16,14 @@ from typing import Sequence
 
 import torch
 
-from kernels import page_select
-from kernels.page_select import native_budget
-from kernels.page_topk import SelectedPages, _check_budget
+from kernels import page_select      # NATIVE_SIMD, read at each call (benches switch it)
+from kernels.page_select import native_budget, native_select_serves
+from kernels.page_topk import SelectedPages, check_budget
+
+try:
+    from kernels import _select
+except ImportError:         # a checkout whose extensions are not built (`make setup` builds them)
+    _select = None
 
 
 LayerBudget = tuple[int, int, "torch.Tensor | None"]
@@ -29,7 +34,7 @@ def layer_budgets(budgets: Sequence[tuple[int | torch.Tensor, int | torch.Tensor
     """Each layer's (budget pages, prior pages), one for all heads or one per KV head, as
     the C selection takes them (page_select.native_budget), checked."""
     for budget, _ in budgets:
-        _check_budget(budget, sink_pages, local_pages)
+        check_budget(budget, sink_pages, local_pages)
     return [native_budget(budget, prior, num_kv_heads) for budget, prior in budgets]
 
 
@@ -85,7 +90,8 @@ class SelectPlan:
         and `priors` (B tensors [L, >= counts[b], KVH] float32 or None; None: no priors),
         or None where the C selection does not
         serve them (native_select_serves; then `native_select` or torch, layer by layer)."""
-        if page_select._select is None or not summaries or not counts \
+        if _select is None or not summaries or not counts or len(summaries) != len(counts) \
+                or priors is not None and len(priors) != len(counts) \
                 or not _layered(summaries, counts, len(budgets), 4) \
                 or priors is not None and not _layered(priors, counts, len(budgets), 2):
             return None
@@ -95,7 +101,7 @@ class SelectPlan:
                 any(p is not None and p.shape[2] != kvh for p in priors):
             return None
         # the per-layer check (the same for every layer of these tensors)
-        if not page_select.native_select_serves(
+        if not native_select_serves(
                 torch.empty(1, kvh * group, d), [s[0] for s in summaries],
                 None if priors is None else [None if p is None else p[0] for p in priors]):
             return None
@@ -106,7 +112,7 @@ class SelectPlan:
         """The pages of layer `layer` for queries qf [B, H, D] (float32, contiguous): what
         native_select returns for that layer's summaries, budgets and priors."""
         b = self.b_size
-        if qf.dtype != torch.float32 or not qf.is_contiguous() \
+        if qf.dtype != torch.float32 or not qf.is_contiguous() or not qf.is_cpu \
                 or qf.shape != (b, self.kvh * self.group, self.d) \
                 or not 0 <= layer < len(self.layers):
             raise ValueError(f"SelectPlan.select wants one of its {len(self.layers)} layers "
@@ -115,7 +121,7 @@ class SelectPlan:
         budget, prior, heads = self.layers[layer]
         indptr, indices, uindptr, uindices, upos = self.out[layer].split(self.sizes)
         base = self.ins.data_ptr() + layer * self.ins.stride(0) * 8
-        nnz, unnz = page_select._select.select_pages(
+        nnz, unnz = _select.select_pages(
             qf.data_ptr(), base, base + 16 * b if self.has_priors else 0, self.bf16,
             int(self.quest), b, self.kvh, self.group, self.d, base + 8 * b, budget, self.sink,
             self.local, prior, indptr.data_ptr(), indices.data_ptr(), uindptr.data_ptr(),

@@ -4,13 +4,17 @@ kernels/_decode.c (the decode attention, and the page selection that runs on its
 kernels/_qmatmul.c are built with OpenMP where the compiler has it (setup.py). A process loads
 one libgomp.so.1: torch's (its wheel ships it), which the kernels then share, so their
 parallel calls run on the threads torch's ops run on, and no second team spins beside
-torch's. `share_torch_openmp` checks that before turning it on: a thread count set through
-torch must be the one the kernels' runtime sees (a torch built with another OpenMP, or
-kernels built without one, keep their own threads).
+torch's. `share_torch_openmp` checks that before turning it on: two thread counts set through
+torch must be the ones the kernels' runtime sees (a torch built with another OpenMP, or
+kernels built without one, keep their own threads). A forked child does not share its
+parent's team: the kernels' pools go back to their own threads there (kernels/_pool.h), and
+this module's answer to False.
 
 Leaf module: imports only torch and kernels.*.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -32,13 +36,22 @@ def share_torch_openmp() -> bool:
     global _shared
     if _shared is None:
         mods = [m for m in (_decode, _qmatmul) if m is not None]
-        n = torch.get_num_threads()
-        torch.set_num_threads(n + 1)            # a count only this check sets
+        n, same = torch.get_num_threads(), bool(mods)
         try:
-            seen = [m.pool_openmp(False) for m in mods]
+            for probe in (n + 1, n + 2):        # counts only this check sets; two, so that
+                torch.set_num_threads(probe)    # another runtime's default cannot match both
+                same &= all(m.pool_openmp(0)[1] == probe for m in mods)
         finally:
             torch.set_num_threads(n)
-        _shared = bool(mods) and all(s == n + 1 for s in seen)
+        _shared = same
         for m in mods:
-            m.pool_openmp(_shared)
+            m.pool_openmp(int(_shared))
     return _shared
+
+
+def _after_fork_in_child() -> None:
+    global _shared
+    _shared = False         # the C pools turned theirs off (their own threads from now on)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -166,7 +166,8 @@ class TieredKVStore:
         # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper
         # bound. Only sparse decode reads them.
         rows = cap if cfg.sparse_budget > 0 else 0
-        summaries = torch.empty(self.num_layers, rows, shape.num_kv_heads, 3,
+        # zeros: a partial page's row is scored (never selected by it) before it fills
+        summaries = torch.zeros(self.num_layers, rows, shape.num_kv_heads, 3,
                                 self._selection.summary_dim, dtype=shape.dtype)
         prior = None
         if cfg.sparse_budget > 0 and cfg.obs_window > 0:

@@ -4,6 +4,8 @@ the kernels see), and a forked child back on threads of its own."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ def shared():
     yield on
     for m in (threads._decode, threads._qmatmul):
         if m is not None:
-            m.pool_openmp(on)
+            m.pool_openmp(int(on))
 
 
 def _attend(kernel, q, pool, table):
@@ -35,7 +37,7 @@ def test_the_team_is_torchs_and_gives_the_same_bits(shared):
     n = torch.get_num_threads()
     torch.set_num_threads(n + 2)
     try:
-        assert _decode.pool_openmp(True) == n + 2      # torch's count is the kernels' count
+        assert _decode.pool_openmp(1) == (1, n + 2)     # torch's count is the kernels' count
     finally:
         torch.set_num_threads(n)
     gen = torch.Generator().manual_seed(0)
@@ -51,7 +53,7 @@ def test_the_team_is_torchs_and_gives_the_same_bits(shared):
     kernel = NativeSparseDecode()
     kernel.threads = 2
     on_team = _attend(kernel, q, pool, table)
-    _decode.pool_openmp(False)
+    _decode.pool_openmp(0)
     own = _attend(kernel, q, pool, table)
     kernel.threads = 1
     one = _attend(kernel, q, pool, table)
@@ -69,10 +71,17 @@ def test_a_forked_child_runs_the_kernel_on_threads_of_its_own(shared):
     kernel.threads = 2
     want = _attend(kernel, q, pool, table)              # the parent's team (or pool) in use
     pid = os.fork()
-    if pid == 0:                    # the child: exit status 0 only if it computed the same
+    if pid == 0:        # the child: exit status 0 only if on its own threads it computes the same
         try:
-            os._exit(0 if torch.equal(_attend(kernel, q, pool, table), want) else 1)
+            own = _decode.pool_openmp(-1)[0] == 0 and not threads.share_torch_openmp()
+            os._exit(0 if own and torch.equal(_attend(kernel, q, pool, table), want) else 1)
         except BaseException:
             os._exit(2)
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    deadline = time.monotonic() + 60         # a child hung on its parent's team fails, late
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0

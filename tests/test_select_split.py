@@ -35,3 +35,15 @@ def test_page_ranges_on_threads_give_one_threads_bits(monkeypatch, simd, quest, 
                 (trial, threads)
             for f in ("indptr", "page_indices", "union_indptr", "union_indices", "union_pos"):
                 assert torch.equal(getattr(got, f), getattr(one, f)), (trial, threads, f)
+
+
+def test_no_sequences_select_nothing_on_any_threads():
+    # the C entry itself (native_select needs a sequence for the summaries' dtype)
+    q = torch.zeros(1, 9, 64)
+    out = torch.full((8,), -1, dtype=torch.int64)
+    for threads in (1, 2, 4):
+        nnz, unnz = page_select._select.select_pages(
+            q.data_ptr(), out.data_ptr(), 0, 1, 1, 0, 3, 3, 64, out.data_ptr(), 8, 1, 2, 0,
+            out.data_ptr(), out.data_ptr(), out[4:].data_ptr(), out.data_ptr(), 0, True, 0, 0,
+            threads)
+        assert (nnz, unnz) == (0, 0) and out[0] == 0 and out[4] == 0    # the two indptrs

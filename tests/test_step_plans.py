@@ -54,13 +54,15 @@ def test_each_layer_selects_as_native_select(group, dtype, quest):
                                     pri, threads)
             assert plan is not None
             q = torch.randn(L, len(counts), KVH * group, D)
-            for layer in (2, 0, 3, 1):      # any order; each layer its own outputs
+            # any order; each layer its own outputs (all four kept, then compared)
+            got = {layer: plan.select(layer, q[layer].contiguous()) for layer in (2, 0, 3, 1)}
+            for layer in range(L):
                 want = native_select(q[layer], [s[layer] for s in summ], counts, group, quest,
                                      *budgets[layer][:1], SINK, LOCAL,
                                      None if pri is None else
                                      [None if p is None else p[layer] for p in pri],
                                      budgets[layer][1], threads=threads)[0]
-                _same(plan.select(layer, q[layer].contiguous()), want)
+                _same(got[layer], want)
 
 
 def test_inputs_the_c_selection_does_not_serve_get_no_plan():
