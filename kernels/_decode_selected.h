@@ -8,8 +8,8 @@
  * sequence b, ascending); entry e's slot is layer_slots[starts[b] + indices[e]], and it goes
  * first where selected_at[key_base + page_ids[b * id_stride + indices[e]]] == completed (the
  * last completed step selected its page too) or it is the row's last entry (the partial
- * page): the table and `first` that kvstore/step.py's split attention builds, so the same
- * bits. */
+ * page): the table and `first` that kvstore/step_attention.py's split attention builds, so
+ * the same bits. */
 #ifndef STRATA_KERNELS_DECODE_SELECTED_H
 #define STRATA_KERNELS_DECODE_SELECTED_H
 

@@ -1,6 +1,6 @@
 """The observation-window prior of sparse decode: how much attention each page gets from the
 prompt's last tokens (SnapKV's window), computed once at the end of prefill; kernels/
-page_select.py's select_pages keeps each head's top pages by it within the budget.
+page_topk.py's select_pages keeps each head's top pages by it within the budget.
 
 Leaf module: imports only torch.
 """

@@ -133,7 +133,7 @@ def build_head_page_table(indptr: torch.Tensor, page_indices: torch.Tensor,
 def selected_head_table(sel, union_slots: torch.Tensor, last_len: torch.Tensor,
                         page_size: int) -> tuple[PageTable, torch.Tensor]:
     """A sparse decode's rows over device slots: row b * KVH + h lists the slots of the pages
-    head h of sequence b selected (kernels/page_select.py's SelectedPages `sel`: ascending,
+    head h of sequence b selected (kernels/page_topk.py's SelectedPages `sel`: ascending,
     the partial last page last), union_slots [nnz_union] the slots of sel's union pages,
     last_len [B] int32 each sequence's last page length. Returns (the table, each entry's
     position among the union's pages)."""

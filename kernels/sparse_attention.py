@@ -230,10 +230,10 @@ class NativeSparseDecode:
                          scale: float, layer_slots: torch.Tensor, starts: torch.Tensor,
                          last_len: torch.Tensor, marks: tuple[torch.Tensor, int],
                          key_base: int, page_ids: torch.Tensor) -> torch.Tensor:
-        """q [B, H, D] attending to the pages a selection `sel` (kernels/page_select.py's
+        """q [B, H, D] attending to the pages a selection `sel` (kernels/page_topk.py's
         SelectedPages, page numbers within each sequence) lists, split as forward_partial's
         `first` with the pages the last step selected too (and each row's last) first:
-        the table and split kvstore/step.py builds from the selection, made in C.
+        the table and split kvstore/step_attention.py builds from the selection, made in C.
         layer_slots int64 [N]: the device slot of each page of the step's sequences in this
         layer; starts int64 [B]: each sequence's first page among them; last_len int32 [B];
         marks: (int64 [keys] the last step that selected each key, the last completed step);

@@ -192,4 +192,6 @@ class KVStoreConfig:
 
     @property
     def local_pages(self) -> int:
+        # NOTE: at least one, even for --sparse-local-tokens 0: a sequence's partial last
+        # page is always selected, so StepKV.summarize leaves it unsummarized until it fills
         return max(1, self.pages(self.local_tokens))

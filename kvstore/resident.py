@@ -8,7 +8,7 @@ each layer then writes its tokens' K/V and runs the C decode kernel over a head 
 the start, or, for sparse decodes in sparse layers, selects their pages (the general path's
 selection) and runs the C kernel over them in one call that maps them through those slots
 and splits them as the general path does (`NativeSparseDecode.forward_selected`: the table
-kvstore/step.py builds in ~25 small torch ops a layer, made in C); the selection statistics,
+kvstore/step_attention.py builds in ~25 small torch ops a layer, made in C); the selection statistics,
 lookup counts, recency (one clock per layer, as the general path stamps them, and the weak
 marks of pages the step before did not select) and the write-back of pages that filled
 happen once, at the step's end, for all layers at once. A page the step opens gets its

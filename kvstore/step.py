@@ -95,7 +95,7 @@ class StepKV:
         self.t_valid = torch.tensor(t_valid, **_I64)
         self.t_full = torch.tensor(t_full, dtype=torch.bool)
         # the written pages `summarize` summarizes: the full ones (a partial page is its
-        # sequence's last, which selection always keeps: --sparse-local-tokens is >= 1 page)
+        # sequence's last, which selection always keeps: KVStoreConfig.local_pages >= 1)
         self.s_idx = torch.tensor([u for u, f in enumerate(t_full) if f], **_I64)
         # the owner of each page that became full, in t_full order (for per-request write-back)
         self.t_full_rids = [seqs[i].request_id for (i, _, n) in self.t_runs for _ in range(n)]

@@ -1,5 +1,5 @@
 """NativeSparseDecode.forward_selected (kernels/_decode_selected.h): the table and split of a
-page selection made in C equal, bit for bit, the ones kvstore/step.py builds in torch
+page selection made in C equal, bit for bit, the ones kvstore/step_attention.py builds in torch
 (selected_head_table, the reused pages and each row's last first, forward_partial)."""
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _case(group: int, dtype: torch.dtype, seed: int, native: bool = True):
 
 def _reference(kernel, q, pool, sel, group, layer_slots, starts, last, marks, key_base,
                page_ids):
-    """kvstore/step.py's way: union slots and keys, the head table, `first`, one call."""
+    """step_attention.py's way: union slots and keys, the head table, `first`, one call."""
     seq = torch.arange(q.shape[0]).repeat_interleave(sel.union_indptr.diff())
     union = layer_slots[starts[seq] + sel.union_indices]
     reused = marks[0][key_base + page_ids[seq, sel.union_indices]] == marks[1]
