@@ -221,8 +221,9 @@ class NativeSparseDecode:
                               int(kv_pool.dtype == torch.bfloat16), kvh, ps, d, group,
                               indptr.data_ptr(), slots.data_ptr(), last.data_ptr(), rows, scale,
                               out.data_ptr(), lse.data_ptr(), carry is not None,
+                              # n_slots: the C call checks the table against the pool
                               kv_pool.shape[0], int(self.simd),
-                              self.threads or torch.get_num_threads(),   # checks the table against the pool
+                              self.threads or torch.get_num_threads(),
                               0 if first is None else first.data_ptr())
         return out, lse
 

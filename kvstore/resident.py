@@ -6,12 +6,14 @@ in every layer, ~60 us of Python and small torch ops a layer against ~80 us of a
 tokens. Here the slots of every layer are looked up once at the step's start, in one batch;
 each layer then writes its tokens' K/V and runs the C decode kernel over a head table made at
 the start, or, for sparse decodes in sparse layers, selects their pages (the general path's
-selection) and runs the C kernel over them in one call that maps them through those slots
-and splits them as the general path does (`NativeSparseDecode.forward_selected`: the table
-kvstore/step_attention.py builds in ~25 small torch ops a layer, made in C); the selection statistics,
-lookup counts, recency (one clock per layer, as the general path stamps them, and the weak
-marks of pages the step before did not select) and the write-back of pages that filled
-happen once, at the step's end, for all layers at once. A page the step opens gets its
+selection) and runs the C kernel over them in one call that maps them through those slots and
+splits them as the general path does (`NativeSparseDecode.forward_selected`: the table
+kvstore/step_attention.py builds in ~25 small torch ops a layer, made in C); the selection
+statistics, lookup counts, recency (one clock per layer, as the general path stamps them, and
+the weak marks of pages the step before did not select) and the write-back of pages that
+filled happen once, at the step's end, for all layers at once; the C calls' checks and
+arguments are made once a step too (kernels/select_plan.py, kernels/decode_plan.py). A page
+the step opens gets its
 device slots in every layer at the start (where the device tier has them free). A step with
 any other page outside the device tier (demoted or spilled), a prefill or KV recompute takes
 the general path, as do sparse decodes under a pipelined mode (whose stage threads overlap
