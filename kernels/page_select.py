@@ -226,24 +226,44 @@ def native_select(q: torch.Tensor, summaries: Sequence[torch.Tensor], counts: li
             raise ValueError(f"prior of shape {tuple(p.shape)} for {n} pages of {kvh} KV heads")
     p_max = max(counts, default=0)
     k = min(p_max, max(budget_pages, sink_pages + local_pages))
-    qf = q.float().contiguous()
     # NOTE: the inputs in one tensor and the outputs in one buffer: a torch call costs ~1-3
     # us, and a step makes this call once a sparse layer
     ins = torch.tensor([t.data_ptr() for t in summaries] + list(counts) + (
         [] if priors is None else [0 if p is None else p.data_ptr() for p in priors]),
         dtype=torch.int64)
-    rows, entries = b_size * kvh, b_size * kvh * k
-    indptr, indices, uindptr, uindices, upos = torch.empty(
-        rows + 1 + 2 * entries + b_size + 1 + b_size * p_max, dtype=torch.int64).split(
-        [rows + 1, entries, b_size + 1, b_size * p_max, entries])
+    sizes = select_outputs(b_size, kvh, k, p_max)
     out = torch.full((b_size, kvh, p_max), -float("inf")) if scores else None
-    base = ins.data_ptr()
-    nnz, unnz = _select.select_pages(
-        qf.data_ptr(), base, 0 if priors is None else base + 16 * b_size,
-        int(summaries[0].dtype == torch.bfloat16), int(quest), b_size, kvh, group, d,
-        base + 8 * b_size, budget_pages, sink_pages, local_pages, prior_pages,
-        indptr.data_ptr(), indices.data_ptr(), uindptr.data_ptr(), uindices.data_ptr(),
-        0 if out is None else out.data_ptr(), NATIVE_SIMD,
-        0 if heads is None else heads.data_ptr(), upos.data_ptr(), max(1, threads))
-    sel = SelectedPages(indptr, indices[:nnz], uindptr, uindices[:unnz], kvh, upos[:nnz])
+    sel = call_select(q.float().contiguous(), ins.data_ptr(), priors is not None,
+                      summaries[0].dtype == torch.bfloat16, quest, kvh, group,
+                      (budget_pages, prior_pages, heads), sink_pages, local_pages,
+                      torch.empty(sum(sizes), dtype=torch.int64), sizes,
+                      0 if out is None else out.data_ptr(), threads)
     return sel, out
+
+
+def select_outputs(b_size: int, kvh: int, k: int, p_max: int) -> list[int]:
+    """The parts of a C selection call's int64 output buffer (`call_select`) for budgets of
+    at most k pages: indptr, page indices, the union's indptr and indices, union positions."""
+    rows, entries = b_size * kvh, b_size * kvh * k
+    return [rows + 1, entries, b_size + 1, b_size * p_max, entries]
+
+
+def call_select(qf: torch.Tensor, ins: int, priors: bool, bf16: bool, quest: bool, kvh: int,
+                group: int, budget: tuple[int, int, torch.Tensor | None], sink_pages: int,
+                local_pages: int, out: torch.Tensor, sizes: list[int], scores: int,
+                threads: int) -> SelectedPages:
+    """kernels/_select.c's select_pages (inputs checked by the caller) for queries qf
+    [B, H, D] float32 contiguous: `ins` the address of B summary addresses, B page counts
+    and (`priors`) B prior addresses, int64; `budget` as native_budget gives it; out an int64
+    buffer of `sizes` (select_outputs); scores the address of a float32 [B, KVH, P_max] for
+    the scores, or 0."""
+    b_size, _, d = qf.shape
+    budget_pages, prior_pages, heads = budget
+    indptr, indices, uindptr, uindices, upos = out.split(sizes)
+    nnz, unnz = _select.select_pages(
+        qf.data_ptr(), ins, ins + 16 * b_size if priors else 0, int(bf16), int(quest), b_size,
+        kvh, group, d, ins + 8 * b_size, budget_pages, sink_pages, local_pages, prior_pages,
+        indptr.data_ptr(), indices.data_ptr(), uindptr.data_ptr(), uindices.data_ptr(), scores,
+        NATIVE_SIMD, 0 if heads is None else heads.data_ptr(), upos.data_ptr(),
+        max(1, threads))
+    return SelectedPages(indptr, indices[:nnz], uindptr, uindices[:unnz], kvh, upos[:nnz])

@@ -16,8 +16,8 @@ from typing import Sequence
 
 import torch
 
-from kernels import page_select      # NATIVE_SIMD, read at each call (benches switch it)
-from kernels.page_select import native_budget, native_select_serves
+from kernels.page_select import (call_select, native_budget, native_select_serves,
+                                 select_outputs)
 from kernels.page_topk import SelectedPages, check_budget
 
 try:
@@ -65,7 +65,7 @@ class SelectPlan:
         kvh, d = summaries[0].shape[2], summaries[0].shape[4]
         self.kvh, self.group, self.d, self.quest, self.threads = kvh, group, d, quest, threads
         self.b_size, self.sink, self.local = b_size, sink_pages, local_pages
-        self.bf16 = int(summaries[0].dtype == torch.bfloat16)
+        self.bf16 = summaries[0].dtype == torch.bfloat16
         p_max = max(counts, default=0)
         # per layer: [summary addresses (B), counts (B), prior addresses (B, 0: none)]
         self.ins = torch.tensor([_addresses(summaries, lay) + list(counts) + (
@@ -76,8 +76,7 @@ class SelectPlan:
         self.layers = budgets           # (budget, prior pages, per-head plan) of each layer
         k = max((min(p_max, max(bud, sink_pages + local_pages)) for bud, _, _ in budgets),
                 default=0)
-        rows, entries = b_size * kvh, b_size * kvh * k
-        self.sizes = [rows + 1, entries, b_size + 1, b_size * p_max, entries]
+        self.sizes = select_outputs(b_size, kvh, k, p_max)
         self.out = torch.empty(layers, sum(self.sizes), dtype=torch.int64)
 
     @classmethod
@@ -118,14 +117,7 @@ class SelectPlan:
             raise ValueError(f"SelectPlan.select wants one of its {len(self.layers)} layers "
                              f"and float32 contiguous queries [{b}, {self.kvh * self.group}, "
                              f"{self.d}], got layer {layer}, {qf.dtype} {tuple(qf.shape)}")
-        budget, prior, heads = self.layers[layer]
-        indptr, indices, uindptr, uindices, upos = self.out[layer].split(self.sizes)
-        base = self.ins.data_ptr() + layer * self.ins.stride(0) * 8
-        nnz, unnz = _select.select_pages(
-            qf.data_ptr(), base, base + 16 * b if self.has_priors else 0, self.bf16,
-            int(self.quest), b, self.kvh, self.group, self.d, base + 8 * b, budget, self.sink,
-            self.local, prior, indptr.data_ptr(), indices.data_ptr(), uindptr.data_ptr(),
-            uindices.data_ptr(), 0, page_select.NATIVE_SIMD,
-            0 if heads is None else heads.data_ptr(), upos.data_ptr(), max(1, self.threads))
-        return SelectedPages(indptr, indices[:nnz], uindptr, uindices[:unnz], self.kvh,
-                             upos[:nnz])
+        return call_select(qf, self.ins.data_ptr() + layer * self.ins.stride(0) * 8,
+                           self.has_priors, self.bf16, self.quest, self.kvh, self.group,
+                           self.layers[layer], self.sink, self.local, self.out[layer],
+                           self.sizes, 0, self.threads)
