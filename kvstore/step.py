@@ -73,7 +73,10 @@ class StepKV:
         tok_t, tok_off = [], []
         # touched pages (being written this step), per sequence a contiguous run of page indices
         self.t_runs: list[tuple[int, int, int]] = []      # (seq, first page index, count)
-        self.s_counts: list[int] = []       # each run's full pages (`summarize`)
+        # each run's full pages, which lead it: the ones `summarize` summarizes (a partial
+        # page is its sequence's last, which selection always keeps: KVStoreConfig.local_pages
+        # >= 1)
+        self.s_counts: list[int] = []
         t_pid, t_valid, t_full = [], [], []
         for i, s in enumerate(seqs):
             self.qo.append(self.qo[-1] + s.q_len)
@@ -94,9 +97,6 @@ class StepKV:
         self.t_pid = torch.tensor(t_pid, **_I64)
         self.t_valid = torch.tensor(t_valid, **_I64)
         self.t_full = torch.tensor(t_full, dtype=torch.bool)
-        # the written pages `summarize` summarizes: the full ones (a partial page is its
-        # sequence's last, which selection always keeps: KVStoreConfig.local_pages >= 1)
-        self.s_idx = torch.tensor([u for u, f in enumerate(t_full) if f], **_I64)
         # the owner of each page that became full, in t_full order (for per-request write-back)
         self.t_full_rids = [seqs[i].request_id for (i, _, n) in self.t_runs for _ in range(n)]
         self.t_full_rids = [rid for rid, f in zip(self.t_full_rids, t_full) if f]
@@ -135,9 +135,9 @@ class StepKV:
         summaries of `layer` (selection's input; prompts also into its index)."""
         # NOTE: recomputed from the page contents, so a retried step cannot double count
         # K halves [U, KVH, ps, D] -> [U, KVH, 3, D]
-        # NOTE: only full pages (s_idx): a decode step fills one page in 16
-        pool, full = self.tiers.pool, self.s_idx
-        if full.numel():
+        # NOTE: only full pages (t_full, s_counts): a decode step fills one page in 16
+        pool, full = self.tiers.pool, self.t_full
+        if self.t_full_rids:            # some page filled
             t_slots, valid = t_slots[full], self.t_valid[full]
             summ = None if self.selection.projected else summarize_slots(pool, t_slots, valid)
             if summ is None:
