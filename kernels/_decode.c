@@ -321,10 +321,7 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
 #include "_decode_selected.h"
 
 static PyMethodDef methods[] = {
-    {"pool_openmp", pool_openmp, METH_VARARGS,
-     "pool_openmp(flag): the pool's calls on the OpenMP team (1), on threads of its own (0) "
-     "or as they are (-1) (kernels/_pool.h); returns (on the team, omp_get_max_threads() or "
-     "-1 without OpenMP)"},
+    POOL_OPENMP_METHOD,
     {"sparse_decode", sparse_decode, METH_VARARGS,
      "sparse_decode(q, pool, bf16, kvh, page_size, head_dim, group, row_ptr, slots, last_len, "
      "rows, scale, out, lse, carry, n_slots[, simd, threads]): addresses of contiguous buffers "

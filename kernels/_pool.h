@@ -112,6 +112,13 @@ static PyObject *pool_openmp(PyObject *self, PyObject *args) {
 #endif
 }
 
+/* pool_openmp's entry in a module's method table */
+#define POOL_OPENMP_METHOD                                                                   \
+    {"pool_openmp", pool_openmp, METH_VARARGS,                                             \
+     "pool_openmp(flag): the pool's calls on the OpenMP team (1), on threads of its own (0) " \
+     "or as they are (-1) (kernels/_pool.h); returns (on the team, omp_get_max_threads() or " \
+     "-1 without OpenMP)"}
+
 /* fn(args[i]) for i < n, args[0] on this thread; returns when all are done */
 static void pool_run(pool_fn fn, void **args, int n) {
     if (n > POOL_MAX)

@@ -374,10 +374,7 @@ static PyObject *qmm(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"pool_openmp", pool_openmp, METH_VARARGS,
-     "pool_openmp(flag): the pool's calls on the OpenMP team (1), on threads of its own (0) "
-     "or as they are (-1) (kernels/_pool.h); returns (on the team, omp_get_max_threads() or "
-     "-1 without OpenMP)"},
+    POOL_OPENMP_METHOD,
     {"qmm", qmm, METH_VARARGS,
      "qmm(x, M, K, codes, scale, zero, N, bits, out[, simd, threads, xbits]): out[M, N] float32 = "
      "x[M, K] float32 @ w.T for w [N, K] in `bits`-bit codes (4: two a byte, GGUF's order "

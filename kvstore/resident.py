@@ -13,12 +13,11 @@ statistics, lookup counts, recency (one clock per layer, as the general path sta
 the weak marks of pages the step before did not select) and the write-back of pages that
 filled happen once, at the step's end, for all layers at once; the C calls' checks and
 arguments are made once a step too (kernels/select_plan.py, kernels/decode_plan.py). A page
-the step opens gets its
-device slots in every layer at the start (where the device tier has them free). A step with
-any other page outside the device tier (demoted or spilled), a prefill or KV recompute takes
-the general path, as do sparse decodes under a pipelined mode (whose stage threads overlap
-selection with attention) or --sparse-head-pages union; its results equal this one's bit for
-bit (the same kernels over the same slots in the same order).
+the step opens gets its device slots in every layer at the start (where the device tier has
+them free). A step with any other page outside the device tier (demoted or spilled), a prefill
+or KV recompute takes the general path, as do sparse decodes under a pipelined mode (whose
+stage threads overlap selection with attention) or --sparse-head-pages union; its results
+equal this one's bit for bit (the same kernels over the same slots in the same order).
 """
 from __future__ import annotations
 
