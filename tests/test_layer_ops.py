@@ -1,5 +1,6 @@
 """The decoder layer's small ops in C (kernels/layer_ops.py) against torch's: bit for bit in
-bf16, to the last bit or within one ulp in float32, and the model's forward the same either way."""
+bf16, to the last bit or within one ulp in float32; the model's forward the same either way in
+float32, and as close to it in bf16."""
 from __future__ import annotations
 
 import pytest
@@ -98,29 +99,41 @@ def test_write_kv_refuses_what_it_cannot_serve():
         layer_ops.write_kv(pool, k, k, slots, torch.tensor([0, 16]))
 
 
-def test_the_models_steps_are_the_same_with_torchs_ops(smollm2_dir):
-    # bf16 (the CPU's default with AVX512_BF16): a prefill's logits and greedy decode
+def _prefill_and_greedy(model_dir, dtype, enabled):
     from engine.model_loader import load_model
     from tests.kv_cache import make_kv_cache
     from tests.model_helpers import PagedSequence, greedy, page_pool, step
 
-    model = load_model(smollm2_dir, dtype=torch.bfloat16)
+    model = load_model(model_dir, dtype=dtype)
     prompt = list(range(100, 140))
-    runs = []
+    LayerOps.enabled = enabled
+    try:
+        cache = make_kv_cache(model, num_pages=32, page_size=16)
+        (logits,) = step(model, cache, [(PagedSequence(list(prompt), page_pool(32)),
+                                         len(prompt))])
+        cache = make_kv_cache(model, num_pages=32, page_size=16)
+        return logits.float(), greedy(model, cache, prompt, 12, page_pool(32))
+    finally:
+        LayerOps.enabled = True
+
+
+def test_the_models_steps_are_the_same_with_torchs_ops(smollm2_dir):
+    """float32: a prefill's logits within float32 rounding of torch's ops, and the same greedy
+    tokens. bf16 cannot promise that on every CPU: torch sums RMSNorm's squares in an order
+    that depends on the vector width, a rare one-ulp difference that 30 bf16 layers amplify
+    (on an AVX2-only EPYC: 0.56 in a logit, and a near tie in the greedy tokens flips). There
+    the C ops must be as close to the float32 model as torch's ops are."""
+    torch_ops, torch_greedy = _prefill_and_greedy(smollm2_dir, torch.float32, False)
+    ours, ours_greedy = _prefill_and_greedy(smollm2_dir, torch.float32, True)
+    torch.testing.assert_close(ours, torch_ops, rtol=0, atol=1e-3)
+    assert ours_greedy == torch_greedy
+    err = {}
     for enabled in (False, True):
-        LayerOps.enabled = enabled
-        try:
-            cache = make_kv_cache(model, num_pages=32, page_size=16)
-            seq = PagedSequence(list(prompt), page_pool(32))
-            (logits,) = step(model, cache, [(seq, len(prompt))])
-            cache = make_kv_cache(model, num_pages=32, page_size=16)
-            runs.append((logits, greedy(model, cache, prompt, 12, page_pool(32))))
-        finally:
-            LayerOps.enabled = True
-    # bit for bit on this machine's CPU type where torch's reductions match ours; within
-    # rounding on any
-    torch.testing.assert_close(runs[0][0], runs[1][0], rtol=0, atol=0.25)
-    assert runs[0][1] == runs[1][1]
+        logits, _ = _prefill_and_greedy(smollm2_dir, torch.bfloat16, enabled)
+        e = (logits - torch_ops).abs()
+        err[enabled] = (e.mean().item(), e.max().item())
+    (t_mean, t_max), (o_mean, o_max) = err[False], err[True]
+    assert o_mean <= 1.2 * t_mean and o_max <= 1.5 * t_max, err
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
