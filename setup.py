@@ -3,8 +3,8 @@ page I/O and checksums, and page copies between the memory tiers), kvstore/tiers
 (the KV tier codec: 8- and 4-bit pages), kvstore/_evict.c (the
 device tier's eviction pass with host admission), kernels/_decode.c
 (sparse decode attention on the CPU), kernels/_layerops.c (a decoder layer's small ops),
-kernels/_select.c (page selection on the CPU) and kernels/_qmatmul.c (matmuls by
-4- and 8-bit weights);
+kernels/_select.c (page selection on the CPU), kernels/_qmatmul.c (matmuls by
+4- and 8-bit weights) and kernels/_layer.c (a decode step's layer in one call, from the others);
 everything else is in pyproject.toml."""
 import os
 import subprocess
@@ -61,6 +61,8 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"]
                              + OPENMP,
                              extra_link_args=["-pthread"] + OPENMP),
+                   Extension("kernels._layer", ["kernels/_layer.c"],
+                             extra_compile_args=["-O3", "-Wall", "-fno-wrapv"]),
                    Extension("kernels._select", ["kernels/_select.c"],
                              depends=["kernels/_rows.h", "kernels/_select_score.h",
                                       "kernels/_select_top.h"],

@@ -17,6 +17,7 @@ from torch import nn
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
 from kernels import layer_ops
+from kernels.decode_layer import DecodeLayers, FusedLayers, layer_words
 from kernels.packed_linear import BITS, DENSE, NATIVE, GroupQuant, Linear, PackedWeight
 
 _WEIGHTS = ("qkv", "o", "gate_up", "down")      # a layer's matmuls: <name>_proj, <name>_bias
@@ -118,8 +119,12 @@ class DecoderLayer(nn.Module):
         else:
             h = x + h
             normed = norm(h)
-        gate, up = self.gate_up(normed).chunk(2, dim=-1)
-        return h + self.down(F.silu(gate) * up)
+        gate_up = self.gate_up(normed)
+        act = layer_ops.silu_mul(gate_up) if native else None       # (float32 only)
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return h + self.down(act)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,
@@ -176,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.pack({name: q for (j, name), q in self._quant.items() if j == i}, fmt,
                        prefill_rows)
+        self._decode_words = None       # kernels/decode_layer.py's view of them, when asked
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         self.head = make_linear(head, None, self._quant.get((-1, "head")), fmt, prefill_rows)
         if fmt is not None:
@@ -197,7 +203,11 @@ class LlamaForCausalLM(nn.Module):
         ahead = getattr(kv, "lookahead_rows", None)
         if ahead is not None:
             ahead_rope = (rope[0][ahead], rope[1][ahead])
+        layers = None if ahead is not None else self._decode_layers(x, rope, kv)
         for i, layer in enumerate(self.layers):
+            if layers is not None:      # the layer in one C call, x updated in place
+                kv.after_layer(i, layers.run(i, layer.input_layernorm.eps, layer.scale))
+                continue
             if ahead is not None and i + 1 < len(self.layers):
                 kv.lookahead(i + 1, self.layers[i + 1].predict_q(x[ahead], *ahead_rope))
             x = layer(x, rope, kv)
@@ -205,6 +215,21 @@ class LlamaForCausalLM(nn.Module):
         if hidden_indices is None:
             return logits
         return logits, self.norm(x[hidden_indices])
+
+    def _decode_layers(self, x: torch.Tensor, rope, kv) -> DecodeLayers | None:
+        """The step's layers as one C call each (kernels/decode_layer.py), where the KV store
+        and the weights allow it (else None: layer by layer)."""
+        table = getattr(kv, "layer_table", None)
+        if table is None or not FusedLayers.enabled or getattr(kv, "keeps_inputs", False):
+            return None
+        if self._decode_words is None:      # the layers' decode weights, once (`pack` resets)
+            self._decode_words = (layer_words(self.layers),)
+        cfg = self.config
+        return DecodeLayers.build(self._decode_words[0], x, rope,
+                                  table(cfg.num_attention_heads // cfg.num_key_value_heads),
+                                  (cfg.hidden_size, cfg.num_attention_heads,
+                                   cfg.num_key_value_heads, cfg.head_dim,
+                                   cfg.intermediate_size))
 
     @torch.inference_mode()
     def kv_from_inputs(self, layer: int, xn: torch.Tensor, positions: torch.Tensor

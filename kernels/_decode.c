@@ -262,11 +262,12 @@ static int check_table(const int64_t *rp, const int64_t *sl, const int32_t *ll,
 }
 
 /* the rows of a checked table (with `first`: its entries where set, then the others, going
- * on from them), without the GIL */
-static PyObject *run_decode(const float *q, const char *pool, int bf16, int kvh, int ps, int d,
-                            int g, const int64_t *rp, const int64_t *sl, const int32_t *ll,
-                            const uint8_t *first, Py_ssize_t rows, float scale, float *out,
-                            float *lse, int carry, int simd, int threads) {
+ * on from them); without the GIL (the caller releases it). 0, or -1 where scratch could not
+ * be allocated. kernels/_layer.c calls it through the `api` capsule. */
+static int decode_table(const float *q, const char *pool, int bf16, int kvh, int ps, int d,
+                        int g, const int64_t *rp, const int64_t *sl, const int32_t *ll,
+                        const uint8_t *first, Py_ssize_t rows, float scale, float *out,
+                        float *lse, int carry, int simd, int threads) {
     const int64_t elem = bf16 ? 2 : 4;
     const int64_t head_bytes = (int64_t)ps * d * elem;
     const int64_t v_bytes = kvh * head_bytes;
@@ -280,12 +281,11 @@ static PyObject *run_decode(const float *q, const char *pool, int bf16, int kvh,
     int64_t *buf = scratch_for(sizeof(int64_t) * (split_words + rows + 1) +
                                sizeof(float) * max_items * g * (d + 2));
     if (buf == NULL)
-        return PyErr_NoMemory();
+        return -1;
     int64_t *ip = buf + split_words;
     rows_job job = {pick_row_fn(d, simd), q, pool, bf16, kvh, ps, d, g, carry, chunk,
                     slot_bytes, head_bytes, v_bytes, rp, sl, ip, ll, scale, out, lse,
                     (float *)(ip + rows + 1), 0, 0};
-    Py_BEGIN_ALLOW_THREADS
     if (first == NULL) {
         run_table(&job, rows, threads, rp, sl, ll, carry, ip);
     } else {        /* the first half, then the rest going on from it */
@@ -295,8 +295,7 @@ static PyObject *run_decode(const float *q, const char *pool, int bf16, int kvh,
         run_table(&job, rows, threads, hrp, hsl, hll, carry, ip);
         run_table(&job, rows, threads, trp, tsl, tll, 1, ip);
     }
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    return 0;
 }
 
 static PyObject *sparse_decode(PyObject *self, PyObject *args) {
@@ -313,9 +312,16 @@ static PyObject *sparse_decode(PyObject *self, PyObject *args) {
     const int32_t *ll = (const int32_t *)(uintptr_t)last;
     if (check_shape(d, g, ps, kvh) < 0 || check_table(rp, sl, ll, rows, ps, n_slots) < 0)
         return NULL;
-    return run_decode((const float *)(uintptr_t)q, (const char *)(uintptr_t)pool, bf16, kvh,
-                      ps, d, g, rp, sl, ll, (const uint8_t *)(uintptr_t)first_ptr, rows, scale,
-                      (float *)(uintptr_t)out, (float *)(uintptr_t)lse, carry, simd, threads);
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = decode_table((const float *)(uintptr_t)q, (const char *)(uintptr_t)pool, bf16,
+                          kvh, ps, d, g, rp, sl, ll, (const uint8_t *)(uintptr_t)first_ptr,
+                          rows, scale, (float *)(uintptr_t)out, (float *)(uintptr_t)lse, carry,
+                          simd, threads);
+    Py_END_ALLOW_THREADS
+    if (failed)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
 }
 
 #include "_decode_selected.h"
@@ -343,6 +349,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", NULL, -1, 
 /* the pool, for kernels/_select.c (a capsule: its calls run on these threads, not on a pool
  * of its own spinning beside this one) */
 static struct { void (*run)(pool_fn, void **, int); } pool_api = {pool_run};
+/* for kernels/_layer.c: a checked table's attention without Python (check_table first) */
+static struct {
+    int (*check_table)(const int64_t *, const int64_t *, const int32_t *, Py_ssize_t, int,
+                       Py_ssize_t);
+    int (*decode_table)(const float *, const char *, int, int, int, int, int, const int64_t *,
+                        const int64_t *, const int32_t *, const uint8_t *, Py_ssize_t, float,
+                        float *, float *, int, int, int);
+} api = {check_table, decode_table};
 
 PyMODINIT_FUNC PyInit__decode(void) {
     pool_init();
@@ -351,6 +365,12 @@ PyMODINIT_FUNC PyInit__decode(void) {
         return NULL;
     PyObject *cap = PyCapsule_New(&pool_api, "kernels._decode.pool_api", NULL);
     if (!cap || PyModule_AddObject(m, "pool_api", cap) < 0) {
+        Py_XDECREF(cap);
+        Py_DECREF(m);
+        return NULL;
+    }
+    cap = PyCapsule_New(&api, "kernels._decode.api", NULL);
+    if (!cap || PyModule_AddObject(m, "api", cap) < 0) {
         Py_XDECREF(cap);
         Py_DECREF(m);
         return NULL;

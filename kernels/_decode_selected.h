@@ -2,7 +2,7 @@
  * path (kvstore/resident.py): the per-(sequence, KV head) table, the pages the last step
  * selected too (attended first), and the rows, in one call where Python built the table in
  * ~25 small torch ops a layer. Included by _decode.c only (its check_shape, check_table and
- * run_decode).
+ * decode_table).
  *
  * Row r = b * KVH + h lists the pages indices[indptr[r]:indptr[r + 1]] (page numbers within
  * sequence b, ascending); entry e's slot is layer_slots[starts[b] + indices[e]], and it goes
@@ -89,10 +89,16 @@ static PyObject *sparse_decode_selected(PyObject *self, PyObject *args) {
     PyObject *res = NULL;
     if (bad)
         PyErr_SetString(PyExc_ValueError, bad);
-    else if (check_table(rp, sl, ll, rows, ps, n_slots) == 0)
-        res = run_decode((const float *)(uintptr_t)q, (const char *)(uintptr_t)pool, bf16, kvh,
-                         ps, d, g, rp, sl, ll, first, rows, scale, (float *)(uintptr_t)out,
-                         (float *)(uintptr_t)lse, 0, simd, threads);
+    else if (check_table(rp, sl, ll, rows, ps, n_slots) == 0) {
+        int failed;
+        Py_BEGIN_ALLOW_THREADS
+        failed = decode_table((const float *)(uintptr_t)q, (const char *)(uintptr_t)pool, bf16,
+                              kvh, ps, d, g, rp, sl, ll, first, rows, scale,
+                              (float *)(uintptr_t)out, (float *)(uintptr_t)lse, 0, simd,
+                              threads);
+        Py_END_ALLOW_THREADS
+        res = failed ? PyErr_NoMemory() : Py_NewRef(Py_None);
+    }
     free(sl);
     return res;
 }

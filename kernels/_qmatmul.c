@@ -334,29 +334,21 @@ static void run_parallel(run_fn fn, const job_t *base, int threads) {
     pool_run(run_task, args, threads);
 }
 
-static PyObject *qmm(PyObject *self, PyObject *args) {
-    unsigned long long x, codes, scale, zero, out;
-    Py_ssize_t m, k, n;
-    int bits, simd = 1, threads = 1, xbits = 16;
-    if (!PyArg_ParseTuple(args, "KnnKKKniK|iii", &x, &m, &k, &codes, &scale, &zero, &n, &bits,
-                          &out, &simd, &threads, &xbits))
-        return NULL;
-    if ((bits != 4 && bits != 8) || k % GROUP || m < 0 || n < 0 || (xbits != 8 && xbits != 16)) {
-        PyErr_Format(PyExc_ValueError, "unsupported: %d-bit codes (4 or 8), K %zd (a multiple "
-                     "of %d), M %zd, N %zd, %d-bit x (8 or 16)", bits, k, GROUP, m, n, xbits);
-        return NULL;
-    }
+/* out[M, N] = x[M, K] @ w.T, as qmm below but for the checks; without the GIL (the caller
+ * releases it). 0, or -1 where scratch could not be allocated. kernels/_layer.c calls it
+ * through the `api` capsule. */
+static int qmm_run(const float *x, Py_ssize_t m, Py_ssize_t k, const uint8_t *codes,
+                   const uint16_t *scale, const uint16_t *zero, Py_ssize_t n, int bits,
+                   float *out, int simd, int threads, int xbits) {
     if (m == 0 || n == 0)
-        Py_RETURN_NONE;
+        return 0;
     const Py_ssize_t groups = k / GROUP;
     const size_t x_bytes = ((size_t)(m * k * (xbits / 8)) + 31) & ~(size_t)31;
     char *scratch = malloc(x_bytes + 2 * m * groups * sizeof(float));
     if (!scratch)
-        return PyErr_NoMemory();
+        return -1;
     float *dx = (float *)(scratch + x_bytes), *xs = dx + m * groups;
-    job_t job = {scratch, xbits, dx, xs, (const uint8_t *)(uintptr_t)codes,
-                 (const uint16_t *)(uintptr_t)scale, (const uint16_t *)(uintptr_t)zero, bits,
-                 m, k, n, 0, n, (float *)(uintptr_t)out};
+    job_t job = {scratch, xbits, dx, xs, codes, scale, zero, bits, m, k, n, 0, n, out};
     run_fn fn = run_portable;
 #ifdef HAVE_AVX2_PATH
     if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -365,11 +357,31 @@ static PyObject *qmm(PyObject *self, PyObject *args) {
 #else
     (void)simd;
 #endif
-    Py_BEGIN_ALLOW_THREADS
-    quantize_rows((const float *)(uintptr_t)x, m, k, xbits, scratch, dx, xs);
+    quantize_rows(x, m, k, xbits, scratch, dx, xs);
     run_parallel(fn, &job, threads);
-    Py_END_ALLOW_THREADS
     free(scratch);
+    return 0;
+}
+
+static PyObject *qmm(PyObject *self, PyObject *args) {
+    unsigned long long x, codes, scale, zero, out;
+    Py_ssize_t m, k, n;
+    int bits, simd = 1, threads = 1, xbits = 16, failed;
+    if (!PyArg_ParseTuple(args, "KnnKKKniK|iii", &x, &m, &k, &codes, &scale, &zero, &n, &bits,
+                          &out, &simd, &threads, &xbits))
+        return NULL;
+    if ((bits != 4 && bits != 8) || k % GROUP || m < 0 || n < 0 || (xbits != 8 && xbits != 16)) {
+        PyErr_Format(PyExc_ValueError, "unsupported: %d-bit codes (4 or 8), K %zd (a multiple "
+                     "of %d), M %zd, N %zd, %d-bit x (8 or 16)", bits, k, GROUP, m, n, xbits);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    failed = qmm_run((const float *)(uintptr_t)x, m, k, (const uint8_t *)(uintptr_t)codes,
+                     (const uint16_t *)(uintptr_t)scale, (const uint16_t *)(uintptr_t)zero, n,
+                     bits, (float *)(uintptr_t)out, simd, threads, xbits);
+    Py_END_ALLOW_THREADS
+    if (failed)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -387,7 +399,22 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmatmul", NULL, -1, methods};
 
+/* for kernels/_layer.c: the matmul without Python (its calls run on this module's pool) */
+static struct {
+    int (*qmm)(const float *, Py_ssize_t, Py_ssize_t, const uint8_t *, const uint16_t *,
+               const uint16_t *, Py_ssize_t, int, float *, int, int, int);
+} api = {qmm_run};
+
 PyMODINIT_FUNC PyInit__qmatmul(void) {
     pool_init();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    PyObject *cap = PyCapsule_New(&api, "kernels._qmatmul.api", NULL);
+    if (!cap || PyModule_AddObject(m, "api", cap) < 0) {
+        Py_XDECREF(cap);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -1,10 +1,10 @@
 """A decoder layer's small ops as one C call each (kernels/_layerops.c): RMSNorm with the
-residual add before it, RoPE in place, the scatter of new K/V into the KV pool, and the
-summaries of the pages written (kernels/page_summary.py's, read in place). torch runs each as
-3 to 8 ops with their dispatch and temporaries, which at one decode row is most of their
-cost. Same arithmetic as torch and transformers (float32 statistics, bf16 results rounded
-where torch's ops round them); CPU tensors in bfloat16 or float32 only: `supports` says when
-the model may call them (else it runs torch's ops).
+residual add before it, RoPE in place, the scatter of new K/V into the KV pool, SiLU(gate) *
+up in float32, and the summaries of the pages written (kernels/page_summary.py's, read in
+place). torch runs each as 3 to 8 ops with their dispatch and temporaries, which at one decode
+row is most of their cost. Same arithmetic as torch and transformers (float32 statistics, bf16
+results rounded where torch's ops round them); CPU tensors in bfloat16 or float32 only:
+`supports` says when the model may call them (else it runs torch's ops).
 
 Leaf module: imports only torch and kernels.*.
 """
@@ -104,6 +104,21 @@ def write_kv(pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.
                        pool.dtype == torch.bfloat16, k.data_ptr(), v.data_ptr(), k.stride(0),
                        slots.data_ptr(), offsets.data_ptr(), t, k.dtype == torch.bfloat16)
     return True
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up [T, 2I] float32 -> silu(gate) * up [T, I] (new tensor), or None where the C op
+    does not serve it (not float32, rows not contiguous: the caller runs torch's). The exp is
+    a polynomial, within a few float32 ulp of torch's."""
+    if not (LayerOps.enabled and _layerops is not None and gate_up.dtype == torch.float32
+            and gate_up.is_cpu and gate_up.dim() == 2 and gate_up.stride(1) == 1
+            and gate_up.shape[1] % 2 == 0):
+        return None
+    t, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, n)
+    _layerops.silu_mul(gate_up.data_ptr(), gate_up.data_ptr() + 4 * n, out.data_ptr(), t, n,
+                       gate_up.stride(0))
+    return out
 
 
 def summarize_slots(pool: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor

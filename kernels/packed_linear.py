@@ -113,6 +113,15 @@ class PackedWeight:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, GROUP, scale_zero)
         return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
+    def native_args(self) -> list[int] | None:
+        """Our kernel's view of this weight (kernels/_layer.c calls it by address): codes,
+        scale and zero addresses (0: none), bits, x bits; None for other formats."""
+        if self.fmt not in OURS:
+            return None
+        codes, scale, zero = self._data
+        return [codes.data_ptr(), scale.data_ptr(), 0 if zero is None else zero.data_ptr(),
+                BITS[self.fmt], self.xbits]
+
     def _qmm(self, x: torch.Tensor) -> torch.Tensor:
         codes, scale, zero = self._data
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()

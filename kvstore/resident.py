@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from kernels.decode_layer import KVTable
 from kernels.decode_plan import selected_plan, table_plan
 from kernels.layer_ops import write_kv
 from kernels.page_table import PageTable
@@ -170,6 +171,27 @@ class ResidentDecode:
             out = self.kernel.forward(q, pool, table, group, scale)   # (torch's if unsupported)
         self.stats.observe_stage("compute", time.perf_counter() - t0)
         return out
+
+    def layer_table(self, group: int) -> KVTable | None:
+        """This step's KV for layers run as one C call each (kernels/decode_layer.py): every
+        layer dense over the head table, or None (sparse layers, a pool the C kernel does not
+        serve: then `attend`, layer by layer). The caller writes the K/V and attends; it
+        calls `after_layer` after each layer."""
+        if self.step.sparse_idx:
+            return None
+        if self._dense_plan is None:
+            self._dense_plan = table_plan(self.kernel, self.tiers.pool, group, self.head,
+                                          self.head_slots) or False
+        if not self._dense_plan:
+            return None
+        return KVTable(self.tiers.pool, self.tok_slots, self.tok_off, self._dense_plan)
+
+    def after_layer(self, layer: int, attention_s: float) -> None:
+        """What `attend` does around the attention, for a layer run in one call: the
+        summaries of the pages it filled, the compute stage's time."""
+        if self.summaries:
+            self.step.summarize(layer, self.t_slots[layer])
+        self.stats.observe_stage("compute", attention_s)
 
     def _attend_sparse_layer(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """A sparse layer: the dense rows over all their pages, the sparse decodes over the

@@ -181,6 +181,15 @@ class StepKV:
         if layer >= self.cfg.dense_layers and layer < self.tiers.num_layers:
             self._q_pred[layer] = q_pred
 
+    def layer_table(self, group: int):
+        """The step's KV for layers run in one C call each (kernels/decode_layer.KVTable),
+        or None: the resident path's, where it serves every layer."""
+        return None if self.resident is None else self.resident.layer_table(group)
+
+    def after_layer(self, layer: int, attention_s: float) -> None:
+        """After a layer run through `layer_table`."""
+        self.resident.after_layer(layer, attention_s)
+
     @property
     def keeps_inputs(self) -> bool:
         """Whether `attend` wants the layer's inputs (KV recompute stores them with the K/V)."""

@@ -1,0 +1,196 @@
+/* A decoder layer's decode step in one call (kernels/decode_layer.py): the Llama layer of
+ * engine/llama.py over B rows of one new token each, float32 activations, weights in our 4-
+ * or 8-bit formats, the KV store's resident table:
+ *
+ *   xn = norm1(x); qkv = xn @ Wqkv; RoPE(q, k); K/V into the pool; a = attention(q);
+ *   h = x + a @ Wo; y = silu(g) * u for [g|u] = norm2(h) @ Wgu; x = h + y @ Wdown
+ *
+ * A step's ~15 torch and C calls a layer, each with its Python around it, were most of a
+ * decode step's time on a slow core (~10 of 24 ms at 1K tokens on an AMD EPYC without
+ * AVX-512). The ops are the other modules' own (the matmul of _qmatmul.c, the norm, RoPE and
+ * K/V write of _layerops.c, the table attention of _decode.c: reached through their `api`
+ * capsules), so the bits are the model's layers' own where they run those ops.
+ *
+ * The plan is two int64 tables built in Python: the step's (STEP_* words) and the model's
+ * (LAYER_WORDS a layer). Runs without the GIL but for the table's check. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+enum {      /* the step's words (kernels/decode_layer.py writes them) */
+    S_ROWS, S_HIDDEN, S_HEADS, S_KV_HEADS, S_HEAD_DIM, S_INTER, S_PAGE, S_POOL_BF16,
+    S_N_SLOTS, S_ATTN_SIMD, S_THREADS, S_X, S_COS, S_SIN, S_POOL, S_TOK_OFF, S_INDPTR,
+    S_LAST, S_SCRATCH, S_QMM_SIMD, S_LAYERS, S_ENTRIES, S_TOK_SLOTS, S_HEAD_SLOTS, S_ATTN_THREADS, STEP_WORDS
+};
+enum {      /* a layer's words: the two norms' weights, then 5 a matmul (qkv, o, gate_up, down) */
+    L_NORM1, L_NORM2, L_W, LAYER_WORDS = L_W + 4 * 5
+};
+enum { W_CODES, W_SCALE, W_ZERO, W_BITS, W_XBITS };
+
+static const struct {
+    int (*qmm)(const float *, Py_ssize_t, Py_ssize_t, const uint8_t *, const uint16_t *,
+               const uint16_t *, Py_ssize_t, int, float *, int, int, int);
+} *mm_api;
+static const struct {
+    void (*norm_row)(void *, const void *, const void *, void *, int, float, int);
+    void (*rope_row)(void *, const void *, const void *, int, int, int);
+    int (*write_rows)(char *, Py_ssize_t, int, int, int, int, const char *, const char *,
+                      Py_ssize_t, const int64_t *, const int64_t *, Py_ssize_t, int);
+    void (*silu_mul_row)(const float *, const float *, float *, Py_ssize_t);
+} *ops_api;
+static const struct {
+    int (*check_table)(const int64_t *, const int64_t *, const int32_t *, Py_ssize_t, int,
+                       Py_ssize_t);
+    int (*decode_table)(const float *, const char *, int, int, int, int, int, const int64_t *,
+                        const int64_t *, const int32_t *, const uint8_t *, Py_ssize_t, float,
+                        float *, float *, int, int, int);
+} *attn_api;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* x [B, k] @ layer weight `w` (its 5 words) -> out [B, n]: 0, or -1 out of memory */
+static int matmul(const int64_t *w, const float *x, Py_ssize_t b, Py_ssize_t k, Py_ssize_t n,
+                  float *out, const int64_t *st) {
+    return mm_api->qmm(x, b, k, (const uint8_t *)(uintptr_t)w[W_CODES],
+                       (const uint16_t *)(uintptr_t)w[W_SCALE],
+                       (const uint16_t *)(uintptr_t)w[W_ZERO], n, (int)w[W_BITS], out,
+                       (int)st[S_QMM_SIMD], (int)st[S_THREADS], (int)w[W_XBITS]);
+}
+
+/* the layer's attention half: x -> h = x + attention's output @ Wo; 0, -1 out of memory, or
+ * 1 + the token whose K/V slot is out of range */
+static int attention_half(const int64_t *st, const int64_t *lw, int layer, float eps,
+                          float scale, float *h, double *attn_s) {
+    const Py_ssize_t b = st[S_ROWS], hid = st[S_HIDDEN], d = st[S_HEAD_DIM];
+    const int nh = (int)st[S_HEADS], kvh = (int)st[S_KV_HEADS];
+    const Py_ssize_t nq = (Py_ssize_t)nh * d, nqkv = nq + 2 * (Py_ssize_t)kvh * d;
+    float *x = (float *)(uintptr_t)st[S_X], *xn = (float *)(uintptr_t)st[S_SCRATCH];
+    float *qkv = xn + b * hid, *q = qkv + b * nqkv, *a = q + b * nq, *lse = a + b * nq;
+    for (Py_ssize_t r = 0; r < b; r++)
+        ops_api->norm_row(x + r * hid, NULL, (const void *)(uintptr_t)lw[L_NORM1], xn + r * hid,
+                          (int)hid, eps, 0);
+    if (matmul(lw + L_W, xn, b, hid, nqkv, qkv, st))
+        return -1;
+    const float *cs = (const float *)(uintptr_t)st[S_COS], *sn = (const float *)(uintptr_t)st[S_SIN];
+    for (Py_ssize_t r = 0; r < b; r++) {
+        ops_api->rope_row(qkv + r * nqkv, cs + r * d, sn + r * d, nh + kvh, (int)d, 0);
+        memcpy(q + r * nq, qkv + r * nqkv, sizeof(float) * nq);
+    }
+    const int64_t *tok = (const int64_t *)(uintptr_t)st[S_TOK_SLOTS] + (int64_t)layer * b;
+    const int bad = ops_api->write_rows(
+        (char *)(uintptr_t)st[S_POOL], st[S_N_SLOTS], kvh, (int)st[S_PAGE], (int)d,
+        (int)st[S_POOL_BF16], (const char *)(qkv + nq), (const char *)(qkv + nq + kvh * d),
+        nqkv, tok, (const int64_t *)(uintptr_t)st[S_TOK_OFF], b, 0);
+    if (bad)
+        return bad;
+    const double t0 = now();
+    const int64_t *slots = (const int64_t *)(uintptr_t)st[S_HEAD_SLOTS] +
+                           (int64_t)layer * st[S_ENTRIES];
+    if (attn_api->decode_table(q, (const char *)(uintptr_t)st[S_POOL], (int)st[S_POOL_BF16], kvh,
+                               (int)st[S_PAGE], (int)d, nh / kvh,
+                               (const int64_t *)(uintptr_t)st[S_INDPTR], slots,
+                               (const int32_t *)(uintptr_t)st[S_LAST], NULL, b * kvh, scale, a,
+                               lse, 0, (int)st[S_ATTN_SIMD], (int)st[S_ATTN_THREADS]))
+        return -1;
+    *attn_s = now() - t0;
+    if (matmul(lw + L_W + 5, a, b, nq, hid, h, st))
+        return -1;
+    return 0;
+}
+
+/* the MLP half: x = h + down(silu(g) * u) for [g|u] = norm2(h + x) @ Wgu (h += x first) */
+static int mlp_half(const int64_t *st, const int64_t *lw, float eps, float *h) {
+    const Py_ssize_t b = st[S_ROWS], hid = st[S_HIDDEN], inter = st[S_INTER];
+    float *x = (float *)(uintptr_t)st[S_X], *xn = (float *)(uintptr_t)st[S_SCRATCH];
+    float *gu = xn + b * hid, *act = gu + b * 2 * inter, *y = act + b * inter;
+    for (Py_ssize_t r = 0; r < b; r++)
+        ops_api->norm_row(h + r * hid, x + r * hid, (const void *)(uintptr_t)lw[L_NORM2],
+                          xn + r * hid, (int)hid, eps, 0);
+    if (matmul(lw + L_W + 10, xn, b, hid, 2 * inter, gu, st))
+        return -1;
+    for (Py_ssize_t r = 0; r < b; r++)
+        ops_api->silu_mul_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, act + r * inter, inter);
+    if (matmul(lw + L_W + 15, act, b, inter, hid, y, st))
+        return -1;
+    for (Py_ssize_t i = 0; i < b * hid; i++)
+        x[i] = h[i] + y[i];
+    return 0;
+}
+
+static PyObject *decode_layer(PyObject *self, PyObject *args) {
+    unsigned long long step_addr, layers_addr, h_addr;
+    int layer;
+    float eps, scale;
+    if (!PyArg_ParseTuple(args, "KKKiff", &step_addr, &layers_addr, &h_addr, &layer, &eps,
+                          &scale))
+        return NULL;
+    const int64_t *st = (const int64_t *)(uintptr_t)step_addr;
+    if (layer < 0 || layer >= st[S_LAYERS]) {
+        PyErr_Format(PyExc_IndexError, "decode_layer: layer %d of %lld", layer,
+                     (long long)st[S_LAYERS]);
+        return NULL;
+    }
+    const int64_t *slots = (const int64_t *)(uintptr_t)st[S_HEAD_SLOTS] +
+                           (int64_t)layer * st[S_ENTRIES];
+    const Py_ssize_t rows = st[S_ROWS] * st[S_KV_HEADS];
+    if (attn_api->check_table((const int64_t *)(uintptr_t)st[S_INDPTR], slots,
+                              (const int32_t *)(uintptr_t)st[S_LAST], rows, (int)st[S_PAGE],
+                              st[S_N_SLOTS]) < 0)
+        return NULL;
+    const int64_t *lw = (const int64_t *)(uintptr_t)layers_addr + (int64_t)layer * LAYER_WORDS;
+    float *h = (float *)(uintptr_t)h_addr;
+    double attn_s = 0.;
+    int res;
+    Py_BEGIN_ALLOW_THREADS
+    res = attention_half(st, lw, layer, eps, scale, h, &attn_s);
+    if (res == 0)
+        res = mlp_half(st, lw, eps, h);
+    Py_END_ALLOW_THREADS
+    if (res < 0)
+        return PyErr_NoMemory();
+    if (res > 0)
+        return PyErr_Format(PyExc_IndexError, "decode_layer: token %d's K/V slot or offset "
+                            "out of range", res - 1);
+    return PyFloat_FromDouble(attn_s);
+}
+
+static PyMethodDef methods[] = {
+    {"decode_layer", decode_layer, METH_VARARGS,
+     "decode_layer(step, layers, h, layer, eps, scale): layer `layer` of a decode step in "
+     "place on the step's x (addresses of kernels/decode_layer.py's tables; h: float32 "
+     "[rows, hidden] scratch); returns the attention's seconds"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_layer", NULL, -1, methods};
+
+/* a capsule of module `name` (imported first: PyCapsule_Import finds a submodule only as an
+ * attribute of its package) */
+static const void *import_api(const char *name, const char *capsule) {
+    PyObject *mod = PyImport_ImportModule(name);
+    const void *api = mod ? PyCapsule_Import(capsule, 0) : NULL;
+    Py_XDECREF(mod);            /* (sys.modules keeps it) */
+    return api;
+}
+
+PyMODINIT_FUNC PyInit__layer(void) {
+    mm_api = import_api("kernels._qmatmul", "kernels._qmatmul.api");
+    ops_api = mm_api ? import_api("kernels._layerops", "kernels._layerops.api") : NULL;
+    attn_api = ops_api ? import_api("kernels._decode", "kernels._decode.api") : NULL;
+    if (!attn_api)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m && (PyModule_AddIntConstant(m, "STEP_WORDS", STEP_WORDS) < 0 ||
+              PyModule_AddIntConstant(m, "LAYER_WORDS", LAYER_WORDS) < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,145 @@
+"""A decode step's layers as one C call each (kernels/decode_layer.py, kernels/_layer.c)
+against the model's layers op by op: the same greedy tokens and log-probabilities, bit for bit
+(the same C ops in the same order), the path taken where it serves and not where it does not,
+and a bad slot failing the call alone, nothing written."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import weight_plan
+from engine.args import EngineArgs
+from engine.llm_engine import LLMEngine
+from kernels import decode_layer, layer_ops
+from kernels.decode_layer import DecodeLayers, FusedLayers
+from scheduler.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(decode_layer._layer is None, reason="C extensions not built")
+
+
+def test_silu_mul_is_torchs_within_a_few_float32_ulp():
+    g = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(5, 2 * 1000, generator=g) * torch.tensor([0.01, 1, 8, 40, 200])[:, None]
+    gate_up[0, :6] = torch.tensor([0.0, -0.0, 88.0, -88.0, 1e-30, -1e-30])
+    ref = torch.nn.functional.silu(gate_up[:, :1000]) * gate_up[:, 1000:]
+    torch.testing.assert_close(layer_ops.silu_mul(gate_up), ref, rtol=2e-6, atol=1e-30)
+    wide = torch.randn(3, 2500, generator=g)[:, :2000]          # rows of a wider tensor
+    torch.testing.assert_close(layer_ops.silu_mul(wide),
+                               torch.nn.functional.silu(wide[:, :1000]) * wide[:, 1000:],
+                               rtol=2e-6, atol=1e-30)
+    assert layer_ops.silu_mul(torch.tensor([[float("nan"), 1.0]]))[0, 0].isnan()
+    assert layer_ops.silu_mul(gate_up.bfloat16()) is None
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Counts the layers run in one call. --weights native means our kernel (not a start-up
+    timing against torch's packed one, which this path does not run)."""
+    original_candidates = weight_plan._candidates
+    monkeypatch.setattr(weight_plan, "_candidates", lambda weights, dtype, native: (
+        ["native"] if weights == "native" else original_candidates(weights, dtype, native)))
+    made = []
+    original = DecodeLayers.run
+
+    def run(self, *args):
+        made.append(args[0])
+        return original(self, *args)
+
+    monkeypatch.setattr(DecodeLayers, "run", run)
+    return made
+
+
+def decode(folder, prompts, fused: bool, steps: int = 24, **kw):
+    """Greedy tokens of the bundled GGUF (folder: its converted form, made by the fixture)."""
+    FusedLayers.enabled = fused
+    try:
+        args = dict(model="bundled", page_size=16, prefix_cache="off", dtype="fp32",
+                    weights="native", kv_device_gb=0.5)
+        engine = LLMEngine(EngineArgs(**{**args, **kw}))
+        got = {}
+        for i, p in enumerate(prompts):
+            got[f"r{i}"] = []
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=steps, temperature=0.0,
+                                                          ignore_eos=True, logprobs=0))
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.finish_reason != "error", out.error
+                got[out.request_id] += [(t, lp[0].logprob) for t, lp in
+                                        zip(out.new_token_ids, out.new_logprobs)]
+        return got, engine
+    finally:
+        FusedLayers.enabled = True
+
+
+def prompts_of(n: int, length: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(100, 40000, (length + 13 * i,), generator=gen).tolist()
+            for i in range(n)]
+
+
+def same(a: dict, b: dict) -> None:
+    for rid in a:
+        assert [t for t, _ in a[rid]] == [t for t, _ in b[rid]], rid
+        torch.testing.assert_close(torch.tensor([lp for _, lp in a[rid]]),
+                                   torch.tensor([lp for _, lp in b[rid]]), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "auto"])
+def test_one_call_layers_decode_as_the_layers_do(smollm2_dir, runs, dtype):
+    # three sequences of awkward lengths (partial last pages; one crosses a page boundary
+    # while decoding); fp32: a float32 KV pool; auto: bf16 KV, float32 activations where this
+    # CPU multiplies float32 faster (else bf16 ones, which this path does not take)
+    prompts = prompts_of(3, 37)
+    ref, _ = decode(smollm2_dir, prompts, False, dtype=dtype)
+    assert not runs
+    got, engine = decode(smollm2_dir, prompts, True, dtype=dtype)
+    same(got, ref)
+    if engine.weight_plan.dtype == "fp32":
+        assert len(runs) >= 20 * engine.runner.model.config.num_hidden_layers
+
+
+def test_not_taken_where_it_does_not_serve(smollm2_dir, runs):
+    prompts = prompts_of(2, 40)
+    decode(smollm2_dir, prompts, True, steps=4, weights="fp32")    # dense decode weights
+    decode(smollm2_dir, prompts, True, steps=4, dtype="bf16")
+    assert not runs
+
+
+def test_sparse_steps_where_the_budget_covers_the_context(smollm2_dir, runs):
+    # a sparse budget above the context: dense attention, summaries kept for later selection
+    prompts = prompts_of(2, 40)
+    ref, _ = decode(smollm2_dir, prompts, False, sparse_budget=1024)
+    got, _ = decode(smollm2_dir, prompts, True, sparse_budget=1024)
+    same(got, ref)
+    assert runs
+
+
+def test_a_bad_slot_fails_the_call_and_writes_nothing(smollm2_dir, runs):
+    engine = LLMEngine(EngineArgs(model="bundled", page_size=16, dtype="fp32",
+                                  weights="native", kv_device_gb=0.1, prefix_cache="off"))
+    engine.add_request("r", prompts_of(1, 20)[0], SamplingParams(max_tokens=8, temperature=0,
+                                                                 ignore_eos=True))
+    engine.step()
+    seen = []
+    original = DecodeLayers.run
+
+    def run(self, layer, eps, scale):
+        if not seen:        # the first layer: its token's slot past the pool, then restored
+            slots = self.kv.tok_slots
+            good = int(slots[layer, 0])
+            slots[layer, 0] = self.kv.pool.shape[0] + 5
+            x, pool = self.x.clone(), self.kv.pool.clone()
+            with pytest.raises(IndexError, match="out of range"):
+                original(self, layer, eps, scale)
+            assert torch.equal(self.x, x) and torch.equal(self.kv.pool, pool)
+            slots[layer, 0] = good
+        seen.append(layer)
+        return original(self, layer, eps, scale)
+
+    DecodeLayers.run = run
+    try:
+        outs = engine.step()
+    finally:
+        DecodeLayers.run = original
+    # every layer ran (the first twice: the failed call, then the good one)
+    assert seen == list(range(30)) and runs[:2] == [0, 0] and outs[0].finish_reason != "error"
