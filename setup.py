@@ -57,11 +57,13 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv",
                                                  "-ffp-contract=off"]),
                    Extension("kernels._qmatmul", ["kernels/_qmatmul.c"],
-                             depends=["kernels/_pool.h"],
+                             depends=["kernels/_pool.h", "kernels/_qmatmul_avx2.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"]
                              + OPENMP,
                              extra_link_args=["-pthread"] + OPENMP),
                    Extension("kernels._layer", ["kernels/_layer.c"],
+                             depends=["kernels/_qmatmul.c", "kernels/_layerops.c",
+                                      "kernels/_decode.c"],     # (their capsules' layout)
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv"]),
                    Extension("kernels._select", ["kernels/_select.c"],
                              depends=["kernels/_rows.h", "kernels/_select_score.h",
