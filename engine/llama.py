@@ -205,8 +205,8 @@ class LlamaForCausalLM(nn.Module):
             ahead_rope = (rope[0][ahead], rope[1][ahead])
         layers = None if ahead is not None else self._decode_layers(x, rope, kv)
         for i, layer in enumerate(self.layers):
-            if layers is not None:      # the layer in one C call, x updated in place
-                kv.after_layer(i, layers.run(i, layer.input_layernorm.eps, layer.scale))
+            if layers is not None:      # the layer in C, x updated in place
+                layers.run(i, layer.input_layernorm.eps, layer.scale)
                 continue
             if ahead is not None and i + 1 < len(self.layers):
                 kv.lookahead(i + 1, self.layers[i + 1].predict_q(x[ahead], *ahead_rope))

@@ -64,32 +64,39 @@ static int matmul(const int64_t *w, const float *x, Py_ssize_t b, Py_ssize_t k, 
                        (int)st[S_QMM_SIMD], (int)st[S_THREADS], (int)w[W_XBITS]);
 }
 
-/* the layer's attention half: x -> h = x + attention's output @ Wo; 0, -1 out of memory, or
- * 1 + the token whose K/V slot is out of range */
-static int attention_half(const int64_t *st, const int64_t *lw, int layer, float eps,
-                          float scale, float *h, double *attn_s) {
+/* the attention's inputs: xn = norm1(x), qkv = xn @ Wqkv, RoPE, q to its own rows [B, H, D]
+ * (scratch), K/V into the pool; 0, -1 out of memory, or 1 + the token whose K/V slot is out of
+ * range (nothing written) */
+static int attention_inputs(const int64_t *st, const int64_t *lw, int layer, float eps) {
     const Py_ssize_t b = st[S_ROWS], hid = st[S_HIDDEN], d = st[S_HEAD_DIM];
     const int nh = (int)st[S_HEADS], kvh = (int)st[S_KV_HEADS];
     const Py_ssize_t nq = (Py_ssize_t)nh * d, nqkv = nq + 2 * (Py_ssize_t)kvh * d;
     float *x = (float *)(uintptr_t)st[S_X], *xn = (float *)(uintptr_t)st[S_SCRATCH];
-    float *qkv = xn + b * hid, *q = qkv + b * nqkv, *a = q + b * nq, *lse = a + b * nq;
+    float *qkv = xn + b * hid, *q = qkv + b * nqkv;
     for (Py_ssize_t r = 0; r < b; r++)
         ops_api->norm_row(x + r * hid, NULL, (const void *)(uintptr_t)lw[L_NORM1], xn + r * hid,
                           (int)hid, eps, 0);
     if (matmul(lw + L_W, xn, b, hid, nqkv, qkv, st))
         return -1;
-    const float *cs = (const float *)(uintptr_t)st[S_COS], *sn = (const float *)(uintptr_t)st[S_SIN];
+    const float *cs = (const float *)(uintptr_t)st[S_COS];
+    const float *sn = (const float *)(uintptr_t)st[S_SIN];
     for (Py_ssize_t r = 0; r < b; r++) {
         ops_api->rope_row(qkv + r * nqkv, cs + r * d, sn + r * d, nh + kvh, (int)d, 0);
         memcpy(q + r * nq, qkv + r * nqkv, sizeof(float) * nq);
     }
     const int64_t *tok = (const int64_t *)(uintptr_t)st[S_TOK_SLOTS] + (int64_t)layer * b;
-    const int bad = ops_api->write_rows(
+    return ops_api->write_rows(
         (char *)(uintptr_t)st[S_POOL], st[S_N_SLOTS], kvh, (int)st[S_PAGE], (int)d,
         (int)st[S_POOL_BF16], (const char *)(qkv + nq), (const char *)(qkv + nq + kvh * d),
         nqkv, tok, (const int64_t *)(uintptr_t)st[S_TOK_OFF], b, 0);
-    if (bad)
-        return bad;
+}
+
+/* the attention over the step's table, q -> a (scratch, after q): 0 or -1 out of memory */
+static int table_attention(const int64_t *st, int layer, float scale, double *attn_s) {
+    const Py_ssize_t b = st[S_ROWS], hid = st[S_HIDDEN], d = st[S_HEAD_DIM];
+    const int nh = (int)st[S_HEADS], kvh = (int)st[S_KV_HEADS];
+    const Py_ssize_t nq = (Py_ssize_t)nh * d, nqkv = nq + 2 * (Py_ssize_t)kvh * d;
+    float *q = (float *)(uintptr_t)st[S_SCRATCH] + b * (hid + nqkv), *a = q + b * nq;
     const double t0 = now();
     const int64_t *slots = (const int64_t *)(uintptr_t)st[S_HEAD_SLOTS] +
                            (int64_t)layer * st[S_ENTRIES];
@@ -97,26 +104,30 @@ static int attention_half(const int64_t *st, const int64_t *lw, int layer, float
                                (int)st[S_PAGE], (int)d, nh / kvh,
                                (const int64_t *)(uintptr_t)st[S_INDPTR], slots,
                                (const int32_t *)(uintptr_t)st[S_LAST], NULL, b * kvh, scale, a,
-                               lse, 0, (int)st[S_ATTN_SIMD], (int)st[S_ATTN_THREADS]))
+                               a + b * nq, 0, (int)st[S_ATTN_SIMD], (int)st[S_ATTN_THREADS]))
         return -1;
     *attn_s = now() - t0;
-    if (matmul(lw + L_W + 5, a, b, nq, hid, h, st))
-        return -1;
     return 0;
 }
 
-/* the MLP half: x = h + down(silu(g) * u) for [g|u] = norm2(h + x) @ Wgu (h += x first) */
-static int mlp_half(const int64_t *st, const int64_t *lw, float eps, float *h) {
+/* the rest: h = a @ Wo (a: the attention's output [B, H * D]), h += x, [g|u] = norm2(h) @
+ * Wgu, x = h + (silu(g) * u) @ Wdown; 0 or -1 out of memory */
+static int output_and_mlp(const int64_t *st, const int64_t *lw, float eps, const float *a,
+                          float *h) {
     const Py_ssize_t b = st[S_ROWS], hid = st[S_HIDDEN], inter = st[S_INTER];
+    const Py_ssize_t nq = st[S_HEADS] * st[S_HEAD_DIM];
     float *x = (float *)(uintptr_t)st[S_X], *xn = (float *)(uintptr_t)st[S_SCRATCH];
     float *gu = xn + b * hid, *act = gu + b * 2 * inter, *y = act + b * inter;
+    if (matmul(lw + L_W + 5, a, b, nq, hid, h, st))
+        return -1;
     for (Py_ssize_t r = 0; r < b; r++)
         ops_api->norm_row(h + r * hid, x + r * hid, (const void *)(uintptr_t)lw[L_NORM2],
                           xn + r * hid, (int)hid, eps, 0);
     if (matmul(lw + L_W + 10, xn, b, hid, 2 * inter, gu, st))
         return -1;
     for (Py_ssize_t r = 0; r < b; r++)
-        ops_api->silu_mul_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, act + r * inter, inter);
+        ops_api->silu_mul_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, act + r * inter,
+                              inter);
     if (matmul(lw + L_W + 15, act, b, inter, hid, y, st))
         return -1;
     for (Py_ssize_t i = 0; i < b * hid; i++)
@@ -124,34 +135,41 @@ static int mlp_half(const int64_t *st, const int64_t *lw, float eps, float *h) {
     return 0;
 }
 
+/* part 0: the whole layer over the step's table; 1: the attention's inputs (q left in the
+ * scratch for the caller's attention); 2: the rest, from the attention's output at `a` */
 static PyObject *decode_layer(PyObject *self, PyObject *args) {
-    unsigned long long step_addr, layers_addr, h_addr;
-    int layer;
+    unsigned long long step_addr, layers_addr, h_addr, a_addr = 0;
+    int layer, part = 0;
     float eps, scale;
-    if (!PyArg_ParseTuple(args, "KKKiff", &step_addr, &layers_addr, &h_addr, &layer, &eps,
-                          &scale))
+    if (!PyArg_ParseTuple(args, "KKKiff|iK", &step_addr, &layers_addr, &h_addr, &layer, &eps,
+                          &scale, &part, &a_addr))
         return NULL;
     const int64_t *st = (const int64_t *)(uintptr_t)step_addr;
-    if (layer < 0 || layer >= st[S_LAYERS]) {
-        PyErr_Format(PyExc_IndexError, "decode_layer: layer %d of %lld", layer,
-                     (long long)st[S_LAYERS]);
+    if (layer < 0 || layer >= st[S_LAYERS] || part < 0 || part > 2 || (part == 2 && !a_addr)) {
+        PyErr_Format(PyExc_ValueError, "decode_layer: layer %d of %lld, part %d", layer,
+                     (long long)st[S_LAYERS], part);
         return NULL;
     }
-    const int64_t *slots = (const int64_t *)(uintptr_t)st[S_HEAD_SLOTS] +
-                           (int64_t)layer * st[S_ENTRIES];
     const Py_ssize_t rows = st[S_ROWS] * st[S_KV_HEADS];
-    if (attn_api->check_table((const int64_t *)(uintptr_t)st[S_INDPTR], slots,
-                              (const int32_t *)(uintptr_t)st[S_LAST], rows, (int)st[S_PAGE],
-                              st[S_N_SLOTS]) < 0)
+    if (part == 0 && attn_api->check_table(
+            (const int64_t *)(uintptr_t)st[S_INDPTR],
+            (const int64_t *)(uintptr_t)st[S_HEAD_SLOTS] + (int64_t)layer * st[S_ENTRIES],
+            (const int32_t *)(uintptr_t)st[S_LAST], rows, (int)st[S_PAGE], st[S_N_SLOTS]) < 0)
         return NULL;
     const int64_t *lw = (const int64_t *)(uintptr_t)layers_addr + (int64_t)layer * LAYER_WORDS;
-    float *h = (float *)(uintptr_t)h_addr;
+    const Py_ssize_t b = st[S_ROWS], nq = st[S_HEADS] * st[S_HEAD_DIM];
+    const float *a = part == 2 ? (const float *)(uintptr_t)a_addr
+                               : (const float *)(uintptr_t)st[S_SCRATCH] +
+                                 b * (st[S_HIDDEN] + nq + 2 * st[S_KV_HEADS] * st[S_HEAD_DIM] + nq);
     double attn_s = 0.;
-    int res;
+    int res = 0;
     Py_BEGIN_ALLOW_THREADS
-    res = attention_half(st, lw, layer, eps, scale, h, &attn_s);
-    if (res == 0)
-        res = mlp_half(st, lw, eps, h);
+    if (part < 2)
+        res = attention_inputs(st, lw, layer, eps);
+    if (res == 0 && part == 0)
+        res = table_attention(st, layer, scale, &attn_s);
+    if (res == 0 && part != 1)
+        res = output_and_mlp(st, lw, eps, a, (float *)(uintptr_t)h_addr);
     Py_END_ALLOW_THREADS
     if (res < 0)
         return PyErr_NoMemory();
@@ -163,9 +181,11 @@ static PyObject *decode_layer(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_layer", decode_layer, METH_VARARGS,
-     "decode_layer(step, layers, h, layer, eps, scale): layer `layer` of a decode step in "
-     "place on the step's x (addresses of kernels/decode_layer.py's tables; h: float32 "
-     "[rows, hidden] scratch); returns the attention's seconds"},
+     "decode_layer(step, layers, h, layer, eps, scale[, part, a]): layer `layer` of a decode "
+     "step in place on the step's x (addresses of kernels/decode_layer.py's tables; h: float32 "
+     "[rows, hidden] scratch); part 0 the whole layer, 1 up to the attention (its q in the "
+     "scratch), 2 from the attention's output at address a (float32 [rows, heads * head_dim]); "
+     "returns the table attention's seconds"},
     {NULL, NULL, 0, NULL},
 };
 

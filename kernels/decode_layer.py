@@ -8,15 +8,17 @@ matmul, the C norm, RoPE and K/V write, the C table attention), so the same bits
 SiLU (a polynomial exp, within a few float32 ulp of torch's).
 
 It serves a step when: the model's activations are float32, every layer's matmuls have our
-4- or 8-bit decode form and no bias, the layer ops are on, and the KV store offers a dense
-table for every layer (`KVTable`: the resident decode path, kvstore/resident.py). Else the
-model's layers run as before.
+4- or 8-bit decode form and no bias, the layer ops are on, and the KV store's resident decode
+path (kvstore/resident.py) takes the step (`KVTable`). With a dense table for every layer a
+layer is one call; else (sparse layers: a selection a layer) two, the attention between them
+the KV store's. Else the model's layers run as before.
 
 Leaf module: imports only torch and kernels.*.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -36,12 +38,16 @@ class FusedLayers:
 @dataclass
 class KVTable:
     """The KV side of a step's layers: the pool [S, 2, KVH, ps, D], the slot and offset of
-    each row's new token (tok_slots int64 [L, B], tok_off int64 [B]) and the attention's
-    table over every layer (`plan`: its indptr, last page lengths, per-layer slots)."""
+    each row's new token (tok_slots int64 [L, B], tok_off int64 [B]); `plan`, the attention's
+    table over every layer (its indptr, last page lengths, per-layer slots), then `after(layer,
+    attention seconds)` follows each layer; or, plan None, `attend(layer, q, scale) -> out`
+    ([B, H, D] each) attends to the K/V a layer's call wrote (sparse layers: their selection)."""
     pool: torch.Tensor
     tok_slots: torch.Tensor
     tok_off: torch.Tensor
-    plan: TablePlan
+    plan: TablePlan | None
+    after: Callable[[int, float], None]
+    attend: Callable[[int, torch.Tensor, float], torch.Tensor]
 
 
 def layer_words(layers) -> tuple[torch.Tensor, int] | None:
@@ -76,22 +82,24 @@ class DecodeLayers:
     def __init__(self, words: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
                  kv: KVTable, dims: tuple[int, int, int, int, int]):
         hidden, heads, kv_heads, head_dim, inter = dims
-        b, plan = x.shape[0], kv.plan
-        self.x, self.words = x, words
+        b, plan, pool = x.shape[0], kv.plan, kv.pool
+        self.x, self.words, self.kv = x, words, kv
         self.cos, self.sin = (r.reshape(b, head_dim).contiguous() for r in rope)
         self.h = torch.empty(b, hidden)
-        nq = heads * head_dim
-        attn = (nq + 2 * kv_heads * head_dim) + 2 * nq + heads
-        self.scratch = torch.empty(b * (hidden + max(attn, 3 * inter + hidden)))
-        self.kv = kv
-        pool = kv.pool
+        nq, nqkv = heads * head_dim, (heads + 2 * kv_heads) * head_dim
+        self.scratch = torch.empty(b * (hidden + max(nqkv + 2 * nq + heads, 3 * inter + hidden)))
+        # the queries a layer's first part leaves for `kv.attend` (split layers)
+        self.q = self.scratch[b * (hidden + nqkv):b * (hidden + nqkv + nq)].view(b, heads,
+                                                                                 head_dim)
+        table = (0, 0, 0, 0, 0, 0) if plan is None else (
+            plan.indptr.data_ptr(), plan.last.data_ptr(), plan.slots.shape[1],
+            plan.slots.data_ptr(), plan.simd, plan.threads)
         step = [b, hidden, heads, kv_heads, head_dim, inter, pool.shape[3],
-                int(pool.dtype == torch.bfloat16), pool.shape[0], plan.simd,
+                int(pool.dtype == torch.bfloat16), pool.shape[0], table[4],
                 torch.get_num_threads(), x.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
-                pool.data_ptr(), kv.tok_off.data_ptr(), plan.indptr.data_ptr(),
-                plan.last.data_ptr(), self.scratch.data_ptr(), 1, words.shape[0],
-                plan.slots.shape[1], kv.tok_slots.data_ptr(), plan.slots.data_ptr(),
-                plan.threads]
+                pool.data_ptr(), kv.tok_off.data_ptr(), table[0], table[1],
+                self.scratch.data_ptr(), 1, words.shape[0], table[2], kv.tok_slots.data_ptr(),
+                table[3], table[5]]
         self.step = torch.tensor(step, dtype=torch.int64)
         self.args = (self.step.data_ptr(), words.data_ptr(), self.h.data_ptr())
 
@@ -105,14 +113,25 @@ class DecodeLayers:
                 or x.shape[0] >= words[1] or any(r.dtype != torch.float32 for r in rope):
             return None
         words, (b, plan) = words[0], (x.shape[0], kv.plan)
-        if plan.b != b or plan.h != dims[1] or plan.kvh != dims[2] or plan.d != dims[3] \
-                or kv.tok_slots.shape != (words.shape[0], b) or kv.tok_off.shape != (b,) \
-                or plan.slots.shape[0] != words.shape[0] \
+        if plan is not None and (plan.b != b or plan.h != dims[1] or plan.kvh != dims[2]
+                                 or plan.d != dims[3] or plan.slots.shape[0] != words.shape[0]):
+            return None
+        if kv.tok_slots.shape != (words.shape[0], b) or kv.tok_off.shape != (b,) \
+                or kv.pool.shape[2] != dims[2] or kv.pool.shape[4] != dims[3] \
+                or kv.pool.dtype not in (torch.float32, torch.bfloat16) \
                 or any(t.dtype != torch.int64 or not t.is_contiguous()
                        for t in (kv.tok_slots, kv.tok_off)):
             return None
         return cls(words, x, rope, kv, dims)
 
-    def run(self, layer: int, eps: float, scale: float) -> float:
-        """Layer `layer` over the rows: x updated in place. Returns the attention's seconds."""
-        return _layer.decode_layer(*self.args, layer, eps, scale)
+    def run(self, layer: int, eps: float, scale: float) -> None:
+        """Layer `layer` over the rows: x updated in place. With the KV's table, one call;
+        without, two around `kv.attend`."""
+        if self.kv.plan is not None:
+            self.kv.after(layer, _layer.decode_layer(*self.args, layer, eps, scale))
+            return
+        _layer.decode_layer(*self.args, layer, eps, scale, 1)
+        out = self.kv.attend(layer, self.q, scale)
+        if out.dtype != torch.float32 or not out.is_contiguous():
+            out = out.float().contiguous()
+        _layer.decode_layer(*self.args, layer, eps, scale, 2, out.data_ptr())

@@ -146,6 +146,26 @@ class ResidentDecode:
             slots = dev.slots(keys.reshape(-1)).view(L, -1)
         return slots.long()
 
+    def layer_table(self, group: int) -> KVTable:
+        """This step's KV for layers run in C (kernels/decode_layer.py), which write the K/V
+        themselves: with the head table of every layer where all are dense (then
+        `after_layer` follows each), else `attend_written` is their attention."""
+        plan = None
+        if not self.step.sparse_idx:
+            if self._dense_plan is None:
+                self._dense_plan = table_plan(self.kernel, self.tiers.pool, group, self.head,
+                                              self.head_slots) or False
+            plan = self._dense_plan or None
+        return KVTable(self.tiers.pool, self.tok_slots, self.tok_off, plan, self.after_layer,
+                       self.attend_written)
+
+    def after_layer(self, layer: int, attention_s: float) -> None:
+        """What `attend_written` does around the attention, for a layer that attended in C:
+        the summaries of the pages it filled, the compute stage's time."""
+        if self.summaries:
+            self.step.summarize(layer, self.t_slots[layer])
+        self.stats.observe_stage("compute", attention_s)
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         """q [B, H, D], k/v [B, KVH, D] of one decode token a sequence -> [B, H, D]."""
@@ -154,11 +174,16 @@ class ResidentDecode:
         if not write_kv(pool, k, v, tok, self.tok_off):
             pool[tok, 0, :, self.tok_off] = k.to(pool.dtype)
             pool[tok, 1, :, self.tok_off] = v.to(pool.dtype)
+        return self.attend_written(layer, q, scale)
+
+    def attend_written(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """`attend` once the layer's K/V are in the pool."""
         if self.summaries:
             self.step.summarize(layer, self.t_slots[layer])
         if self.step.sparse_idx and layer >= self.step.cfg.dense_layers:
             return self._attend_sparse_layer(layer, q, scale)
         t0 = time.perf_counter()
+        pool = self.tiers.pool
         group = q.shape[1] // pool.shape[2]
         if self._dense_plan is None:
             self._dense_plan = table_plan(self.kernel, pool, group, self.head,
@@ -171,27 +196,6 @@ class ResidentDecode:
             out = self.kernel.forward(q, pool, table, group, scale)   # (torch's if unsupported)
         self.stats.observe_stage("compute", time.perf_counter() - t0)
         return out
-
-    def layer_table(self, group: int) -> KVTable | None:
-        """This step's KV for layers run as one C call each (kernels/decode_layer.py): every
-        layer dense over the head table, or None (sparse layers, a pool the C kernel does not
-        serve: then `attend`, layer by layer). The caller writes the K/V and attends; it
-        calls `after_layer` after each layer."""
-        if self.step.sparse_idx:
-            return None
-        if self._dense_plan is None:
-            self._dense_plan = table_plan(self.kernel, self.tiers.pool, group, self.head,
-                                          self.head_slots) or False
-        if not self._dense_plan:
-            return None
-        return KVTable(self.tiers.pool, self.tok_slots, self.tok_off, self._dense_plan)
-
-    def after_layer(self, layer: int, attention_s: float) -> None:
-        """What `attend` does around the attention, for a layer run in one call: the
-        summaries of the pages it filled, the compute stage's time."""
-        if self.summaries:
-            self.step.summarize(layer, self.t_slots[layer])
-        self.stats.observe_stage("compute", attention_s)
 
     def _attend_sparse_layer(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """A sparse layer: the dense rows over all their pages, the sparse decodes over the

@@ -186,10 +186,6 @@ class StepKV:
         or None: the resident path's, where it serves every layer."""
         return None if self.resident is None else self.resident.layer_table(group)
 
-    def after_layer(self, layer: int, attention_s: float) -> None:
-        """After a layer run through `layer_table`."""
-        self.resident.after_layer(layer, attention_s)
-
     @property
     def keeps_inputs(self) -> bool:
         """Whether `attend` wants the layer's inputs (KV recompute stores them with the K/V)."""

@@ -12,6 +12,7 @@ from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from kernels import decode_layer, layer_ops
 from kernels.decode_layer import DecodeLayers, FusedLayers
+from kvstore.resident import ResidentDecode
 from scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(decode_layer._layer is None, reason="C extensions not built")
@@ -112,6 +113,23 @@ def test_sparse_steps_where_the_budget_covers_the_context(smollm2_dir, runs):
     got, _ = decode(smollm2_dir, prompts, True, sparse_budget=1024)
     same(got, ref)
     assert runs
+
+
+def test_sparse_decode_layers_attend_between_two_calls(smollm2_dir, runs, monkeypatch):
+    # contexts past the budget: each layer's attention (its page selection in sparse layers)
+    # runs between the layer's two calls
+    prompts = prompts_of(2, 300)
+    kw = dict(sparse_budget=128, steps=20)
+    ref, _ = decode(smollm2_dir, prompts, False, **kw)
+    sparse = []
+    original = ResidentDecode._attend_sparse_layer
+    monkeypatch.setattr(ResidentDecode, "_attend_sparse_layer",
+                        lambda self, *a: sparse.append(1) or original(self, *a))
+    got, engine = decode(smollm2_dir, prompts, True, **kw)
+    same(got, ref)
+    assert len(runs) >= 15 * engine.runner.model.config.num_hidden_layers
+    assert len(sparse) >= 15 * (engine.runner.model.config.num_hidden_layers
+                                - engine.args.kv_store_config().dense_layers)
 
 
 def test_a_bad_slot_fails_the_call_and_writes_nothing(smollm2_dir, runs):
