@@ -47,25 +47,26 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                    # kernel's vectorized loops (measured 2.5 against 1.3 ms per call)
                    Extension("kernels._decode", ["kernels/_decode.c"],
                              depends=["kernels/_rows.h", "kernels/_attend_rows.h",
-                                      "kernels/_pool.h", "kernels/_decode_selected.h"],
+                                      "kernels/_pool.h", "kernels/_decode_selected.h",
+                                      "kernels/_api.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"]
                              + OPENMP,
                              extra_link_args=["-pthread"] + OPENMP),
                    Extension("kernels._layerops", ["kernels/_layerops.c"],
-                             depends=["kernels/_rows.h"],
+                             depends=["kernels/_rows.h", "kernels/_api.h"],
                              # NOTE: no a*b+c fused into one rounding: torch's ops round each
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv",
                                                  "-ffp-contract=off"]),
                    Extension("kernels._qmatmul", ["kernels/_qmatmul.c"],
-                             depends=["kernels/_pool.h", "kernels/_qmatmul_avx2.h"],
+                             depends=["kernels/_pool.h", "kernels/_qmatmul_avx2.h",
+                                      "kernels/_api.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"]
                              + OPENMP,
                              extra_link_args=["-pthread"] + OPENMP),
                    Extension("kernels._layer", ["kernels/_layer.c"],
-                             depends=["kernels/_qmatmul.c", "kernels/_layerops.c",
-                                      "kernels/_decode.c"],     # (their capsules' layout)
+                             depends=["kernels/_api.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv"]),
                    Extension("kernels._select", ["kernels/_select.c"],
                              depends=["kernels/_rows.h", "kernels/_select_score.h",
-                                      "kernels/_select_top.h"],
+                                      "kernels/_select_top.h", "kernels/_api.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv"])])

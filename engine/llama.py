@@ -217,8 +217,8 @@ class LlamaForCausalLM(nn.Module):
         return logits, self.norm(x[hidden_indices])
 
     def _decode_layers(self, x: torch.Tensor, rope, kv) -> DecodeLayers | None:
-        """The step's layers as one C call each (kernels/decode_layer.py), where the KV store
-        and the weights allow it (else None: layer by layer)."""
+        """The step's layers as C calls (kernels/decode_layer.py), where the KV store and the
+        weights allow it (else None: op by op)."""
         table = getattr(kv, "layer_table", None)
         if table is None or not FusedLayers.enabled or getattr(kv, "keeps_inputs", False):
             return None

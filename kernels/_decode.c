@@ -25,6 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_api.h"
 #include "_pool.h"
 #include "_rows.h"
 
@@ -346,34 +347,16 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", NULL, -1, methods};
 
-/* the pool, for kernels/_select.c (a capsule: its calls run on these threads, not on a pool
- * of its own spinning beside this one) */
-static struct { void (*run)(pool_fn, void **, int); } pool_api = {pool_run};
-/* for kernels/_layer.c: a checked table's attention without Python (check_table first) */
-static struct {
-    int (*check_table)(const int64_t *, const int64_t *, const int32_t *, Py_ssize_t, int,
-                       Py_ssize_t);
-    int (*decode_table)(const float *, const char *, int, int, int, int, int, const int64_t *,
-                        const int64_t *, const int32_t *, const uint8_t *, Py_ssize_t, float,
-                        float *, float *, int, int, int);
-} api = {check_table, decode_table};
+/* the pool, for kernels/_select.c (its calls run on these threads, not on a pool of its own
+ * spinning beside this one); a checked table's attention, for kernels/_layer.c */
+static pool_api pool_capsule = {pool_run};
+static decode_api api = {check_table, decode_table};
 
 PyMODINIT_FUNC PyInit__decode(void) {
     pool_init();
     PyObject *m = PyModule_Create(&module);
-    if (!m)
-        return NULL;
-    PyObject *cap = PyCapsule_New(&pool_api, "kernels._decode.pool_api", NULL);
-    if (!cap || PyModule_AddObject(m, "pool_api", cap) < 0) {
-        Py_XDECREF(cap);
-        Py_DECREF(m);
-        return NULL;
-    }
-    cap = PyCapsule_New(&api, "kernels._decode.api", NULL);
-    if (!cap || PyModule_AddObject(m, "api", cap) < 0) {
-        Py_XDECREF(cap);
-        Py_DECREF(m);
-        return NULL;
-    }
+    if (m && (add_api(m, "pool_api", "kernels._decode.pool_api", &pool_capsule) < 0 ||
+              add_api(m, "api", "kernels._decode.api", &api) < 0))
+        Py_CLEAR(m);
     return m;
 }

@@ -20,6 +20,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "_api.h"
+
 enum {      /* the step's words (kernels/decode_layer.py writes them) */
     S_ROWS, S_HIDDEN, S_HEADS, S_KV_HEADS, S_HEAD_DIM, S_INTER, S_PAGE, S_POOL_BF16,
     S_N_SLOTS, S_ATTN_SIMD, S_THREADS, S_X, S_COS, S_SIN, S_POOL, S_TOK_OFF, S_INDPTR,
@@ -30,24 +32,9 @@ enum {      /* a layer's words: the two norms' weights, then 5 a matmul (qkv, o,
 };
 enum { W_CODES, W_SCALE, W_ZERO, W_BITS, W_XBITS };
 
-static const struct {
-    int (*qmm)(const float *, Py_ssize_t, Py_ssize_t, const uint8_t *, const uint16_t *,
-               const uint16_t *, Py_ssize_t, int, float *, int, int, int);
-} *mm_api;
-static const struct {
-    void (*norm_row)(void *, const void *, const void *, void *, int, float, int);
-    void (*rope_row)(void *, const void *, const void *, int, int, int);
-    int (*write_rows)(char *, Py_ssize_t, int, int, int, int, const char *, const char *,
-                      Py_ssize_t, const int64_t *, const int64_t *, Py_ssize_t, int);
-    void (*silu_mul_row)(const float *, const float *, float *, Py_ssize_t);
-} *ops_api;
-static const struct {
-    int (*check_table)(const int64_t *, const int64_t *, const int32_t *, Py_ssize_t, int,
-                       Py_ssize_t);
-    int (*decode_table)(const float *, const char *, int, int, int, int, int, const int64_t *,
-                        const int64_t *, const int32_t *, const uint8_t *, Py_ssize_t, float,
-                        float *, float *, int, int, int);
-} *attn_api;
+static const qmatmul_api *mm_api;
+static const layerops_api *ops_api;
+static const decode_api *attn_api;
 
 static double now(void) {
     struct timespec t;
@@ -190,15 +177,6 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_layer", NULL, -1, methods};
-
-/* a capsule of module `name` (imported first: PyCapsule_Import finds a submodule only as an
- * attribute of its package) */
-static const void *import_api(const char *name, const char *capsule) {
-    PyObject *mod = PyImport_ImportModule(name);
-    const void *api = mod ? PyCapsule_Import(capsule, 0) : NULL;
-    Py_XDECREF(mod);            /* (sys.modules keeps it) */
-    return api;
-}
 
 PyMODINIT_FUNC PyInit__layer(void) {
     mm_api = import_api("kernels._qmatmul", "kernels._qmatmul.api");

@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_api.h"
 #include "_rows.h"
 
 #define MAX_DIM 16384
@@ -334,25 +335,12 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_layerops", NULL, -1, methods};
 
-/* for kernels/_layer.c: the ops without Python. write_rows: 0, or 1 + the first token whose
- * slot or offset is out of range (nothing written then). */
-static struct {
-    void (*norm_row)(void *, const void *, const void *, void *, int, float, int);
-    void (*rope_row)(void *, const void *, const void *, int, int, int);
-    int (*write_rows)(char *, Py_ssize_t, int, int, int, int, const char *, const char *,
-                      Py_ssize_t, const int64_t *, const int64_t *, Py_ssize_t, int);
-    void (*silu_mul_row)(const float *, const float *, float *, Py_ssize_t);
-} api = {norm_row, rope_row, write_rows, silu_mul_row};
+/* for kernels/_layer.c: the ops without Python */
+static layerops_api api = {norm_row, rope_row, write_rows, silu_mul_row};
 
 PyMODINIT_FUNC PyInit__layerops(void) {
     PyObject *m = PyModule_Create(&module);
-    if (!m)
-        return NULL;
-    PyObject *cap = PyCapsule_New(&api, "kernels._layerops.api", NULL);
-    if (!cap || PyModule_AddObject(m, "api", cap) < 0) {
-        Py_XDECREF(cap);
-        Py_DECREF(m);
-        return NULL;
-    }
+    if (m && add_api(m, "api", "kernels._layerops.api", &api) < 0)
+        Py_CLEAR(m);
     return m;
 }

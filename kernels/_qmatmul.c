@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_api.h"
 #include "_pool.h"
 
 #define GROUP 32
@@ -240,21 +241,12 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qmatmul", NULL, -1, methods};
 
 /* for kernels/_layer.c: the matmul without Python (its calls run on this module's pool) */
-static struct {
-    int (*qmm)(const float *, Py_ssize_t, Py_ssize_t, const uint8_t *, const uint16_t *,
-               const uint16_t *, Py_ssize_t, int, float *, int, int, int);
-} api = {qmm_run};
+static qmatmul_api api = {qmm_run};
 
 PyMODINIT_FUNC PyInit__qmatmul(void) {
     pool_init();
     PyObject *m = PyModule_Create(&module);
-    if (!m)
-        return NULL;
-    PyObject *cap = PyCapsule_New(&api, "kernels._qmatmul.api", NULL);
-    if (!cap || PyModule_AddObject(m, "api", cap) < 0) {
-        Py_XDECREF(cap);
-        Py_DECREF(m);
-        return NULL;
-    }
+    if (m && add_api(m, "api", "kernels._qmatmul.api", &api) < 0)
+        Py_CLEAR(m);
     return m;
 }

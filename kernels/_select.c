@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_api.h"
 #include "_select_score.h"
 #include "_select_top.h"
 
@@ -172,7 +173,6 @@ static void run_task(void *arg) {
 /* kernels/_decode.c's pool (a capsule): select_pages' tasks run on the threads the decode
  * attention runs on, rather than on a pool of their own spinning beside it */
 typedef void (*task_fn)(void *);
-typedef struct { void (*run)(task_fn, void **, int); } pool_api;
 static const pool_api *shared_pool = NULL;
 
 #define MAX_TASKS 64
@@ -344,11 +344,8 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_select", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__select(void) {
-    /* without kernels._decode (not built), every call runs on its caller's thread; imported
-     * first: PyCapsule_Import finds a submodule only as an attribute of its package */
-    PyObject *decode = PyImport_ImportModule("kernels._decode");
-    shared_pool = decode ? PyCapsule_Import("kernels._decode.pool_api", 0) : NULL;
-    Py_XDECREF(decode);         /* (sys.modules keeps it) */
+    /* without kernels._decode (not built), every call runs on its caller's thread */
+    shared_pool = import_api("kernels._decode", "kernels._decode.pool_api");
     if (!shared_pool)
         PyErr_Clear();
     return PyModule_Create(&module);

@@ -4,8 +4,7 @@ engine/llama.py's DecoderLayer runs ~15 torch and C calls a layer, each with Pyt
 it; at one decode row a call's own work is a few microseconds, so on a slow core the Python
 was most of the step (~10 of 24 ms at 1K tokens, AMD EPYC without AVX-512). Where a step
 allows it, the model runs each layer as one call instead: the same C ops (our 4/8-bit
-matmul, the C norm, RoPE and K/V write, the C table attention), so the same bits but for
-SiLU (a polynomial exp, within a few float32 ulp of torch's).
+matmul, the C norm, RoPE, K/V write and SiLU x up, the C table attention), so the same bits.
 
 It serves a step when: the model's activations are float32, every layer's matmuls have our
 4- or 8-bit decode form and no bias, the layer ops are on, and the KV store's resident decode
@@ -132,6 +131,9 @@ class DecodeLayers:
             return
         _layer.decode_layer(*self.args, layer, eps, scale, 1)
         out = self.kv.attend(layer, self.q, scale)
+        if out.shape != self.q.shape:       # (the C call reads [B, H * D] floats from it)
+            raise ValueError(f"DecodeLayers: the attention gave {tuple(out.shape)}, not "
+                             f"{tuple(self.q.shape)}")
         if out.dtype != torch.float32 or not out.is_contiguous():
             out = out.float().contiguous()
         _layer.decode_layer(*self.args, layer, eps, scale, 2, out.data_ptr())

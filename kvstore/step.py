@@ -182,8 +182,8 @@ class StepKV:
             self._q_pred[layer] = q_pred
 
     def layer_table(self, group: int):
-        """The step's KV for layers run in one C call each (kernels/decode_layer.KVTable),
-        or None: the resident path's, where it serves every layer."""
+        """The step's KV for layers run as C calls (kernels/decode_layer.KVTable), or None:
+        the resident path's, where it takes the step."""
         return None if self.resident is None else self.resident.layer_table(group)
 
     @property

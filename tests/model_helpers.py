@@ -68,3 +68,22 @@ def greedy(model, cache, prompt: list[int], max_new_tokens: int, pages: list[int
         seq.tokens.append(token)
         n = 1
     return out
+
+
+def greedy_logprobs(engine, prompts: list[list[int]], steps: int
+                    ) -> dict[str, list[tuple[int, float]]]:
+    """Greedy `steps` tokens of each prompt through an LLMEngine: request id ("r0", "r1",
+    ...) -> [(token, its logprob)]; a request that ends in error fails the test."""
+    from scheduler.sampling_params import SamplingParams
+
+    got = {}
+    for i, p in enumerate(prompts):
+        got[f"r{i}"] = []
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=steps, temperature=0.0,
+                                                      ignore_eos=True, logprobs=0))
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            got[out.request_id] += [(t, lp[0].logprob) for t, lp in
+                                    zip(out.new_token_ids, out.new_logprobs)]
+    return got

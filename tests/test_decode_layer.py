@@ -14,6 +14,7 @@ from kernels import decode_layer, layer_ops
 from kernels.decode_layer import DecodeLayers, FusedLayers
 from kvstore.resident import ResidentDecode
 from scheduler.sampling_params import SamplingParams
+from tests.model_helpers import greedy_logprobs
 
 pytestmark = pytest.mark.skipif(decode_layer._layer is None, reason="C extensions not built")
 
@@ -57,17 +58,7 @@ def decode(folder, prompts, fused: bool, steps: int = 24, **kw):
         args = dict(model="bundled", page_size=16, prefix_cache="off", dtype="fp32",
                     weights="native", kv_device_gb=0.5)
         engine = LLMEngine(EngineArgs(**{**args, **kw}))
-        got = {}
-        for i, p in enumerate(prompts):
-            got[f"r{i}"] = []
-            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=steps, temperature=0.0,
-                                                          ignore_eos=True, logprobs=0))
-        while engine.has_unfinished():
-            for out in engine.step():
-                assert out.finish_reason != "error", out.error
-                got[out.request_id] += [(t, lp[0].logprob) for t, lp in
-                                        zip(out.new_token_ids, out.new_logprobs)]
-        return got, engine
+        return greedy_logprobs(engine, prompts, steps), engine
     finally:
         FusedLayers.enabled = True
 

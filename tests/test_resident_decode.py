@@ -13,6 +13,7 @@ from kernels.select_plan import SelectPlan
 from kvstore.budget_plan import BudgetPlan
 from kvstore.resident import ResidentDecode
 from scheduler.sampling_params import SamplingParams
+from tests.model_helpers import greedy_logprobs
 
 pytestmark = pytest.mark.slow
 
@@ -40,17 +41,7 @@ def decode(folder, prompts, resident: bool, steps: int = 40, **kw):
             kw = dict(kw, kv_disk_path=kw["kv_disk_path"] / ("resident" if resident else "ref"))
         kw = {"prefix_cache": "off", **kw}
         engine = LLMEngine(EngineArgs(model=str(folder), page_size=16, **kw))
-        got = {}
-        for i, p in enumerate(prompts):
-            got[f"r{i}"] = []
-            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=steps, temperature=0.0,
-                                                          ignore_eos=True, logprobs=0))
-        while engine.has_unfinished():
-            for out in engine.step():
-                assert out.finish_reason != "error", out.error
-                got[out.request_id] += [(t, lp[0].logprob) for t, lp in
-                                        zip(out.new_token_ids, out.new_logprobs)]
-        return got, engine
+        return greedy_logprobs(engine, prompts, steps), engine
     finally:
         ResidentDecode.enabled = True
 
