@@ -25,7 +25,8 @@
 enum {      /* the step's words (kernels/decode_layer.py writes them) */
     S_ROWS, S_HIDDEN, S_HEADS, S_KV_HEADS, S_HEAD_DIM, S_INTER, S_PAGE, S_POOL_BF16,
     S_N_SLOTS, S_ATTN_SIMD, S_THREADS, S_X, S_COS, S_SIN, S_POOL, S_TOK_OFF, S_INDPTR,
-    S_LAST, S_SCRATCH, S_QMM_SIMD, S_LAYERS, S_ENTRIES, S_TOK_SLOTS, S_HEAD_SLOTS, S_ATTN_THREADS, STEP_WORDS
+    S_LAST, S_SCRATCH, S_QMM_SIMD, S_LAYERS, S_ENTRIES, S_TOK_SLOTS, S_HEAD_SLOTS,
+    S_ATTN_THREADS, STEP_WORDS
 };
 enum {      /* a layer's words: the two norms' weights, then 5 a matmul (qkv, o, gate_up, down) */
     L_NORM1, L_NORM2, L_W, LAYER_WORDS = L_W + 4 * 5

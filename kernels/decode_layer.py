@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from kernels.decode_plan import TablePlan
-from kernels.layer_ops import LayerOps
+from kernels.layer_ops import MAX_DIM, LayerOps
 
 try:
     from kernels import _layer
@@ -108,6 +108,7 @@ class DecodeLayers:
         """The step's layers in C (words: `layer_words`), or None where it does not serve
         them (then op by op)."""
         if not FusedLayers.enabled or words is None or kv is None or not LayerOps.enabled \
+                or dims[0] > MAX_DIM or dims[3] > MAX_DIM \
                 or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 \
                 or x.shape[0] >= words[1] or any(r.dtype != torch.float32 for r in rope):
             return None
