@@ -43,6 +43,15 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* The scratch (S_SCRATCH, float32; kernels/decode_layer.py sizes it and views q in it):
+ * xn [B, hidden], q|k|v [B, (H + 2 KVH) D], q [B, H, D], the attention's output a [B, H, D]
+ * and its log-sum-exp [B, H]; after the attention, xn, gate|up [B, 2 I], act [B, I] and the
+ * down projection [B, hidden] from its start. Where q starts: */
+static float *scratch_q(const int64_t *st) {
+    return (float *)(uintptr_t)st[S_SCRATCH] +
+           st[S_ROWS] * (st[S_HIDDEN] + (st[S_HEADS] + 2 * st[S_KV_HEADS]) * st[S_HEAD_DIM]);
+}
+
 /* x [B, k] @ layer weight `w` (its 5 words) -> out [B, n]: 0, or -1 out of memory */
 static int matmul(const int64_t *w, const float *x, Py_ssize_t b, Py_ssize_t k, Py_ssize_t n,
                   float *out, const int64_t *st) {
@@ -60,7 +69,7 @@ static int attention_inputs(const int64_t *st, const int64_t *lw, int layer, flo
     const int nh = (int)st[S_HEADS], kvh = (int)st[S_KV_HEADS];
     const Py_ssize_t nq = (Py_ssize_t)nh * d, nqkv = nq + 2 * (Py_ssize_t)kvh * d;
     float *x = (float *)(uintptr_t)st[S_X], *xn = (float *)(uintptr_t)st[S_SCRATCH];
-    float *qkv = xn + b * hid, *q = qkv + b * nqkv;
+    float *qkv = xn + b * hid, *q = scratch_q(st);
     for (Py_ssize_t r = 0; r < b; r++)
         ops_api->norm_row(x + r * hid, NULL, (const void *)(uintptr_t)lw[L_NORM1], xn + r * hid,
                           (int)hid, eps, 0);
@@ -81,10 +90,10 @@ static int attention_inputs(const int64_t *st, const int64_t *lw, int layer, flo
 
 /* the attention over the step's table, q -> a (scratch, after q): 0 or -1 out of memory */
 static int table_attention(const int64_t *st, int layer, float scale, double *attn_s) {
-    const Py_ssize_t b = st[S_ROWS], hid = st[S_HIDDEN], d = st[S_HEAD_DIM];
+    const Py_ssize_t b = st[S_ROWS], d = st[S_HEAD_DIM];
     const int nh = (int)st[S_HEADS], kvh = (int)st[S_KV_HEADS];
-    const Py_ssize_t nq = (Py_ssize_t)nh * d, nqkv = nq + 2 * (Py_ssize_t)kvh * d;
-    float *q = (float *)(uintptr_t)st[S_SCRATCH] + b * (hid + nqkv), *a = q + b * nq;
+    const Py_ssize_t nq = (Py_ssize_t)nh * d;
+    float *q = scratch_q(st), *a = q + b * nq;
     const double t0 = now();
     const int64_t *slots = (const int64_t *)(uintptr_t)st[S_HEAD_SLOTS] +
                            (int64_t)layer * st[S_ENTRIES];
@@ -145,10 +154,8 @@ static PyObject *decode_layer(PyObject *self, PyObject *args) {
             (const int32_t *)(uintptr_t)st[S_LAST], rows, (int)st[S_PAGE], st[S_N_SLOTS]) < 0)
         return NULL;
     const int64_t *lw = (const int64_t *)(uintptr_t)layers_addr + (int64_t)layer * LAYER_WORDS;
-    const Py_ssize_t b = st[S_ROWS], nq = st[S_HEADS] * st[S_HEAD_DIM];
     const float *a = part == 2 ? (const float *)(uintptr_t)a_addr
-                               : (const float *)(uintptr_t)st[S_SCRATCH] +
-                                 b * (st[S_HIDDEN] + nq + 2 * st[S_KV_HEADS] * st[S_HEAD_DIM] + nq);
+                               : scratch_q(st) + st[S_ROWS] * st[S_HEADS] * st[S_HEAD_DIM];
     double attn_s = 0.;
     int res = 0;
     Py_BEGIN_ALLOW_THREADS

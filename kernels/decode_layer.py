@@ -86,8 +86,9 @@ class DecodeLayers:
         self.cos, self.sin = (r.reshape(b, head_dim).contiguous() for r in rope)
         self.h = torch.empty(b, hidden)
         nq, nqkv = heads * head_dim, (heads + 2 * kv_heads) * head_dim
+        # _layer.c's scratch (its layout there, by `scratch_q`), and the queries a layer's
+        # first part leaves in it for `kv.attend` (split layers)
         self.scratch = torch.empty(b * (hidden + max(nqkv + 2 * nq + heads, 3 * inter + hidden)))
-        # the queries a layer's first part leaves for `kv.attend` (split layers)
         self.q = self.scratch[b * (hidden + nqkv):b * (hidden + nqkv + nq)].view(b, heads,
                                                                                  head_dim)
         table = (0, 0, 0, 0, 0, 0) if plan is None else (
@@ -99,6 +100,9 @@ class DecodeLayers:
                 pool.data_ptr(), kv.tok_off.data_ptr(), table[0], table[1],
                 self.scratch.data_ptr(), 1, words.shape[0], table[2], kv.tok_slots.data_ptr(),
                 table[3], table[5]]
+        if len(step) != _layer.STEP_WORDS:      # (_layer.c's S_* words, in their order)
+            raise RuntimeError(f"DecodeLayers: {len(step)} step words, _layer.c reads "
+                               f"{_layer.STEP_WORDS}")
         self.step = torch.tensor(step, dtype=torch.int64)
         self.args = (self.step.data_ptr(), words.data_ptr(), self.h.data_ptr())
 

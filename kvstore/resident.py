@@ -150,12 +150,7 @@ class ResidentDecode:
         """This step's KV for layers run in C (kernels/decode_layer.py), which write the K/V
         themselves: with the head table of every layer where all are dense (then
         `after_layer` follows each), else `attend_written` is their attention."""
-        plan = None
-        if not self.step.sparse_idx:
-            if self._dense_plan is None:
-                self._dense_plan = table_plan(self.kernel, self.tiers.pool, group, self.head,
-                                              self.head_slots) or False
-            plan = self._dense_plan or None
+        plan = None if self.step.sparse_idx else self._table_plan(group)
         return KVTable(self.tiers.pool, self.tok_slots, self.tok_off, plan, self.after_layer,
                        self.attend_written)
 
@@ -185,17 +180,23 @@ class ResidentDecode:
         t0 = time.perf_counter()
         pool = self.tiers.pool
         group = q.shape[1] // pool.shape[2]
-        if self._dense_plan is None:
-            self._dense_plan = table_plan(self.kernel, pool, group, self.head,
-                                          self.head_slots) or False
-        if self._dense_plan:
-            out = self._dense_plan(layer, q, scale)
+        plan = self._table_plan(group)
+        if plan is not None:
+            out = plan(layer, q, scale)
         else:
             h = self.head
             table = PageTable(h.indptr, self.head_slots[layer], h.last_page_len, h.page_size)
             out = self.kernel.forward(q, pool, table, group, scale)   # (torch's if unsupported)
         self.stats.observe_stage("compute", time.perf_counter() - t0)
         return out
+
+    def _table_plan(self, group: int):
+        """The C attention over the head table in every layer (kernels/decode_plan.TablePlan),
+        made at its first use; None where the C kernel does not serve the pool."""
+        if self._dense_plan is None:
+            self._dense_plan = table_plan(self.kernel, self.tiers.pool, group, self.head,
+                                          self.head_slots) or False
+        return self._dense_plan or None
 
     def _attend_sparse_layer(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """A sparse layer: the dense rows over all their pages, the sparse decodes over the
