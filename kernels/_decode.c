@@ -237,29 +237,40 @@ static int check_shape(int d, int g, int ps, int kvh) {
     return 0;
 }
 
-/* the table must stay inside the pool: the rows read what it lists (-1: a ValueError set) */
-static int check_table(const int64_t *rp, const int64_t *sl, const int32_t *ll,
-                       Py_ssize_t rows, int ps, Py_ssize_t n_slots) {
+/* the table must stay inside the pool: the rows read what it lists. 0, or -1 with what is
+ * wrong in msg (cap bytes); without the GIL */
+static int table_fault(const int64_t *rp, const int64_t *sl, const int32_t *ll,
+                       Py_ssize_t rows, int ps, Py_ssize_t n_slots, char *msg, size_t cap) {
     if (rows < 0) {
-        PyErr_Format(PyExc_ValueError, "%zd rows", rows);
+        snprintf(msg, cap, "%zd rows", rows);
         return -1;
     }
     for (Py_ssize_t r = 0; r < rows; r++)
         if (rp[r + 1] < rp[r]) {
-            PyErr_SetString(PyExc_ValueError, "page table rows out of order (row_ptr falls)");
+            snprintf(msg, cap, "page table rows out of order (row_ptr falls)");
             return -1;
         } else if (ll[r] > ps || (rp[r + 1] > rp[r] && ll[r] < 0)) {
-            PyErr_Format(PyExc_ValueError, "page table outside the pool (last page length %d "
-                         "of %d)", ll[r], ps);
+            snprintf(msg, cap, "page table outside the pool (last page length %d of %d)",
+                     ll[r], ps);
             return -1;
         }
     for (int64_t i = rp[0]; i < rp[rows]; i++)
         if (sl[i] < 0 || sl[i] >= n_slots) {
-            PyErr_Format(PyExc_ValueError, "page table outside the pool (slot %lld in a pool "
-                         "of %zd)", (long long)sl[i], n_slots);
+            snprintf(msg, cap, "page table outside the pool (slot %lld in a pool of %zd)",
+                     (long long)sl[i], n_slots);
             return -1;
         }
     return 0;
+}
+
+/* table_fault with the GIL: -1 with a ValueError set */
+static int check_table(const int64_t *rp, const int64_t *sl, const int32_t *ll,
+                       Py_ssize_t rows, int ps, Py_ssize_t n_slots) {
+    char msg[SELECTED_ERROR_BYTES];
+    if (table_fault(rp, sl, ll, rows, ps, n_slots, msg, sizeof msg) == 0)
+        return 0;
+    PyErr_SetString(PyExc_ValueError, msg);
+    return -1;
 }
 
 /* the rows of a checked table (with `first`: its entries where set, then the others, going
@@ -350,7 +361,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_decode", NULL, -1, 
 /* the pool, for kernels/_select.c (its calls run on these threads, not on a pool of its own
  * spinning beside this one); a checked table's attention, for kernels/_layer.c */
 static pool_api pool_capsule = {pool_run};
-static decode_api api = {check_table, decode_table};
+static decode_api api = {check_table, decode_table, decode_selected};
 
 PyMODINIT_FUNC PyInit__decode(void) {
     pool_init();

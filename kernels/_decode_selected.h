@@ -13,6 +13,7 @@
 #ifndef STRATA_KERNELS_DECODE_SELECTED_H
 #define STRATA_KERNELS_DECODE_SELECTED_H
 
+#include <stdio.h>
 #include <stdlib.h>
 
 #define SPARSE_DECODE_SELECTED_DOC                                                          \
@@ -23,6 +24,67 @@
     "[batch * KVH + 1], indices int64, layer_slots int64 [n_layer_slots], starts int64 "    \
     "[batch], last_len int32 [batch], selected_at int64 [n_keys], page_ids int64 [batch, "   \
     "id_stride]); ValueError where an entry falls outside them or the pool; without the GIL"
+
+/* the selection's table (slots, `first`, last lengths), checked, and its attention: 0, -1 out
+ * of memory, or 1 with what is wrong in a->error (nothing written); without the GIL (the
+ * Python call below, kernels/_layer.c through the `api` capsule) */
+static int decode_selected(selected_args *a) {
+    const int kvh = a->kvh, ps = a->ps, d = a->d, g = a->g;
+    if (d < 1 || d > MAX_D || g < 1 || g > MAX_G || ps < 1 || ps > MAX_PS || kvh < 1 ||
+        a->batch < 0) {
+        snprintf(a->error, sizeof a->error, "unsupported shape: head_dim %d (<= %d), group %d "
+                 "(<= %d), page_size %d (<= %d), %zd sequences", d, MAX_D, g, MAX_G, ps,
+                 MAX_PS, a->batch);
+        return 1;
+    }
+    const Py_ssize_t rows = a->batch * kvh, id_stride = a->id_stride;
+    const int64_t *rp = a->indptr, *ix = a->indices, *ls = a->layer_slots, *st = a->starts;
+    const int64_t *sa = a->selected_at, *pid = a->page_ids;
+    for (Py_ssize_t r = 0; r < rows; r++)
+        if (rp[r + 1] < rp[r]) {
+            snprintf(a->error, sizeof a->error, "selection rows out of order (indptr falls)");
+            return 1;
+        }
+    if (rp[0] != 0) {
+        snprintf(a->error, sizeof a->error, "selection rows start at entry 0 (indptr[0])");
+        return 1;
+    }
+    const int64_t nnz = rp[rows];
+    /* the table: slots [nnz], first [nnz], last lengths [rows] */
+    int64_t *sl = malloc(sizeof(int64_t) * (size_t)(nnz + 1) + (size_t)nnz +
+                         sizeof(int32_t) * (size_t)(rows + 1));
+    if (sl == NULL)
+        return -1;
+    int32_t *ll = (int32_t *)(sl + nnz + 1);
+    uint8_t *first = (uint8_t *)(ll + rows + 1);
+    const char *bad = NULL;
+    for (Py_ssize_t r = 0; r < rows && !bad; r++) {
+        const Py_ssize_t b = r / kvh;
+        ll[r] = a->last_len[b];
+        for (int64_t e = rp[r]; e < rp[r + 1]; e++) {
+            const int64_t p = ix[e], at = st[b] + p;
+            if (p < 0 || p >= id_stride || at < 0 || at >= a->n_layer_slots) {
+                bad = "a selected page outside its sequence";
+                break;
+            }
+            const int64_t key = a->key_base + pid[b * id_stride + p];
+            if (key < 0 || key >= a->n_keys) {
+                bad = "a selected page's key outside the selection's marks";
+                break;
+            }
+            sl[e] = ls[at];
+            first[e] = sa[key] == a->completed || e == rp[r + 1] - 1;
+        }
+    }
+    int res = 1;
+    if (bad)
+        snprintf(a->error, sizeof a->error, "%s", bad);
+    else if (table_fault(rp, sl, ll, rows, ps, a->n_slots, a->error, sizeof a->error) == 0)
+        res = decode_table(a->q, a->pool, a->bf16, kvh, ps, d, g, rp, sl, ll, first, rows,
+                           a->scale, a->out, a->lse, 0, a->simd, a->threads);
+    free(sl);
+    return res;
+}
 
 static PyObject *sparse_decode_selected(PyObject *self, PyObject *args) {
     unsigned long long q, pool, indptr, indices, layer_slots, starts, last, sel_at, page_ids,
@@ -36,71 +98,28 @@ static PyObject *sparse_decode_selected(PyObject *self, PyObject *args) {
                           &last, &sel_at, &n_keys, &completed, &key_base, &page_ids,
                           &id_stride, &scale, &out, &lse, &n_slots, &simd, &threads))
         return NULL;
-    if (check_shape(d, g, ps, kvh) < 0)
-        return NULL;
-    if (batch < 0) {
-        PyErr_Format(PyExc_ValueError, "%zd sequences", batch);
-        return NULL;
-    }
-    const Py_ssize_t rows = batch * kvh;
-    const int64_t *rp = (const int64_t *)(uintptr_t)indptr;
-    const int64_t *ix = (const int64_t *)(uintptr_t)indices;
-    const int64_t *ls = (const int64_t *)(uintptr_t)layer_slots;
-    const int64_t *st = (const int64_t *)(uintptr_t)starts;
-    const int32_t *lb = (const int32_t *)(uintptr_t)last;
-    const int64_t *sa = (const int64_t *)(uintptr_t)sel_at;
-    const int64_t *pid = (const int64_t *)(uintptr_t)page_ids;
-    for (Py_ssize_t r = 0; r < rows; r++)
-        if (rp[r + 1] < rp[r]) {
-            PyErr_SetString(PyExc_ValueError, "selection rows out of order (indptr falls)");
-            return NULL;
-        }
-    if (rp[0] != 0) {
-        PyErr_SetString(PyExc_ValueError, "selection rows start at entry 0 (indptr[0])");
-        return NULL;
-    }
-    const int64_t nnz = rp[rows];
-    /* the table: slots [nnz], first [nnz], last lengths [rows] */
-    int64_t *sl = malloc(sizeof(int64_t) * (size_t)(nnz + 1) + (size_t)nnz +
-                         sizeof(int32_t) * (size_t)(rows + 1));
-    if (sl == NULL)
+    selected_args a = {
+        .q = (const float *)(uintptr_t)q, .pool = (const char *)(uintptr_t)pool, .bf16 = bf16,
+        .kvh = kvh, .ps = ps, .d = d, .g = g, .simd = simd, .threads = threads, .batch = batch,
+        .n_layer_slots = n_layer_slots, .n_keys = n_keys, .id_stride = id_stride,
+        .n_slots = n_slots, .indptr = (const int64_t *)(uintptr_t)indptr,
+        .indices = (const int64_t *)(uintptr_t)indices,
+        .layer_slots = (const int64_t *)(uintptr_t)layer_slots,
+        .starts = (const int64_t *)(uintptr_t)starts,
+        .selected_at = (const int64_t *)(uintptr_t)sel_at,
+        .page_ids = (const int64_t *)(uintptr_t)page_ids,
+        .last_len = (const int32_t *)(uintptr_t)last, .completed = completed,
+        .key_base = key_base, .scale = scale, .out = (float *)(uintptr_t)out,
+        .lse = (float *)(uintptr_t)lse};
+    int res;
+    Py_BEGIN_ALLOW_THREADS
+    res = decode_selected(&a);
+    Py_END_ALLOW_THREADS
+    if (res < 0)
         return PyErr_NoMemory();
-    int32_t *ll = (int32_t *)(sl + nnz + 1);
-    uint8_t *first = (uint8_t *)(ll + rows + 1);
-    const char *bad = NULL;
-    for (Py_ssize_t r = 0; r < rows && !bad; r++) {
-        const Py_ssize_t b = r / kvh;
-        ll[r] = lb[b];
-        for (int64_t e = rp[r]; e < rp[r + 1]; e++) {
-            const int64_t p = ix[e], at = st[b] + p;
-            if (p < 0 || p >= id_stride || at < 0 || at >= n_layer_slots) {
-                bad = "a selected page outside its sequence";
-                break;
-            }
-            const int64_t key = key_base + pid[b * id_stride + p];
-            if (key < 0 || key >= n_keys) {
-                bad = "a selected page's key outside the selection's marks";
-                break;
-            }
-            sl[e] = ls[at];
-            first[e] = sa[key] == completed || e == rp[r + 1] - 1;
-        }
-    }
-    PyObject *res = NULL;
-    if (bad)
-        PyErr_SetString(PyExc_ValueError, bad);
-    else if (check_table(rp, sl, ll, rows, ps, n_slots) == 0) {
-        int failed;
-        Py_BEGIN_ALLOW_THREADS
-        failed = decode_table((const float *)(uintptr_t)q, (const char *)(uintptr_t)pool, bf16,
-                              kvh, ps, d, g, rp, sl, ll, first, rows, scale,
-                              (float *)(uintptr_t)out, (float *)(uintptr_t)lse, 0, simd,
-                              threads);
-        Py_END_ALLOW_THREADS
-        res = failed ? PyErr_NoMemory() : Py_NewRef(Py_None);
-    }
-    free(sl);
-    return res;
+    if (res > 0)
+        return PyErr_Format(PyExc_ValueError, "%s", a.error);
+    Py_RETURN_NONE;
 }
 
 #endif

@@ -256,6 +256,66 @@ static int run_tasks(sel_call *c, int b_size, int threads) {
     return failed;
 }
 
+/* select_pages without the GIL, for the Python call below and kernels/_layer.c (through the
+ * `api` capsule): 0, -1 out of memory, or 1 a shape it does not serve (nothing written) */
+static int select_run(const select_args *a, int64_t *nnz, int64_t *unnz) {
+    const int b_size = a->batch, kvh = a->kvh, d = a->d;
+    const int64_t sink = a->sink, local = a->local;
+    if (d < 1 || d > MAX_D || a->g < 1 || a->g > MAX_G || kvh < 1 || b_size < 0 || a->k < 1)
+        return 1;
+    sel_call c = {.q = a->q, .sa = a->summ, .pa = a->priors, .np_ = a->n_pages,
+                  /* optional [2, kvh]: each KV head's budget, then its prior pages (k: their
+                   * largest) */
+                  .hb = a->head_budgets, .bf16 = a->bf16, .quest = a->quest, .kvh = kvh,
+                  .g = a->g, .d = d, .sink = sink, .local = local, .ix = a->indices,
+                  .ux = a->uindices, .upos = a->upos,     /* [B*KVH*k] or none */
+                  .so = a->scores};
+    int64_t *ip = a->indptr, *up = a->uindptr;
+    for (int b = 0; b < b_size; b++)
+        if (c.np_[b] > c.p_max) c.p_max = c.np_[b];
+    const int64_t elem = a->bf16 ? 2 : 4;
+    c.row_bytes = (int64_t)d * elem;
+    c.head_bytes = 3 * c.row_bytes;
+    c.page_bytes = (int64_t)kvh * c.head_bytes;
+    /* k and the prior's share as select_pages computes them */
+    c.kk = a->k > sink + local ? a->k : sink + local;
+    if (c.kk > c.p_max) c.kk = c.p_max;
+    c.pk = c.kk - (c.kk < sink + local ? c.kk : sink + local);
+    if (c.pk > a->prior_pages) c.pk = a->prior_pages;
+    if (c.pk > c.p_max) c.pk = c.p_max;
+    int simd = a->simd;
+#ifdef HAVE_AVX512_PATH
+    simd = simd && ((a->quest ? 2 * d : d) % 16 == 0) && __builtin_cpu_supports("avx512f");
+#endif
+    c.simd = simd;
+    int failed = 0;
+    int64_t *cnt = malloc(sizeof(int64_t) * (size_t)((int64_t)b_size * (kvh + 1) + 1));
+    if (!cnt) {
+        failed = 1;
+    } else {
+        c.cnt = cnt;
+        c.ucnt = cnt + (int64_t)b_size * kvh;
+        failed = run_tasks(&c, b_size, a->threads);
+        if (!failed) {
+            compact(c.ix, c.cnt, (int64_t)b_size * kvh, c.kk, ip);
+            if (c.upos)     /* laid out as the rows: the same offsets */
+                compact(c.upos, c.cnt, (int64_t)b_size * kvh, c.kk, ip);
+            compact(c.ux, c.ucnt, b_size, c.p_max, up);
+            if (c.upos)     /* positions local to a sequence's union: among all of them */
+                for (int b = 0; b < b_size; b++)
+                    for (int64_t e = ip[(int64_t)b * kvh]; e < ip[(int64_t)(b + 1) * kvh]; e++)
+                        c.upos[e] += up[b];
+        }
+    }
+    free(cnt);
+    free(c.scored);
+    if (failed)
+        return -1;
+    *nnz = ip[(int64_t)b_size * kvh];
+    *unnz = up[b_size];
+    return 0;
+}
+
 static PyObject *select_pages(PyObject *self, PyObject *args) {
     unsigned long long q, summ_addrs, prior_addrs, n_pages, indptr, indices, uindptr, uindices,
         scores_out, head_budgets = 0, union_pos = 0;
@@ -271,59 +331,21 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
                      "(<= %d), kv heads %d, budget %lld", d, MAX_D, g, MAX_G, kvh, k);
         return NULL;
     }
-    sel_call c = {.q = (const float *)(uintptr_t)q, .sa = (const uint64_t *)(uintptr_t)summ_addrs,
-                  .pa = (const uint64_t *)(uintptr_t)prior_addrs,
-                  .np_ = (const int64_t *)(uintptr_t)n_pages,
-                  /* optional [2, kvh]: each KV head's budget, then its prior pages (k: their
-                   * largest) */
-                  .hb = (const int64_t *)(uintptr_t)head_budgets, .bf16 = bf16, .quest = quest,
-                  .kvh = kvh, .g = g, .d = d, .sink = sink, .local = local,
-                  .ix = (int64_t *)(uintptr_t)indices, .ux = (int64_t *)(uintptr_t)uindices,
-                  .upos = (int64_t *)(uintptr_t)union_pos,     /* [B*KVH*k] or none */
-                  .so = (float *)(uintptr_t)scores_out};
-    int64_t *ip = (int64_t *)(uintptr_t)indptr, *up = (int64_t *)(uintptr_t)uindptr;
-    for (int b = 0; b < b_size; b++)
-        if (c.np_[b] > c.p_max) c.p_max = c.np_[b];
-    const int64_t elem = bf16 ? 2 : 4;
-    c.row_bytes = (int64_t)d * elem;
-    c.head_bytes = 3 * c.row_bytes;
-    c.page_bytes = (int64_t)kvh * c.head_bytes;
-    /* k and the prior's share as select_pages computes them */
-    c.kk = k > sink + local ? k : sink + local;
-    if (c.kk > c.p_max) c.kk = c.p_max;
-    c.pk = c.kk - (c.kk < sink + local ? c.kk : sink + local);
-    if (c.pk > prior_pages) c.pk = prior_pages;
-    if (c.pk > c.p_max) c.pk = c.p_max;
-#ifdef HAVE_AVX512_PATH
-    simd = simd && ((quest ? 2 * d : d) % 16 == 0) && __builtin_cpu_supports("avx512f");
-#endif
-    c.simd = simd;
-    int failed = 0;
+    select_args a = {(const float *)(uintptr_t)q, (const uint64_t *)(uintptr_t)summ_addrs,
+                     (const uint64_t *)(uintptr_t)prior_addrs,
+                     (const int64_t *)(uintptr_t)n_pages, (const int64_t *)(uintptr_t)head_budgets,
+                     bf16, quest, b_size, kvh, g, d, simd, threads, k, sink, local, prior_pages,
+                     (int64_t *)(uintptr_t)indptr, (int64_t *)(uintptr_t)indices,
+                     (int64_t *)(uintptr_t)uindptr, (int64_t *)(uintptr_t)uindices,
+                     (int64_t *)(uintptr_t)union_pos, (float *)(uintptr_t)scores_out};
+    int64_t nnz = 0, unnz = 0;
+    int res;
     Py_BEGIN_ALLOW_THREADS
-    int64_t *cnt = malloc(sizeof(int64_t) * (size_t)((int64_t)b_size * (kvh + 1) + 1));
-    if (!cnt) {
-        failed = 1;
-    } else {
-        c.cnt = cnt;
-        c.ucnt = cnt + (int64_t)b_size * kvh;
-        failed = run_tasks(&c, b_size, threads);
-        if (!failed) {
-            compact(c.ix, c.cnt, (int64_t)b_size * kvh, c.kk, ip);
-            if (c.upos)     /* laid out as the rows: the same offsets */
-                compact(c.upos, c.cnt, (int64_t)b_size * kvh, c.kk, ip);
-            compact(c.ux, c.ucnt, b_size, c.p_max, up);
-            if (c.upos)     /* positions local to a sequence's union: among all of them */
-                for (int b = 0; b < b_size; b++)
-                    for (int64_t e = ip[(int64_t)b * kvh]; e < ip[(int64_t)(b + 1) * kvh]; e++)
-                        c.upos[e] += up[b];
-        }
-    }
-    free(cnt);
-    free(c.scored);
+    res = select_run(&a, &nnz, &unnz);
     Py_END_ALLOW_THREADS
-    if (failed)
+    if (res)
         return PyErr_NoMemory();
-    return Py_BuildValue("LL", (long long)ip[(int64_t)b_size * kvh], (long long)up[b_size]);
+    return Py_BuildValue("LL", (long long)nnz, (long long)unnz);
 }
 
 static PyMethodDef methods[] = {
@@ -343,10 +365,16 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_select", NULL, -1, methods};
 
+/* the selection without the GIL, for kernels/_layer.c */
+static select_api api = {select_run};
+
 PyMODINIT_FUNC PyInit__select(void) {
     /* without kernels._decode (not built), every call runs on its caller's thread */
     shared_pool = import_api("kernels._decode", "kernels._decode.pool_api");
     if (!shared_pool)
         PyErr_Clear();
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m && add_api(m, "api", "kernels._select.api", &api) < 0)
+        Py_CLEAR(m);
+    return m;
 }
