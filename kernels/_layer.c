@@ -11,11 +11,18 @@
  * K/V write of _layerops.c, the table attention of _decode.c: reached through their `api`
  * capsules), so the bits are the model's layers' own where they run those ops.
  *
- * The plan is two int64 tables built in Python: the step's (STEP_* words) and the model's
- * (LAYER_WORDS a layer). Runs without the GIL but for the table's check. */
+ * Sparse layers (S_SPARSE: kernels/decode_layer.py's SparseWords) select their pages (the
+ * selection of _select.c) and attend to them (_decode.c's selected attention) in the same
+ * call, their results (entries, union entries, nanoseconds selecting and attending) written
+ * to the sparse table's results for the KV store to settle after the layer.
+ *
+ * The plan is int64 tables built in Python: the step's (STEP_* words), the model's
+ * (LAYER_WORDS a layer) and the sparse layers'. Runs without the GIL but for the table's
+ * check. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -26,8 +33,18 @@ enum {      /* the step's words (kernels/decode_layer.py writes them) */
     S_ROWS, S_HIDDEN, S_HEADS, S_KV_HEADS, S_HEAD_DIM, S_INTER, S_PAGE, S_POOL_BF16,
     S_N_SLOTS, S_ATTN_SIMD, S_THREADS, S_X, S_COS, S_SIN, S_POOL, S_TOK_OFF, S_INDPTR,
     S_LAST, S_SCRATCH, S_QMM_SIMD, S_LAYERS, S_ENTRIES, S_TOK_SLOTS, S_HEAD_SLOTS,
-    S_ATTN_THREADS, STEP_WORDS
+    S_ATTN_THREADS, S_SPARSE, STEP_WORDS
 };
+enum {      /* the sparse table's header (SparseWords): the selection's, the attention's */
+    P_PRIORS, P_SUMM_BF16, P_QUEST, P_SINK, P_LOCAL, P_SEL_SIMD, P_SEL_THREADS, P_OFF_INDICES,
+    P_OFF_UINDPTR, P_OFF_UINDICES, P_OFF_UPOS, P_N_LAYER_SLOTS, P_STARTS, P_LAST, P_MARKS,
+    P_N_KEYS, P_COMPLETED, P_PAGE_IDS, P_ID_STRIDE, P_DEC_SIMD, P_DEC_THREADS, P_RESULTS,
+    SPARSE_HEADER
+};
+enum {      /* then a row a layer (R_SPARSE 0: the layer attends to the step's table) */
+    R_SPARSE, R_INS, R_OUT, R_BUDGET, R_PRIOR_PAGES, R_HEADS, R_SLOTS, R_KEY_BASE, SPARSE_ROW
+};
+enum { RES_NNZ, RES_UNNZ, RES_SELECT_NS, RES_ATTEND_NS, RESULT_WORDS };
 enum {      /* a layer's words: the two norms' weights, then 5 a matmul (qkv, o, gate_up, down) */
     L_NORM1, L_NORM2, L_W, LAYER_WORDS = L_W + 4 * 5
 };
@@ -36,6 +53,7 @@ enum { W_CODES, W_SCALE, W_ZERO, W_BITS, W_XBITS };
 static const qmatmul_api *mm_api;
 static const layerops_api *ops_api;
 static const decode_api *attn_api;
+static const select_api *sel_api;
 
 static double now(void) {
     struct timespec t;
@@ -107,6 +125,58 @@ static int table_attention(const int64_t *st, int layer, float scale, double *at
     return 0;
 }
 
+/* a sparse layer's row of the sparse table, or NULL where the layer attends to the table */
+static const int64_t *sparse_row(const int64_t *st, int layer) {
+    const int64_t *sp = (const int64_t *)(uintptr_t)st[S_SPARSE];
+    const int64_t *row = sp ? sp + SPARSE_HEADER + (int64_t)layer * SPARSE_ROW : NULL;
+    return row && row[R_SPARSE] ? row : NULL;
+}
+
+/* a sparse layer's attention, q -> a (scratch, after q): its pages selected, then attended;
+ * 0, -1 out of memory, or 1 with what is wrong in `err` */
+static int sparse_attention(const int64_t *st, const int64_t *row, int layer, float scale,
+                            char *err, size_t cap) {
+    const int64_t *sp = (const int64_t *)(uintptr_t)st[S_SPARSE];
+    const int b = (int)st[S_ROWS], nh = (int)st[S_HEADS], kvh = (int)st[S_KV_HEADS];
+    const int d = (int)st[S_HEAD_DIM];
+    float *q = scratch_q(st), *a = q + (int64_t)b * nh * d;
+    const int64_t *ins = (const int64_t *)(uintptr_t)row[R_INS];
+    int64_t *out = (int64_t *)(uintptr_t)row[R_OUT];
+    int64_t *res = (int64_t *)(uintptr_t)sp[P_RESULTS] + (int64_t)layer * RESULT_WORDS;
+    select_args s = {q, (const uint64_t *)ins, sp[P_PRIORS] ? (const uint64_t *)(ins + 2 * b)
+                                                            : NULL,
+                     ins + b, (const int64_t *)(uintptr_t)row[R_HEADS], (int)sp[P_SUMM_BF16],
+                     (int)sp[P_QUEST], b, kvh, nh / kvh, d, (int)sp[P_SEL_SIMD],
+                     (int)sp[P_SEL_THREADS], row[R_BUDGET], sp[P_SINK], sp[P_LOCAL],
+                     row[R_PRIOR_PAGES], out, out + sp[P_OFF_INDICES], out + sp[P_OFF_UINDPTR],
+                     out + sp[P_OFF_UINDICES], out + sp[P_OFF_UPOS], NULL};
+    const double t0 = now();
+    int rc = sel_api->select(&s, &res[RES_NNZ], &res[RES_UNNZ]);
+    if (rc) {
+        snprintf(err, cap, "the selection does not serve this shape");
+        return rc;
+    }
+    const double t1 = now();
+    selected_args t = {
+        .q = q, .pool = (const char *)(uintptr_t)st[S_POOL], .bf16 = (int)st[S_POOL_BF16],
+        .kvh = kvh, .ps = (int)st[S_PAGE], .d = d, .g = nh / kvh, .simd = (int)sp[P_DEC_SIMD],
+        .threads = (int)sp[P_DEC_THREADS], .batch = b, .n_layer_slots = sp[P_N_LAYER_SLOTS],
+        .n_keys = sp[P_N_KEYS], .id_stride = sp[P_ID_STRIDE], .n_slots = st[S_N_SLOTS],
+        .indptr = out, .indices = out + sp[P_OFF_INDICES],
+        .layer_slots = (const int64_t *)(uintptr_t)row[R_SLOTS],
+        .starts = (const int64_t *)(uintptr_t)sp[P_STARTS],
+        .selected_at = (const int64_t *)(uintptr_t)sp[P_MARKS],
+        .page_ids = (const int64_t *)(uintptr_t)sp[P_PAGE_IDS],
+        .last_len = (const int32_t *)(uintptr_t)sp[P_LAST], .completed = sp[P_COMPLETED],
+        .key_base = row[R_KEY_BASE], .scale = scale, .out = a, .lse = a + (int64_t)b * nh * d};
+    rc = attn_api->decode_selected(&t);
+    if (rc > 0)
+        snprintf(err, cap, "%s", t.error);
+    res[RES_SELECT_NS] = (int64_t)(1e9 * (t1 - t0));
+    res[RES_ATTEND_NS] = (int64_t)(1e9 * (now() - t1));
+    return rc;
+}
+
 /* the rest: h = a @ Wo (a: the attention's output [B, H * D]), h += x, [g|u] = norm2(h) @
  * Wgu, x = h + (silu(g) * u) @ Wdown; 0 or -1 out of memory */
 static int output_and_mlp(const int64_t *st, const int64_t *lw, float eps, const float *a,
@@ -148,7 +218,8 @@ static PyObject *decode_layer(PyObject *self, PyObject *args) {
         return NULL;
     }
     const Py_ssize_t rows = st[S_ROWS] * st[S_KV_HEADS];
-    if (part == 0 && attn_api->check_table(
+    const int64_t *sparse = part == 0 ? sparse_row(st, layer) : NULL;
+    if (part == 0 && !sparse && attn_api->check_table(
             (const int64_t *)(uintptr_t)st[S_INDPTR],
             (const int64_t *)(uintptr_t)st[S_HEAD_SLOTS] + (int64_t)layer * st[S_ENTRIES],
             (const int32_t *)(uintptr_t)st[S_LAST], rows, (int)st[S_PAGE], st[S_N_SLOTS]) < 0)
@@ -157,20 +228,25 @@ static PyObject *decode_layer(PyObject *self, PyObject *args) {
     const float *a = part == 2 ? (const float *)(uintptr_t)a_addr
                                : scratch_q(st) + st[S_ROWS] * st[S_HEADS] * st[S_HEAD_DIM];
     double attn_s = 0.;
-    int res = 0;
+    char err[SELECTED_ERROR_BYTES] = "";
+    int res = 0, attn_res = 0;
     Py_BEGIN_ALLOW_THREADS
     if (part < 2)
         res = attention_inputs(st, lw, layer, eps);
     if (res == 0 && part == 0)
-        res = table_attention(st, layer, scale, &attn_s);
-    if (res == 0 && part != 1)
+        attn_res = sparse ? sparse_attention(st, sparse, layer, scale, err, sizeof err)
+                          : table_attention(st, layer, scale, &attn_s);
+    if (res == 0 && attn_res == 0 && part != 1)
         res = output_and_mlp(st, lw, eps, a, (float *)(uintptr_t)h_addr);
     Py_END_ALLOW_THREADS
-    if (res < 0)
+    if (res < 0 || attn_res < 0)
         return PyErr_NoMemory();
     if (res > 0)
         return PyErr_Format(PyExc_IndexError, "decode_layer: token %d's K/V slot or offset "
                             "out of range", res - 1);
+    if (attn_res > 0)
+        return PyErr_Format(PyExc_ValueError, "decode_layer: layer %d's selection: %s", layer,
+                            err);
     return PyFloat_FromDouble(attn_s);
 }
 
@@ -178,7 +254,7 @@ static PyMethodDef methods[] = {
     {"decode_layer", decode_layer, METH_VARARGS,
      "decode_layer(step, layers, h, layer, eps, scale[, part, a]): layer `layer` of a decode "
      "step in place on the step's x (addresses of kernels/decode_layer.py's tables; h: float32 "
-     "[rows, hidden] scratch); part 0 the whole layer, 1 up to the attention (its q in the "
+     "[rows, hidden] scratch); part 0 the whole layer (a sparse layer's selection too), 1 up to the attention (its q in the "
      "scratch), 2 from the attention's output at address a (float32 [rows, heads * head_dim]); "
      "returns the table attention's seconds"},
     {NULL, NULL, 0, NULL},
@@ -190,11 +266,15 @@ PyMODINIT_FUNC PyInit__layer(void) {
     mm_api = import_api("kernels._qmatmul", "kernels._qmatmul.api");
     ops_api = mm_api ? import_api("kernels._layerops", "kernels._layerops.api") : NULL;
     attn_api = ops_api ? import_api("kernels._decode", "kernels._decode.api") : NULL;
-    if (!attn_api)
+    sel_api = attn_api ? import_api("kernels._select", "kernels._select.api") : NULL;
+    if (!sel_api)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m && (PyModule_AddIntConstant(m, "STEP_WORDS", STEP_WORDS) < 0 ||
-              PyModule_AddIntConstant(m, "LAYER_WORDS", LAYER_WORDS) < 0)) {
+              PyModule_AddIntConstant(m, "LAYER_WORDS", LAYER_WORDS) < 0 ||
+              PyModule_AddIntConstant(m, "SPARSE_HEADER", SPARSE_HEADER) < 0 ||
+              PyModule_AddIntConstant(m, "SPARSE_ROW", SPARSE_ROW) < 0 ||
+              PyModule_AddIntConstant(m, "RESULT_WORDS", RESULT_WORDS) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

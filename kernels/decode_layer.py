@@ -34,19 +34,55 @@ class FusedLayers:
     enabled = True      # False: the model's layers op by op (the reference, A/B)
 
 
+class SparseWords:
+    """A step's sparse layers for kernels/_layer.c: each selects its pages and attends to
+    them in its layer's call (the KV store's SelectPlan and SelectedPlan, run in C, the same
+    bits); `result(layer)` after it."""
+
+    def __init__(self, select, decode, sparse: list[bool]):
+        """select: kernels/select_plan.SelectPlan, decode: kernels/decode_plan.SelectedPlan
+        of the step's sequences (every row of the step, in order); sparse: per layer, whether
+        it selects (else it attends to the step's table)."""
+        (s_head, s_rows), (d_head, d_rows) = select.native_words(), decode.native_words()
+        self.select, self.layers = select, len(sparse)
+        self.results = torch.zeros(len(sparse), _layer.RESULT_WORDS, dtype=torch.int64)
+        head = s_head + d_head + [self.results.data_ptr()]
+        rows = [[int(sp)] + sr + dr for sp, sr, dr in zip(sparse, s_rows, d_rows)]
+        if len(head) != _layer.SPARSE_HEADER or len(rows) != len(sparse) \
+                or any(len(r) != _layer.SPARSE_ROW for r in rows):
+            raise RuntimeError(f"SparseWords: {len(head)} header words and rows of "
+                               f"{len(rows[0]) if rows else 0}, _layer.c reads "
+                               f"{_layer.SPARSE_HEADER} and {_layer.SPARSE_ROW}")
+        self.words = torch.tensor(head + [w for r in rows for w in r], dtype=torch.int64)
+        self.shape = (select.b_size, select.kvh * select.group, select.kvh, select.d)
+        if (decode.b, decode.h, decode.kvh, decode.d) != self.shape:
+            raise ValueError(f"SparseWords: a selection of {self.shape} (rows, heads, KV "
+                             f"heads, head dim), an attention of "
+                             f"{(decode.b, decode.h, decode.kvh, decode.d)}")
+        self.pool, self.sparse = decode.pool, sparse
+        self._keep = (select, decode)       # the C calls read them by address
+
+    def result(self, layer: int):
+        """(the SelectedPages layer `layer` selected, seconds selecting, seconds attending)."""
+        nnz, unnz, select_ns, attend_ns = self.results[layer].tolist()
+        return self.select.selected(layer, nnz, unnz), select_ns * 1e-9, attend_ns * 1e-9
+
+
 @dataclass
 class KVTable:
     """The KV side of a step's layers: the pool [S, 2, KVH, ps, D], the slot and offset of
     each row's new token (tok_slots int64 [L, B], tok_off int64 [B]); `plan`, the attention's
     table over every layer (its indptr, last page lengths, per-layer slots), then `after(layer,
-    attention seconds)` follows each layer; or, plan None, `attend(layer, q, scale) -> out`
-    ([B, H, D] each) attends to the K/V a layer's call wrote (sparse layers: their selection)."""
+    attention seconds)` follows each layer (its sparse layers, `sparse`, select their pages in
+    the call instead); or, plan None, `attend(layer, q, scale) -> out` ([B, H, D] each)
+    attends to the K/V a layer's call wrote (sparse layers: their selection)."""
     pool: torch.Tensor
     tok_slots: torch.Tensor
     tok_off: torch.Tensor
     plan: TablePlan | None
     after: Callable[[int, float], None]
     attend: Callable[[int, torch.Tensor, float], torch.Tensor]
+    sparse: SparseWords | None = None
 
 
 def layer_words(layers) -> tuple[torch.Tensor, int] | None:
@@ -99,7 +135,7 @@ class DecodeLayers:
                 torch.get_num_threads(), x.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
                 pool.data_ptr(), kv.tok_off.data_ptr(), table[0], table[1],
                 self.scratch.data_ptr(), 1, words.shape[0], table[2], kv.tok_slots.data_ptr(),
-                table[3], table[5]]
+                table[3], table[5], 0 if kv.sparse is None else kv.sparse.words.data_ptr()]
         if len(step) != _layer.STEP_WORDS:      # (_layer.c's S_* words, in their order)
             raise RuntimeError(f"DecodeLayers: {len(step)} step words, _layer.c reads "
                                f"{_layer.STEP_WORDS}")
@@ -119,6 +155,10 @@ class DecodeLayers:
         words, (b, plan) = words[0], (x.shape[0], kv.plan)
         if plan is not None and (plan.b != b or plan.h != dims[1] or plan.kvh != dims[2]
                                  or plan.d != dims[3] or plan.slots.shape[0] != words.shape[0]):
+            return None
+        sp = kv.sparse
+        if sp is not None and (plan is None or sp.layers != words.shape[0] or sp.pool is not
+                               kv.pool or sp.shape != (b, dims[1], dims[2], dims[3])):
             return None
         if kv.tok_slots.shape != (words.shape[0], b) or kv.tok_off.shape != (b,) \
                 or kv.pool.shape[2] != dims[2] or kv.pool.shape[4] != dims[3] \

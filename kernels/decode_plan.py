@@ -143,3 +143,11 @@ class SelectedPlan(_Plan):
             *self.seq_args, layer * self.key_stride, *self.ids, scale, o, lse,
             self.pool.shape[0], self.simd, self.threads)
         return out
+
+    def native_words(self) -> tuple[list[int], list[list[int]]]:
+        """What kernels/_layer.c's sparse layers read to run this plan in C: (the step's words:
+        slots a layer, starts, last lengths, marks, their count, the completed step, page
+        ids, their stride, simd, threads; a row a layer: its slots' address, key base)."""
+        head = [self.slots.shape[1], *self.seq_args, *self.ids, self.simd, self.threads]
+        return head, [[self._layer_slots(lay), lay * self.key_stride]
+                      for lay in range(self.slots.shape[0])]

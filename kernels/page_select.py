@@ -266,4 +266,12 @@ def call_select(qf: torch.Tensor, ins: int, priors: bool, bf16: bool, quest: boo
         indptr.data_ptr(), indices.data_ptr(), uindptr.data_ptr(), uindices.data_ptr(), scores,
         NATIVE_SIMD, 0 if heads is None else heads.data_ptr(), upos.data_ptr(),
         max(1, threads))
+    return selected_pages(out, sizes, kvh, nnz, unnz)
+
+
+def selected_pages(out: torch.Tensor, sizes: list[int], kvh: int, nnz: int, unnz: int
+                   ) -> SelectedPages:
+    """The SelectedPages a C selection wrote into `out` (select_outputs' `sizes`), with `nnz`
+    entries and `unnz` union entries."""
+    indptr, indices, uindptr, uindices, upos = out.split(sizes)
     return SelectedPages(indptr, indices[:nnz], uindptr, uindices[:unnz], kvh, upos[:nnz])

@@ -16,8 +16,9 @@ from typing import Sequence
 
 import torch
 
+from kernels import page_select
 from kernels.page_select import (call_select, native_budget, native_select_serves,
-                                 select_outputs)
+                                 select_outputs, selected_pages)
 from kernels.page_topk import SelectedPages, check_budget
 
 try:
@@ -121,3 +122,22 @@ class SelectPlan:
                            self.has_priors, self.bf16, self.quest, self.kvh, self.group,
                            self.layers[layer], self.sink, self.local, self.out[layer],
                            self.sizes, 0, self.threads)
+
+    def native_words(self) -> tuple[list[int], list[list[int]]]:
+        """What kernels/_layer.c's sparse layers read to run `select` in C: (the step's words:
+        priors, bf16 summaries, quest, sink, local, simd, threads, and the offsets of the
+        output's parts after its indptr; a row a layer: its inputs' and output's addresses,
+        budget pages, prior pages, per-head budgets' address or 0)."""
+        offs = torch.tensor(self.sizes[:4], dtype=torch.int64).cumsum(0).tolist()
+        head = [int(self.has_priors), int(self.bf16), int(self.quest), self.sink, self.local,
+                int(page_select.NATIVE_SIMD), max(1, self.threads), *offs]
+        rows = [[self.ins.data_ptr() + lay * self.ins.stride(0) * 8,
+                 self.out.data_ptr() + lay * self.out.stride(0) * 8, budget, prior,
+                 0 if heads is None else heads.data_ptr()]
+                for lay, (budget, prior, heads) in enumerate(self.layers)]
+        return head, rows
+
+    def selected(self, layer: int, nnz: int, unnz: int) -> SelectedPages:
+        """The pages a C call selected into layer `layer`'s output (nnz entries, unnz union
+        entries): what `select` returns for it."""
+        return selected_pages(self.out[layer], self.sizes, self.kvh, nnz, unnz)

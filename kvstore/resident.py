@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kernels.decode_layer import KVTable
+from kernels.decode_layer import KVTable, SparseWords
 from kernels.decode_plan import selected_plan, table_plan
 from kernels.layer_ops import write_kv
 from kernels.page_table import PageTable
@@ -60,6 +60,7 @@ class ResidentDecode:
         # sparse layers: their selections (settled at the step's end)
         self.selected: dict[int, SelectedPages] = {}
         self.dense_pos = None
+        self._fused: SparseWords | None = None      # sparse layers selecting in C
         if step.sparse_idx:     # each sequence's first page in used_slots
             idx = step.sparse_idx
             starts = torch.tensor([0] + step.n_pages[:-1], dtype=torch.int64).cumsum(0)
@@ -150,15 +151,37 @@ class ResidentDecode:
         """This step's KV for layers run in C (kernels/decode_layer.py), which write the K/V
         themselves: with the head table of every layer where all are dense (then
         `after_layer` follows each), else `attend_written` is their attention."""
-        plan = None if self.step.sparse_idx else self._table_plan(group)
+        step, sparse = self.step, None
+        if step.sparse_idx:         # the sparse layers' selection in C too, where it serves
+            sparse = self._sparse_words(group)
+        plan = None if step.sparse_idx and sparse is None else self._table_plan(group)
         return KVTable(self.tiers.pool, self.tok_slots, self.tok_off, plan, self.after_layer,
-                       self.attend_written)
+                       self.attend_written, sparse if plan is not None else None)
+
+    def _sparse_words(self, group: int) -> SparseWords | None:
+        """The sparse layers' selection and attention for layers run in C, where every row
+        decodes sparsely and no page filled (the selection reads a filled page's summary,
+        made between a layer's K/V write and its selection: those steps split the layers)."""
+        step = self.step
+        if step.dense_idx or step.t_full_rids:
+            return None
+        select, decode = self._sparse_plans(group)
+        if select is None or decode is None:
+            return None
+        dense = step.cfg.dense_layers
+        self._fused = SparseWords(select, decode,
+                                  [layer >= dense for layer in range(self.tiers.num_layers)])
+        return self._fused
 
     def after_layer(self, layer: int, attention_s: float) -> None:
         """What `attend_written` does around the attention, for a layer that attended in C:
-        the summaries of the pages it filled, the compute stage's time."""
+        the summaries of the pages it filled, the stages' times, a sparse layer's selection
+        (settled at the step's end)."""
         if self.summaries:
             self.step.summarize(layer, self.t_slots[layer])
+        if self._fused is not None and self._fused.sparse[layer]:
+            self.selected[layer], select_s, attention_s = self._fused.result(layer)
+            self.stats.observe_stage("select", select_s)
         self.stats.observe_stage("compute", attention_s)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -198,6 +221,17 @@ class ResidentDecode:
                                           self.head_slots) or False
         return self._dense_plan or None
 
+    def _sparse_plans(self, group: int) -> tuple:
+        """(the selection's SelectPlan, the attention's SelectedPlan) of the sparse decodes
+        in every layer, made at their first use (None each where the C call does not serve
+        them: then layer by layer)."""
+        if self._plans is None:
+            step = self.step
+            self._plans = (step.select_plan(step.sparse_idx, group), selected_plan(
+                self.kernel, self.tiers.pool, group, self.used_slots, self.sparse_starts,
+                self.sparse_last_t, self.marks, self.tiers.max_pages, self.sparse_pages))
+        return self._plans
+
     def _attend_sparse_layer(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """A sparse layer: the dense rows over all their pages, the sparse decodes over the
         pages they select (the general path's selection; its table and split attention made
@@ -214,11 +248,7 @@ class ResidentDecode:
         rows = step.query_rows(idx)
         qs = q[rows]
         group = q.shape[1] // pool.shape[2]
-        if self._plans is None:
-            self._plans = (step.select_plan(idx, group), selected_plan(
-                self.kernel, pool, group, self.used_slots, self.sparse_starts,
-                self.sparse_last_t, self.marks, self.tiers.max_pages, self.sparse_pages))
-        select, decode = self._plans
+        select, decode = self._sparse_plans(group)
         if select is not None and decode is not None:
             qf = qs.to(torch.float32).contiguous()
             sel = select.select(layer, qf)

@@ -11,12 +11,14 @@ from engine import weight_plan
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from kernels import decode_layer, layer_ops
-from kernels.decode_layer import DecodeLayers, FusedLayers
+from kernels.decode_layer import DecodeLayers, FusedLayers, SparseWords
 from kvstore.resident import ResidentDecode
 from scheduler.sampling_params import SamplingParams
 from tests.model_helpers import greedy_logprobs
 
 pytestmark = pytest.mark.skipif(decode_layer._layer is None, reason="C extensions not built")
+# the sparse table's word of the selection's marks count (_layer.c's P_N_KEYS)
+_N_KEYS = 15
 
 
 def test_silu_mul_is_torchs_within_a_few_float32_ulp():
@@ -106,21 +108,63 @@ def test_sparse_steps_where_the_budget_covers_the_context(smollm2_dir, runs):
     assert runs
 
 
-def test_sparse_decode_layers_attend_between_two_calls(smollm2_dir, runs, monkeypatch):
-    # contexts past the budget: each layer's attention (its page selection in sparse layers)
-    # runs between the layer's two calls
+def count_selections(monkeypatch) -> tuple[list, list]:
+    """The sparse layers' selections made in the layer's C call (SparseWords) and between a
+    split layer's two calls (steps where a page filled)."""
+    fused, split = [], []
+    result, attend = SparseWords.result, ResidentDecode._attend_sparse_layer
+    monkeypatch.setattr(SparseWords, "result",
+                        lambda self, layer: fused.append(layer) or result(self, layer))
+    monkeypatch.setattr(ResidentDecode, "_attend_sparse_layer",
+                        lambda self, *a: split.append(a[0]) or attend(self, *a))
+    return fused, split
+
+
+def test_sparse_decode_layers_select_in_the_layers_call(smollm2_dir, runs, monkeypatch):
+    # contexts past the budget: a sparse layer selects its pages and attends to them in its
+    # one call; where a page fills, its summary comes between the K/V write and the
+    # selection, so those steps split each layer in two around the KV store's selection
     prompts = prompts_of(2, 300)
     kw = dict(sparse_budget=128, steps=20)
     ref, _ = decode(smollm2_dir, prompts, False, **kw)
-    sparse = []
-    original = ResidentDecode._attend_sparse_layer
-    monkeypatch.setattr(ResidentDecode, "_attend_sparse_layer",
-                        lambda self, *a: sparse.append(1) or original(self, *a))
+    fused, split = count_selections(monkeypatch)
     got, engine = decode(smollm2_dir, prompts, True, **kw)
     same(got, ref)
+    sparse_layers = engine.runner.model.config.num_hidden_layers \
+        - engine.args.kv_store_config().dense_layers
     assert len(runs) >= 15 * engine.runner.model.config.num_hidden_layers
-    assert len(sparse) >= 15 * (engine.runner.model.config.num_hidden_layers
-                                - engine.args.kv_store_config().dense_layers)
+    assert len(fused) >= 10 * sparse_layers and len(split) >= sparse_layers
+    assert len(fused) + len(split) >= 15 * sparse_layers
+
+
+def test_a_bad_selection_fails_the_layers_call(smollm2_dir, runs, monkeypatch):
+    # the sparse table's marks made too short for the selected pages' keys: that call raises
+    # a ValueError, the next one (restored) completes the step
+    engine = LLMEngine(EngineArgs(model="bundled", page_size=16, dtype="fp32",
+                                  weights="native", kv_device_gb=0.5, prefix_cache="off",
+                                  sparse_budget=64))
+    engine.add_request("r", prompts_of(1, 200)[0], SamplingParams(max_tokens=8, temperature=0,
+                                                                  ignore_eos=True))
+    fused, _ = count_selections(monkeypatch)
+    engine.step()
+    failed = []
+    original = DecodeLayers.run
+
+    def run(self, layer, eps, scale):
+        sp = self.kv.sparse
+        if sp is not None and sp.sparse[layer] and not failed:
+            keys = sp.words[_N_KEYS].item()
+            sp.words[_N_KEYS] = 1
+            with pytest.raises(ValueError, match="selection"):
+                original(self, layer, eps, scale)
+            sp.words[_N_KEYS] = keys
+            failed.append(layer)
+        return original(self, layer, eps, scale)
+
+    monkeypatch.setattr(DecodeLayers, "run", run)
+    outs = engine.step()
+    assert failed == [engine.args.kv_store_config().dense_layers] and fused
+    assert outs[0].finish_reason != "error"
 
 
 def test_a_bad_slot_fails_the_call_and_writes_nothing(smollm2_dir, runs):
