@@ -147,6 +147,9 @@ def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int
                       max_num_batched_tokens=(max_seqs * MAX_MODEL_LEN if one_step_prefill
                                               else 2048),
                       kv_device_gb=kv_gb, sparse_budget=budget, dense_layers=dense_layers,
+                      # sparse from the first page past the budget: the selector's accuracy
+                      # at each budget, not the server's default of dense up to twice it
+                      sparse_threshold=1,
                       selector=selector, sparse_head_pages=head_pages, threads=threads,
                       sparse_obs_reduce=obs_reduce, sparse_prior_share=prior_share,
                       # NOTE: off: prompts sharing their first page (the chat template) would

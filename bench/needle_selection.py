@@ -64,7 +64,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineArgs(max_model_len=8192, max_num_seqs=1,
                                   max_num_batched_tokens=8192, kv_device_gb=0.3,
-                                  sparse_budget=args.budget, sparse_head_pages=args.head_pages,
+                                  sparse_budget=args.budget, sparse_threshold=1,
+                                  sparse_head_pages=args.head_pages,
                                   selector=args.selector,
                                   sparse_prior_share=args.prior_share,
                                   threads=args.threads))

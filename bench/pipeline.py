@@ -73,7 +73,8 @@ def run(args) -> dict:
     eargs = EngineArgs(max_model_len=8192, max_num_seqs=args.requests,
                        max_num_batched_tokens=args.prefill_tokens, kv_device_gb=args.device_gb,
                        kv_host_gb=args.host_gb, kv_disk_gb=4.0, kv_disk_path=disk_path,
-                       sparse_budget=args.budget, threads=args.threads, pipeline="sfc",
+                       sparse_budget=args.budget, sparse_threshold=1, threads=args.threads,
+                       pipeline="sfc",
                        micro_batch=0)
     try:
         engine = LLMEngine(eargs)

@@ -44,13 +44,15 @@ use_checkout_cache()
 
 
 def config_flags(name: str) -> list[str]:
-    """dense -> []; sparse-N[-union][-mean][-pS] -> --sparse-budget N and the suffixes' flags."""
+    """dense -> []; sparse-N[-union][-mean][-pS] -> --sparse-budget N and the suffixes' flags
+    (with --sparse-threshold 1: sparse from the first page past the budget, the selector's
+    accuracy at N whatever the length, not the server's default of dense up to 2N)."""
     if name == "dense":
         return []
     parts = name.split("-")
     if parts[0] != "sparse" or len(parts) < 2 or not parts[1].isdigit():
         raise ValueError(f"config {name!r}: expected dense or sparse-N[-union|-mean|-pS]")
-    flags = ["--sparse-budget", parts[1]]
+    flags = ["--sparse-budget", parts[1], "--sparse-threshold", "1"]
     for p in parts[2:]:
         if p == "union":
             flags += ["--sparse-head-pages", "union"]

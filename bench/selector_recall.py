@@ -199,7 +199,7 @@ def run(args) -> dict:
     from tqdm import tqdm
     torch.set_num_threads(args.threads)
     engine = LLMEngine(EngineArgs(max_model_len=8192, kv_device_gb=0.05, sparse_budget=args.budget,
-                                  selector="lowrank", lowrank_rank=args.rank,
+                                  sparse_threshold=1, selector="lowrank", lowrank_rank=args.rank,
                                   prefix_cache="off"))
     model, cfg = engine.runner.model, engine.runner.config
     proj = engine.store.selection.projection

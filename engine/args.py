@@ -113,6 +113,10 @@ class EngineArgs:
                                 ("on", "off"), group="kv")
     sparse_budget: int = setting(_KV.sparse_budget, "KV tokens attended per request, layer "
                                  "and KV head in decode (0: dense attention)", group="sparse")
+    sparse_threshold: int = setting(_KV.sparse_threshold, "a decode attends sparsely once its "
+                                    "context is past this many tokens (and the budget; 0: "
+                                    "twice --sparse-budget, below which selecting costs more "
+                                    "than it skips)", group="sparse")
     sparse_budget_plan: str = setting("", "a budget per layer and KV head (JSON from `strata "
                                       "profile`: KVDrive's 2D window scaling), spending the "
                                       "total of its uniform --sparse-budget, which it sets",
@@ -203,7 +207,7 @@ class EngineArgs:
             disk_bytes=int(self.kv_disk_gb * gb),
             disk_path=paths[0] if paths else None,
             disk_paths=tuple(paths) if len(paths) > 1 else (), sparse_budget=budget,
-            budget_plan=plan,
+            sparse_threshold=self.sparse_threshold, budget_plan=plan,
             sink_tokens=self.sparse_sink_tokens, local_tokens=self.sparse_local_tokens,
             dense_layers=self.dense_layers, selector=self.selector,
             lowrank_rank=self.lowrank_rank, centroid_pages=self.centroid_pages,

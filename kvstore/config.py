@@ -41,6 +41,9 @@ class KVStoreConfig:
     disk_paths: tuple[Path, ...] = ()    # --kv-disk-path A,B,...: every folder, pages striped (disk_set.py)
     disk_threads: int = 8
     sparse_budget: int = 0               # --sparse-budget tokens per request/layer/KV head; 0: dense
+    # --sparse-threshold: a decode attends sparsely once its context is past this many tokens
+    # (and the budget); 0: twice the budget (below that, selecting costs more than it skips)
+    sparse_threshold: int = 0
     # --sparse-budget-plan: tokens per [layer][KV head] (kvstore/budget_plan.py); (): uniform
     budget_plan: tuple[tuple[int, ...], ...] = ()
     sink_tokens: int = 16                # --sparse-sink-tokens: first tokens always attended
@@ -82,6 +85,8 @@ class KVStoreConfig:
             raise ValueError("--kv-disk-gb needs --kv-disk-path")
         if self.sparse_budget < 0:
             raise ValueError("--sparse-budget must be >= 0 (0 means dense)")
+        if self.sparse_threshold < 0:
+            raise ValueError("--sparse-threshold must be >= 0 (0: twice --sparse-budget)")
         if self.budget_plan and (self.sparse_budget == 0
                                  or min(min(b) for b in self.budget_plan) < 1):
             raise ValueError("--sparse-budget-plan needs a sparse budget and positive budgets")
@@ -158,6 +163,14 @@ class KVStoreConfig:
     @property
     def budget_pages(self) -> int:
         return self.pages(self.sparse_budget)
+
+    @property
+    def sparse_from_pages(self) -> int:
+        """Decodes of more pages than this attend sparsely (`sparse_threshold`, at least the
+        budget; 0 where decode is dense)."""
+        if self.sparse_budget <= 0:
+            return 0
+        return max(self.budget_pages, self.pages(self.sparse_threshold or 2 * self.sparse_budget))
 
     @property
     def sink_pages(self) -> int:

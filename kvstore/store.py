@@ -50,8 +50,8 @@ __all__ = ["KVFull", "KVNeverFits", "RequestKVError", "TieredKVStore"]
 
 logger = logging.getLogger(__name__)
 
-_RECONFIGURABLE = {"sparse_budget", "sink_tokens", "local_tokens", "dense_layers", "selector",
-                   "centroid_pages", "budget_plan",
+_RECONFIGURABLE = {"sparse_budget", "sparse_threshold", "sink_tokens", "local_tokens",
+                   "dense_layers", "selector", "centroid_pages", "budget_plan",
                    "obs_reduce", "prior_share", "head_pages", "force_tier"}
 
 

@@ -98,9 +98,10 @@ def test_a_step_with_a_page_off_the_device_takes_the_general_path(smollm2_dir, t
 
 
 def test_resident_steps_keep_the_page_summaries_sparse_decode_selects_by(smollm2_dir, plans):
-    # contexts within the sparse budget decode densely (resident), then grow past it: the
-    # selection then reads the summaries of the pages the resident steps wrote
-    kw = dict(kv_device_gb=0.1, sparse_budget=256, sparse_sink_tokens=16,
+    # contexts within the sparse budget decode densely (resident), then grow past it (sparse
+    # from the first page past it): the selection then reads the summaries of the pages the
+    # resident steps wrote
+    kw = dict(kv_device_gb=0.1, sparse_budget=256, sparse_threshold=256, sparse_sink_tokens=16,
               sparse_local_tokens=32)
     prompts = prompts_of(2, 200)
     ref, _ = decode(smollm2_dir, prompts, resident=False, steps=96, **kw)

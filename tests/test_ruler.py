@@ -119,8 +119,10 @@ def test_string_match_all_by_hand():
 
 def test_config_flags():
     assert ruler.config_flags("dense") == []
-    assert ruler.config_flags("sparse-512") == ["--sparse-budget", "512"]
+    assert ruler.config_flags("sparse-512") == ["--sparse-budget", "512",
+                                                "--sparse-threshold", "1"]
     assert ruler.config_flags("sparse-1024-p0") == ["--sparse-budget", "1024",
+                                                    "--sparse-threshold", "1",
                                                     "--sparse-prior-share", "0"]
     with pytest.raises(ValueError):
         ruler.config_flags("sparse")

@@ -87,9 +87,10 @@ def test_on_a_cpu_the_host_tier_joins_the_device_pool(smollm2_dir, prompts, dens
 @pytest.mark.parametrize("head_pages", ["per-head", "union"])
 def test_sparse_decode_attends_within_budget_and_stays_on_topic(smollm2_dir, prompts, dense,
                                                                tmp_path, head_pages):
-    # 256-token budget over a ~400-token context: decode runs sparse past the dense layers
+    # 256-token budget over a ~400-token context (sparse from the first page past the budget):
+    # decode runs sparse past the dense layers
     engine = make(smollm2_dir, tmp_path, kv_device_gb=0.1, kv_disk_gb=0.2, sparse_budget=256,
-                  sparse_local_tokens=64, sparse_head_pages=head_pages)
+                  sparse_threshold=256, sparse_local_tokens=64, sparse_head_pages=head_pages)
     got, errors = run(engine, prompts[:1])
     assert not errors
     stats = engine.store.stats.snapshot()
@@ -98,6 +99,17 @@ def test_sparse_decode_attends_within_budget_and_stays_on_topic(smollm2_dir, pro
     assert stats.dense_fallbacks.get("dense_layer", 0) > 0
     # the first tokens agree with dense decoding (the needle sits in the selected pages)
     assert got["r0"][:8] == dense["r0"][:8]
+
+
+def test_contexts_up_to_the_sparse_threshold_decode_densely(smollm2_dir, prompts, dense,
+                                                           tmp_path):
+    # the same ~400 tokens past a 256-token budget but not past the threshold (by default
+    # twice the budget): dense decoding, the same tokens as without a budget
+    engine = make(smollm2_dir, tmp_path, kv_device_gb=0.1, kv_disk_gb=0.2, sparse_budget=256)
+    got, errors = run(engine, prompts[:1])
+    assert not errors and got["r0"] == dense["r0"]
+    stats = engine.store.stats.snapshot()
+    assert stats.selected_count == 0 and stats.dense_fallbacks.get("fits_budget", 0) > 0
 
 
 def test_corrupt_page_fails_only_its_request(smollm2_dir, prompts, dense, tmp_path):
