@@ -39,6 +39,8 @@ class SparseWords:
     them in its layer's call (the KV store's SelectPlan and SelectedPlan, run in C, the same
     bits); `result(layer)` after it."""
 
+    enabled = True      # False: sparse layers in two calls around the KV store's (A/B)
+
     def __init__(self, select, decode, sparse: list[bool]):
         """select: kernels/select_plan.SelectPlan, decode: kernels/decode_plan.SelectedPlan
         of the step's sequences (every row of the step, in order); sparse: per layer, whether

@@ -163,7 +163,7 @@ class ResidentDecode:
         decodes sparsely and no page filled (the selection reads a filled page's summary,
         made between a layer's K/V write and its selection: those steps split the layers)."""
         step = self.step
-        if step.dense_idx or step.t_full_rids:
+        if not SparseWords.enabled or step.dense_idx or step.t_full_rids:
             return None
         select, decode = self._sparse_plans(group)
         if select is None or decode is None:
