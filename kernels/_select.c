@@ -6,7 +6,8 @@
  * the pipeline's stage threads compete for; this call 0.58-0.59 ms with the AVX-512 scoring
  * (16 pages' sums per query head out of one transpose-and-add, kernels/_rows.h, and the next
  * block's rows prefetched: 0.63-0.66 without), 0.72-0.73 with the portable one
- * (bench/results/sparse_ops.txt): reading the summaries bounds it.
+ * (bench/results/sparse_ops.txt): reading the summaries bounds it. Where the CPU has AVX2
+ * but not AVX-512, the AVX2 blocked scoring (8 pages' sums out of one transpose-and-add).
  *
  * Scores, per (sequence b, KV head h, page p): the max over the GQA group's query heads of
  *   quest: sum_d (q_d < 0 ? q_d * min_d : q_d * max_d)   (Quest's upper bound of q . k)
@@ -283,9 +284,17 @@ static int select_run(const select_args *a, int64_t *nnz, int64_t *unnz) {
     c.pk = c.kk - (c.kk < sink + local ? c.kk : sink + local);
     if (c.pk > a->prior_pages) c.pk = a->prior_pages;
     if (c.pk > c.p_max) c.pk = c.p_max;
-    int simd = a->simd;
+    /* the blocked scoring of the CPU's widest vectors: 2 AVX-512, 1 AVX2 + FMA, 0 portable */
+    const int f = a->quest ? 2 * d : d;
+    int simd = 0;
 #ifdef HAVE_AVX512_PATH
-    simd = simd && ((a->quest ? 2 * d : d) % 16 == 0) && __builtin_cpu_supports("avx512f");
+    if (a->simd && f % 16 == 0 && __builtin_cpu_supports("avx512f"))
+        simd = 2;
+#endif
+#ifdef HAVE_AVX2_PATH
+    if (a->simd && !simd && f % 8 == 0 && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("fma"))
+        simd = 1;
 #endif
     c.simd = simd;
     int failed = 0;
@@ -356,7 +365,7 @@ static PyMethodDef methods[] = {
      "uint64 [B] of [>= n_b, KVH, 3, D] summaries; prior_addrs uint64 [B] of [>= n_b, KVH] "
      "float32 priors, 0 for none, or 0 for no array; n_pages int64 [B]; outputs int64 "
      "[B*KVH+1], [B*KVH*k], [B+1], [B*P_max]; scores_out float32 [B*KVH, P_max] or 0; simd: "
-     "the AVX-512 scoring where the CPU has it; head_budgets: 0 or int64 [2, KVH], each KV head's "
+     "the AVX-512 or AVX2 blocked scoring where the CPU has it; head_budgets: 0 or int64 [2, KVH], each KV head's "
      "budget then its prior pages, budget their largest); union_pos: 0 or int64 [B*KVH*k], "
      "each listed page's position in union_indices; threads: sequences shared by this many "
      "threads (kernels/_decode.c's pool); without the GIL. Returns (entries, union entries)"},

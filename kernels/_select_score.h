@@ -99,6 +99,58 @@ static AVX512 void score_seq16(const float *qq, int kvh, int g, int f, const cha
 }
 #endif
 
+#ifdef HAVE_AVX2_PATH
+/* score_seq16 in 8 lanes, f a multiple of 8: pages in blocks of 8, each query head's 8 sums
+ * out of one hsum8x8 of per-page partial sums (a page's row read once for every head, from
+ * L1 chunk by chunk: AVX2's 16 registers do not hold a 2D row); the max over the group, NaN
+ * winning, as score_seq16's. */
+static AVX2 void score_seq8(const float *qq, int kvh, int g, int f, const char *summ,
+                            int64_t page_bytes, int64_t head_bytes, int64_t off, int bf16,
+                            int64_t n, float *out, int64_t stride) {
+    float part[MAX_G * 64] __attribute__((aligned(32)));       /* [g][8 pages][8 lanes] */
+    const int nv = f / 8, es = bf16 ? 2 : 4;
+    const __m256 nan = _mm256_set1_ps(NAN);
+    const __m256 lanes = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t p0 = 0; p0 < n; p0 += 8) {
+        const int nb = n - p0 < 8 ? (int)(n - p0) : 8;
+        for (int h = 0; h < kvh; h++) {
+            const float *qh = qq + (int64_t)h * g * f;
+            for (int t = 0; t < 8; t++) {
+                if (t >= nb) {
+                    for (int j = 0; j < g; j++)
+                        _mm256_store_ps(part + j * 64 + t * 8, _mm256_setzero_ps());
+                    continue;
+                }
+                const char *row = summ + (p0 + t) * page_bytes + h * head_bytes + off;
+                if (p0 + t + 8 < n)         /* the next block's row (see score_seq16) */
+                    for (int o = 0; o < f * es; o += 64)
+                        _mm_prefetch(row + 8 * page_bytes + o, _MM_HINT_T0);
+                __m256 acc[MAX_G];
+                for (int j = 0; j < g; j++)
+                    acc[j] = _mm256_setzero_ps();
+                for (int c = 0; c < nv; c++) {
+                    const __m256 x = load8f(row + c * 8 * es, bf16);
+                    for (int j = 0; j < g; j++)
+                        acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + j * f + 8 * c), x, acc[j]);
+                }
+                for (int j = 0; j < g; j++)
+                    _mm256_store_ps(part + j * 64 + t * 8, acc[j]);
+            }
+            __m256 best = _mm256_set1_ps(-INFINITY);
+            for (int j = 0; j < g; j++) {
+                const __m256 v = hsum8x8(part + j * 64);
+                const __m256 bad = _mm256_or_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q),
+                                                _mm256_cmp_ps(best, best, _CMP_UNORD_Q));
+                best = _mm256_blendv_ps(_mm256_max_ps(best, v), nan, bad);
+            }
+            const __m256i keep = _mm256_castps_si256(
+                _mm256_cmp_ps(lanes, _mm256_set1_ps((float)nb), _CMP_LT_OQ));
+            _mm256_maskstore_ps(out + h * stride + p0, keep, best);
+        }
+    }
+}
+#endif
+
 /* scores [KVH][n] (row stride `stride`) of one sequence: q [KVH, g, D] float32; the summary
  * rows of page p, head h start at summ + p * page_bytes + h * head_bytes (min, max, mean, each
  * `row_bytes`). Pages outer: one pass over the summaries. Quest's bound is one dot product of
@@ -121,13 +173,18 @@ static void score_seq(const float *q, int kvh, int g, int d, const char *summ,
         }
     const int64_t off = quest ? 0 : 2 * row_bytes;
 #ifdef HAVE_AVX512_PATH
-    if (simd) {
+    if (simd == 2) {
         score_seq16(qq, kvh, g, f, summ, page_bytes, head_bytes, off, bf16, n, out, stride);
         return;
     }
-#else
-    (void)simd;
 #endif
+#ifdef HAVE_AVX2_PATH
+    if (simd == 1) {
+        score_seq8(qq, kvh, g, f, summ, page_bytes, head_bytes, off, bf16, n, out, stride);
+        return;
+    }
+#endif
+    (void)simd;
     for (int64_t p = 0; p < n; p++)
         for (int h = 0; h < kvh; h++) {
             load_row(summ + p * page_bytes + h * head_bytes + off, bf16, row, f);
