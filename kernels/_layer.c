@@ -254,9 +254,10 @@ static PyMethodDef methods[] = {
     {"decode_layer", decode_layer, METH_VARARGS,
      "decode_layer(step, layers, h, layer, eps, scale[, part, a]): layer `layer` of a decode "
      "step in place on the step's x (addresses of kernels/decode_layer.py's tables; h: float32 "
-     "[rows, hidden] scratch); part 0 the whole layer (a sparse layer's selection too), 1 up to the attention (its q in the "
-     "scratch), 2 from the attention's output at address a (float32 [rows, heads * head_dim]); "
-     "returns the table attention's seconds"},
+     "[rows, hidden] scratch); part 0 the whole layer (a sparse layer's selection too), 1 up "
+     "to the attention (its q in the scratch), 2 from the attention's output at address a "
+     "(float32 [rows, heads * head_dim]); returns the table attention's seconds (a sparse "
+     "layer's times go to the sparse table's results)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -365,10 +365,11 @@ static PyMethodDef methods[] = {
      "uint64 [B] of [>= n_b, KVH, 3, D] summaries; prior_addrs uint64 [B] of [>= n_b, KVH] "
      "float32 priors, 0 for none, or 0 for no array; n_pages int64 [B]; outputs int64 "
      "[B*KVH+1], [B*KVH*k], [B+1], [B*P_max]; scores_out float32 [B*KVH, P_max] or 0; simd: "
-     "the AVX-512 or AVX2 blocked scoring where the CPU has it; head_budgets: 0 or int64 [2, KVH], each KV head's "
-     "budget then its prior pages, budget their largest); union_pos: 0 or int64 [B*KVH*k], "
-     "each listed page's position in union_indices; threads: sequences shared by this many "
-     "threads (kernels/_decode.c's pool); without the GIL. Returns (entries, union entries)"},
+     "the AVX-512 or AVX2 blocked scoring where the CPU has it; head_budgets: 0 or int64 "
+     "[2, KVH], each KV head's budget then its prior pages, budget their largest); "
+     "union_pos: 0 or int64 [B*KVH*k], each listed page's position in union_indices; "
+     "threads: sequences shared by this many threads (kernels/_decode.c's pool); without the "
+     "GIL. Returns (entries, union entries)"},
     {NULL, NULL, 0, NULL},
 };
 
