@@ -131,8 +131,8 @@ class Fetcher:
                 raise RequestKVError([rid for rid, _ in failed], failed[0][1])
         raise DeviceTierTooSmall(
             f"the device tier ({dev.capacity_pages} pages) cannot hold this step's working "
-            f"set: raise --kv-device-gb, or lower --max-num-seqs, --max-num-batched-tokens "
-            f"or --sparse-budget")
+            f"set: raise --kv-device-gb, or lower --max-num-seqs, --max-num-batched-tokens, "
+            f"--sparse-budget or --sparse-threshold (contexts up to it decode densely)")
 
     def reserve(self, n: int, protect: torch.Tensor, incoming: int = 0) -> None:
         """Evict ahead of need until `n` device slots are free (as far as clean, unpinned
