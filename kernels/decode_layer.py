@@ -10,8 +10,8 @@ It serves a step when: the model's activations are float32, every layer's matmul
 4- or 8-bit decode form and no bias, the layer ops are on, and the KV store's resident decode
 path (kvstore/resident.py) takes the step (`KVTable`). A layer is one call: over the step's
 dense table, or in sparse layers selecting its pages and attending to them (`SparseWords`);
-on steps the KV store does not lay out for that (a page filled, dense and sparse rows
-mixed) sparse layers are two calls, the KV store's selection and attention between them.
+on steps the KV store does not lay out for that (dense and sparse rows mixed) sparse
+layers are two calls, the KV store's selection and attention between them.
 Else the model's layers run as before.
 
 Leaf module: imports only torch and kernels.*.

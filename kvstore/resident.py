@@ -160,10 +160,12 @@ class ResidentDecode:
 
     def _sparse_words(self, group: int) -> SparseWords | None:
         """The sparse layers' selection and attention for layers run in C, where every row
-        decodes sparsely and no page filled (the selection reads a filled page's summary,
-        made between a layer's K/V write and its selection: those steps split the layers)."""
+        decodes sparsely. A page this step fills is summarized after its layer's call
+        (`after_layer`), not between the K/V write and the selection as `attend_written`
+        does: the same pages, since a decode fills only its last page, which the selection
+        always keeps (KVStoreConfig.local_pages >= 1) whatever its score."""
         step = self.step
-        if not SparseWords.enabled or step.dense_idx or step.t_full_rids:
+        if not SparseWords.enabled or step.dense_idx:
             return None
         select, decode = self._sparse_plans(group)
         if select is None or decode is None:

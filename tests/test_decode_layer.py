@@ -110,7 +110,7 @@ def test_sparse_steps_where_the_budget_covers_the_context(smollm2_dir, runs):
 
 def count_selections(monkeypatch) -> tuple[list, list]:
     """The sparse layers' selections made in the layer's C call (SparseWords) and between a
-    split layer's two calls (steps where a page filled)."""
+    split layer's two calls."""
     fused, split = [], []
     result, attend = SparseWords.result, ResidentDecode._attend_sparse_layer
     monkeypatch.setattr(SparseWords, "result",
@@ -120,21 +120,24 @@ def count_selections(monkeypatch) -> tuple[list, list]:
     return fused, split
 
 
-def test_sparse_decode_layers_select_in_the_layers_call(smollm2_dir, runs, monkeypatch):
+@pytest.mark.parametrize("fused_sparse", [True, False], ids=["one-call", "two-calls"])
+def test_sparse_decode_layers_select_in_the_layers_call(smollm2_dir, runs, monkeypatch,
+                                                        fused_sparse):
     # contexts past the budget: a sparse layer selects its pages and attends to them in its
-    # one call; where a page fills, its summary comes between the K/V write and the
-    # selection, so those steps split each layer in two around the KV store's selection
+    # one call (on steps where a page fills too: summarized after the call, the same pages);
+    # or, switched off, in two calls around the KV store's selection and attention
     prompts = prompts_of(2, 300)
-    kw = dict(sparse_budget=128, steps=20)
+    kw = dict(sparse_budget=128, sparse_threshold=128, steps=20)
     ref, _ = decode(smollm2_dir, prompts, False, **kw)
     fused, split = count_selections(monkeypatch)
+    monkeypatch.setattr(SparseWords, "enabled", fused_sparse)
     got, engine = decode(smollm2_dir, prompts, True, **kw)
     same(got, ref)
     sparse_layers = engine.runner.model.config.num_hidden_layers \
         - engine.args.kv_store_config().dense_layers
     assert len(runs) >= 15 * engine.runner.model.config.num_hidden_layers
-    assert len(fused) >= 10 * sparse_layers and len(split) >= sparse_layers
-    assert len(fused) + len(split) >= 15 * sparse_layers
+    used, unused = (fused, split) if fused_sparse else (split, fused)
+    assert len(used) >= 15 * sparse_layers and not unused
 
 
 def test_a_bad_selection_fails_the_layers_call(smollm2_dir, runs, monkeypatch):
