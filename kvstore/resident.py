@@ -149,8 +149,9 @@ class ResidentDecode:
 
     def layer_table(self, group: int) -> KVTable:
         """This step's KV for layers run in C (kernels/decode_layer.py), which write the K/V
-        themselves: with the head table of every layer where all are dense (then
-        `after_layer` follows each), else `attend_written` is their attention."""
+        themselves: the head table of every layer, its sparse layers selecting in their call
+        (`_sparse_words`), then `after_layer` follows each; else (dense and sparse rows
+        mixed, or a plan the C calls do not serve) `attend_written` is their attention."""
         step, sparse = self.step, None
         if step.sparse_idx:         # the sparse layers' selection in C too, where it serves
             sparse = self._sparse_words(group)
