@@ -228,13 +228,23 @@ static row_fn pick_row_fn(int d, int simd) {
     return attend_row;
 }
 
-static int check_shape(int d, int g, int ps, int kvh) {
+/* the shapes the rows serve: 0, or -1 with what is wrong in msg (cap bytes); without the GIL */
+static int shape_fault(int d, int g, int ps, int kvh, char *msg, size_t cap) {
     if (d < 1 || d > MAX_D || g < 1 || g > MAX_G || ps < 1 || ps > MAX_PS || kvh < 1) {
-        PyErr_Format(PyExc_ValueError, "unsupported shape: head_dim %d (<= %d), group %d "
-                     "(<= %d), page_size %d (<= %d)", d, MAX_D, g, MAX_G, ps, MAX_PS);
+        snprintf(msg, cap, "unsupported shape: head_dim %d (<= %d), group %d (<= %d), "
+                 "page_size %d (<= %d)", d, MAX_D, g, MAX_G, ps, MAX_PS);
         return -1;
     }
     return 0;
+}
+
+/* shape_fault with the GIL: -1 with a ValueError set */
+static int check_shape(int d, int g, int ps, int kvh) {
+    char msg[SELECTED_ERROR_BYTES];
+    if (shape_fault(d, g, ps, kvh, msg, sizeof msg) == 0)
+        return 0;
+    PyErr_SetString(PyExc_ValueError, msg);
+    return -1;
 }
 
 /* the table must stay inside the pool: the rows read what it lists. 0, or -1 with what is

@@ -1,7 +1,7 @@
 /* sparse_decode over a page selection as kernels/_select.c lists it, for the resident decode
  * path (kvstore/resident.py): the per-(sequence, KV head) table, the pages the last step
  * selected too (attended first), and the rows, in one call where Python built the table in
- * ~25 small torch ops a layer. Included by _decode.c only (its check_shape, check_table and
+ * ~25 small torch ops a layer. Included by _decode.c only (its shape_fault, table_fault and
  * decode_table).
  *
  * Row r = b * KVH + h lists the pages indices[indptr[r]:indptr[r + 1]] (page numbers within
@@ -30,11 +30,10 @@
  * Python call below, kernels/_layer.c through the `api` capsule) */
 static int decode_selected(selected_args *a) {
     const int kvh = a->kvh, ps = a->ps, d = a->d, g = a->g;
-    if (d < 1 || d > MAX_D || g < 1 || g > MAX_G || ps < 1 || ps > MAX_PS || kvh < 1 ||
-        a->batch < 0) {
-        snprintf(a->error, sizeof a->error, "unsupported shape: head_dim %d (<= %d), group %d "
-                 "(<= %d), page_size %d (<= %d), %zd sequences", d, MAX_D, g, MAX_G, ps,
-                 MAX_PS, a->batch);
+    if (shape_fault(d, g, ps, kvh, a->error, sizeof a->error) < 0)
+        return 1;
+    if (a->batch < 0) {
+        snprintf(a->error, sizeof a->error, "%zd sequences", a->batch);
         return 1;
     }
     const Py_ssize_t rows = a->batch * kvh, id_stride = a->id_stride;

@@ -335,11 +335,6 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
                           &prior_pages, &indptr, &indices, &uindptr, &uindices, &scores_out,
                           &simd, &head_budgets, &union_pos, &threads))
         return NULL;
-    if (d < 1 || d > MAX_D || g < 1 || g > MAX_G || kvh < 1 || b_size < 0 || k < 1) {
-        PyErr_Format(PyExc_ValueError, "unsupported shape: head_dim %d (<= %d), group %d "
-                     "(<= %d), kv heads %d, budget %lld", d, MAX_D, g, MAX_G, kvh, k);
-        return NULL;
-    }
     select_args a = {(const float *)(uintptr_t)q, (const uint64_t *)(uintptr_t)summ_addrs,
                      (const uint64_t *)(uintptr_t)prior_addrs,
                      (const int64_t *)(uintptr_t)n_pages, (const int64_t *)(uintptr_t)head_budgets,
@@ -352,7 +347,11 @@ static PyObject *select_pages(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     res = select_run(&a, &nnz, &unnz);
     Py_END_ALLOW_THREADS
-    if (res)
+    if (res > 0)        /* select_run's refusal, nothing written */
+        return PyErr_Format(PyExc_ValueError, "unsupported shape: head_dim %d (<= %d), group "
+                            "%d (<= %d), kv heads %d, %d sequences, budget %lld", d, MAX_D, g,
+                            MAX_G, kvh, b_size, k);
+    if (res < 0)
         return PyErr_NoMemory();
     return Py_BuildValue("LL", (long long)nnz, (long long)unnz);
 }

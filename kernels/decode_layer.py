@@ -64,7 +64,7 @@ class SparseWords:
                              f"heads, head dim), an attention of "
                              f"{(decode.b, decode.h, decode.kvh, decode.d)}")
         self.pool, self.sparse = decode.pool, sparse
-        self._keep = (select, decode)       # the C calls read them by address
+        self._keep = decode                 # the C calls read it (and `select`) by address
 
     def result(self, layer: int):
         """(the SelectedPages layer `layer` selected, seconds selecting, seconds attending)."""

@@ -12,6 +12,7 @@ Leaf module: imports only torch and kernels.*.
 """
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -128,7 +129,7 @@ class SelectPlan:
         priors, bf16 summaries, quest, sink, local, simd, threads, and the offsets of the
         output's parts after its indptr; a row a layer: its inputs' and output's addresses,
         budget pages, prior pages, per-head budgets' address or 0)."""
-        offs = torch.tensor(self.sizes[:4], dtype=torch.int64).cumsum(0).tolist()
+        offs = list(accumulate(self.sizes[:4]))
         head = [int(self.has_priors), int(self.bf16), int(self.quest), self.sink, self.local,
                 int(page_select.NATIVE_SIMD), max(1, self.threads), *offs]
         rows = [[self.ins.data_ptr() + lay * self.ins.stride(0) * 8,
