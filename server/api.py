@@ -9,7 +9,9 @@ ready, /v1 routes answer 503 (after the key check, before body validation). A bo
 """
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from typing import Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.openapi.utils import get_openapi
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
@@ -20,9 +22,13 @@ from server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.protocol_responses import (ChatCompletionResponse, CompletionResponse, ErrorResponse,
                                        ModelCard, ModelList)
+from server.response_store import DEFAULT_RESPONSES_STORE_MB, ResponseStore
+from server.responses_protocol import ResponsesRequest
+from server.responses_wire import DeletedResponse, InputItemList, ResponseObject
 from server.serving import json_response
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
+from server.serving_responses import MAX_LISTED_ITEMS, ResponsesServing
 from server.serving_tokens import (DetokenizeRequest, DetokenizeResponse, RenderResponse,
                                    TokenizeRequest, TokenizeResponse, TokenServing)
 
@@ -64,11 +70,13 @@ def _openapi_without_422(app: FastAPI) -> dict:
 
 def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_name: str,
               api_key: str | None = None, model_aliases: tuple[str, ...] = (),
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              responses_store_mb: float = DEFAULT_RESPONSES_STORE_MB) -> FastAPI:
     ctx = ServerContext(engine, tokenizer, served_model_name=served_model_name,
                         model_aliases=model_aliases, api_key=api_key)
     chat = ChatServing(ctx)
     completions = CompletionServing(ctx)
+    responses = ResponsesServing(ctx, ResponseStore(int(responses_store_mb * 2 ** 20)))
 
     def authorize(authorization: str | None = Header(default=None)) -> None:
         ctx.check_api_key(authorization)
@@ -86,6 +94,28 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     @v1.post("/completions", responses=_generate_doc(CompletionResponse))
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
         return await completions.create(request, raw)
+
+    @v1.post("/responses", responses=_generate_doc(ResponseObject))
+    async def create_response(request: ResponsesRequest, raw: Request) -> Response:
+        return await responses.create(request, raw)
+
+    _stored = {**_V1_ERRORS, 404: {**_ERROR, "description": "No stored response has this id"}}
+
+    @v1.get("/responses/{response_id}", response_model=ResponseObject, responses=_stored)
+    async def get_response(response_id: str) -> Response:
+        return responses.retrieve(response_id)
+
+    @v1.delete("/responses/{response_id}", response_model=DeletedResponse, responses=_stored)
+    async def delete_response(response_id: str) -> Response:
+        return responses.delete(response_id)
+
+    @v1.get("/responses/{response_id}/input_items", response_model=InputItemList,
+            responses={**_stored, 400: _GENERATE_ERRORS[400]})
+    async def list_input_items(response_id: str,
+                               limit: int = Query(20, ge=1, le=MAX_LISTED_ITEMS),
+                               order: Literal["asc", "desc"] = "desc",
+                               after: str | None = None) -> Response:
+        return responses.input_items(response_id, limit, order, after)
 
     @v1.get("/models", response_model=ModelList, responses=_V1_ERRORS)
     async def list_models() -> Response:

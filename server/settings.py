@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.settings import FLAGS_BEGIN, FLAGS_END, check_choices, markdown_rows, setting
 from server.limits import DEFAULT_MAX_REQUEST_BYTES
+from server.response_store import DEFAULT_RESPONSES_STORE_MB
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -26,6 +27,10 @@ class ServerSettings:
     max_request_bytes: int = setting(DEFAULT_MAX_REQUEST_BYTES, "request bodies above this "
                                      "size get HTTP 413 before they are parsed (0: no limit)",
                                      group="server")
+    responses_store_mb: float = setting(DEFAULT_RESPONSES_STORE_MB, "memory for the responses "
+                                        "created with store: true (/v1/responses, which "
+                                        "previous_response_id continues); the least recently "
+                                        "used go first (0: store none)", group="server")
     log_level: str = setting("info", "log level", LOG_LEVELS, group="server")
     drain_seconds: float = setting(0.0, "on SIGTERM or Ctrl-C, keep serving this long with "
                                    "/health answering 503, so that a router or load balancer "
@@ -38,6 +43,8 @@ class ServerSettings:
             raise ValueError(f"--port must be in 1..65535, got {self.port}")
         if self.drain_seconds < 0:
             raise ValueError("--drain-seconds must be >= 0")
+        if self.responses_store_mb < 0:
+            raise ValueError("--responses-store-mb must be >= 0 (0: store no responses)")
         if self.max_request_bytes < 0:
             raise ValueError("--max-request-bytes must be >= 0 (0: no limit)")
 

@@ -1,4 +1,6 @@
-"""Server-sent events for streamed completions: ``data: <json>\\n\\n`` ... ``data: [DONE]\\n\\n``."""
+"""Server-sent events for streamed answers: ``data: <json>`` ... ``data: [DONE]`` (chat and
+completions), or named ``event: <type>`` events (the Responses API), each ending in a blank
+line."""
 from __future__ import annotations
 
 import json
@@ -38,3 +40,8 @@ class EventStreamResponse(StreamingResponse):
                 # NOTE: a generator that never started does not run its `finally` on aclose().
                 await self.body_iterator.aclose()
                 await self._on_close()
+
+
+def sse_named_event(kind: str, payload: dict) -> str:
+    """An event with its name (the Responses API's ``event: response.created``)."""
+    return f"event: {kind}\ndata: {_dumps(payload)}\n\n"
