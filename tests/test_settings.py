@@ -19,7 +19,9 @@ def _sample(f: dataclasses.Field) -> str:
         return next(str(c) for c in f.metadata["choices"] if c != f.default)
     return {"port": "8123", "max_model_len": "1024", "sparse_prior_share": "0.5",
             "kv_device_gb": "0.5", "kv_host_gb": "0.25", "kv_disk_gb": "0.5",
-            "page_size": "32", "drain_seconds": "6"}.get(f.name, "7" if f.type in ("int", "int | None") else "x")
+            "page_size": "32", "drain_seconds": "6"}.get(
+        f.name, "7" if f.type in ("int", "int | None")
+        else "0.5" if f.type in ("float", "float | None") else "x")
 
 
 def test_every_setting_is_a_serve_flag_that_reaches_its_field():
