@@ -1,4 +1,4 @@
-"""The Llama-family forward (Llama, SmolLM2, Qwen2, Mistral) over a paged KV cache.
+"""The Llama-family forward (Llama, SmolLM2, Qwen2, Qwen3, Mistral) over a paged KV cache.
 
 One step runs T tokens of B sequences, flattened: every projection sees all T tokens at once
 ([T, hidden]); only attention knows about sequences, through the step's KV access object
@@ -65,6 +65,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_bias = _param(2 * cfg.intermediate_size, **p) if cfg.mlp_bias else None
         self.down_proj = _param(h, cfg.intermediate_size, **p)
         self.down_bias = _param(h, **p) if cfg.mlp_bias else None
+        # Qwen3: each q and k head RMS-normed (over head_dim) before RoPE
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.pack({}, None, 0)
 
     def pack(self, quant: dict[str, GroupQuant], fmt: str | None, prefill_rows: int) -> None:
@@ -80,8 +83,16 @@ class DecoderLayer(nn.Module):
         """This layer's queries [n, H, D] computed from x [n, hidden] (another layer's input:
         the layer-ahead guess of which KV pages this layer will want)."""
         q = self.qkv(self.input_layernorm(x))[:, :self.q_size]
-        q = q.reshape(x.shape[0], self.num_heads, self.head_dim)
+        q = self._head_norm(self.q_norm, q.reshape(x.shape[0], self.num_heads, self.head_dim))
         return RotaryEmbedding.apply(q, cos, sin)
+
+    @staticmethod
+    def _head_norm(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
+        """x [n, heads, D] with each head RMS-normed (Qwen3's q_norm / k_norm), or x."""
+        if norm is None:
+            return x
+        n, heads, d = x.shape
+        return norm(x.reshape(n * heads, d)).view(n, heads, d)
 
     def kv_from_inputs(self, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +102,8 @@ class DecoderLayer(nn.Module):
         b = None if self.qkv_bias is None else self.qkv_bias[self.q_size:]
         k, v = F.linear(xn.to(w.dtype), w, b).split([self.kv_size, self.kv_size], dim=-1)
         n = xn.shape[0]
-        k = RotaryEmbedding.apply(k.reshape(n, self.num_kv_heads, self.head_dim), cos, sin)
+        k = self._head_norm(self.k_norm, k.reshape(n, self.num_kv_heads, self.head_dim))
+        k = RotaryEmbedding.apply(k, cos, sin)
         return k, v.reshape(n, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
@@ -101,12 +113,14 @@ class DecoderLayer(nn.Module):
         xn = self.input_layernorm(x)
         qkv = self.qkv(xn)                                                   # [T, q+2kv]
         cos, sin = rope
-        if native:          # q and k heads rotated in place in qkv
+        in_place = native and self.q_norm is None
+        if in_place:        # q and k heads rotated in place in qkv
             layer_ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, cos, sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), \
             v.view(t, self.num_kv_heads, d)
-        if not native:
+        if not in_place:
+            q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         if getattr(kv, "keeps_inputs", False):     # KV recompute stores the layer's inputs
             o = kv.attend(self.index, q, k, v, self.scale, inputs=xn)
@@ -289,6 +303,9 @@ class LlamaForCausalLM(nn.Module):
                 leaf = module.split(".")[-1]
                 if leaf in ("input_layernorm", "post_attention_layernorm"):
                     put(getattr(layer, leaf).weight, tensor, name)
+                elif leaf in ("q_norm", "k_norm"):
+                    norm = getattr(layer, leaf)
+                    put(None if norm is None else norm.weight, tensor, name)
                 elif leaf in fused:
                     group, start, size = fused[leaf]
                     attr = f"{group}_proj" if kind == "weight" else f"{group}_bias"

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MistralForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "mistral": "MistralForCausalLM"}
+                       "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class ModelConfig:
     bos_token_id: int | None
     sliding_window: int | None            # None when absent or disabled
     dtype: str | None = None              # checkpoint dtype ("bfloat16", ...) if recorded
+    qk_norm: bool = False                 # RMSNorm on each q and k head before RoPE (Qwen3)
 
     @property
     def group_size(self) -> int:
@@ -69,10 +71,11 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         rope_theta, rope_scaling = _rope(cfg)
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        is_qwen3 = arch == "Qwen3ForCausalLM"
         is_mistral = arch == "MistralForCausalLM"
         attention_bias = True if is_qwen2 else (False if is_mistral
                                                 else bool(cfg.get("attention_bias", False)))
-        o_bias = attention_bias if arch == "LlamaForCausalLM" else False
+        o_bias = attention_bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False
         mlp_bias = bool(cfg.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported")
@@ -95,8 +98,9 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             eos_token_ids=_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
-            sliding_window=_sliding_window(cfg, is_qwen2, is_mistral),
+            sliding_window=_sliding_window(cfg, is_qwen2 or is_qwen3, is_mistral),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+            qk_norm=is_qwen3,
         )
 
 
@@ -124,13 +128,13 @@ def _ids(*values: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _sliding_window(cfg: Mapping[str, Any], is_qwen2: bool, is_mistral: bool) -> int | None:
+def _sliding_window(cfg: Mapping[str, Any], is_qwen: bool, is_mistral: bool) -> int | None:
     window = cfg.get("sliding_window")
     if not window:
         return None
     if is_mistral:
         return int(window)
-    if is_qwen2 and (cfg.get("use_sliding_window")
+    if is_qwen and (cfg.get("use_sliding_window")
                      or "sliding_attention" in (cfg.get("layer_types") or [])):
         return int(window)
     return None

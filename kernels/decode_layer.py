@@ -93,11 +93,13 @@ def layer_words(layers) -> tuple[torch.Tensor, int] | None:
     """(int64 [L, LAYER_WORDS] the layers' norm weights and decode matmuls (addresses, bits),
     the fewest rows a step multiplies by the dense weights instead), or None where a layer
     has a weight this path does not run (a bias, a form other than our 4/8-bit one, norms
-    not float32)."""
+    not float32, Qwen3's per-head q/k norms)."""
     if _layer is None:
         return None
     rows, limit = [], 1 << 62
     for layer in layers:
+        if getattr(layer, "q_norm", None) is not None:      # per-head q/k norms: not in C
+            return None
         norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return None

@@ -13,7 +13,7 @@ BASE = dict(architectures=["LlamaForCausalLM"], vocab_size=100, hidden_size=64,
 
 
 def test_unsupported_architecture_names_the_supported_ones():
-    with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen2ForCausalLM, Mistral"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM, Qwen2ForCausalLM, Qwen3"):
         ModelConfig.from_hf(dict(BASE, architectures=["GPT2LMHeadModel"]))
 
 
@@ -45,6 +45,14 @@ def test_qwen2_has_qkv_bias_and_ignores_disabled_sliding_window():
     c = ModelConfig.from_hf(dict(BASE, architectures=["Qwen2ForCausalLM"], sliding_window=4096,
                                  use_sliding_window=False))
     assert c.attention_bias and not c.o_proj_bias and c.sliding_window is None
+
+
+def test_qwen3_norms_each_q_and_k_head_and_has_no_qkv_bias_by_default():
+    c = ModelConfig.from_hf(dict(BASE, model_type="qwen3", architectures=None, head_dim=32,
+                                 sliding_window=4096, use_sliding_window=False))
+    assert c.architecture == "Qwen3ForCausalLM" and c.qk_norm and c.head_dim == 32
+    assert not c.attention_bias and c.sliding_window is None
+    assert not ModelConfig.from_hf(BASE).qk_norm
 
 
 def test_mistral_sliding_window():

@@ -26,16 +26,19 @@ CASES = {
     "llama_rope_dynamic": ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     "llama_biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 32}),        # head_dim != hidden / heads, as Qwen3's
+    "qwen3_biases_tied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
     "mistral": ("mistral", {"sliding_window": None}),
 }
 
 
 def _save_tiny(kind: str, extra: dict, folder) -> torch.nn.Module:
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM)
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                           "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                           "mistral": (MistralConfig, MistralForCausalLM)}[kind]
     kwargs = dict(TINY, **extra)
     if "rope_scaling" in kwargs:
@@ -127,3 +130,38 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path):
                                                                           page_pool(16)),
                                                            len(tokens))])
     torch.testing.assert_close(got, _hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_the_engine_serves_qwen3_as_transformers_generates(tmp_path, weights):
+    """A tiny Qwen3 (per-head q/k norms, head_dim apart from hidden / heads) through the whole
+    engine: paged KV store, chunked prefill, the resident decode path (its layers op by op:
+    the C layers do not run q/k norms); greedy tokens equal transformers' generate (int8
+    decode weights: up to the first near-tie)."""
+    from engine.args import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from tests.engine_helpers import assert_same_greedy, run_scored
+
+    hf = _save_tiny("qwen3", {"head_dim": 32}, tmp_path)
+    prompts = _prompts(3, lengths=(41, 17))
+    steps = 12
+    engine = LLMEngine(EngineArgs(model=str(tmp_path), dtype="fp32", weights=weights,
+                                  page_size=16, kv_device_gb=0.01, max_model_len=128,
+                                  max_num_batched_tokens=32, prefix_cache="off"))
+    got, margins = run_scored(engine, prompts, steps)
+    ref = {}
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            ref[f"r{i}"] = out[0, len(p):].tolist()
+    if weights == "fp32":
+        assert got == ref
+    else:
+        assert_same_greedy(got, ref, margins)
+
+
+def test_gguf_names_of_the_qk_norms():
+    from engine.gguf_weights import hf_name
+    assert hf_name("blk.3.attn_q_norm.weight") == "model.layers.3.self_attn.q_norm.weight"
+    assert hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
