@@ -172,7 +172,8 @@ def serve(args: argparse.Namespace) -> int:
     app = build_app(slot, slot.tokenizer, served_model_name=name,
                     api_key=settings.api_key or os.environ.get("STRATA_API_KEY") or None,
                     model_aliases=aliases, max_request_bytes=settings.max_request_bytes,
-                    responses_store_mb=settings.responses_store_mb)
+                    responses_store_mb=settings.responses_store_mb,
+                    reasoning_parser=settings.reasoning_parser)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level,
                             timeout_graceful_shutdown=5)

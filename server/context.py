@@ -8,6 +8,7 @@ from typing import Callable
 from engine.protocol import EngineClient
 from server.errors import invalid_api_key, model_not_found, not_ready
 from server.metrics import ServerMetrics
+from server.reasoning import resolve_parser
 from server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -19,12 +20,13 @@ TokenizerSource = Tokenizer | Callable[[], Tokenizer | None]
 class ServerContext:
     def __init__(self, engine: EngineClient, tokenizer: TokenizerSource, *,
                  served_model_name: str, model_aliases: tuple[str, ...] = (),
-                 api_key: str | None = None):
+                 api_key: str | None = None, reasoning_parser: str = "auto"):
         self.engine = engine
         self.served_model_name = served_model_name
         self.model_names = frozenset((served_model_name, *model_aliases))
         self.metrics = ServerMetrics(engine)
         self._api_key = api_key or None
+        self._reasoning_parser = reasoning_parser
         self.draining = False          # stopping: /health says 503, requests are still served
         self._tokenizer_source = tokenizer
         self._tokenizer: Tokenizer | None = tokenizer if isinstance(tokenizer, Tokenizer) else None
@@ -37,6 +39,14 @@ class ServerContext:
             except Exception:
                 logger.exception("loading the tokenizer failed")
         return self._tokenizer
+
+    @property
+    def reasoning_style(self) -> str | None:
+        """How answers split into reasoning and content (server/reasoning.py), for this
+        model's chat template; None: they do not."""
+        tokenizer = self.tokenizer
+        return resolve_parser(self._reasoning_parser,
+                              tokenizer.chat_template if tokenizer is not None else None)
 
     @property
     def is_ready(self) -> bool:

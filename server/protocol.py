@@ -238,6 +238,8 @@ class ChatCompletionRequest(_Constrained):
     add_generation_prompt: Flag = True
     continue_final_message: ContinueFinalMessage = False
     chat_template_kwargs: TemplateKwargs = None
+    # vLLM's: false leaves a reasoning model's <think> text out of the answer
+    include_reasoning: Flag = True
     chat_template: Unsupported = None
     documents: Unsupported = None
 

@@ -45,6 +45,14 @@ class ChatResponseMessage(_Wire):
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None      # a reasoning model's <think> text (vLLM's)
+
+    @model_serializer(mode="wrap")
+    def _drop_reasoning_unset(self, handler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("reasoning_content") is None:
+            out.pop("reasoning_content", None)
+        return out
 
 
 class ChatCompletionChoice(_Wire):
@@ -80,6 +88,7 @@ class ChatCompletionResponse(_Wire):
 class DeltaMessage(_Wire):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

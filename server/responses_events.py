@@ -7,10 +7,12 @@ the stream events that build them, in the order the OpenAI SDK's stream accumula
                          response.output_text.done, response.content_part.done
         a function call: response.function_call_arguments.delta ...,
                          response.function_call_arguments.done
+        reasoning:       response.reasoning_text.delta ..., response.reasoning_text.done
     response.output_item.done
     response.completed | response.incomplete (max_output_tokens) | response.failed
 
-Text and tool calls are split as chat streams them (server/tool_parser.StreamedCalls). Without
+A reasoning model's <think> text is a reasoning item before the rest (server/reasoning.py);
+text and tool calls are split as chat streams them (server/tool_parser.StreamedCalls). Without
 tools (or with tool_choice "none") the message item opens at once, so an empty answer is an
 empty message; with tools whitespace waits for the text after it: a message opens at text
 that is not whitespace (and starts there), and the whitespace before a call (or between
@@ -25,9 +27,10 @@ from typing import Any, Callable
 from server.choice_stream import ChoiceDelta, Logprobs
 from server.protocol_tools import DeltaToolCall
 from server.responses_protocol import new_id
+from server.reasoning import ReasoningSplitter
 from server.responses_wire import (FunctionCallOutput, IncompleteDetails, LogprobEntry,
-                                   OutputMessage, OutputText, ResponseErrorInfo, ResponseObject,
-                                   ResponseUsage)
+                                   OutputMessage, OutputText, ReasoningOutput, ReasoningText,
+                                   ResponseErrorInfo, ResponseObject, ResponseUsage)
 from server.tool_parser import StreamedCalls
 
 Event = dict[str, Any]
@@ -35,11 +38,14 @@ LogprobFormat = Callable[[Logprobs], list[LogprobEntry]]
 
 
 class ResponseEvents:
-    def __init__(self, response: ResponseObject, plan, logprobs: LogprobFormat | None = None):
+    def __init__(self, response: ResponseObject, plan, logprobs: LogprobFormat | None = None,
+                 reasoning: str | None = None):
         """response: the object so far (no output); plan: server/tools.ToolPlan or None;
-        logprobs: formats a delta's token logprobs (None: not asked for)."""
+        logprobs: formats a delta's token logprobs (None: not asked for); reasoning: the
+        reasoning style (server/reasoning.py; None: none)."""
         self.response = response
         self._calls = StreamedCalls(plan)
+        self._thinking = ReasoningSplitter(reasoning) if reasoning else None
         self._eager = plan is None or plan.mode == "none"
         self._logprobs = logprobs
         self._seq = 0
@@ -50,16 +56,28 @@ class ResponseEvents:
     def start(self) -> list[Event]:
         events = [self._event("response.created", response=self._dump()),
                   self._event("response.in_progress", response=self._dump())]
-        if self._eager:
+        if self._eager and self._thinking is None:    # (a reasoning item may come first)
             events += self._open_message()
         return events
 
     def push(self, delta: ChoiceDelta) -> list[Event]:
         if self._logprobs is not None and delta.logprobs:
             self._pending += self._logprobs(delta.logprobs)
-        pieces = self._calls.push(delta.text) if delta.text else []
+        thinking, text = self._thinking, delta.text
+        parts = ([("content", text)] if thinking is None else thinking.push(text)) if text else []
+        if delta.finish_reason and thinking is not None:
+            parts += thinking.flush()
+        events: list[Event] = []
+        for kind, part in parts:
+            if kind == "reasoning":
+                events += self._think(part)
+            else:
+                events += self._pieces(self._calls.push(part))
         if delta.finish_reason:
-            pieces += self._calls.flush()
+            events += self._pieces(self._calls.flush())
+        return events
+
+    def _pieces(self, pieces) -> list[Event]:
         events: list[Event] = []
         for piece in pieces:
             if piece.content:
@@ -73,6 +91,8 @@ class ResponseEvents:
         cut = finish_reason == "length"
         held, self._held = self._held, ""
         events = self._write(held) if held and isinstance(self._open, OutputMessage) else []
+        if self._eager and not any(isinstance(i, OutputMessage) for i in self.response.output):
+            events += self._close("completed") + self._open_message()   # an empty answer
         events += self._close("incomplete" if cut else "completed")
         r = self.response
         r.status = "incomplete" if cut else "completed"
@@ -113,6 +133,23 @@ class ResponseEvents:
         events.append(self._event("response.output_text.delta", item_id=message.id,
                                   output_index=self._index(), content_index=0, delta=text,
                                   logprobs=[e.model_dump() for e in logprobs]))
+        return events
+
+    def _think(self, text: str) -> list[Event]:
+        """`text` appended to the open reasoning item (a new one after any other item)."""
+        events: list[Event] = []
+        item = self._open
+        if not isinstance(item, ReasoningOutput):
+            events += self._close("completed")
+            item = ReasoningOutput(id=new_id("rs"), content=[ReasoningText()])
+            self.response.output.append(item)
+            self._open = item
+            events.append(self._event("response.output_item.added", output_index=self._index(),
+                                      item=item.model_dump()))
+        item.content[0].text += text
+        self._pending = []                      # logprobs go with the message's text only
+        events.append(self._event("response.reasoning_text.delta", item_id=item.id,
+                                  output_index=self._index(), content_index=0, delta=text))
         return events
 
     def _call(self, call: DeltaToolCall) -> list[Event]:
@@ -162,6 +199,10 @@ class ResponseEvents:
                        self._event("response.content_part.done", item_id=item.id,
                                    output_index=index, content_index=0,
                                    part=part.model_dump())]
+        elif isinstance(item, ReasoningOutput):
+            events.append(self._event("response.reasoning_text.done", item_id=item.id,
+                                      output_index=index, content_index=0,
+                                      text=item.content[0].text))
         else:
             events.append(self._event("response.function_call_arguments.done",
                                       item_id=item.id, output_index=index, name=item.name,

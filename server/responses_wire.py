@@ -48,7 +48,21 @@ class FunctionCallOutput(_Wire):
     status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
 
 
-OutputItem = OutputMessage | FunctionCallOutput
+class ReasoningText(_Wire):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str = ""
+
+
+class ReasoningOutput(_Wire):
+    """A reasoning model's <think> text (server/reasoning.py), before its message."""
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText] = Field(default_factory=list)
+    status: Literal["in_progress", "completed", "incomplete"] = "in_progress"
+
+
+OutputItem = OutputMessage | FunctionCallOutput | ReasoningOutput
 
 
 class InputTokensDetails(_Wire):

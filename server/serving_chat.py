@@ -19,6 +19,7 @@ from server.protocol_responses import (ChatChoiceLogprobs, ChatCompletionChoice,
                                        ChatCompletionStreamChoice, ChatResponseMessage,
                                        ChatTokenLogprob, DeltaMessage, TopLogprob)
 from server.protocol_tools import FunctionCall, ToolCall
+from server.reasoning import ReasoningSplitter, split_reasoning
 from server.serving import OpenAIServing, clamp_logprob
 from server.structured import check_constrained, grammar_for
 from server.tokenizer import TemplateError
@@ -56,8 +57,12 @@ class ChatServing(OpenAIServing):
                   generation: Generation, results: list[ChoiceResult], request_id: str,
                   created: int) -> ChatCompletionResponse:
         choices = []
+        style = self.ctx.reasoning_style
         for r in results:
-            message = _message(plan, r.text)
+            reasoning, text = split_reasoning(style, r.text)
+            message = _message(plan, text)
+            if request.include_reasoning is not False:
+                message.reasoning_content = reasoning
             reason = r.finish_reason
             if message.tool_calls and reason == "stop":
                 reason = "tool_calls"
@@ -78,16 +83,18 @@ class ChatServing(OpenAIServing):
                                        model=self.ctx.served_model_name, choices=choices,
                                        usage=usage)
 
-        calls = {}
+        calls, thinking = {}, {}
+        style = self.ctx.reasoning_style
+        include = request.include_reasoning is not False
         for stream in generation.streams:
             calls[stream.spec.index] = StreamedCalls(plan)
+            thinking[stream.spec.index] = ReasoningSplitter(style) if style else None
             yield chunk([ChatCompletionStreamChoice(
                 index=stream.spec.index, delta=DeltaMessage(role="assistant", content=""))])
         async for delta in generation.deltas():
             state = calls[delta.index]
-            pieces = state.push(delta.text) if delta.text else []
-            if delta.finish_reason:
-                pieces += state.flush()
+            pieces = _pieces(state, thinking[delta.index], delta.text,
+                             bool(delta.finish_reason), include)
             if delta.logprobs and not pieces:
                 pieces = [DeltaMessage()]
             for k, piece in enumerate(pieces):
@@ -132,6 +139,25 @@ def _constraints(request: ChatCompletionRequest) -> tuple[ToolPlan | None, Gramm
     grammar = plan.grammar if plan is not None and plan.grammar else grammar_for(request)
     check_constrained(grammar, request)
     return plan, grammar
+
+
+def _pieces(calls: StreamedCalls, thinking: ReasoningSplitter | None, text: str, final: bool,
+            include_reasoning: bool) -> list[DeltaMessage]:
+    """A choice's delta text as chat delta pieces: its reasoning (when asked for), then its
+    content and tool calls; `final`: the answer ended, so what the parsers hold comes out."""
+    parts = ([("content", text)] if thinking is None else thinking.push(text)) if text else []
+    if final and thinking is not None:
+        parts += thinking.flush()
+    pieces: list[DeltaMessage] = []
+    for kind, part in parts:
+        if kind == "reasoning":
+            if include_reasoning:
+                pieces.append(DeltaMessage(reasoning_content=part))
+        else:
+            pieces += calls.push(part)
+    if final:
+        pieces += calls.flush()
+    return pieces
 
 
 def _message(plan: ToolPlan | None, text: str) -> ChatResponseMessage:

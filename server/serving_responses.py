@@ -71,8 +71,10 @@ class ResponsesServing(OpenAIServing):
         k = request.top_logprobs or 0
         logprobs = (lambda entries: self._logprobs(entries, k)) if request.logprobs else None
 
+        style = self.ctx.reasoning_style
+
         def fresh() -> ResponseEvents:
-            return ResponseEvents(base.model_copy(deep=True), plan, logprobs)
+            return ResponseEvents(base.model_copy(deep=True), plan, logprobs, style)
 
         return await self.respond(
             raw, generation, stream=bool(request.stream),

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from engine.settings import FLAGS_BEGIN, FLAGS_END, check_choices, markdown_rows, setting
 from server.limits import DEFAULT_MAX_REQUEST_BYTES
+from server.reasoning import PARSERS
 from server.response_store import DEFAULT_RESPONSES_STORE_MB
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -31,6 +32,12 @@ class ServerSettings:
                                         "created with store: true (/v1/responses, which "
                                         "previous_response_id continues); the least recently "
                                         "used go first (0: store none)", group="server")
+    reasoning_parser: str = setting("auto", "split a reasoning model's <think> text out of the "
+                                    "answer into reasoning_content (chat) or a reasoning item "
+                                    "(responses): qwen3 (thinking when the answer opens "
+                                    "<think>), deepseek_r1 (the prompt opened it); auto: qwen3 "
+                                    "when the chat template writes <think>", PARSERS,
+                                    group="server")
     log_level: str = setting("info", "log level", LOG_LEVELS, group="server")
     drain_seconds: float = setting(0.0, "on SIGTERM or Ctrl-C, keep serving this long with "
                                    "/health answering 503, so that a router or load balancer "

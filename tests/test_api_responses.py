@@ -1,7 +1,9 @@
 """The Responses API (/v1/responses) through the official openai SDK against a real server: the
 same answers as the chat completion it means, streamed events the SDK's accumulator accepts,
 conversations continued by previous_response_id (through the prefix cache), stored responses
-read, listed and deleted, tools and structured outputs, and 400s that name its fields."""
+read, listed and deleted, tools and structured outputs, and 400s that name its fields. The
+server splits <think> text out (--reasoning-parser qwen3), which the bundled model never
+writes unless a grammar makes it (the last test)."""
 from __future__ import annotations
 
 import json
@@ -26,7 +28,7 @@ GREEDY = dict(model=MODEL, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--max-model-len", str(CONTEXT)) as s:
+    with running_server("--max-model-len", str(CONTEXT), "--reasoning-parser", "qwen3") as s:
         yield s
 
 
@@ -214,3 +216,23 @@ def test_unknown_ids_and_models_are_404s(client):
         client.responses.delete("resp_nope")
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-9", input="hi")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_think_text_comes_as_reasoning_content(client, stream):
+    kw = dict(messages=[{"role": "user", "content": "Name a planet."}], max_tokens=40,
+              extra_body={"guided_regex": r"<think>[a-z ]{3,20}</think>\n\n[A-Z][a-z]{2,10}"},
+              **GREEDY)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+    else:
+        message = client.chat.completions.create(**kw).choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+    assert reasoning and "<" not in reasoning and content and "<" not in content
+    assert content[0].isupper() and not content[0].isspace()
+    hidden = client.chat.completions.create(**{**kw, "extra_body": {
+        **kw["extra_body"], "include_reasoning": False}}).choices[0].message
+    assert getattr(hidden, "reasoning_content", None) is None and hidden.content == content
