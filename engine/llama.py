@@ -86,6 +86,13 @@ class DecoderLayer(nn.Module):
         q = self._head_norm(self.q_norm, q.reshape(x.shape[0], self.num_heads, self.head_dim))
         return RotaryEmbedding.apply(q, cos, sin)
 
+    def _norm_heads_(self, qkv: torch.Tensor, t: int) -> None:
+        """Each q and k head of qkv [T, q+2kv] RMS-normed in place (the C norm, as
+        kernels/_layer.c does it)."""
+        q, k = qkv[:, :self.q_size], qkv[:, self.q_size:self.q_size + self.kv_size]
+        q.copy_(self._head_norm(self.q_norm, q.reshape(t, self.num_heads, -1)).view(t, -1))
+        k.copy_(self._head_norm(self.k_norm, k.reshape(t, self.num_kv_heads, -1)).view(t, -1))
+
     @staticmethod
     def _head_norm(norm: RMSNorm | None, x: torch.Tensor) -> torch.Tensor:
         """x [n, heads, D] with each head RMS-normed (Qwen3's q_norm / k_norm), or x."""
@@ -113,13 +120,14 @@ class DecoderLayer(nn.Module):
         xn = self.input_layernorm(x)
         qkv = self.qkv(xn)                                                   # [T, q+2kv]
         cos, sin = rope
-        in_place = native and self.q_norm is None
-        if in_place:        # q and k heads rotated in place in qkv
+        if native:          # q and k heads (normed, Qwen3) rotated in place in qkv
+            if self.q_norm is not None:
+                self._norm_heads_(qkv, t)
             layer_ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, cos, sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), \
             v.view(t, self.num_kv_heads, d)
-        if not in_place:
+        if not native:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
             q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         if getattr(kv, "keeps_inputs", False):     # KV recompute stores the layer's inputs

@@ -2,7 +2,8 @@
  * engine/llama.py over B rows of one new token each, float32 activations, weights in our 4-
  * or 8-bit formats, the KV store's resident table:
  *
- *   xn = norm1(x); qkv = xn @ Wqkv; RoPE(q, k); K/V into the pool; a = attention(q);
+ *   xn = norm1(x); qkv = xn @ Wqkv; [Qwen3: norm each q and k head]; RoPE(q, k); K/V into
+ *   the pool; a = attention(q);
  *   h = x + a @ Wo; y = silu(g) * u for [g|u] = norm2(h) @ Wgu; x = h + y @ Wdown
  *
  * A step's ~15 torch and C calls a layer, each with its Python around it, were most of a
@@ -45,8 +46,9 @@ enum {      /* then a row a layer (R_SPARSE 0: the layer attends to the step's t
     R_SPARSE, R_INS, R_OUT, R_BUDGET, R_PRIOR_PAGES, R_HEADS, R_SLOTS, R_KEY_BASE, SPARSE_ROW
 };
 enum { RES_NNZ, RES_UNNZ, RES_SELECT_NS, RES_ATTEND_NS, RESULT_WORDS };
-enum {      /* a layer's words: the two norms' weights, then 5 a matmul (qkv, o, gate_up, down) */
-    L_NORM1, L_NORM2, L_W, LAYER_WORDS = L_W + 4 * 5
+enum {      /* a layer's words: the two norms' weights, the q and k heads' norms' (Qwen3; 0:
+             * none), then 5 a matmul (qkv, o, gate_up, down) */
+    L_NORM1, L_NORM2, L_QNORM, L_KNORM, L_W, LAYER_WORDS = L_W + 4 * 5
 };
 enum { W_CODES, W_SCALE, W_ZERO, W_BITS, W_XBITS };
 
@@ -79,9 +81,20 @@ static int matmul(const int64_t *w, const float *x, Py_ssize_t b, Py_ssize_t k, 
                        (int)st[S_QMM_SIMD], (int)st[S_THREADS], (int)w[W_XBITS]);
 }
 
-/* the attention's inputs: xn = norm1(x), qkv = xn @ Wqkv, RoPE, q to its own rows [B, H, D]
- * (scratch), K/V into the pool; 0, -1 out of memory, or 1 + the token whose K/V slot is out of
- * range (nothing written) */
+/* each q and k head of a row of q|k|v normed in place (Qwen3's q_norm, k_norm) */
+static void norm_heads(float *row, const int64_t *lw, int nh, int kvh, Py_ssize_t d,
+                       float eps) {
+    const void *qn = (const void *)(uintptr_t)lw[L_QNORM];
+    const void *kn = (const void *)(uintptr_t)lw[L_KNORM];
+    for (int h = 0; h < nh; h++)
+        ops_api->norm_row(row + h * d, NULL, qn, row + h * d, (int)d, eps, 0);
+    for (int h = nh; h < nh + kvh; h++)
+        ops_api->norm_row(row + h * d, NULL, kn, row + h * d, (int)d, eps, 0);
+}
+
+/* the attention's inputs: xn = norm1(x), qkv = xn @ Wqkv, the heads' norms (Qwen3), RoPE, q
+ * to its own rows [B, H, D] (scratch), K/V into the pool; 0, -1 out of memory, or 1 + the
+ * token whose K/V slot is out of range (nothing written) */
 static int attention_inputs(const int64_t *st, const int64_t *lw, int layer, float eps) {
     const Py_ssize_t b = st[S_ROWS], hid = st[S_HIDDEN], d = st[S_HEAD_DIM];
     const int nh = (int)st[S_HEADS], kvh = (int)st[S_KV_HEADS];
@@ -96,6 +109,8 @@ static int attention_inputs(const int64_t *st, const int64_t *lw, int layer, flo
     const float *cs = (const float *)(uintptr_t)st[S_COS];
     const float *sn = (const float *)(uintptr_t)st[S_SIN];
     for (Py_ssize_t r = 0; r < b; r++) {
+        if (lw[L_QNORM])
+            norm_heads(qkv + r * nqkv, lw, nh, kvh, d, eps);
         ops_api->rope_row(qkv + r * nqkv, cs + r * d, sn + r * d, nh + kvh, (int)d, 0);
         memcpy(q + r * nq, qkv + r * nqkv, sizeof(float) * nq);
     }

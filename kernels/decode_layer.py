@@ -93,17 +93,18 @@ def layer_words(layers) -> tuple[torch.Tensor, int] | None:
     """(int64 [L, LAYER_WORDS] the layers' norm weights and decode matmuls (addresses, bits),
     the fewest rows a step multiplies by the dense weights instead), or None where a layer
     has a weight this path does not run (a bias, a form other than our 4/8-bit one, norms
-    not float32, Qwen3's per-head q/k norms)."""
+    not float32)."""
     if _layer is None:
         return None
     rows, limit = [], 1 << 62
     for layer in layers:
-        if getattr(layer, "q_norm", None) is not None:      # per-head q/k norms: not in C
-            return None
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        heads = [getattr(layer, name, None) for name in ("q_norm", "k_norm")]  # Qwen3's
+        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                 *(n.weight for n in heads if n is not None))
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return None
-        words = [w.data_ptr() for w in norms]
+        words = [w.data_ptr() for w in norms[:2]] + [
+            0 if n is None else n.weight.data_ptr() for n in heads]
         for name in ("qkv", "o", "gate_up", "down"):
             linear = getattr(layer, name)
             args = linear.decode.native_args()

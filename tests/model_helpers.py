@@ -87,3 +87,34 @@ def greedy_logprobs(engine, prompts: list[list[int]], steps: int
             got[out.request_id] += [(t, lp[0].logprob) for t, lp in
                                     zip(out.new_token_ids, out.new_logprobs)]
     return got
+
+
+# a tiny checkpoint's shape (transformers config fields)
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+
+def save_tiny_hf(kind: str, extra: dict, folder) -> torch.nn.Module:
+    """A tiny random transformers checkpoint of `kind` (llama, qwen2, qwen3, mistral) saved in
+    `folder` (float32; weights big enough that mistakes show in the logits) -> the HF model."""
+    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
+                          "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                          "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+                          "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+    kwargs = dict(TINY, **extra)
+    if "rope_scaling" in kwargs:
+        kwargs["rope_parameters"] = dict(kwargs.pop("rope_scaling"), rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = model_cls(cfg_cls(**kwargs)).float().eval()
+    with torch.no_grad():   # weights big enough that mistakes show in the logits
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.15)
+    model.save_pretrained(folder)
+    return model

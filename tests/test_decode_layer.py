@@ -14,7 +14,7 @@ from kernels import decode_layer, layer_ops
 from kernels.decode_layer import DecodeLayers, FusedLayers, SparseWords
 from kvstore.resident import ResidentDecode
 from scheduler.sampling_params import SamplingParams
-from tests.model_helpers import greedy_logprobs
+from tests.model_helpers import greedy_logprobs, save_tiny_hf
 
 pytestmark = pytest.mark.skipif(decode_layer._layer is None, reason="C extensions not built")
 # the sparse table's word of the selection's marks count (_layer.c's P_N_KEYS)
@@ -199,3 +199,19 @@ def test_a_bad_slot_fails_the_call_and_writes_nothing(smollm2_dir, runs):
         DecodeLayers.run = original
     # every layer ran (the first twice: the failed call, then the good one)
     assert seen == list(range(30)) and runs[:2] == [0, 0] and outs[0].finish_reason != "error"
+
+
+def test_qwen3_head_norms_run_in_the_layers_call(tmp_path, runs, monkeypatch):
+    # a tiny Qwen3 (each q and k head RMS-normed before RoPE) in our 4-bit decode form: the
+    # one-call layers give the op-by-op layers' tokens and log-probabilities bit for bit
+    save_tiny_hf("qwen3", {"head_dim": 32}, tmp_path)
+    monkeypatch.setattr(weight_plan, "_candidates", lambda weights, dtype, native: ["q4"])
+    prompts = [p[:40] for p in prompts_of(3, 30)]
+    prompts = [[t % 256 for t in p] for p in prompts]
+    kw = dict(model=str(tmp_path), max_model_len=128, kv_device_gb=0.01, weights="int4",
+              steps=20)
+    ref, _ = decode(None, prompts, False, **kw)
+    assert not runs
+    got, engine = decode(None, prompts, True, **kw)
+    same(got, ref)
+    assert len(runs) >= 15 * engine.runner.model.config.num_hidden_layers

@@ -5,13 +5,10 @@ import pytest
 import torch
 
 from engine.model_loader import load_model
-from tests.model_helpers import PagedSequence, page_pool, step
+from tests.model_helpers import PagedSequence, page_pool, save_tiny_hf, step
 from tests.kv_cache import make_kv_cache
 
 PAGE_SIZE = 4
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-            rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
 
 CASES = {
     "llama": ("llama", {}),
@@ -32,29 +29,6 @@ CASES = {
 }
 
 
-def _save_tiny(kind: str, extra: dict, folder) -> torch.nn.Module:
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
-
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
-                          "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                          "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-                          "mistral": (MistralConfig, MistralForCausalLM)}[kind]
-    kwargs = dict(TINY, **extra)
-    if "rope_scaling" in kwargs:
-        kwargs["rope_parameters"] = dict(kwargs.pop("rope_scaling"), rope_theta=10000.0)
-    torch.manual_seed(0)
-    model = model_cls(cfg_cls(**kwargs)).float().eval()
-    with torch.no_grad():   # weights big enough that mistakes show in the logits
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.15)
-    model.save_pretrained(folder)
-    return model
-
-
 def _prompts(n: int, lengths=(37, 23, 9)) -> list[list[int]]:
     g = torch.Generator().manual_seed(n)
     return [torch.randint(3, 256, (length,), generator=g).tolist() for length in lengths]
@@ -64,7 +38,7 @@ def _prompts(n: int, lengths=(37, 23, 9)) -> list[list[int]]:
 def pair(request, tmp_path_factory):
     kind, extra = CASES[request.param]
     folder = tmp_path_factory.mktemp(request.param)
-    hf = _save_tiny(kind, extra, folder)
+    hf = save_tiny_hf(kind, extra, folder)
     ours = load_model(folder, dtype=torch.float32)
     return hf, ours
 
@@ -114,14 +88,14 @@ def test_logits_only_for_requested_rows(pair):
 
 
 def test_mistral_sliding_window_shorter_than_served_length_is_refused(tmp_path):
-    _save_tiny("mistral", {"sliding_window": 16}, tmp_path)
+    save_tiny_hf("mistral", {"sliding_window": 16}, tmp_path)
     with pytest.raises(ValueError, match="sliding-window"):
         load_model(tmp_path, dtype=torch.float32, max_model_len=64)
     load_model(tmp_path, dtype=torch.float32, max_model_len=16)   # within the window: fine
 
 
 def test_sharded_checkpoint_loads_through_its_index(tmp_path):
-    hf = _save_tiny("llama", {}, tmp_path / "one")
+    hf = save_tiny_hf("llama", {}, tmp_path / "one")
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     ours = load_model(tmp_path / "sharded", dtype=torch.float32)
@@ -142,7 +116,7 @@ def test_the_engine_serves_qwen3_as_transformers_generates(tmp_path, weights):
     from engine.llm_engine import LLMEngine
     from tests.engine_helpers import assert_same_greedy, run_scored
 
-    hf = _save_tiny("qwen3", {"head_dim": 32}, tmp_path)
+    hf = save_tiny_hf("qwen3", {"head_dim": 32}, tmp_path)
     prompts = _prompts(3, lengths=(41, 17))
     steps = 12
     engine = LLMEngine(EngineArgs(model=str(tmp_path), dtype="fp32", weights=weights,
