@@ -143,7 +143,8 @@ class ChoiceStream:
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if not self._prompt_counted:
             self._prompt_counted = True
-            self._metrics.prompt_tokens.inc(out.num_prompt_tokens or len(self.spec.prompt_token_ids))
+            self._metrics.prompt_tokens.inc(out.num_prompt_tokens
+                                            or len(self.spec.prompt_token_ids))
         if not out.new_token_ids:
             return
         if self._last_token_time is None:

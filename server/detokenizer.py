@@ -47,7 +47,8 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset:])
-        if not final and (len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR)):
+        if not final and (len(full_text) <= len(prefix_text)
+                          or full_text.endswith(REPLACEMENT_CHAR)):
             return ""                            # incomplete character (or nothing visible yet)
         new_text = full_text[len(prefix_text):]
         # Slide the window: the tokens just read become the next step's context.

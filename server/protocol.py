@@ -249,7 +249,8 @@ class ChatCompletionRequest(_Constrained):
         return _check_top_logprobs(value, info.data.get("logprobs"))
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (self.max_completion_tokens if self.max_completion_tokens is not None
+                else self.max_tokens)
 
     def logprobs_k(self) -> int | None:
         """SamplingParams.logprobs: None when off, else how many alternatives per token."""

@@ -98,7 +98,8 @@ class Tokenizer:
             template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
         if isinstance(template, list):      # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(backend, chat_template=template, bos_token=_token_content(config.get("bos_token")),
+        return cls(backend, chat_template=template,
+                   bos_token=_token_content(config.get("bos_token")),
                    eos_token=_token_content(config.get("eos_token")))
 
     # ------------------------------------------------------------------ text <-> ids
