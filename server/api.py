@@ -19,15 +19,17 @@ from engine.protocol import EngineClient
 from server.context import ServerContext, TokenizerSource
 from server.errors import APIError, install_error_handlers
 from server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from server.messages_protocol import CountTokensRequest, MessagesRequest
 from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.protocol_responses import (ChatCompletionResponse, CompletionResponse, ErrorResponse,
-                                       ModelCard, ModelList)
+from server.protocol_responses import (AnthropicErrorResponse, ChatCompletionResponse,
+                                       CompletionResponse, ErrorResponse, ModelCard, ModelList)
 from server.response_store import DEFAULT_RESPONSES_STORE_MB, ResponseStore
 from server.responses_protocol import ResponsesRequest
 from server.responses_wire import DeletedResponse, InputItemList, ResponseObject
 from server.serving import json_response
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
+from server.serving_messages import MessageBody, MessagesServing, TokenCount
 from server.serving_responses import MAX_LISTED_ITEMS, ResponsesServing
 from server.serving_tokens import (DetokenizeRequest, DetokenizeResponse, RenderResponse,
                                    TokenizeRequest, TokenizeResponse, TokenServing)
@@ -48,11 +50,16 @@ _GENERATE_ERRORS = {**_V1_ERRORS,
 _STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
-def _generate_doc(body: type) -> dict:
+def _generate_doc(body: type, errors: dict | None = None) -> dict:
     """A generation route's 200: the JSON body, or server-sent events with `stream`."""
     return {200: {"model": body, "content": _STREAM,
                   "description": "The completion (JSON), or its chunks as server-sent events"},
-            **_GENERATE_ERRORS}
+            **(errors or _GENERATE_ERRORS)}
+
+
+def _anthropic(errors: dict) -> dict:
+    """`errors` in the Messages API's error shape."""
+    return {status: {**doc, "model": AnthropicErrorResponse} for status, doc in errors.items()}
 
 
 def _openapi_without_422(app: FastAPI) -> dict:
@@ -79,9 +86,11 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     chat = ChatServing(ctx)
     completions = CompletionServing(ctx)
     responses = ResponsesServing(ctx, ResponseStore(int(responses_store_mb * 2 ** 20)))
+    messages = MessagesServing(ctx)
 
-    def authorize(authorization: str | None = Header(default=None)) -> None:
-        ctx.check_api_key(authorization)
+    def authorize(authorization: str | None = Header(default=None),
+                  x_api_key: str | None = Header(default=None)) -> None:
+        ctx.check_api_key(authorization, x_api_key)
 
     def ready() -> None:
         ctx.require_ready()
@@ -96,6 +105,8 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     @v1.post("/completions", responses=_generate_doc(CompletionResponse))
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
         return await completions.create(request, raw)
+
+    _errors = {**_V1_ERRORS, 400: _GENERATE_ERRORS[400], 404: _GENERATE_ERRORS[404]}
 
     @v1.post("/responses", responses=_generate_doc(ResponseObject))
     async def create_response(request: ResponsesRequest, raw: Request) -> Response:
@@ -119,12 +130,20 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
                                after: str | None = None) -> Response:
         return responses.input_items(response_id, limit, order, after)
 
+    @v1.post("/messages", responses=_generate_doc(MessageBody, _anthropic(_GENERATE_ERRORS)))
+    async def create_message(request: MessagesRequest, raw: Request) -> Response:
+        return await messages.create(request, raw)
+
+    @v1.post("/messages/count_tokens", response_model=TokenCount,
+             responses=_anthropic({**_errors, 413: _GENERATE_ERRORS[413]}))
+    async def count_message_tokens(request: CountTokensRequest) -> Response:
+        return await messages.count_tokens(request)
+
     @v1.get("/models", response_model=ModelList, responses=_V1_ERRORS)
     async def list_models() -> Response:
         card = ModelCard(id=served_model_name, max_model_len=ctx.max_model_len)
         return json_response(ModelList(data=[card]))
 
-    _errors = {**_V1_ERRORS, 400: _GENERATE_ERRORS[400], 404: _GENERATE_ERRORS[404]}
 
     @v1.post("/tokenize", response_model=TokenizeResponse, responses=_errors)
     async def tokenize(request: TokenizeRequest) -> Response:

@@ -45,6 +45,7 @@ class ChoiceDelta:
     text: str
     logprobs: Logprobs = ()         # one entry per new token when logprobs were asked
     finish_reason: str | None = None
+    stop_string: str | None = None  # the stop string that ended it (finish_reason "stop")
 
 
 class ChoiceStream:
@@ -124,7 +125,8 @@ class ChoiceStream:
             self._finish("stop", out)
             if not out.finished:
                 await self._abort_engine()
-            return ChoiceDelta(self.spec.index, text, out.new_logprobs, "stop")
+            return ChoiceDelta(self.spec.index, text, out.new_logprobs, "stop",
+                               self._stop.matched)
         if not out.finished:
             return ChoiceDelta(self.spec.index, text, out.new_logprobs)
         text += self._stop.flush()

@@ -67,13 +67,15 @@ class ServerContext:
             raise not_ready()
         return self._tokenizer
 
-    def check_api_key(self, authorization: str | None) -> None:
-        """401 unless ``Authorization: Bearer <key>`` matches (no key configured: open)."""
+    def check_api_key(self, authorization: str | None, x_api_key: str | None = None) -> None:
+        """401 unless ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``)
+        matches (no key configured: open)."""
         if self._api_key is None:
             return
         scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 self._api_key.encode()):
+        if scheme.lower() != "bearer":
+            token = x_api_key or ""
+        if not hmac.compare_digest(token.strip().encode(), self._api_key.encode()):
             raise invalid_api_key()
 
     def check_model(self, model: str | None) -> None:

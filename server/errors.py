@@ -26,6 +26,13 @@ MAX_MESSAGE_CHARS = 500
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
 
 
+# the Messages API's routes answer errors in Anthropic's shape, typed by status
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                   429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
 class APIError(Exception):
     """An error with its HTTP status, in OpenAI's shape."""
 
@@ -43,8 +50,17 @@ class APIError(Exception):
         info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
         return ErrorResponse(error=info).model_dump()
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, request: Request | None = None) -> JSONResponse:
+        """The error as its route's clients read it: Anthropic's shape on the Messages API's
+        routes, OpenAI's everywhere else."""
+        body = self.anthropic_body() if request is not None and request.url.path.startswith(
+            ANTHROPIC_PATHS) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+    def anthropic_body(self) -> dict:
+        kind = ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500
+                                   else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -171,24 +187,24 @@ def _param_name(loc: list) -> str | None:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response(request)
 
     @app.exception_handler(EngineError)
-    async def _engine(_: Request, exc: EngineError) -> JSONResponse:
-        return from_engine_error(exc).response()
+    async def _engine(request: Request, exc: EngineError) -> JSONResponse:
+        return from_engine_error(exc).response(request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind,
-                        headers=dict(exc.headers or {})).response()
+                        headers=dict(exc.headers or {})).response(request)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=exc)
-        return internal_error().response()
+        return internal_error().response(request)

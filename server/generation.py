@@ -31,6 +31,7 @@ class ChoiceResult:
     text: str = ""
     logprobs: list = field(default_factory=list)    # (sampled, alternatives) per token
     finish_reason: str | None = None
+    stop_string: str | None = None                  # the stop string that ended it
 
 
 class Generation:
@@ -87,6 +88,7 @@ class Generation:
             result.text += delta.text
             result.logprobs.extend(delta.logprobs)
             result.finish_reason = delta.finish_reason or result.finish_reason
+            result.stop_string = delta.stop_string or result.stop_string
         return [results[i] for i in sorted(results)]
 
     def usage(self) -> UsageInfo:

@@ -5,6 +5,8 @@ Pure ASGI middleware: it counts the bytes the app reads, so nothing is buffered 
 """
 from __future__ import annotations
 
+from starlette.requests import Request
+
 from server.errors import APIError
 
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20     # a 128K-token prompt as JSON is ~1-2 MB
@@ -25,7 +27,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or ()).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await too_large(self.max_bytes).response()(scope, receive, send)
+            return await too_large(self.max_bytes).response(Request(scope))(scope, receive, send)
         seen, over, answered = 0, False, False
 
         async def counted():
@@ -45,6 +47,6 @@ class BodyLimit:
                 return await send(message)
             if message["type"] == "http.response.start" and not answered:
                 answered = True
-                await too_large(self.max_bytes).response()(scope, receive, send)
+                await too_large(self.max_bytes).response(Request(scope))(scope, receive, send)
 
         await self.app(scope, counted, guarded)

@@ -165,3 +165,14 @@ class ErrorInfo(_Wire):
 
 class ErrorResponse(_Wire):
     error: ErrorInfo
+
+
+class AnthropicErrorInfo(_Wire):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(_Wire):
+    """An error on the Messages API's routes (Anthropic's shape)."""
+    type: Literal["error"] = "error"
+    error: AnthropicErrorInfo

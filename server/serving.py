@@ -28,7 +28,7 @@ from server.protocol_responses import PromptLogprob, PromptLogprobs
 from server.sampling import Request as SamplingRequest
 from server.sampling import (bad_words_token_ids, build_sampling_params, resolve_max_tokens,
                              stop_strings, truncate_prompt)
-from server.sse import DONE, EventStreamResponse, sse_event
+from server.sse import DONE, EventStreamResponse, sse_event, sse_named_event
 from server.structured import logit_bias_pairs
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,8 @@ def json_response(body: BaseModel) -> Response:
 
 
 class OpenAIServing:
+    named_events = False        # streams as named events (Responses, Messages), no [DONE]
+
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
 
@@ -145,15 +147,21 @@ class OpenAIServing:
             await generation.close()
 
     async def _event_stream(self, generation: Generation,
-                            events: AsyncIterator[BaseModel]) -> AsyncIterator[str]:
+                            events: AsyncIterator[BaseModel | dict]) -> AsyncIterator[str]:
+        """`data:` events ending in [DONE]; or, with `named_events`, each event named by its
+        type and no [DONE] (the events end the stream themselves, failures included)."""
         try:
             async for event in events:
-                yield sse_event(event)
+                yield sse_named_event(event["type"], event) if self.named_events \
+                    else sse_event(event)
         except Exception as exc:               # mid-stream: an error event, then [DONE]
+            if self.named_events:
+                raise
             yield sse_event(to_api_error(exc).body())
         finally:
             await generation.close()
-        yield DONE
+        if not self.named_events:
+            yield DONE
 
     # ---------------------------------------------------------------- shared formatting
     def prompt_logprobs(self, request: SamplingRequest,

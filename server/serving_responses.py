@@ -33,7 +33,6 @@ from server.responses_wire import (DeletedResponse, InputItemList, InputTokensDe
                                    TopLogprobEntry)
 from server.serving import OpenAIServing, clamp_logprob, json_response, to_api_error
 from server.serving_chat import _constraints, template_options
-from server.sse import sse_named_event
 from server.tokenizer import TemplateError
 from server.tools import chat_messages
 
@@ -46,6 +45,8 @@ MAX_LISTED_ITEMS = 100
 
 
 class ResponsesServing(OpenAIServing):
+    named_events = True
+
     def __init__(self, ctx, store: ResponseStore):
         super().__init__(ctx)
         self.store = store
@@ -202,15 +203,6 @@ class ResponsesServing(OpenAIServing):
         events.finish(r.finish_reason, _usage(generation))
         self._keep(request, events.response, records)
         return events.response
-
-    async def _event_stream(self, generation: Generation,
-                            events: AsyncIterator[Event]) -> AsyncIterator[str]:
-        """Named events (no `[DONE]`: the final response event ends a Responses stream)."""
-        try:
-            async for event in events:
-                yield sse_named_event(event["type"], event)
-        finally:
-            await generation.close()
 
     def _logprobs(self, entries: Logprobs, k: int) -> list[LogprobEntry]:
         return [LogprobEntry(

@@ -18,6 +18,7 @@ class StopChecker:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""                       # received, not yet emitted (at most _hold chars)
         self.stopped = False
+        self.matched: str | None = None          # the stop string that ended the output
 
     def push(self, text: str) -> str:
         """Feed new text; return the text that is safe to emit now."""
@@ -29,6 +30,7 @@ class StopChecker:
             self.stopped = True
             self._pending = ""
             at, stop = hit
+            self.matched = stop
             return buffer[:at + len(stop)] if self._include else buffer[:at]
         keep = min(self._hold, len(buffer))
         self._pending = buffer[len(buffer) - keep:]

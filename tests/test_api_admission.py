@@ -66,6 +66,18 @@ def test_missing_or_wrong_api_key_is_401(keyed_server):
     assert httpx.get(server.url + "/v1/models").status_code == 401
 
 
+def test_anthropic_clients_send_their_key_as_x_api_key(keyed_server):
+    import anthropic
+    server, _, _ = keyed_server
+    kw = dict(model=MODEL, max_tokens=4, messages=HELLO)
+    served = anthropic.Anthropic(base_url=server.url, api_key=API_KEY, max_retries=0)
+    assert served.messages.create(**kw).content
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        anthropic.Anthropic(base_url=server.url, api_key="wrong-key",
+                            max_retries=0).messages.create(**kw)
+    assert info.value.body["error"]["type"] == "authentication_error"
+
+
 def test_right_api_key_is_served_and_health_metrics_stay_open(keyed_server):
     server, _, _ = keyed_server
     response = openai_client(server.url, api_key=API_KEY).chat.completions.create(**CHAT)

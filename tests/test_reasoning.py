@@ -90,3 +90,25 @@ def test_responses_put_the_reasoning_item_before_the_message():
     empty.push(ChoiceDelta(0, "", (), "stop"))
     empty.finish("stop", usage)
     assert [i.type for i in empty.response.output] == ["message"]
+
+
+def test_messages_put_a_thinking_block_before_the_text():
+    from server.messages_events import MessageEvents, stop_reason
+    built = MessageEvents({"id": "msg_1", "content": [], "usage": {}}, None, "qwen3")
+    events = built.start()
+    for i in range(0, len(ANSWER), 5):
+        events += built.push(ChoiceDelta(0, ANSWER[i:i + 5]))
+    events += built.push(ChoiceDelta(0, "", (), "stop"))
+    events += built.finish("stop", None, {"output_tokens": 3})
+    assert built.message["content"] == [
+        {"type": "thinking", "thinking": "\nThe user wants a planet.\n", "signature": ""},
+        {"type": "text", "text": "Mars."}]
+    kinds = [name for name, _ in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"]
+    assert [p["index"] for name, p in events if name == "content_block_start"] == [0, 1]
+    deltas = {p["delta"]["type"] for name, p in events if name == "content_block_delta"}
+    assert deltas == {"thinking_delta", "text_delta"}
+    assert built.message["stop_reason"] == "end_turn"
+    assert stop_reason("length", None, True) == "max_tokens"
+    assert stop_reason("stop", "###", False) == "stop_sequence"
+    assert stop_reason("stop", None, True) == "tool_use"

@@ -1,0 +1,131 @@
+"""MessagesServing: the Anthropic Messages API (POST /v1/messages and
+/v1/messages/count_tokens), for clients that speak it (the anthropic SDK, Claude Code), as
+llama.cpp's and vLLM's servers serve it.
+
+A messages request is answered as the chat completion it means (server/messages_protocol.py:
+system prompt, turns, tool use and results, tools and tool_choice, stop_sequences, thinking):
+the chat path's template, tool plan, grammar and engine run unchanged; the answer is a
+`message` of content blocks (server/messages_events.py), streamed as Anthropic's named events.
+Usage counts the prompt's tokens served from the prefix cache as cache_read_input_tokens,
+the rest as input_tokens (Anthropic's split). Errors on these routes come in Anthropic's shape
+({"type": "error", "error": {"type", "message"}}: server/errors.py).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+import anyio
+from fastapi import Request
+from pydantic import ValidationError
+from starlette.responses import Response
+
+from server.choice_stream import ChoiceDelta
+from server.errors import invalid_request
+from server.generation import ChoiceResult, Generation
+from server.messages_events import MessageEvents
+from server.messages_protocol import CountTokensRequest, MessagesRequest
+from server.protocol import ChatCompletionRequest
+from server.protocol_tools import _Wire
+from server.serving import OpenAIServing, json_response, to_api_error
+from server.serving_chat import _constraints, template_options
+from server.tokenizer import TemplateError
+from server.tools import chat_messages
+
+
+class MessageBody(_Wire):
+    """An Anthropic message (the non-streamed answer)."""
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None = None
+    stop_sequence: str | None = None
+    usage: dict[str, int]
+
+
+class TokenCount(_Wire):
+    input_tokens: int
+
+
+class MessagesServing(OpenAIServing):
+    named_events = True
+
+    async def create(self, request: MessagesRequest, raw: Request) -> Response:
+        self.ctx.check_model(request.model)
+        chat, prompt_ids = await self._prompt(request)
+        plan, grammar = await anyio.to_thread.run_sync(_constraints, chat)
+        message_id = f"msg_{uuid.uuid4().hex}"
+        generation = self.generation(chat, [prompt_ids], message_id, "messages", grammar)
+        base = {"id": message_id, "type": "message", "role": "assistant",
+                "model": request.model, "content": [], "stop_reason": None,
+                "stop_sequence": None, "usage": {}}
+        style = self.ctx.reasoning_style
+
+        def fresh() -> MessageEvents:
+            return MessageEvents(dict(base, content=[]), plan, style)
+
+        return await self.respond(
+            raw, generation, stream=bool(request.stream),
+            events=lambda: self._events(fresh(), generation),
+            build=lambda results: self._build(fresh(), generation, results))
+
+    async def count_tokens(self, request: CountTokensRequest) -> Response:
+        self.ctx.check_model(request.model)
+        _, prompt_ids = await self._prompt(request, max_tokens=False)
+        return json_response(TokenCount(input_tokens=len(prompt_ids)))
+
+    async def _prompt(self, request: MessagesRequest, max_tokens: bool = True
+                      ) -> tuple[ChatCompletionRequest, list[int]]:
+        """The chat request it means and its prompt's token ids."""
+        tokenizer = self.ctx.require_ready()
+        try:
+            chat = ChatCompletionRequest.model_validate(request.chat_fields(max_tokens))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise invalid_request(f"Invalid request: {first.get('msg', 'invalid value')}.",
+                                  param="messages") from None
+        messages, tools = chat_messages(chat, tokenizer.chat_template)
+        self.check_prompt_text(["".join(m["content"] or "" for m in messages)], "messages")
+        try:
+            ids = await anyio.to_thread.run_sync(
+                lambda: tokenizer.encode_chat(messages, tools, **template_options(chat)))
+        except TemplateError as exc:
+            raise invalid_request(str(exc), param="messages") from None
+        return chat, ids
+
+    async def _events(self, events: MessageEvents,
+                      generation: Generation) -> AsyncIterator[dict]:
+        events.message["usage"] = _usage(generation)
+        for _, payload in events.start():
+            yield payload
+        reason = stop = None
+        try:
+            async for delta in generation.deltas():
+                for _, payload in events.push(delta):
+                    yield payload
+                reason, stop = delta.finish_reason or reason, delta.stop_string or stop
+        except Exception as exc:                 # mid-stream: an error event ends it
+            for _, payload in events.fail(to_api_error(exc).message):
+                yield payload
+            return
+        for _, payload in events.finish(reason, stop, _usage(generation)):
+            yield payload
+
+    def _build(self, events: MessageEvents, generation: Generation,
+               results: list[ChoiceResult]) -> MessageBody:
+        (r,) = results
+        events.start()
+        events.push(ChoiceDelta(r.index, r.text, (), r.finish_reason, r.stop_string))
+        events.finish(r.finish_reason, r.stop_string, _usage(generation))
+        return MessageBody(**events.message)
+
+
+def _usage(generation: Generation) -> dict[str, int]:
+    """Anthropic's usage: input_tokens are the prompt's tokens not read from the cache."""
+    u = generation.usage()
+    cached = u.prompt_tokens_details.cached_tokens
+    return {"input_tokens": u.prompt_tokens - cached, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0, "output_tokens": u.completion_tokens}
+
