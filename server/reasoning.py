@@ -14,6 +14,8 @@ held back until it is known not to be one (the tool parser's rule, server/tool_p
 """
 from __future__ import annotations
 
+from server.tool_parser import partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
 
@@ -78,7 +80,7 @@ class ReasoningSplitter:
                 out.append(("reasoning", self._buf[:at]))
             self._buf, self._state = self._buf[at + len(CLOSE):], "after"
             return
-        keep = _partial_suffix(self._buf, CLOSE)
+        keep = partial_suffix(self._buf, CLOSE)
         if len(self._buf) > keep:
             out.append(("reasoning", self._buf[:len(self._buf) - keep]))
             self._buf = self._buf[len(self._buf) - keep:]
@@ -91,14 +93,6 @@ class ReasoningSplitter:
             self._state = "content"
         out.append(("content", self._buf))
         self._buf = ""
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of `text` that is a start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 def split_reasoning(style: str | None, text: str) -> tuple[str | None, str]:

@@ -68,7 +68,7 @@ class ToolCallParser:
             if not self._in_call:
                 start = self._buf.find(CALL_OPEN)
                 if start < 0:
-                    keep = _partial_suffix(self._buf, CALL_OPEN)
+                    keep = partial_suffix(self._buf, CALL_OPEN)
                     self._content(out, self._buf[:len(self._buf) - keep])
                     self._buf = self._buf[len(self._buf) - keep:]
                     return out
@@ -112,7 +112,7 @@ class ToolCallParser:
             self._space = ""
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
