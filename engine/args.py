@@ -129,8 +129,8 @@ class EngineArgs:
                                 group="sparse")
     selector: str = setting(_KV.selector, "page scoring: Quest's min/max bound, the mean "
                             "key, Quest's bound over keys projected to --lowrank-rank "
-                            "dims (KVSwap's low-rank keys: at rank 16 a quarter of Quest's summaries; "
-                            "the projection is calibrated once per model, `strata "
+                            "dims (KVSwap's low-rank keys: at rank 16 a quarter of Quest's "
+                            "summaries; the projection is calibrated once per model, `strata "
                             "calibrate`), or KVDrive's centroid index (k-means over the "
                             "pages' mean keys, whole clusters best first)", SELECTORS,
                             group="sparse")

@@ -100,7 +100,8 @@ class LLMEngine:
                 and decode < prefill and not self.args.decode_threads:
             self.core_split = CoreSplit(prefill, decode, shared=shared)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull, KVFull, a ValueError when it can never
         fit (RequestTooLarge, KVNeverFits), DuplicateRequestId when the id is in use (before
         anything is touched: the request that has the id goes on unharmed)."""

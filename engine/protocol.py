@@ -1,4 +1,5 @@
-"""EngineClient: the only door between the HTTP server and the engine (token ids and dataclasses)."""
+"""EngineClient: the only door between the HTTP server and the engine (token ids and
+dataclasses)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

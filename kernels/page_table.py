@@ -70,7 +70,8 @@ class PageTable:
 
 def build_page_table(page_ids: Sequence[Sequence[int]], kv_lens: Sequence[int], page_size: int,
                      device: torch.device | str = "cpu") -> PageTable:
-    """Page table for sequences with `kv_lens[i]` tokens stored in `page_ids[i]` (extra pages ignored).
+    """Page table for sequences with `kv_lens[i]` tokens stored in `page_ids[i]` (extra pages
+    ignored).
 
     A sequence with kv_len 0 gets no pages and last_page_len 0.
     """

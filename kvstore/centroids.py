@@ -4,8 +4,8 @@ Per request, layer and KV head, the pages' mean keys (the mean rows of the page 
 kernels/page_summary.py) are clustered by k-means into one centroid per `centroid_pages` pages
 (KVDrive: ~15 tokens a centroid over chunks of 4 tokens, 3.7 chunks a centroid; here a chunk
 is a page, the unit every tier moves). Each page keeps its cluster's label. The centroids are
-kept in the summaries' dtype (the KV dtype: bf16 by default), as Quest's summaries are. A decode query
-scores the centroids (q . c, the largest over the query heads of a GQA group, as the page
+kept in the summaries' dtype (the KV dtype: bf16 by default), as Quest's summaries are. A decode
+query scores the centroids (q . c, the largest over the query heads of a GQA group, as the page
 selectors combine heads), and the pages are ranked by their cluster's rank: whole clusters
 best first, and within a cluster the newest pages first, so the cluster at the budget's cut
 gives its newest pages. kernels.page_topk.select_pages then keeps the sink pages, the local

@@ -10,7 +10,8 @@ PIPELINES = ("sequential", "sfc", "layer-ahead")
 RESIDENCY_POLICIES = ("cycle", "lru", "score")       # kvstore/residency.py
 PLACEMENTS = ("recency", "mass")            # kvstore/placement.py
 OBS_REDUCE = ("sum", "max")
-SELECTORS = ("quest", "mean", "lowrank", "centroid")   # kernels/page_select.py, kvstore/centroids.py
+SELECTORS = ("quest", "mean", "lowrank", "centroid")   # kernels/page_select.py,
+                                                       # kvstore/centroids.py
 TIER_CODECS = ("none", "int8", "int4")      # kvstore/tiers/codec.py
 
 
@@ -38,9 +39,11 @@ class KVStoreConfig:
     merge_host: bool = True
     disk_bytes: int = 0                  # --kv-disk-gb: files under disk_path (the backing store)
     disk_path: Path | None = None        # --kv-disk-path (its first folder)
-    disk_paths: tuple[Path, ...] = ()    # --kv-disk-path A,B,...: every folder, pages striped (disk_set.py)
+    disk_paths: tuple[Path, ...] = ()    # --kv-disk-path A,B,...: every folder, pages striped
+                                         # (disk_set.py)
     disk_threads: int = 8
-    sparse_budget: int = 0               # --sparse-budget tokens per request/layer/KV head; 0: dense
+    sparse_budget: int = 0               # --sparse-budget tokens per request/layer/KV head;
+                                         # 0: dense
     # --sparse-threshold: a decode attends sparsely once its context is past this many tokens
     # (and the budget); 0: twice the budget (below that, selecting costs more than it skips)
     sparse_threshold: int = 0
@@ -52,21 +55,32 @@ class KVStoreConfig:
     selector: str = "quest"              # --selector: quest | mean | lowrank
     lowrank_rank: int = 16               # --lowrank-rank: dims of the projected keys (lowrank)
     centroid_pages: int = 2              # --centroid-pages: pages per k-means centroid (centroid)
-    obs_window: int = 32                 # --sparse-obs-window: last prompt tokens whose attention ranks pages at prefill; 0: off
-    obs_reduce: str = "max"              # --sparse-obs-reduce: sum | max over the window's queries and a group's heads
-    prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for the prompt's top pages
-    head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages, or the union
+    obs_window: int = 32                 # --sparse-obs-window: last prompt tokens whose attention
+                                         # ranks pages at prefill; 0: off
+    obs_reduce: str = "max"              # --sparse-obs-reduce: sum | max over the window's queries
+                                         # and a group's heads
+    prior_share: float = 0.25            # --sparse-prior-share: part of the selected pages kept for
+                                         # the prompt's top pages
+    head_pages: str = "per-head"         # --sparse-head-pages: each KV head attends its own pages,
+                                         # or the union
     residency: str = "score"             # --residency: cycle | lru | score (device and host tiers)
-    placement: str = "recency"           # --kv-placement: recency | mass (which prompt pages stay in DRAM after prefill)
+    placement: str = "recency"           # --kv-placement: recency | mass (which prompt pages stay
+                                         # in DRAM after prefill)
     max_num_seqs: int = 16               # for per-request placement quotas
     pipeline: str = "sequential"         # --pipeline: sequential | sfc | layer-ahead
-    micro_batch: int = 0                 # --micro-batch: sequences per SFC micro-batch; 0: calibrate
-    prefix_cache: bool = True            # --prefix-cache: reuse the KV of full pages of earlier prompts
-    force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this tier (tests, diagnostics)
+    micro_batch: int = 0                 # --micro-batch: sequences per SFC micro-batch;
+                                         # 0: calibrate
+    prefix_cache: bool = True            # --prefix-cache: reuse the KV of full pages of earlier
+                                         # prompts
+    force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this
+                                         # tier (tests, diagnostics)
     tier_codec: str = "none"             # --kv-tier-codec: pages on disk as 8- or 4-bit codes
-    tier_codec_group: int = 0            # --kv-tier-codec-group: channels per scale (0: 64 for int8, 32 for int4)
-    tier_codec_share: str = "1"          # --kv-tier-codec-share: auto | the share of layers the disk tier codes
-    recompute: str = "off"               # --kv-recompute: off | auto | a share of each fill's disk pages (KVPR)
+    tier_codec_group: int = 0            # --kv-tier-codec-group: channels per scale (0: 64 for
+                                         # int8, 32 for int4)
+    tier_codec_share: str = "1"          # --kv-tier-codec-share: auto | the share of layers the
+                                         # disk tier codes
+    recompute: str = "off"               # --kv-recompute: off | auto | a share of each fill's disk
+                                         # pages (KVPR)
     # fills into a device pool that is not host memory: "auto" a CUDA copy stream on a GPU
     # (in place on a CPU); "thread" its CPU stand-in (kvstore/tiers/transfers.py; tests)
     copy_stream: str = "auto"

@@ -203,7 +203,8 @@ def calibration_texts(tokenizer_json: str | Path, tokens: int = 32768, length: i
         raise ValueError(f"calibration text has {len(ids)} tokens; give at least "
                          f"{length}")
     step = max(length, (len(ids) - length) // max(1, tokens // length))
-    return [ids[i:i + length] for i in range(0, len(ids) - length + 1, step)][:max(1, tokens // length)]
+    return [ids[i:i + length]
+            for i in range(0, len(ids) - length + 1, step)][:max(1, tokens // length)]
 
 
 def bundled_text() -> str:

@@ -11,8 +11,9 @@
 - `publish`: once a request's prompt is computed, its full pages join the cache (one more
   reference each, so they outlive the request), and when it ends those of its answer too
   (the next turn of a conversation resends it; their KV came from decode steps, which
-  compute it with the same weights as a prefill would, up to rounding, as in vLLM); with a disk tier they are `persist`ed to
-  its index once their bytes are on disk, and a restarted server `restore`s them.
+  compute it with the same weights as a prefill would, up to rounding, as in vLLM); with a
+  disk tier they are `persist`ed to its index once their bytes are on disk, and a restarted
+  server `restore`s them.
 - `reclaim`: pages only the cache holds go, least recently used first, when the allocator
   or the disk budget runs short. Pages a request holds are never evicted.
 - Restored pages are read back and checked once before their first use (`_verify`): a page

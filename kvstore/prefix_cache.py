@@ -33,7 +33,8 @@ class CachedPage:
     key: bytes
     page_id: int
     depth: int                          # page `depth` of its chain: tokens [depth*ps, (depth+1)*ps)
-    summaries: torch.Tensor | None      # [L, kvh, 3, hd] min | max | mean of its keys; None: not kept
+    summaries: torch.Tensor | None      # [L, kvh, 3, hd] min | max | mean of its keys;
+                                        # None: not kept
     recorded: bool = False              # its record is in the disk tier's index
     verified: bool = True               # read back and checked since start-up (False: restored)
 

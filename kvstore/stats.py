@@ -25,7 +25,8 @@ class KVStats:
     evictions: Counter = field(default_factory=Counter)        # tier -> pages evicted
     recomputed: Counter = field(default_factory=Counter)       # tier -> pages rebuilt from inputs
     dense_fallbacks: Counter = field(default_factory=Counter)  # reason -> (request, layer) steps
-    selected_buckets: list[int] = field(default_factory=lambda: [0] * (len(SELECTED_TOKEN_BUCKETS) + 1))
+    selected_buckets: list[int] = field(
+        default_factory=lambda: [0] * (len(SELECTED_TOKEN_BUCKETS) + 1))
     selected_sum: int = 0
     selected_count: int = 0
     stage_buckets: dict = field(default_factory=lambda: {
@@ -64,7 +65,8 @@ class KVStats:
             self.stage_stall[stage] += seconds
 
     def count(self, counter: str, tier: str, n: int) -> None:
-        """counter in lookups | hits | evictions | recomputed (thread-safe: pipeline stages run on threads)."""
+        """counter in lookups | hits | evictions | recomputed (thread-safe: pipeline stages run on
+        threads)."""
         with self._lock:
             getattr(self, counter)[tier] += n
 
@@ -98,7 +100,8 @@ class KVStatsSnapshot:
     hits: dict
     evictions: dict
     dense_fallbacks: dict
-    selected_buckets: tuple      # non-cumulative counts per SELECTED_TOKEN_BUCKETS bucket (+Inf last)
+    selected_buckets: tuple      # non-cumulative counts per SELECTED_TOKEN_BUCKETS bucket
+                                 # (+Inf last)
     selected_sum: int
     selected_count: int
     stage_buckets: dict = field(default_factory=dict)   # stage -> non-cumulative bucket counts

@@ -7,16 +7,19 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class ScheduledRequest:
     request_id: str
-    token_ids: tuple[int, ...]   # tokens whose K/V this step computes (a prefill chunk, or 1 for decode)
+    token_ids: tuple[int, ...]   # tokens whose K/V this step computes (a prefill chunk, or 1 for
+                                 # decode)
     start_pos: int               # position of token_ids[0] == num_computed_tokens before the step
     page_ids: tuple[int, ...]    # the request's KV pages, covering [0, start_pos + len(token_ids))
-    sample: bool                 # True when the chunk ends at the last known token: sample one token
+    sample: bool                 # True when the chunk ends at the last known token: sample one
+                                 # token
 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
     requests: tuple[ScheduledRequest, ...]   # running requests first, then newly admitted ones
-    preempted_ids: tuple[str, ...] = ()      # requests whose pages were freed for recompute this step
+    preempted_ids: tuple[str, ...] = ()      # requests whose pages were freed for recompute this
+                                             # step
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""Per-request sampling parameters (plain data; built by the server, read by scheduler and sampler)."""
+"""Per-request sampling parameters (plain data; built by the server, read by scheduler and
+sampler)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -48,9 +48,11 @@ class SchedulerConfig:
     max_num_seqs: int = 16               # running requests at most
     max_num_batched_tokens: int = 2048   # tokens computed per step, over all requests
     max_waiting: int = 256               # waiting requests per client at most (QueueFull beyond)
-    max_waiting_total: int = 0           # waiting requests of all clients at most; 0: 4 x max_waiting
+    max_waiting_total: int = 0           # waiting requests of all clients at most;
+                                         # 0: 4 x max_waiting
     max_model_len: int = 8192            # prompt + max_tokens at most
-    long_prefill_chunk: int = 0          # tokens per request per step at most; 0: only the budget caps
+    long_prefill_chunk: int = 0          # tokens per request per step at most; 0: only the budget
+                                         # caps
     page_size: int = 16                  # tokens per KV page (must match the allocator)
 
     def __post_init__(self):
