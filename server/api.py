@@ -144,6 +144,12 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
         card = ModelCard(id=served_model_name, max_model_len=ctx.max_model_len)
         return json_response(ModelList(data=[card]))
 
+    @v1.get("/models/{model:path}", response_model=ModelCard,
+            responses={**_V1_ERRORS, 404: _GENERATE_ERRORS[404]})
+    async def get_model(model: str) -> Response:
+        ctx.check_model(model)          # the served name or an alias (404 otherwise)
+        return json_response(ModelCard(id=model, max_model_len=ctx.max_model_len))
+
 
     @v1.post("/tokenize", response_model=TokenizeResponse, responses=_errors)
     async def tokenize(request: TokenizeRequest) -> Response:

@@ -39,6 +39,11 @@ def test_models_lists_the_served_model(client):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL]
     assert max_model_len(client) > 0
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-9")
+    assert missing.value.body["code"] == "model_not_found"
 
 
 def test_chat_completion_returns_text_and_usage(client):
