@@ -134,7 +134,7 @@ class MessagesRequest(_Request):
                 "name": t.name, "description": t.description, "parameters": t.input_schema}}
                 for t in self.tools]
         choice = self.tool_choice
-        if choice is not None and (self.tools or choice.type != "none"):
+        if choice is not None and self.tools:          # (a choice without tools: none)
             fields["tool_choice"] = ({"type": "function", "function": {"name": choice.name}}
                                      if choice.type == "tool" else
                                      {"auto": "auto", "any": "required"}.get(choice.type,
