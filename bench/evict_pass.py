@@ -44,7 +44,8 @@ def make_store(args, root: Path) -> TieredKVStore:
     store.tiers.clean[:] = torch.rand(store.tiers.clean.numel(), generator=g) < 0.95
     now = 50 * LAYERS
     store.tiers.clock_now = now
-    for pol, n in ((store.tiers.residency, dev.num_slots), (store.tiers.host_residency, host.num_slots)):
+    for pol, n in ((store.tiers.residency, dev.num_slots),
+                   (store.tiers.host_residency, host.num_slots)):
         pol.last_used[:] = now - torch.randint(0, 2 * LAYERS, (n,), generator=g)
     store.tiers.device_pinned[:] = torch.rand(dev.num_slots, generator=g) < 0.02
     return store

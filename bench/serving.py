@@ -29,7 +29,8 @@ from bench.servers import async_openai, server_or_url  # noqa: E402
 TOPICS = ["the water cycle", "how a compiler works", "the history of the printing press",
           "why the sky is blue", "how vaccines train the immune system", "the rules of chess",
           "photosynthesis", "how bridges carry load", "the causes of inflation", "plate tectonics",
-          "how a CPU cache works", "the life of a star", "how bees communicate", "TCP congestion control"]
+          "how a CPU cache works", "the life of a star", "how bees communicate",
+          "TCP congestion control"]
 
 
 def prompts(n: int) -> list[str]:
@@ -62,7 +63,8 @@ async def one(client: AsyncOpenAI, model: str, prompt: str, max_tokens: int) -> 
             "prompt_tokens": usage.prompt_tokens if usage else 0}
 
 
-async def run_clients(url: str, model: str, ps: list[str], concurrency: int, max_tokens: int) -> dict:
+async def run_clients(url: str, model: str, ps: list[str], concurrency: int,
+                      max_tokens: int) -> dict:
     client = async_openai(url, timeout=3600, max_retries=2)     # the SDK's default retries
     sem = asyncio.Semaphore(concurrency)
     bar = tqdm(total=len(ps), desc=f"strata c={concurrency}", unit="req")
@@ -109,7 +111,8 @@ def run_transformers(folder: Path, ps: list[str], batch: int, max_tokens: int, d
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", help="base URL of a running server (…/v1); default: start one")
     ap.add_argument("--model", default="SmolLM2-135M-Instruct", help="served model name")
     ap.add_argument("--num-prompts", type=int, default=32)

@@ -23,7 +23,8 @@ against model bytes + device + host budgets (the pools are pre-touched at start-
 overhead is broken into the Python/torch runtime measured before the engine is built, the page
 summaries, and the rest (workspaces, bookkeeping, allocator slack). --malloc-trim calls glibc's
 malloc_trim(0) after prefill and records the RSS it leaves (how much is freed-but-retained heap).
---profile N: cProfile of N decode steps, written to bench/results/sparse_decode_profile_<config>.txt.
+--profile N: cProfile of N decode steps, written to
+bench/results/sparse_decode_profile_<config>.txt.
 """
 from __future__ import annotations
 

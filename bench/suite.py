@@ -10,8 +10,11 @@ with its own progress bar and JSON under bench/results/:
 
 | part | default | --quick | --full |
 |---|---|---|---|
-| bench/throughput.py | contexts 4K 7K x 1 4 8 requests, 4 Strata configs, peers (llama.cpp, transformers fp32) at every level; a burst of 8 | 1K x 1 4, dense and sparse-tiered, transformers fp32 | 1K 4K 7K x 1 4 8 16 requests, peers at every level; a burst of 8 |
-| bench/ruler.py | ~4K and ~7K, 1 sample per task, dense and budgets 256, 1024 | ~4K, 1 per task, dense and 1024 | budgets 256-2048, 3 per task |
+| bench/throughput.py | contexts 4K 7K x 1 4 8 requests, 4 Strata configs, peers (llama.cpp, \
+transformers fp32) at every level; a burst of 8 | 1K x 1 4, dense and sparse-tiered, \
+transformers fp32 | 1K 4K 7K x 1 4 8 16 requests, peers at every level; a burst of 8 |
+| bench/ruler.py | ~4K and ~7K, 1 sample per task, dense and budgets 256, 1024 \
+| ~4K, 1 per task, dense and 1024 | budgets 256-2048, 3 per task |
 | bench/roofline.py | 1 GiB DRAM, 2 GiB disk file | 256 MiB, 512 MiB | as default |
 
 Prefill dominates on a CPU (~350-600 tokens/s at 7K, depending on the box), and every request

@@ -1,10 +1,10 @@
 """Decode throughput, TTFT and inter-token latency over context x concurrency, through the HTTP
 API, for Strata's KV configurations and for peers on the same machine and model.
 
-    .venv/bin/python bench/throughput.py                      # contexts 1K 4K 7K x concurrency 1 4 8 16
-    .venv/bin/python bench/throughput.py --quick              # 1K x 1 4, dense and sparse-tiered
+    .venv/bin/python bench/throughput.py                  # contexts 1K 4K 7K x concurrency 1 4 8 16
+    .venv/bin/python bench/throughput.py --quick          # 1K x 1 4, dense and sparse-tiered
     .venv/bin/python bench/throughput.py --configs dense sparse-tiered --contexts 7000 \
-        --concurrency 1 8 --burst 8                           # the ramp, then 8 requests at once
+        --concurrency 1 8 --burst 8                       # the ramp, then 8 requests at once
     .venv/bin/python bench/throughput.py --configs --peers llama.cpp   # the llama.cpp peer alone
     .venv/bin/python bench/throughput.py --replot bench/results/throughput.json
 
