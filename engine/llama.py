@@ -1,4 +1,4 @@
-"""The Llama-family forward (Llama, SmolLM2, Qwen2, Qwen3, Mistral) over a paged KV cache.
+"""The Llama-family forward (Llama, SmolLM2/3, Qwen2, Qwen3, Mistral) over a paged KV cache.
 
 One step runs T tokens of B sequences, flattened: every projection sees all T tokens at once
 ([T, hidden]); only attention knows about sequences, through the step's KV access object
@@ -68,6 +68,7 @@ class DecoderLayer(nn.Module):
         # Qwen3: each q and k head RMS-normed (over head_dim) before RoPE
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.rope = index not in cfg.nope_layers        # SmolLM3: some layers have no RoPE
         self.pack({}, None, 0)
 
     def pack(self, quant: dict[str, GroupQuant], fmt: str | None, prefill_rows: int) -> None:
@@ -84,7 +85,7 @@ class DecoderLayer(nn.Module):
         the layer-ahead guess of which KV pages this layer will want)."""
         q = self.qkv(self.input_layernorm(x))[:, :self.q_size]
         q = self._head_norm(self.q_norm, q.reshape(x.shape[0], self.num_heads, self.head_dim))
-        return RotaryEmbedding.apply(q, cos, sin)
+        return RotaryEmbedding.apply(q, cos, sin) if self.rope else q
 
     def _norm_heads_(self, qkv: torch.Tensor, t: int) -> None:
         """Each q and k head of qkv [T, q+2kv] RMS-normed in place (the C norm, as
@@ -110,7 +111,8 @@ class DecoderLayer(nn.Module):
         k, v = F.linear(xn.to(w.dtype), w, b).split([self.kv_size, self.kv_size], dim=-1)
         n = xn.shape[0]
         k = self._head_norm(self.k_norm, k.reshape(n, self.num_kv_heads, self.head_dim))
-        k = RotaryEmbedding.apply(k, cos, sin)
+        if self.rope:
+            k = RotaryEmbedding.apply(k, cos, sin)
         return k, v.reshape(n, self.num_kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
@@ -123,13 +125,15 @@ class DecoderLayer(nn.Module):
         if native:          # q and k heads (normed, Qwen3) rotated in place in qkv
             if self.q_norm is not None:
                 self._norm_heads_(qkv, t)
-            layer_ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, cos, sin)
+            if self.rope:
+                layer_ops.rope_(qkv, self.num_heads + self.num_kv_heads, d, cos, sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k, v = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), \
             v.view(t, self.num_kv_heads, d)
         if not native:
             q, k = self._head_norm(self.q_norm, q), self._head_norm(self.k_norm, k)
-            q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+            if self.rope:
+                q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
         if getattr(kv, "keeps_inputs", False):     # KV recompute stores the layer's inputs
             o = kv.attend(self.index, q, k, v, self.scale, inputs=xn)
         else:

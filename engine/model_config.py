@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM")
+                           "MistralForCausalLM", "SmolLM3ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                       "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM"}
+                       "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
+                       "smollm3": "SmolLM3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ModelConfig:
     sliding_window: int | None            # None when absent or disabled
     dtype: str | None = None              # checkpoint dtype ("bfloat16", ...) if recorded
     qk_norm: bool = False                 # RMSNorm on each q and k head before RoPE (Qwen3)
+    nope_layers: tuple[int, ...] = ()     # layers without RoPE (SmolLM3's NoPE layers)
 
     @property
     def group_size(self) -> int:
@@ -75,8 +77,9 @@ class ModelConfig:
         is_mistral = arch == "MistralForCausalLM"
         attention_bias = True if is_qwen2 else (False if is_mistral
                                                 else bool(cfg.get("attention_bias", False)))
-        o_bias = attention_bias if arch in ("LlamaForCausalLM", "Qwen3ForCausalLM") else False
-        mlp_bias = bool(cfg.get("mlp_bias", False)) if arch == "LlamaForCausalLM" else False
+        llama_like = arch in ("LlamaForCausalLM", "SmolLM3ForCausalLM")
+        o_bias = attention_bias if llama_like or arch == "Qwen3ForCausalLM" else False
+        mlp_bias = bool(cfg.get("mlp_bias", False)) if llama_like else False
         if cfg.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("partial_rotary_factor != 1 is not supported")
         return cls(
@@ -101,6 +104,7 @@ class ModelConfig:
             sliding_window=_sliding_window(cfg, is_qwen2 or is_qwen3, is_mistral),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             qk_norm=is_qwen3,
+            nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else (),
         )
 
 
@@ -128,13 +132,24 @@ def _ids(*values: Any) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _nope_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: `no_rope_layers` lists 1 (RoPE) or 0 (none) per layer;
+    absent, every `no_rope_layer_interval`-th layer (4th) has none."""
+    layers = int(cfg["num_hidden_layers"])
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        every = int(cfg.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % every != 0) for i in range(layers)]
+    return tuple(i for i, rope in enumerate(flags) if not rope)
+
+
 def _sliding_window(cfg: Mapping[str, Any], is_qwen: bool, is_mistral: bool) -> int | None:
     window = cfg.get("sliding_window")
     if not window:
         return None
     if is_mistral:
         return int(window)
-    if is_qwen and (cfg.get("use_sliding_window")
+    if (is_qwen or cfg.get("model_type") == "smollm3") and (cfg.get("use_sliding_window")
                      or "sliding_attention" in (cfg.get("layer_types") or [])):
         return int(window)
     return None

@@ -2,8 +2,8 @@
  * engine/llama.py over B rows of one new token each, float32 activations, weights in our 4-
  * or 8-bit formats, the KV store's resident table:
  *
- *   xn = norm1(x); qkv = xn @ Wqkv; [Qwen3: norm each q and k head]; RoPE(q, k); K/V into
- *   the pool; a = attention(q);
+ *   xn = norm1(x); qkv = xn @ Wqkv; [Qwen3: norm each q and k head]; RoPE(q, k) [not in
+ *   SmolLM3's NoPE layers]; K/V into the pool; a = attention(q);
  *   h = x + a @ Wo; y = silu(g) * u for [g|u] = norm2(h) @ Wgu; x = h + y @ Wdown
  *
  * A step's ~15 torch and C calls a layer, each with its Python around it, were most of a
@@ -47,8 +47,9 @@ enum {      /* then a row a layer (R_SPARSE 0: the layer attends to the step's t
 };
 enum { RES_NNZ, RES_UNNZ, RES_SELECT_NS, RES_ATTEND_NS, RESULT_WORDS };
 enum {      /* a layer's words: the two norms' weights, the q and k heads' norms' (Qwen3; 0:
-             * none), then 5 a matmul (qkv, o, gate_up, down) */
-    L_NORM1, L_NORM2, L_QNORM, L_KNORM, L_W, LAYER_WORDS = L_W + 4 * 5
+             * none), whether it rotates q and k (0: SmolLM3's NoPE layers), then 5 a matmul
+             * (qkv, o, gate_up, down) */
+    L_NORM1, L_NORM2, L_QNORM, L_KNORM, L_ROPE, L_W, LAYER_WORDS = L_W + 4 * 5
 };
 enum { W_CODES, W_SCALE, W_ZERO, W_BITS, W_XBITS };
 
@@ -111,7 +112,8 @@ static int attention_inputs(const int64_t *st, const int64_t *lw, int layer, flo
     for (Py_ssize_t r = 0; r < b; r++) {
         if (lw[L_QNORM])
             norm_heads(qkv + r * nqkv, lw, nh, kvh, d, eps);
-        ops_api->rope_row(qkv + r * nqkv, cs + r * d, sn + r * d, nh + kvh, (int)d, 0);
+        if (lw[L_ROPE])
+            ops_api->rope_row(qkv + r * nqkv, cs + r * d, sn + r * d, nh + kvh, (int)d, 0);
         memcpy(q + r * nq, qkv + r * nqkv, sizeof(float) * nq);
     }
     const int64_t *tok = (const int64_t *)(uintptr_t)st[S_TOK_SLOTS] + (int64_t)layer * b;

@@ -104,7 +104,8 @@ def layer_words(layers) -> tuple[torch.Tensor, int] | None:
         if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
             return None
         words = [w.data_ptr() for w in norms[:2]] + [
-            0 if n is None else n.weight.data_ptr() for n in heads]
+            0 if n is None else n.weight.data_ptr() for n in heads] + [
+            int(getattr(layer, "rope", True))]
         for name in ("qkv", "o", "gate_up", "down"):
             linear = getattr(layer, name)
             args = linear.decode.native_args()

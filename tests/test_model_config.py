@@ -55,6 +55,16 @@ def test_qwen3_norms_each_q_and_k_head_and_has_no_qkv_bias_by_default():
     assert not ModelConfig.from_hf(BASE).qk_norm
 
 
+def test_smollm3_nope_layers_listed_or_every_fourth():
+    listed = ModelConfig.from_hf(dict(BASE, architectures=["SmolLM3ForCausalLM"],
+                                      no_rope_layers=[1, 0]))
+    assert listed.nope_layers == (1,) and not listed.qk_norm
+    every = ModelConfig.from_hf(dict(BASE, model_type="smollm3", architectures=None,
+                                     num_hidden_layers=8))
+    assert every.nope_layers == (3, 7)
+    assert ModelConfig.from_hf(BASE).nope_layers == ()
+
+
 def test_mistral_sliding_window():
     c = ModelConfig.from_hf(dict(BASE, architectures=["MistralForCausalLM"], sliding_window=4096))
     assert c.sliding_window == 4096 and not c.attention_bias

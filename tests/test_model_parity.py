@@ -25,6 +25,7 @@ CASES = {
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),        # head_dim != hidden / heads, as Qwen3's
     "qwen3_biases_tied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
+    "smollm3": ("smollm3", {"no_rope_layers": [1, 0], "pad_token_id": 0}),   # layer 1: NoPE
     "mistral": ("mistral", {"sliding_window": None}),
 }
 
@@ -107,16 +108,20 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path):
 
 
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
-def test_the_engine_serves_qwen3_as_transformers_generates(tmp_path, weights):
-    """A tiny Qwen3 (per-head q/k norms, head_dim apart from hidden / heads) through the whole
-    engine: paged KV store, chunked prefill, the resident decode path (its layers op by op:
-    the C layers do not run q/k norms); greedy tokens equal transformers' generate (int8
-    decode weights: up to the first near-tie)."""
+@pytest.mark.parametrize("kind, extra", [("qwen3", {"head_dim": 32}),
+                                         ("smollm3", {"no_rope_layers": [1, 0],
+                                                      "pad_token_id": 0})])
+def test_the_engine_serves_newer_families_as_transformers_generates(tmp_path, weights, kind,
+                                                                    extra):
+    """A tiny Qwen3 (per-head q/k norms, head_dim apart from hidden / heads) or SmolLM3 (a
+    layer without RoPE) through the whole engine: paged KV store, chunked prefill, the
+    resident decode path; greedy tokens equal transformers' generate (int8 decode weights: up
+    to the first near-tie)."""
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from tests.engine_helpers import assert_same_greedy, run_scored
 
-    hf = save_tiny_hf("qwen3", {"head_dim": 32}, tmp_path)
+    hf = save_tiny_hf(kind, extra, tmp_path)
     prompts = _prompts(3, lengths=(41, 17))
     steps = 12
     engine = LLMEngine(EngineArgs(model=str(tmp_path), dtype="fp32", weights=weights,
