@@ -6,7 +6,9 @@ A messages request is answered as the chat completion it means (server/messages_
 system prompt, turns, tool use and results, tools and tool_choice, stop_sequences, thinking):
 the chat path's template, tool plan, grammar and engine run unchanged; the answer is a
 `message` of content blocks (server/messages_events.py), streamed as Anthropic's named events.
-Usage counts the prompt's tokens served from the prefix cache as cache_read_input_tokens,
+A max_tokens above what the context leaves after the prompt is cut to it (Anthropic clients
+send their own model's output limit). Usage counts the prompt's tokens served from the prefix
+cache as cache_read_input_tokens,
 the rest as input_tokens (Anthropic's split). Errors on these routes come in Anthropic's shape
 ({"type": "error", "error": {"type", "message"}}: server/errors.py).
 """
@@ -93,6 +95,11 @@ class MessagesServing(OpenAIServing):
                 lambda: tokenizer.encode_chat(messages, tools, **template_options(chat)))
         except TemplateError as exc:
             raise invalid_request(str(exc), param="messages") from None
+        room = self.ctx.max_model_len - len(ids)
+        if max_tokens and 0 < room < chat.max_tokens:
+            # NOTE: Anthropic clients ask for their model's own output limit (Claude Code:
+            # 32000); what the context leaves is the most this server can write
+            chat = chat.model_copy(update={"max_tokens": room})
         return chat, ids
 
     async def _events(self, events: MessageEvents,

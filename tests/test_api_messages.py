@@ -65,6 +65,12 @@ def test_the_stream_builds_the_same_message(anth):
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_max_tokens_past_the_context_is_what_the_context_leaves(anth):
+    # Claude Code asks for 32000 output tokens whatever the server's context
+    m = create(anth, max_tokens=32000, messages=[{"role": "user", "content": "Hi."}])
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.content
+
+
 def test_a_stop_sequence_ends_it_and_is_named(anth):
     m = create(anth, max_tokens=60, stop_sequences=["Venus"],
                messages=[{"role": "user", "content": "List the planets in order."}])
