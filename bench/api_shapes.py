@@ -26,11 +26,12 @@ MODEL = "SmolLM2-135M-Instruct"
 PROMPT = "Write two sentences about disks."
 
 
-def timed(stream_events, is_token) -> tuple[float, float]:
-    """(seconds to the first token event, seconds to the end) of a stream."""
+def timed(start, is_token) -> tuple[float, float]:
+    """(seconds to the first token event, seconds to the end) of the stream `start()` opens
+    (the server answers the request's headers once its first token is out)."""
     t0 = time.perf_counter()
     first = None
-    for event in stream_events:
+    for event in start():
         if first is None and is_token(event):
             first = time.perf_counter() - t0
     return first or float("nan"), time.perf_counter() - t0
@@ -43,13 +44,13 @@ def run_round(base: str, max_tokens: int) -> dict[str, tuple[float, float]]:
     an = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
     msgs = [{"role": "user", "content": PROMPT}]
     out = {
-        "chat": timed(oa.chat.completions.create(
+        "chat": timed(lambda: oa.chat.completions.create(
             model=MODEL, messages=msgs, max_tokens=max_tokens, temperature=0, stream=True),
             lambda c: bool(c.choices and c.choices[0].delta.content)),
-        "responses": timed(oa.responses.create(
+        "responses": timed(lambda: oa.responses.create(
             model=MODEL, input=PROMPT, max_output_tokens=max_tokens, temperature=0,
             stream=True, store=False), lambda e: e.type == "response.output_text.delta"),
-        "messages": timed(an.messages.create(
+        "messages": timed(lambda: an.messages.create(
             model=MODEL, messages=msgs, max_tokens=max_tokens, stream=True,
             extra_body={"temperature": 0}),
             lambda e: e.type == "content_block_delta"),
@@ -57,11 +58,11 @@ def run_round(base: str, max_tokens: int) -> dict[str, tuple[float, float]]:
     first = oa.responses.create(model=MODEL, input=PROMPT, max_output_tokens=max_tokens,
                                 temperature=0)
     follow = "And one more sentence."
-    out["responses-continued"] = timed(oa.responses.create(
+    out["responses-continued"] = timed(lambda: oa.responses.create(
         model=MODEL, input=follow, previous_response_id=first.id,
         max_output_tokens=max_tokens, temperature=0, stream=True),
         lambda e: e.type == "response.output_text.delta")
-    out["chat-resent"] = timed(oa.chat.completions.create(
+    out["chat-resent"] = timed(lambda: oa.chat.completions.create(
         model=MODEL, max_tokens=max_tokens, temperature=0, stream=True, messages=[
             *msgs, {"role": "assistant", "content": first.output_text},
             {"role": "user", "content": follow}]),
