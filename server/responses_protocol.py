@@ -49,15 +49,18 @@ class ContentPart(_Request):
         return self.text if self.type in TEXT_PARTS else self.refusal
 
 
+def _text_of(content: str | list[ContentPart]) -> str:
+    """A string, or text parts joined by newlines (as chat joins its parts)."""
+    return content if isinstance(content, str) else "\n".join(p.value() for p in content)
+
+
 class MessageItem(_Request):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: Text | list[ContentPart]
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.value() for part in self.content)
+        return _text_of(self.content)
 
 
 class FunctionCallItem(_Request):
@@ -75,9 +78,7 @@ class FunctionCallOutputItem(_Request):
     id: Text | None = None
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "\n".join(part.value() for part in self.output)
+        return _text_of(self.output)
 
 
 class ReasoningItem(_Request):
