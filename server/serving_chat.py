@@ -7,6 +7,7 @@ from typing import AsyncIterator
 
 import anyio
 from fastapi import Request
+from pydantic import ValidationError
 from starlette.responses import Response
 
 from scheduler.sampling_params import GrammarSpec
@@ -35,15 +36,9 @@ class ChatServing(OpenAIServing):
             raise invalid_request("prompt_logprobs come in non-streamed chat responses (or "
                                   "streamed /v1/completions).", param="prompt_logprobs")
         # NOTE: compiling a large schema takes milliseconds: not on the event loop
-        plan, grammar = await anyio.to_thread.run_sync(_constraints, request)
-        messages, tools = chat_messages(request, tokenizer.chat_template)
-        self.check_prompt_text(["".join(m["content"] for m in messages)], "messages",
-                               truncated=request.truncate_prompt_tokens is not None)
-        try:
-            prompt_ids = await anyio.to_thread.run_sync(
-                lambda: tokenizer.encode_chat(messages, tools, **template_options(request)))
-        except TemplateError as exc:
-            raise invalid_request(str(exc), param="messages") from None
+        plan, grammar = await anyio.to_thread.run_sync(constraints, request)
+        prompt_ids = await chat_prompt_ids(self, request, tokenizer,
+                                           truncated=request.truncate_prompt_tokens is not None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         generation = self.generation(request, [prompt_ids], request_id, "messages", grammar)
@@ -132,7 +127,33 @@ def template_options(request: ChatCompletionRequest) -> dict:
                 template_kwargs=request.chat_template_kwargs)
 
 
-def _constraints(request: ChatCompletionRequest) -> tuple[ToolPlan | None, GrammarSpec | None]:
+async def chat_prompt_ids(serving: OpenAIServing, request: ChatCompletionRequest, tokenizer,
+                          param: str = "messages", truncated: bool = False) -> list[int]:
+    """A chat request's prompt as token ids: its messages (and tools) through the chat
+    template, on a worker thread, after the text-size check (`truncated`: the request cuts
+    its prompt); a template error is a 400 naming `param` (another API's name for its
+    messages)."""
+    messages, tools = chat_messages(request, tokenizer.chat_template)
+    serving.check_prompt_text(["".join(m["content"] for m in messages)], param,
+                              truncated=truncated)
+    try:
+        return await anyio.to_thread.run_sync(
+            lambda: tokenizer.encode_chat(messages, tools, **template_options(request)))
+    except TemplateError as exc:
+        raise invalid_request(str(exc), param=param) from None
+
+
+def chat_request(fields: dict, param: str, label: str) -> ChatCompletionRequest:
+    """The chat request another API's request means (`fields`: ChatCompletionRequest's); a
+    value the chat request refuses is a 400 naming `param` ("Invalid <label>: ...")."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        msg = exc.errors()[0].get("msg", "invalid value")
+        raise invalid_request(f"Invalid {label}: {msg}.", param=param) from None
+
+
+def constraints(request: ChatCompletionRequest) -> tuple[ToolPlan | None, GrammarSpec | None]:
     """The tool plan and the grammar the answer follows (a required / named tool_choice's, else
     response_format's or a guided_* field's), or the 400 that says why not."""
     plan = plan_tools(request)

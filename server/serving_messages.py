@@ -19,20 +19,16 @@ from typing import Any, AsyncIterator, Literal
 
 import anyio
 from fastapi import Request
-from pydantic import ValidationError
 from starlette.responses import Response
 
 from server.choice_stream import ChoiceDelta
-from server.errors import invalid_request
 from server.generation import ChoiceResult, Generation
 from server.messages_events import MessageEvents
 from server.messages_protocol import CountTokensRequest, MessagesRequest
 from server.protocol import ChatCompletionRequest
 from server.protocol_tools import _Wire
 from server.serving import OpenAIServing, json_response, to_api_error
-from server.serving_chat import _constraints, template_options
-from server.tokenizer import TemplateError
-from server.tools import chat_messages
+from server.serving_chat import chat_prompt_ids, chat_request, constraints
 
 
 class MessageBody(_Wire):
@@ -57,7 +53,7 @@ class MessagesServing(OpenAIServing):
     async def create(self, request: MessagesRequest, raw: Request) -> Response:
         self.ctx.check_model(request.model)
         chat, prompt_ids = await self._prompt(request)
-        plan, grammar = await anyio.to_thread.run_sync(_constraints, chat)
+        plan, grammar = await anyio.to_thread.run_sync(constraints, chat)
         message_id = f"msg_{uuid.uuid4().hex}"
         generation = self.generation(chat, [prompt_ids], message_id, "messages", grammar)
         base = {"id": message_id, "type": "message", "role": "assistant",
@@ -82,19 +78,8 @@ class MessagesServing(OpenAIServing):
                       ) -> tuple[ChatCompletionRequest, list[int]]:
         """The chat request it means and its prompt's token ids."""
         tokenizer = self.ctx.require_ready()
-        try:
-            chat = ChatCompletionRequest.model_validate(request.chat_fields(max_tokens))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise invalid_request(f"Invalid request: {first.get('msg', 'invalid value')}.",
-                                  param="messages") from None
-        messages, tools = chat_messages(chat, tokenizer.chat_template)
-        self.check_prompt_text(["".join(m["content"] or "" for m in messages)], "messages")
-        try:
-            ids = await anyio.to_thread.run_sync(
-                lambda: tokenizer.encode_chat(messages, tools, **template_options(chat)))
-        except TemplateError as exc:
-            raise invalid_request(str(exc), param="messages") from None
+        chat = chat_request(request.chat_fields(max_tokens), "messages", "request")
+        ids = await chat_prompt_ids(self, chat, tokenizer)
         room = self.ctx.max_model_len - len(ids)
         if max_tokens and 0 < room < chat.max_tokens:
             # NOTE: Anthropic clients ask for their model's own output limit (Claude Code:

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 import anyio
 from fastapi import Request
-from pydantic import TypeAdapter, ValidationError
+from pydantic import TypeAdapter
 from starlette.responses import JSONResponse, Response
 
 from server.choice_stream import ChoiceDelta, Logprobs
@@ -32,9 +32,7 @@ from server.responses_wire import (DeletedResponse, InputItemList, InputTokensDe
                                    LogprobEntry, ResponseObject, ResponseUsage,
                                    TopLogprobEntry)
 from server.serving import OpenAIServing, clamp_logprob, json_response, to_api_error
-from server.serving_chat import _constraints, template_options
-from server.tokenizer import TemplateError
-from server.tools import chat_messages
+from server.serving_chat import chat_prompt_ids, chat_request, constraints
 
 _ITEMS = TypeAdapter(list[InputItem])
 # the chat request's parameter names in errors -> the Responses API's
@@ -63,7 +61,7 @@ class ResponsesServing(OpenAIServing):
         items = request.input_items()
         chat = _chat_request(request, self._history(request.previous_response_id) + items)
         # NOTE: compiling a large schema takes milliseconds: not on the event loop
-        plan, grammar = await anyio.to_thread.run_sync(_constraints, chat)
+        plan, grammar = await anyio.to_thread.run_sync(constraints, chat)
         chat, prompt_ids = await self._prompt(request, chat, tokenizer)
         response_id = new_id("resp")
         generation = self.generation(chat, [prompt_ids], response_id, "input", grammar)
@@ -142,14 +140,8 @@ class ResponsesServing(OpenAIServing):
         room for the answer (the chat request without the dropped ones)."""
         room = request.max_output_tokens or 1
         while True:
-            messages, tools = chat_messages(chat, tokenizer.chat_template)
-            self.check_prompt_text(["".join(m["content"] for m in messages)], "input",
-                                   truncated=request.truncation == "auto")
-            try:
-                ids = await anyio.to_thread.run_sync(
-                    lambda: tokenizer.encode_chat(messages, tools, **template_options(chat)))
-            except TemplateError as exc:
-                raise invalid_request(str(exc), param="input") from None
+            ids = await chat_prompt_ids(self, chat, tokenizer, "input",
+                                        truncated=request.truncation == "auto")
             fits = len(ids) + room <= self.ctx.max_model_len
             shorter = None if fits or request.truncation != "auto" else _drop_oldest(
                 chat.messages)
@@ -221,13 +213,7 @@ def _chat_request(request: ResponsesRequest, items: list) -> ChatCompletionReque
         raise invalid_request("The input has no message to answer.", param="input")
     if request.instructions:
         messages.insert(0, {"role": "system", "content": request.instructions})
-    try:
-        return ChatCompletionRequest.model_validate({**request.chat_fields(),
-                                                     "messages": messages})
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise invalid_request(f"Invalid input: {first.get('msg', 'invalid value')}.",
-                              param="input") from None
+    return chat_request({**request.chat_fields(), "messages": messages}, "input", "input")
 
 
 def _drop_oldest(messages: list[ChatMessage]) -> list[ChatMessage] | None:
