@@ -13,7 +13,7 @@ the caller) go with the text they wrote; those of a call's tokens are dropped.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from server.choice_stream import ChoiceDelta
@@ -28,7 +28,6 @@ class Block:
     text: str = ""                      # the reasoning, the text, or a call's arguments
     call_id: str | None = None          # a call's id and function name
     name: str | None = None
-    logprobs: list[Any] = field(default_factory=list)      # a text block's
 
 
 @dataclass(frozen=True)
@@ -80,10 +79,6 @@ class AnswerBlocks:
             events += self._open_block("text")
         return events + self._close()
 
-    @property
-    def open_block(self) -> Block | None:
-        return self._open
-
     # ------------------------------------------------------------------------------ pieces
     def _pieces(self, pieces) -> list[BlockEvent]:
         events: list[BlockEvent] = []
@@ -118,7 +113,6 @@ class AnswerBlocks:
         logprobs: list = []
         if kind == "text":
             logprobs, self._pending = self._pending, []
-            block.logprobs += logprobs
         elif kind == "reasoning":
             self._pending = []              # logprobs go with text only
         return events + [BlockEvent("write", block, text, tuple(logprobs))]
