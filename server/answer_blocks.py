@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.choice_stream import ChoiceDelta
-from server.reasoning import ReasoningSplitter
+from server.reasoning import ReasoningSplitter, pieces_of
 from server.tool_parser import StreamedCalls
 
 
@@ -56,12 +56,8 @@ class AnswerBlocks:
     def push(self, delta: ChoiceDelta, logprobs: list | None = None) -> list[BlockEvent]:
         """The events of one delta; `logprobs`: its tokens' (formatted), when asked for."""
         self._pending += logprobs or []
-        thinking, text = self._thinking, delta.text
-        parts = ([("content", text)] if thinking is None else thinking.push(text)) if text else []
-        if delta.finish_reason and thinking is not None:
-            parts += thinking.flush()
         events: list[BlockEvent] = []
-        for kind, part in parts:
+        for kind, part in pieces_of(self._thinking, delta.text, bool(delta.finish_reason)):
             if kind == "reasoning":
                 events += self._write("reasoning", part)
             else:

@@ -95,6 +95,15 @@ class ReasoningSplitter:
         self._buf = ""
 
 
+def pieces_of(splitter: "ReasoningSplitter | None", text: str, final: bool) -> list[Piece]:
+    """A delta's text as pieces (all content without a splitter); `final`: the answer ended,
+    so what the splitter holds comes out too."""
+    parts = ([("content", text)] if splitter is None else splitter.push(text)) if text else []
+    if final and splitter is not None:
+        parts += splitter.flush()
+    return parts
+
+
 def split_reasoning(style: str | None, text: str) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole answer."""
     if style is None:

@@ -20,7 +20,7 @@ from server.protocol_responses import (ChatChoiceLogprobs, ChatCompletionChoice,
                                        ChatCompletionStreamChoice, ChatResponseMessage,
                                        ChatTokenLogprob, DeltaMessage, TopLogprob)
 from server.protocol_tools import FunctionCall, ToolCall
-from server.reasoning import ReasoningSplitter, split_reasoning
+from server.reasoning import ReasoningSplitter, pieces_of, split_reasoning
 from server.serving import OpenAIServing, clamp_logprob
 from server.structured import check_constrained, grammar_for
 from server.tokenizer import TemplateError
@@ -166,11 +166,8 @@ def _pieces(calls: StreamedCalls, thinking: ReasoningSplitter | None, text: str,
             include_reasoning: bool) -> list[DeltaMessage]:
     """A choice's delta text as chat delta pieces: its reasoning (when asked for), then its
     content and tool calls; `final`: the answer ended, so what the parsers hold comes out."""
-    parts = ([("content", text)] if thinking is None else thinking.push(text)) if text else []
-    if final and thinking is not None:
-        parts += thinking.flush()
     pieces: list[DeltaMessage] = []
-    for kind, part in parts:
+    for kind, part in pieces_of(thinking, text, final):
         if kind == "reasoning":
             if include_reasoning:
                 pieces.append(DeltaMessage(reasoning_content=part))
