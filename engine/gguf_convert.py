@@ -101,9 +101,21 @@ def _source_key(src: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 
+# GGUF architectures whose file transformers reads without what the model needs
+HF_FOLDER_ONLY = {
+    "phi3": "transformers' GGUF reader drops Phi-3's LongRoPE factors and partial rotary, so "
+            "its answers would drift; serve the model's HF folder (config.json + safetensors)",
+}
+
+
 def _convert(src: Path, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from engine.gguf_weights import open_gguf
+    arch = open_gguf(src).architecture
+    if arch in HF_FOLDER_ONLY:
+        raise ValueError(f"{src.name}: a {arch} GGUF: {HF_FOLDER_ONLY[arch]}")
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))

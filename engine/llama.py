@@ -1,10 +1,12 @@
-"""The Llama-family forward (Llama, SmolLM2/3, Qwen2, Qwen3, Mistral) over a paged KV cache.
+"""The Llama-family forward (Llama, SmolLM2/3, Qwen2, Qwen3, Mistral, Phi-3) over a paged KV
+cache.
 
 One step runs T tokens of B sequences, flattened: every projection sees all T tokens at once
 ([T, hidden]); only attention knows about sequences, through the step's KV access object
 (`kv.attend`), which writes the new K/V before attending, so a sequence's queries see its
 cached tokens and this step's tokens alike. Weights are fused at load: q/k/v into one
-`qkv_proj`, gate/up into one `gate_up_proj`.
+`qkv_proj`, gate/up into one `gate_up_proj` (Phi-3's checkpoints come fused so). A partial
+rotary's q and k rows are reordered at load (engine/rope.py `rotary_order`).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model_config import ModelConfig
-from engine.rope import RotaryEmbedding
+from engine.rope import RotaryEmbedding, rotary_order
 from kernels import layer_ops
 from kernels.decode_layer import DecodeLayers, FusedLayers, layer_words
 from kernels.packed_linear import BITS, DENSE, NATIVE, GroupQuant, Linear, PackedWeight
@@ -195,7 +197,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (None if config.tie_word_embeddings
                         else _param(config.vocab_size, config.hidden_size, **p))
         self.rope = RotaryEmbedding(config.head_dim, max_len, config.rope_theta,
-                                    config.rope_scaling, config.max_position_embeddings).to(device)
+                                    config.rope_scaling, config.max_position_embeddings,
+                                    config.rope_dims).to(device)
         self._quant: dict[tuple[int, str], GroupQuant] = {}    # the file's codes, by layer
         self.pack(None)
 
@@ -276,7 +279,8 @@ class LlamaForCausalLM(nn.Module):
         q, kv, inter = cfg.num_attention_heads * cfg.head_dim, \
             cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
         fused = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
-                 "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter)}
+                 "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter),
+                 "qkv_proj": ("qkv", 0, None), "gate_up_proj": ("gate_up", 0, None)}
         plain = {"o_proj": "o", "down_proj": "down"}
         filled: dict[int, int] = {}
         parts: dict[tuple[int, str], dict[int, GroupQuant]] = {}
@@ -335,8 +339,33 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
-        # a fused weight keeps the file's codes only when all its parts came quantized alike
-        expected = {"qkv": 3, "gate_up": 2}
-        self._quant = {key: GroupQuant.cat([p[s] for s in sorted(p)]) for key, p in parts.items()
-                       if len(p) == expected.get(key[1], 1) and len({q.bits for q in p.values()})
-                       == 1}
+        # a fused weight keeps the file's codes only when all its parts (or the whole, as
+        # Phi-3's files have it) came quantized alike
+        rows = {"qkv": q + 2 * kv, "gate_up": 2 * inter}
+
+        def whole(key, p) -> bool:
+            return len({g.bits for g in p.values()}) == 1 and (
+                key[1] not in rows or sum(g.shape[0] for g in p.values()) == rows[key[1]])
+        self._quant = {key: GroupQuant.cat([p[s] for s in sorted(p)])
+                       for key, p in parts.items() if whole(key, p)}
+        if cfg.rope_dims != cfg.head_dim:
+            self._reorder_rotary()
+
+    def _reorder_rotary(self) -> None:
+        """Put each q and k head's dims in `rotary_order` (a partial rotary served as a full
+        one): the fused weight's rows, its bias, the head norms, and the file's codes."""
+        cfg = self.config
+        d, order = cfg.head_dim, rotary_order(cfg.head_dim, cfg.rope_dims)
+        heads = cfg.num_attention_heads + cfg.num_key_value_heads
+        rows = torch.cat([h * d + order for h in range(heads)]
+                         + [torch.arange(heads * d, (heads + cfg.num_key_value_heads) * d)])
+        for i, layer in enumerate(self.layers):
+            with torch.no_grad():
+                layer.qkv_proj.copy_(layer.qkv_proj[rows])
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias.copy_(layer.qkv_bias[rows])
+                for norm in (layer.q_norm, layer.k_norm):
+                    if norm is not None:
+                        norm.weight.copy_(norm.weight[order])
+            if (i, "qkv") in self._quant:
+                self._quant[(i, "qkv")] = self._quant[(i, "qkv")].permute_rows(rows)

@@ -37,7 +37,11 @@ class LLMEngine:
         self.args = args
         self.model_folder = ensure_hf_folder(args.model, args.resolved_cache_dir)
         cfg = ModelConfig.from_hf(self.model_folder)
-        self.max_model_len = args.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = args.max_model_len or cfg.served_positions
+        if not args.max_model_len and cfg.served_positions < cfg.max_position_embeddings:
+            logger.warning("%s attends within a %d-token sliding window; serving up to %d "
+                           "tokens, where full attention equals it", cfg.architecture,
+                           cfg.sliding_window, cfg.served_positions)
         if self.max_model_len > cfg.max_position_embeddings:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"{cfg.max_position_embeddings} positions")

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "SmolLM3ForCausalLM")
+                           "MistralForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                       "smollm3": "SmolLM3ForCausalLM"}
+                       "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,20 @@ class ModelConfig:
     dtype: str | None = None              # checkpoint dtype ("bfloat16", ...) if recorded
     qk_norm: bool = False                 # RMSNorm on each q and k head before RoPE (Qwen3)
     nope_layers: tuple[int, ...] = ()     # layers without RoPE (SmolLM3's NoPE layers)
+    rotary_dim: int = 0                   # leading dims of a head that RoPE rotates (Phi-4's
+                                          # partial rotary); 0: all of head_dim
+
+    @property
+    def rope_dims(self) -> int:
+        """The dims of a head RoPE rotates (head_dim unless the rotary is partial)."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def served_positions(self) -> int:
+        """The default served length: the model's positions, or its sliding window where that
+        is shorter (Strata attends to the whole context, which is the windowed attention only
+        up to the window)."""
+        return min(self.max_position_embeddings, self.sliding_window or 1 << 62)
 
     @property
     def group_size(self) -> int:
@@ -71,7 +85,8 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads {heads} is not a multiple of "
                              f"num_key_value_heads {kv_heads}")
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-        rope_theta, rope_scaling = _rope(cfg)
+        is_phi3 = arch == "Phi3ForCausalLM"
+        rope_theta, rope_scaling = _rope(cfg, is_phi3)
         is_qwen2 = arch == "Qwen2ForCausalLM"
         is_qwen3 = arch == "Qwen3ForCausalLM"
         is_mistral = arch == "MistralForCausalLM"
@@ -80,8 +95,7 @@ class ModelConfig:
         llama_like = arch in ("LlamaForCausalLM", "SmolLM3ForCausalLM")
         o_bias = attention_bias if llama_like or arch == "Qwen3ForCausalLM" else False
         mlp_bias = bool(cfg.get("mlp_bias", False)) if llama_like else False
-        if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial_rotary_factor != 1 is not supported")
+        rotary_dim = _rotary_dim(cfg, head_dim, is_phi3)
         return cls(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -101,26 +115,49 @@ class ModelConfig:
             mlp_bias=mlp_bias,
             eos_token_ids=_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
-            sliding_window=_sliding_window(cfg, is_qwen2 or is_qwen3, is_mistral),
+            sliding_window=_sliding_window(cfg, is_qwen2 or is_qwen3, is_mistral or is_phi3),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             qk_norm=is_qwen3,
             nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else (),
+            rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         )
 
 
-def _rope(cfg: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope(cfg: Mapping[str, Any], is_phi3: bool) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from `rope_scaling` (transformers 4) or
-    `rope_parameters` (transformers 5, which also carries rope_theta)."""
+    `rope_parameters` (transformers 5, which also carries rope_theta). Phi-3's configs name
+    LongRoPE "su" or "yarn" (transformers reads both as longrope) and keep
+    original_max_position_embeddings beside it."""
     params = dict(cfg.get("rope_parameters") or {})
     scaling = dict(cfg.get("rope_scaling") or params)
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling.pop("rope_theta", None)
+    scaling.pop("partial_rotary_factor", None)       # ModelConfig.rotary_dim
     if "type" in scaling and "rope_type" not in scaling:
         scaling["rope_type"] = scaling.pop("type")
     scaling.pop("type", None)
     if scaling.get("rope_type") in (None, "default"):
         return theta, None
+    if is_phi3 and scaling["rope_type"] in ("su", "yarn"):
+        scaling["rope_type"] = "longrope"
+    if scaling["rope_type"] == "longrope" and cfg.get("original_max_position_embeddings"):
+        scaling["original_max_position_embeddings"] = int(cfg["original_max_position_embeddings"])
     return theta, scaling
+
+
+def _rotary_dim(cfg: Mapping[str, Any], head_dim: int, is_phi3: bool) -> int:
+    """The dims of a head RoPE rotates: partial_rotary_factor x head_dim (Phi-4-mini: 0.75),
+    read where transformers 4 (top level) or 5 (rope_parameters) writes it; only Phi-3's
+    modelling rotates part of a head."""
+    factor = float((cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+                   or cfg.get("partial_rotary_factor") or 1.0)
+    if factor == 1.0:
+        return head_dim
+    dim = int(head_dim * factor)
+    if not is_phi3 or not 0 < dim < head_dim or dim % 2 or (head_dim - dim) % 2:
+        raise ValueError(f"partial_rotary_factor {factor} is supported for Phi-3-family models "
+                         f"with an even rotary and pass-through part of head_dim {head_dim}")
+    return dim
 
 
 def _ids(*values: Any) -> tuple[int, ...]:
@@ -143,11 +180,13 @@ def _nope_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(i for i, rope in enumerate(flags) if not rope)
 
 
-def _sliding_window(cfg: Mapping[str, Any], is_qwen: bool, is_mistral: bool) -> int | None:
+def _sliding_window(cfg: Mapping[str, Any], is_qwen: bool, always: bool) -> int | None:
+    """The attention window, where the architecture applies it: Mistral and Phi-3 whenever
+    the config sets one, Qwen and SmolLM3 only when they enable it."""
     window = cfg.get("sliding_window")
     if not window:
         return None
-    if is_mistral:
+    if always:
         return int(window)
     if (is_qwen or cfg.get("model_type") == "smollm3") and (cfg.get("use_sliding_window")
                      or "sliding_attention" in (cfg.get("layer_types") or [])):

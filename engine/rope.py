@@ -3,7 +3,14 @@
 cos/sin are computed once for positions [0, max_positions) as [max_positions, head_dim] float32
 tables; applying gathers the rows of the step's positions [T]. Scaling types follow
 transformers' `modeling_rope_utils`: default, linear, dynamic (NTK, fixed at max_positions),
-llama3, yarn (with its attention factor folded into cos/sin).
+llama3, yarn (with its attention factor folded into cos/sin), longrope (Phi-3's LongRoPE).
+
+Partial rotary (Phi-4-mini rotates the first 3/4 of each head, in rotate_half pairs (i, i +
+rotary_dim / 2)) is served by a fixed reordering of each q and k head's dims, applied to the
+weights once at load (`rotary_order`): the rotated pairs become (i, i + head_dim / 2) as in a
+full rotation, the other dims sit in the pairs whose cos is 1 and sin 0. Attention sums over
+a head's dims, so q . k is unchanged, and every RoPE kernel (torch, C) runs as for a full
+rotation.
 """
 from __future__ import annotations
 
@@ -13,12 +20,13 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None,
                   max_position_embeddings: int, max_positions: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim // 2] float32 and the cos/sin attention factor."""
+    """Inverse frequencies [head_dim // 2] float32 and the cos/sin attention factor
+    (head_dim: the dims RoPE rotates, the rotary dim where only part of a head turns)."""
     base_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float()
                                  / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
@@ -39,6 +47,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None
         return _llama3(base_freq, scaling), 1.0
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling, max_position_embeddings)
+    if kind == "longrope":
+        return _longrope(head_dim, theta, scaling, max_position_embeddings, max_positions)
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: "
                      f"{', '.join(SUPPORTED_ROPE_TYPES)}")
 
@@ -86,21 +96,60 @@ def _yarn(dim: int, theta: float, s: Mapping[str, Any],
     return inv_freq, float(attn_factor)
 
 
+def _longrope(dim: int, theta: float, s: Mapping[str, Any], max_position_embeddings: int,
+              max_positions: int) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE: each frequency divided by its own factor, the long ones when the
+    served length passes the pretraining length. transformers switches per forward call on
+    the longest position in it, so one sequence's cache would hold keys rotated both ways;
+    like llama.cpp (by its context size) we choose once, by the length served
+    (--max-model-len), and every key of every request is rotated alike."""
+    orig = int(s.get("original_max_position_embeddings") or max_position_embeddings)
+    factor = s.get("factor") or max_position_embeddings / orig
+    attn_factor = s.get("attention_factor")
+    if attn_factor is None:
+        attn_factor = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = torch.tensor(s["long_factor"] if max_positions > orig else s["short_factor"],
+                       dtype=torch.float32)
+    if ext.numel() != dim // 2:
+        raise ValueError(f"longrope factors have {ext.numel()} entries; the rotary dim "
+                         f"{dim} needs {dim // 2}")
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * theta ** shape), float(attn_factor)
+
+
+def rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a q or k head's dims that turns a partial rotation (rotate_half over the
+    first `rotary_dim` dims) into a full one (see the module's note): the first half holds the
+    rotated pairs' first members, then half the pass-through dims; the second half, their
+    partners, then the other pass-through half."""
+    r, rest = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    idx = torch.arange(head_dim)
+    return torch.cat([idx[:r], idx[2 * r:2 * r + rest], idx[r:2 * r], idx[2 * r + rest:]])
+
+
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, H, D] and k [T, KVH, D] at positions [T]."""
+    """Applies RoPE to q [T, H, D] and k [T, KVH, D] at positions [T]. With a rotary_dim below
+    head_dim, q and k come in `rotary_order` and the tables leave the pass-through dims as
+    they are (cos 1, sin 0: no attention factor either, as transformers' partial rotary)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
                  scaling: Mapping[str, Any] | None = None,
-                 max_position_embeddings: int | None = None):
+                 max_position_embeddings: int | None = None, rotary_dim: int | None = None):
         super().__init__()
-        inv_freq, attn_factor = rope_inv_freq(head_dim, theta, scaling,
+        rot = rotary_dim or head_dim
+        inv_freq, attn_factor = rope_inv_freq(rot, theta, scaling,
                                               max_position_embeddings or max_positions,
                                               max_positions)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)                   # [max_positions, head_dim]
+        cos = torch.ones(max_positions, head_dim)
+        sin = torch.zeros(max_positions, head_dim)
+        half, r = head_dim // 2, rot // 2
+        for at in (0, half):        # the rotated pairs' two members
+            cos[:, at:at + r] = freqs.cos() * attn_factor
+            sin[:, at:at + r] = freqs.sin() * attn_factor
         self.max_positions = max_positions
-        self.register_buffer("cos", emb.cos() * attn_factor, persistent=False)
-        self.register_buffer("sin", emb.sin() * attn_factor, persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

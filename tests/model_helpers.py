@@ -96,17 +96,19 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 
 def save_tiny_hf(kind: str, extra: dict, folder) -> torch.nn.Module:
-    """A tiny random transformers checkpoint of `kind` (llama, qwen2, qwen3, smollm3, mistral) in
-    `folder` (float32; weights big enough that mistakes show in the logits) -> the HF model."""
+    """A tiny random transformers checkpoint of `kind` (llama, qwen2, qwen3, smollm3, mistral,
+    phi3) in `folder` (float32; weights big enough that mistakes show in the logits) -> the HF
+    model."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                              SmolLM3Config, SmolLM3ForCausalLM)
+                              Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                           "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                           "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                           "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
-                          "mistral": (MistralConfig, MistralForCausalLM)}[kind]
+                          "mistral": (MistralConfig, MistralForCausalLM),
+                          "phi3": (Phi3Config, Phi3ForCausalLM)}[kind]
     kwargs = dict(TINY, **extra)
     if "rope_scaling" in kwargs:
         kwargs["rope_parameters"] = dict(kwargs.pop("rope_scaling"), rope_theta=10000.0)

@@ -204,11 +204,12 @@ def test_a_bad_slot_fails_the_call_and_writes_nothing(smollm2_dir, runs):
 @pytest.mark.parametrize("kind, extra", [
     ("qwen3", {"head_dim": 32}),                                    # per-head q/k norms
     ("smollm3", {"no_rope_layers": [0, 1], "pad_token_id": 0}),     # a layer without RoPE
+    ("phi3", {"pad_token_id": 0, "partial_rotary_factor": 0.75}),   # 12 of 16 dims rotated
 ])
 def test_other_layer_shapes_run_in_the_layers_call(tmp_path, runs, monkeypatch, kind, extra):
-    # a tiny Qwen3 (each q and k head RMS-normed before RoPE) or SmolLM3 (NoPE layers) in our
-    # 4-bit decode form: the one-call layers give the op-by-op layers' tokens and
-    # log-probabilities bit for bit
+    # a tiny Qwen3 (each q and k head RMS-normed before RoPE), SmolLM3 (NoPE layers) or Phi-3
+    # (fused checkpoint weights, partial rotary) in our 4-bit decode form: the one-call layers
+    # give the op-by-op layers' tokens and log-probabilities bit for bit
     save_tiny_hf(kind, extra, tmp_path)
     monkeypatch.setattr(weight_plan, "_candidates", lambda weights, dtype, native: ["q4"])
     prompts = [p[:40] for p in prompts_of(3, 30)]

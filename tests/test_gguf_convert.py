@@ -35,8 +35,7 @@ def test_bundled_gguf_is_found_without_importing_the_package():
 
 
 def test_failed_conversion_leaves_no_folder_behind(tmp_path, monkeypatch):
-    gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"not really a gguf")
+    gguf = _header_only(tmp_path / "tiny.gguf", "llama")
     cache = tmp_path / "cache"
 
     def boom(*args, **kwargs):
@@ -55,3 +54,24 @@ def test_conversion_is_cached_by_path_size_and_mtime(smollm2_dir, monkeypatch):
     assert ensure_hf_folder(None, smollm2_dir.parent) == smollm2_dir
     assert ensure_hf_folder("bundled", smollm2_dir.parent) == smollm2_dir
     assert smollm2_dir.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+
+
+def test_a_phi3_gguf_is_refused_before_conversion_naming_the_hf_folder(tmp_path):
+    # transformers would read it without its LongRoPE factors: refused from the header alone
+    path = _header_only(tmp_path / "phi.gguf", "phi3")
+    with pytest.raises(ValueError, match="phi3 GGUF.*HF folder"):
+        ensure_hf_folder(str(path), tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def _header_only(path, arch: str):
+    """A GGUF file of `arch` with a header and no tensors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_uint32(f"{arch}.context_length", 2048)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

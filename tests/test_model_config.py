@@ -68,3 +68,31 @@ def test_smollm3_nope_layers_listed_or_every_fourth():
 def test_mistral_sliding_window():
     c = ModelConfig.from_hf(dict(BASE, architectures=["MistralForCausalLM"], sliding_window=4096))
     assert c.sliding_window == 4096 and not c.attention_bias
+
+
+def test_phi3_longrope_named_su_keeps_its_pretraining_length_and_window():
+    c = ModelConfig.from_hf(dict(BASE, architectures=["Phi3ForCausalLM"], sliding_window=2047,
+                                 original_max_position_embeddings=64,
+                                 rope_scaling={"type": "su", "short_factor": [1.0] * 8,
+                                               "long_factor": [2.0] * 8}))
+    assert c.rope_scaling == {"rope_type": "longrope", "short_factor": [1.0] * 8,
+                              "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
+    assert c.sliding_window == 2047 and c.served_positions == 256   # the window is longer
+    short = ModelConfig.from_hf(dict(BASE, model_type="phi3", architectures=None,
+                                     sliding_window=100))
+    assert short.served_positions == 100 and c.rope_dims == 16 and not c.attention_bias
+
+
+def test_partial_rotary_read_from_either_place_and_only_for_phi3():
+    top = ModelConfig.from_hf(dict(BASE, architectures=["Phi3ForCausalLM"],
+                                   partial_rotary_factor=0.75))
+    nested = ModelConfig.from_hf(dict(BASE, architectures=["Phi3ForCausalLM"],
+                                      rope_parameters={"rope_type": "default",
+                                                       "partial_rotary_factor": 0.75}))
+    assert top.rope_dims == nested.rope_dims == 12 and top.head_dim == 16
+    assert nested.rope_scaling is None
+    with pytest.raises(ValueError, match="Phi-3"):
+        ModelConfig.from_hf(dict(BASE, partial_rotary_factor=0.5))
+    with pytest.raises(ValueError, match="even"):
+        ModelConfig.from_hf(dict(BASE, architectures=["Phi3ForCausalLM"],
+                                 partial_rotary_factor=0.5625))   # 9 of 16 dims

@@ -9,6 +9,13 @@ from tests.model_helpers import PagedSequence, page_pool, save_tiny_hf, step
 from tests.kv_cache import make_kv_cache
 
 PAGE_SIZE = 4
+PHI3 = {"pad_token_id": 0}
+
+
+def longrope(n: int) -> dict:
+    """A LongRoPE scaling with `n` distinct short and long factors (n: rotary dims / 2)."""
+    return {"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(n)],
+            "long_factor": [1.5 + 0.7 * i for i in range(n)]}
 
 CASES = {
     "llama": ("llama", {}),
@@ -27,6 +34,19 @@ CASES = {
     "qwen3_biases_tied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
     "smollm3": ("smollm3", {"no_rope_layers": [1, 0], "pad_token_id": 0}),   # layer 1: NoPE
     "mistral": ("mistral", {"sliding_window": None}),
+    "phi3": ("phi3", PHI3),
+    # LongRoPE, short factors: the served length (the config's 128) is within the pretraining
+    # length, so no attention factor either
+    "phi3_longrope_short": ("phi3", dict(PHI3, original_max_position_embeddings=128,
+                                         rope_scaling=longrope(8))),
+    # long factors (every prompt passes the pretraining length 8, so transformers takes them
+    # too) and their attention factor
+    "phi3_longrope_long": ("phi3", dict(PHI3, original_max_position_embeddings=8,
+                                        rope_scaling=longrope(8))),
+    # Phi-4-mini's shape: 3/4 of each head rotated (12 of 16 dims), LongRoPE, tied embeddings
+    "phi3_partial_tied": ("phi3", dict(PHI3, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                       original_max_position_embeddings=8,
+                                       rope_scaling=longrope(6))),
 }
 
 
@@ -110,11 +130,13 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path):
 @pytest.mark.parametrize("weights", ["fp32", "int8"])
 @pytest.mark.parametrize("kind, extra", [("qwen3", {"head_dim": 32}),
                                          ("smollm3", {"no_rope_layers": [1, 0],
-                                                      "pad_token_id": 0})])
+                                                      "pad_token_id": 0}),
+                                         ("phi3", CASES["phi3_partial_tied"][1])])
 def test_the_engine_serves_newer_families_as_transformers_generates(tmp_path, weights, kind,
                                                                     extra):
-    """A tiny Qwen3 (per-head q/k norms, head_dim apart from hidden / heads) or SmolLM3 (a
-    layer without RoPE) through the whole engine: paged KV store, chunked prefill, the
+    """A tiny Qwen3 (per-head q/k norms, head_dim apart from hidden / heads), SmolLM3 (a
+    layer without RoPE) or Phi-4-mini-shaped Phi-3 (partial rotary, LongRoPE past its
+    pretraining length) through the whole engine: paged KV store, chunked prefill, the
     resident decode path; greedy tokens equal transformers' generate (int8 decode weights: up
     to the first near-tie)."""
     from engine.args import EngineArgs
@@ -144,3 +166,16 @@ def test_gguf_names_of_the_qk_norms():
     from engine.gguf_weights import hf_name
     assert hf_name("blk.3.attn_q_norm.weight") == "model.layers.3.self_attn.q_norm.weight"
     assert hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
+
+
+def test_a_sliding_window_caps_the_default_served_length(tmp_path):
+    # Phi-3-mini-4k's shape: a window shorter than the positions; full attention equals it
+    # only within the window, so that is the default length, and a longer one is refused
+    from engine.args import EngineArgs
+    from engine.llm_engine import LLMEngine
+
+    save_tiny_hf("phi3", dict(PHI3, sliding_window=48), tmp_path)
+    kw = dict(model=str(tmp_path), dtype="fp32", weights="fp32", kv_device_gb=0.01)
+    assert LLMEngine(EngineArgs(**kw)).max_model_len == 48
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLMEngine(EngineArgs(**kw, max_model_len=64))
