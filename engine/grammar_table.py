@@ -63,6 +63,13 @@ class GrammarTable:
                                                    mask.data_ptr(), self.words * 4, num_rows)
         return mask
 
+    @staticmethod
+    def allow(mask: torch.Tensor, row: int, token_id: int) -> None:
+        """Set token `token_id`'s bit in row `row` of bitmasks made by `fill`."""
+        word, bit = divmod(token_id, BITS)
+        value = (int(mask[row, word]) | (1 << bit)) & 0xFFFFFFFF
+        mask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
     def accept(self, request_id: str, token_id: int) -> None:
         """Advance the request's matcher by its sampled token (no-op without a matcher)."""
         m = self._matchers.get(request_id)

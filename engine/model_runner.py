@@ -197,7 +197,8 @@ class ModelRunner:
                 except Exception as exc:  # noqa: BLE001
                     failed.append((row[1].request_id, f"sampling failed: {exc}"))
         for _, q, _, _, matcher in ready:      # each grammar takes its request's token
-            if matcher is not None and q.request_id in result:
+            if matcher is not None and q.request_id in result \
+                    and not self._opens_reasoning(q, result[q.request_id].token_id):
                 try:
                     self.grammars.accept(q.request_id, result[q.request_id].token_id)
                 except Exception as exc:  # noqa: BLE001 - this request's grammar alone
@@ -213,6 +214,10 @@ class ModelRunner:
         reqs = [row[1] for row in rows]
         constrained = [(k, row[4]) for k, row in enumerate(rows) if row[4] is not None]
         allowed = self.grammars.fill(constrained, len(rows)) if constrained else None
+        for k, _ in constrained:        # a first token may open the thinking span instead
+            marks = reqs[k].sampling_params.reasoning
+            if marks is not None and marks.open_id is not None and not reqs[k].output_token_ids:
+                self.grammars.allow(allowed, k, marks.open_id)
         out = self.sampler.sample(logits[[row[0] for row in rows]],
                                   [q.sampling_params for q in reqs],
                                   [q.output_token_ids for q in reqs], [row[2] for row in rows],
@@ -257,8 +262,21 @@ class ModelRunner:
         return seen
 
     def _matcher(self, req: Request):
-        grammar = req.sampling_params.grammar
-        return None if grammar is None else self.grammars.matcher(req.request_id, grammar)
+        """The request's grammar matcher, or None: no grammar, or the next token is inside
+        the thinking span the grammar leaves free."""
+        p = req.sampling_params
+        if p.grammar is None or p.reasoning is not None \
+                and p.reasoning.thinking(req.output_token_ids):
+            return None
+        return self.grammars.matcher(req.request_id, p.grammar)
+
+    @staticmethod
+    def _opens_reasoning(req: Request, token_id: int) -> bool:
+        """`token_id`, sampled as the first output token, opens the thinking span (the
+        grammar, which allowed it only for that, does not take it)."""
+        marks = req.sampling_params.reasoning
+        return (marks is not None and not req.output_token_ids
+                and token_id == marks.open_id)
 
     def _generator(self, req: Request) -> torch.Generator | None:
         if req.request_id not in self._generators:

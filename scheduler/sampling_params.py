@@ -17,6 +17,24 @@ class GrammarSpec:
 
 
 @dataclass(frozen=True)
+class ReasoningMarks:
+    """A reasoning model's thinking span, which a request's grammar leaves free (vLLM's
+    structured outputs under a reasoning parser): the grammar constrains what follows
+    `close_id` (</think>). `open_id` (<think>): the output may open the span with it as its
+    first token, else the grammar holds from the start; None: the prompt opened it."""
+    close_id: int
+    open_id: int | None = None
+
+    def thinking(self, output_token_ids: list[int]) -> bool:
+        """Whether the next token is inside the span (no grammar on it)."""
+        if self.close_id in output_token_ids:
+            return False
+        if self.open_id is None:
+            return True
+        return bool(output_token_ids) and output_token_ids[0] == self.open_id
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16                 # new tokens to generate at most (finish_reason "length")
     temperature: float = 1.0             # 0 means greedy
@@ -42,6 +60,8 @@ class SamplingParams:
     # extension (vLLM): each prompt token's logprob (after the first) and the top-k there, from
     # the model's raw distribution; the prompt is then computed whole (no prefix-cache reuse)
     prompt_logprobs: int | None = None
+    # the thinking span the grammar leaves free (None: the grammar constrains the whole output)
+    reasoning: ReasoningMarks | None = None
 
     @property
     def greedy(self) -> bool:

@@ -8,7 +8,8 @@ from typing import Callable
 from engine.protocol import EngineClient
 from server.errors import invalid_api_key, model_not_found, not_ready
 from server.metrics import ServerMetrics
-from server.reasoning import resolve_parser
+from scheduler.sampling_params import ReasoningMarks
+from server.reasoning import CLOSE, OPEN, grammar_marks, resolve_parser
 from server.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,16 @@ class ServerContext:
         tokenizer = self.tokenizer
         return resolve_parser(self._reasoning_parser,
                               tokenizer.chat_template if tokenizer is not None else None)
+
+    @property
+    def reasoning_marks(self) -> ReasoningMarks | None:
+        """The thinking span a chat answer's grammar leaves free (server/reasoning.py
+        `grammar_marks`), or None."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        return grammar_marks(self.reasoning_style, tokenizer.token_id(OPEN),
+                             tokenizer.token_id(CLOSE))
 
     @property
     def is_ready(self) -> bool:

@@ -14,12 +14,23 @@ held back until it is known not to be one (the tool parser's rule, server/tool_p
 """
 from __future__ import annotations
 
+from scheduler.sampling_params import ReasoningMarks
 from server.tool_parser import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
 PARSERS = ("auto", "none", "qwen3", "deepseek_r1")
 
 Piece = tuple[str, str]             # ("reasoning" | "content", text)
+
+
+def grammar_marks(style: str | None, open_id: int | None, close_id: int | None
+                  ) -> ReasoningMarks | None:
+    """The thinking span a grammar leaves free for `style` (vLLM's structured outputs under
+    a reasoning parser), given the ids of <think> and </think> as single tokens (None where
+    they are not one token: the grammar then constrains the whole answer)."""
+    if style is None or close_id is None or style == "qwen3" and open_id is None:
+        return None
+    return ReasoningMarks(close_id, open_id if style == "qwen3" else None)
 
 
 def resolve_parser(name: str, chat_template: str | None) -> str | None:

@@ -1,7 +1,7 @@
 """From a validated OpenAI request to engine SamplingParams (shared by chat and completions)."""
 from __future__ import annotations
 
-from scheduler.sampling_params import GrammarSpec, SamplingParams
+from scheduler.sampling_params import GrammarSpec, ReasoningMarks, SamplingParams
 from server.errors import context_length_exceeded, invalid_request
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -79,8 +79,10 @@ MAX_CLIENT_CHARS = 256      # a `user` is a fair-share key, not data: longer one
 def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int = 0,
                           vocab_size: int | None = None, grammar: GrammarSpec | None = None,
                           logit_bias: tuple[tuple[int, float], ...] = (),
-                          bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
-    """SamplingParams for one choice; choice i of a seeded request uses seed + i."""
+                          bad_words: tuple[tuple[int, ...], ...] = (),
+                          reasoning: ReasoningMarks | None = None) -> SamplingParams:
+    """SamplingParams for one choice; choice i of a seeded request uses seed + i;
+    `reasoning`: the thinking span `grammar` leaves free."""
     min_tokens = request.min_tokens or 0
     if min_tokens > max_tokens:
         raise invalid_request(f"min_tokens ({min_tokens}) must not exceed max_tokens "
@@ -112,4 +114,5 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         allowed_token_ids=None if allowed is None else tuple(sorted(set(allowed))),
         prompt_logprobs=prompt_logprobs_k(request),
         bad_words=bad_words,
+        reasoning=reasoning,
     )

@@ -85,9 +85,11 @@ class OpenAIServing:
 
     def generation(self, request: SamplingRequest, prompts: list[list[int]],
                    request_id: str, prompt_param: str,
-                   grammar: GrammarSpec | None = None) -> Generation:
+                   grammar: GrammarSpec | None = None, chat: bool = False) -> Generation:
         """One engine request per (prompt, choice): ids f"{request_id}-{index}", seed + i;
-        `grammar`: what every choice's output must follow (server/structured.py)."""
+        `grammar`: what every choice's output must follow (server/structured.py), after a
+        reasoning model's thinking where `chat` (a chat answer, which the reasoning parser
+        splits)."""
         ctx = self.ctx
         tokenizer = ctx.tokenizer
         n = request.n or 1
@@ -95,6 +97,7 @@ class OpenAIServing:
         stops = stop_strings(request)
         bias = logit_bias_pairs(request, tokenizer.vocab_size)
         words = bad_words_token_ids(request.bad_words or (), tokenizer)
+        marks = ctx.reasoning_marks if chat and grammar is not None else None
         streams = []
         for prompt_index, prompt_ids in enumerate(prompts):
             if not prompt_ids:
@@ -113,7 +116,7 @@ class OpenAIServing:
                 params = build_sampling_params(request, max_tokens=max_tokens, seed_offset=i,
                                                vocab_size=tokenizer.vocab_size,
                                                grammar=grammar, logit_bias=bias,
-                                               bad_words=words)
+                                               bad_words=words, reasoning=marks)
                 spec = ChoiceSpec(index=index, prompt_index=prompt_index,
                                   request_id=f"{request_id}-{index}", prompt_token_ids=prompt_ids,
                                   params=params, stop=stops,

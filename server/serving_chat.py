@@ -41,7 +41,8 @@ class ChatServing(OpenAIServing):
                                            truncated=request.truncate_prompt_tokens is not None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
-        generation = self.generation(request, [prompt_ids], request_id, "messages", grammar)
+        generation = self.generation(request, [prompt_ids], request_id, "messages", grammar,
+                                     chat=True)
         return await self.respond(
             raw, generation, stream=bool(request.stream),
             events=lambda: self._chunks(request, plan, generation, request_id, created),

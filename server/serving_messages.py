@@ -55,7 +55,8 @@ class MessagesServing(OpenAIServing):
         chat, prompt_ids = await self._prompt(request)
         plan, grammar = await anyio.to_thread.run_sync(constraints, chat)
         message_id = f"msg_{uuid.uuid4().hex}"
-        generation = self.generation(chat, [prompt_ids], message_id, "messages", grammar)
+        generation = self.generation(chat, [prompt_ids], message_id, "messages", grammar,
+                                     chat=True)
         base = {"id": message_id, "type": "message", "role": "assistant",
                 "model": request.model, "content": [], "stop_reason": None,
                 "stop_sequence": None, "usage": {}}

@@ -64,7 +64,8 @@ class ResponsesServing(OpenAIServing):
         plan, grammar = await anyio.to_thread.run_sync(constraints, chat)
         chat, prompt_ids = await self._prompt(request, chat, tokenizer)
         response_id = new_id("resp")
-        generation = self.generation(chat, [prompt_ids], response_id, "input", grammar)
+        generation = self.generation(chat, [prompt_ids], response_id, "input", grammar,
+                                     chat=True)
         base = self._base(request, response_id)
         records = item_records(items)
         k = request.top_logprobs or 0

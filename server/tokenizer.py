@@ -123,6 +123,10 @@ class Tokenizer:
                                                                       skip_special_tokens=False)
         return text
 
+    def token_id(self, text: str) -> int | None:
+        """The id of the token whose text is exactly `text` (Qwen3's <think>), or None."""
+        return self._backend.token_to_id(text)
+
     def token_bytes(self, token_id: int) -> list[int]:
         """The exact UTF-8 bytes of one token (OpenAI logprobs `bytes`)."""
         piece = self._backend.id_to_token(token_id)

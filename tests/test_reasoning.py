@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from server.choice_stream import ChoiceDelta
-from server.reasoning import ReasoningSplitter, resolve_parser, split_reasoning
+from scheduler.sampling_params import ReasoningMarks
+from server.reasoning import ReasoningSplitter, grammar_marks, resolve_parser, split_reasoning
 from server.responses_events import ResponseEvents
 from server.responses_wire import ResponseObject, ResponseUsage
 from server.serving_chat import _pieces
@@ -112,3 +113,62 @@ def test_messages_put_a_thinking_block_before_the_text():
     assert stop_reason("length", None, True) == "max_tokens"
     assert stop_reason("stop", "###", False) == "stop_sequence"
     assert stop_reason("stop", None, True) == "tool_use"
+
+
+def _think_tokenizer(template: str):
+    """A word-level tokenizer whose <think> and </think> are single tokens (as Qwen3's)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    from server.tokenizer import Tokenizer
+    words = ["<unk>", "<think>", "</think>", "yes", "no"]
+    backend = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    return Tokenizer(backend, chat_template=template)
+
+
+@pytest.mark.parametrize("parser, template, marks", [
+    ("auto", "{{ '<think>' }}", ReasoningMarks(2, 1)),     # qwen3: the answer may open it
+    ("deepseek_r1", "", ReasoningMarks(2)),                # the prompt opened it
+    ("none", "{{ '<think>' }}", None),
+    ("auto", "no tags", None),                             # auto without <think>: no parser
+])
+def test_a_chat_grammar_leaves_the_thinking_span_free_where_the_parser_splits_it(
+        parser, template, marks):
+    from server.context import ServerContext
+    ctx = ServerContext(None, _think_tokenizer(template), served_model_name="m",
+                        reasoning_parser=parser)
+    assert ctx.reasoning_marks == marks
+    # the span's bounds must be single tokens: else the grammar holds the whole answer
+    assert grammar_marks("qwen3", None, 2) is None and grammar_marks("qwen3", 1, None) is None
+    assert grammar_marks("deepseek_r1", None, 2) == ReasoningMarks(2)
+
+
+def test_the_thinking_span_opens_on_the_first_token_only_and_ends_at_its_close():
+    qwen3, r1 = ReasoningMarks(close_id=2, open_id=1), ReasoningMarks(close_id=2)
+    assert not qwen3.thinking([]) and qwen3.thinking([1, 7]) and not qwen3.thinking([7, 1])
+    assert not qwen3.thinking([1, 7, 2]) and r1.thinking([]) and r1.thinking([7])
+    assert not r1.thinking([7, 2, 3])
+
+
+def test_chat_choices_carry_the_span_and_completions_do_not():
+    from types import SimpleNamespace
+
+    from scheduler.sampling_params import GrammarSpec
+    from server.context import ServerContext
+    from server.protocol import ChatCompletionRequest
+    from server.serving import OpenAIServing
+
+    engine = SimpleNamespace(max_waiting=8, max_model_len=64, is_ready=True)
+    serving = OpenAIServing(ServerContext(engine, _think_tokenizer("<think>"),
+                                          served_model_name="m"))
+    request = ChatCompletionRequest(messages=[{"role": "user", "content": "yes"}], n=2)
+    choice = GrammarSpec("regex", "(yes|no)")
+
+    def marks(**kw):
+        return {s.spec.params.reasoning for s in
+                serving.generation(request, [[3]], "id", "messages", **kw).streams}
+    assert marks(grammar=choice, chat=True) == {ReasoningMarks(2, 1)}
+    assert marks(grammar=choice) == {None}           # a completion: no parser splits it
+    assert marks(chat=True) == {None}                # no grammar: nothing to hold back

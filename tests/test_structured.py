@@ -205,3 +205,38 @@ def test_a_bad_grammar_fails_its_request_alone(dense_engine, tokenizer):
     assert set(errors) == {"bad"} and "regex" in errors["bad"]
     assert tokenizer.decode(got["good"]) in ("hello world", "goodbye world")
     assert len(dense_engine.runner.grammars) == 0
+
+
+@pytest.mark.slow
+def test_a_grammar_starts_after_the_thinking_span(dense_engine, tokenizer):
+    """Under a reasoning parser the grammar constrains what follows </think> (vLLM's rule).
+    The bundled model has no <think> token, so two of its own greedy tokens stand in: the
+    first it writes opens the span and a later one closes it; the tokens in between are its
+    free greedy ones, and the answer after the close follows the grammar."""
+    from scheduler.sampling_params import ReasoningMarks
+
+    prompt = tokenizer.encode_chat([{"role": "user", "content": "Is the sky blue? Explain."}])
+    choice = GrammarSpec("regex", "(yes|no)")
+
+    def run(rid: str, **kw) -> list[int]:
+        dense_engine.add_request(rid, prompt, SamplingParams(max_tokens=24, temperature=0.0,
+                                                             **kw))
+        got, errors = drive(dense_engine, [rid])
+        assert not errors
+        return got[rid]
+
+    free = run("free")
+    close = next(j for j in range(2, len(free)) if free[j] not in free[:j])
+    opened = run("opened", grammar=choice, reasoning=ReasoningMarks(free[close], free[0]))
+    assert opened[:close + 1] == free[:close + 1]         # thinking: the free tokens
+    assert tokenizer.decode(opened[close + 1:]) in ("yes", "no")
+    # the prompt opened the span (DeepSeek-R1's template): free from the first token
+    r1 = run("r1", grammar=choice, reasoning=ReasoningMarks(free[close]))
+    assert r1 == opened
+    # an answer that does not open the span follows the grammar from its first token, as
+    # without a span (the bundled model never starts an answer with <|im_start|>)
+    plain = run("plain", grammar=choice)
+    never = run("never", grammar=choice,
+                reasoning=ReasoningMarks(free[close], tokenizer.token_id("<|im_start|>")))
+    assert never == plain and tokenizer.decode(plain) in ("yes", "no")
+    assert len(dense_engine.runner.grammars) == 0
