@@ -114,9 +114,19 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
 
     _stored = {**_V1_ERRORS, 404: {**_ERROR, "description": "No stored response has this id"}}
 
-    @v1.get("/responses/{response_id}", response_model=ResponseObject, responses=_stored)
-    async def get_response(response_id: str) -> Response:
-        return responses.retrieve(response_id)
+    _streamed = {200: {"model": ResponseObject, "content": _STREAM, "description":
+                       "The response (JSON), or a background response's events (stream)"},
+                 **_stored, 400: _GENERATE_ERRORS[400]}
+
+    @v1.get("/responses/{response_id}", responses=_streamed)
+    async def get_response(response_id: str, stream: bool = False,
+                           starting_after: int | None = Query(None, ge=-1)) -> Response:
+        return responses.retrieve(response_id, stream, starting_after)
+
+    @v1.post("/responses/{response_id}/cancel", response_model=ResponseObject,
+             responses={**_stored, 400: _GENERATE_ERRORS[400]})
+    async def cancel_response(response_id: str) -> Response:
+        return await responses.cancel(response_id)
 
     @v1.delete("/responses/{response_id}", response_model=DeletedResponse, responses=_stored)
     async def delete_response(response_id: str) -> Response:

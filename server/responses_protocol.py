@@ -19,7 +19,7 @@ from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag, model_val
 
 from server.protocol import (MAX_CHAT_TOP_LOGPROBS, MAX_TOOLS, Flag, MaxTokens, Seed,
                              Temperature, Text, TopK, TopP)
-from server.protocol_tools import (FUNCTION_NAME, OnlyFalse, Unsupported, _only,
+from server.protocol_tools import (FUNCTION_NAME, Unsupported, _only,
                                    _Request)
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -157,10 +157,10 @@ class ResponsesRequest(_Request):
     truncation: Literal["auto", "disabled"] | None = None
     include: Annotated[list[Text] | None, Field(max_length=16)] = None
     top_logprobs: Annotated[StrictInt | None, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] = None
+    background: Flag = False          # run as a task the client polls or follows
     # refused: they would change the output and are not implemented (a text model without
-    # reasoning, no background jobs, no server-side conversations or prompt templates)
+    # reasoning, no server-side conversations or prompt templates)
     reasoning: Unsupported = None
-    background: OnlyFalse = None
     conversation: Unsupported = None
     prompt: Unsupported = None
     max_tool_calls: Unsupported = None

@@ -96,7 +96,8 @@ class ResponseObject(_Wire):
     object: Literal["response"] = "response"
     created_at: int
     completed_at: int | None = None
-    status: Literal["in_progress", "completed", "incomplete", "failed"] = "in_progress"
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed",
+                    "cancelled"] = "in_progress"
     error: ResponseErrorInfo | None = None
     incomplete_details: IncompleteDetails | None = None
     instructions: str | None = None

@@ -9,9 +9,13 @@ grammar, template and generation run unchanged; only the answer's shape differs 
 items, usage, named stream events: server/responses_events.py). Errors name the Responses
 API's fields (`input`, `text.format`, `max_output_tokens`). `truncation: "auto"` drops the
 oldest turns (never the instructions) until the prompt leaves room for the answer.
+`background: true` runs the response as a task (server/background_runs.py): the request is
+answered at once (status `queued`, or the events as they come with `stream`), GET polls it or
+follows its events (`stream=true&starting_after=N`), POST .../cancel stops it.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 
@@ -20,6 +24,7 @@ from fastapi import Request
 from pydantic import TypeAdapter
 from starlette.responses import JSONResponse, Response
 
+from server.background_runs import BackgroundRun, BackgroundRuns
 from server.choice_stream import ChoiceDelta, Logprobs
 from server.errors import APIError, invalid_request
 from server.generation import ChoiceResult, Generation
@@ -33,6 +38,7 @@ from server.responses_wire import (DeletedResponse, InputItemList, InputTokensDe
                                    TopLogprobEntry)
 from server.serving import OpenAIServing, clamp_logprob, json_response, to_api_error
 from server.serving_chat import chat_prompt_ids, chat_request, constraints
+from server.sse import EventStreamResponse, sse_named_event
 
 _ITEMS = TypeAdapter(list[InputItem])
 # the chat request's parameter names in errors -> the Responses API's
@@ -45,9 +51,10 @@ MAX_LISTED_ITEMS = 100
 class ResponsesServing(OpenAIServing):
     named_events = True
 
-    def __init__(self, ctx, store: ResponseStore):
+    def __init__(self, ctx, store: ResponseStore, runs: BackgroundRuns | None = None):
         super().__init__(ctx)
         self.store = store
+        self.runs = runs if runs is not None else BackgroundRuns()
 
     async def create(self, request: ResponsesRequest, raw: Request) -> Response:
         try:
@@ -58,6 +65,10 @@ class ResponsesServing(OpenAIServing):
     async def _create(self, request: ResponsesRequest, raw: Request) -> Response:
         self.ctx.check_model(request.model)
         tokenizer = self.ctx.require_ready()
+        if request.background and not (request.store is not False and self.store.enabled):
+            raise invalid_request("background responses are stored: they need store: true "
+                                  "and the response store (--responses-store-mb > 0).",
+                                  param="background")
         items = request.input_items()
         chat = _chat_request(request, self._history(request.previous_response_id) + items)
         # NOTE: compiling a large schema takes milliseconds: not on the event loop
@@ -76,13 +87,71 @@ class ResponsesServing(OpenAIServing):
         def fresh() -> ResponseEvents:
             return ResponseEvents(base.model_copy(deep=True), plan, logprobs, style)
 
+        if request.background:
+            return self._start(request, generation, fresh(), records)
         return await self.respond(
             raw, generation, stream=bool(request.stream),
             events=lambda: self._events(fresh(), generation, request, records),
             build=lambda results: self._build(fresh(), generation, results, request, records))
 
+    # ------------------------------------------------------------------ background
+    def _start(self, request: ResponsesRequest, generation: Generation, events: ResponseEvents,
+               records: list[dict]) -> Response:
+        """Run the response as a task; answer it queued, or follow its events (stream)."""
+        queued = events.response.model_copy(update={"status": "queued"})
+        self.store.put(StoredResponse(queued.model_dump(), records,
+                                      request.previous_response_id))
+        run = self.runs.start(queued.id, events.response.model_dump,
+                              lambda run: self._run(run, events, generation, request, records))
+        if request.stream:
+            return EventStreamResponse(_sse(run, None), on_close=_nothing)
+        return json_response(queued)
+
+    async def _run(self, run: BackgroundRun, events: ResponseEvents, generation: Generation,
+                   request: ResponsesRequest, records: list[dict]) -> None:
+        """A background response's work: its events into the run, the response into the
+        store however it ends (completed, incomplete, failed, refused or cancelled)."""
+        try:
+            try:
+                await generation.start()
+            except Exception as exc:  # noqa: BLE001 - refused (429, 503, ...): it fails
+                for event in events.start() + events.fail(to_api_error(exc).message):
+                    run.add(event)
+                return
+            async for event in self._events(events, generation, request, records):
+                run.add(event)
+        except asyncio.CancelledError:
+            events.response.status = "cancelled"
+            raise
+        finally:
+            await generation.close()
+            self._keep(request, events.response, records)
+
+    async def cancel(self, response_id: str) -> Response:
+        """Stop a background response (idempotent: an ended one is answered as it is)."""
+        if await self.runs.cancel(response_id):
+            return JSONResponse(self.runs.get(response_id).snapshot())
+        stored = self._stored(response_id)
+        if not stored.response.get("background"):
+            raise invalid_request("Only responses created with background: true can be "
+                                  "cancelled.", param="response_id")
+        return JSONResponse(stored.response)
+
     # ------------------------------------------------------------------ stored responses
-    def retrieve(self, response_id: str) -> Response:
+    def retrieve(self, response_id: str, stream: bool = False,
+                 starting_after: int | None = None) -> Response:
+        """The response (a running background one as built so far); with `stream`, a
+        background response's events after `starting_after`, as they come."""
+        run = self.runs.get(response_id)
+        if stream:
+            if run is None:
+                self._stored(response_id)                   # 404 for an unknown id
+                raise invalid_request("Only background responses can be streamed again "
+                                      f"(the events of the last {self.runs.keep_ended} "
+                                      "ended ones are kept).", param="stream")
+            return EventStreamResponse(_sse(run, starting_after), on_close=_nothing)
+        if run is not None and not run.ended:
+            return JSONResponse(run.snapshot())
         return JSONResponse(self._stored(response_id).response)
 
     def delete(self, response_id: str) -> Response:
@@ -166,7 +235,8 @@ class ResponsesServing(OpenAIServing):
             tools=[t.model_dump(exclude_none=True) for t in request.tools or ()],
             **({"text": text} if text else {}), truncation=request.truncation or "disabled",
             parallel_tool_calls=request.parallel_tool_calls is not False,
-            metadata=request.metadata or {}, user=request.user)
+            metadata=request.metadata or {}, user=request.user,
+            background=bool(request.background))
 
     # ------------------------------------------------------------------ the answer
     async def _events(self, events: ResponseEvents, generation: Generation,
@@ -251,6 +321,15 @@ def _renamed(exc: APIError) -> APIError:
         exc.param = param.replace(".function.", ".")
         exc.message = exc.message.replace(param, exc.param)
     return exc
+
+
+async def _sse(run: BackgroundRun, starting_after: int | None) -> AsyncIterator[str]:
+    async for event in run.follow(starting_after):
+        yield sse_named_event(event["type"], event)
+
+
+async def _nothing() -> None:
+    """A follower leaving stops nothing (the run goes on)."""
 
 
 def _not_found(response_id: str) -> APIError:

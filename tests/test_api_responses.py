@@ -193,7 +193,7 @@ def test_truncation_auto_drops_the_oldest_turns(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input"),
     ({"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
-    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "background": True, "store": False}, "background"),   # it is stored
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x",
                                          "schema": {"type": "nonsense"}}}}, "text.format.schema"),

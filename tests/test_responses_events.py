@@ -176,7 +176,8 @@ def test_items_become_chat_messages_calls_joining_their_turn():
     {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
     {"input": [{"type": "item_reference", "id": "x"}]},
     {"input": "hi", "reasoning": {"effort": "high"}},
-    {"input": "hi", "background": True},
+    {"input": "hi", "conversation": "conv_1"},
+    {"input": "hi", "background": "yes"},
     {"input": "hi", "tools": [{"type": "web_search"}]},
     {"input": "hi", "top_logprobs": 21},
 ])
