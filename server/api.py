@@ -79,10 +79,10 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
               api_key: str | None = None, model_aliases: tuple[str, ...] = (),
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               responses_store_mb: float = DEFAULT_RESPONSES_STORE_MB,
-              reasoning_parser: str = "auto") -> FastAPI:
+              reasoning_parser: str = "auto", tool_call_parser: str = "auto") -> FastAPI:
     ctx = ServerContext(engine, tokenizer, served_model_name=served_model_name,
                         model_aliases=model_aliases, api_key=api_key,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
     chat = ChatServing(ctx)
     completions = CompletionServing(ctx)
     responses = ResponsesServing(ctx, ResponseStore(int(responses_store_mb * 2 ** 20)))

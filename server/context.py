@@ -11,6 +11,7 @@ from server.metrics import ServerMetrics
 from scheduler.sampling_params import ReasoningMarks
 from server.reasoning import CLOSE, OPEN, grammar_marks, resolve_parser
 from server.tokenizer import Tokenizer
+from server.tool_formats import resolve_format
 
 logger = logging.getLogger(__name__)
 
@@ -21,13 +22,15 @@ TokenizerSource = Tokenizer | Callable[[], Tokenizer | None]
 class ServerContext:
     def __init__(self, engine: EngineClient, tokenizer: TokenizerSource, *,
                  served_model_name: str, model_aliases: tuple[str, ...] = (),
-                 api_key: str | None = None, reasoning_parser: str = "auto"):
+                 api_key: str | None = None, reasoning_parser: str = "auto",
+                 tool_call_parser: str = "auto"):
         self.engine = engine
         self.served_model_name = served_model_name
         self.model_names = frozenset((served_model_name, *model_aliases))
         self.metrics = ServerMetrics(engine)
         self._api_key = api_key or None
         self._reasoning_parser = reasoning_parser
+        self._tool_call_parser = tool_call_parser
         self.draining = False          # stopping: /health says 503, requests are still served
         self._tokenizer_source = tokenizer
         self._tokenizer: Tokenizer | None = tokenizer if isinstance(tokenizer, Tokenizer) else None
@@ -47,6 +50,13 @@ class ServerContext:
         model's chat template; None: they do not."""
         tokenizer = self.tokenizer
         return resolve_parser(self._reasoning_parser,
+                              tokenizer.chat_template if tokenizer is not None else None)
+
+    @property
+    def tool_format(self) -> str:
+        """How this model writes tool calls (server/tool_formats.py)."""
+        tokenizer = self.tokenizer
+        return resolve_format(self._tool_call_parser,
                               tokenizer.chat_template if tokenizer is not None else None)
 
     @property

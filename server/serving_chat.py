@@ -36,7 +36,8 @@ class ChatServing(OpenAIServing):
             raise invalid_request("prompt_logprobs come in non-streamed chat responses (or "
                                   "streamed /v1/completions).", param="prompt_logprobs")
         # NOTE: compiling a large schema takes milliseconds: not on the event loop
-        plan, grammar = await anyio.to_thread.run_sync(constraints, request)
+        plan, grammar = await anyio.to_thread.run_sync(constraints, request,
+                                                       self.ctx.tool_format)
         prompt_ids = await chat_prompt_ids(self, request, tokenizer,
                                            truncated=request.truncate_prompt_tokens is not None)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -134,7 +135,7 @@ async def chat_prompt_ids(serving: OpenAIServing, request: ChatCompletionRequest
     template, on a worker thread, after the text-size check (`truncated`: the request cuts
     its prompt); a template error is a 400 naming `param` (another API's name for its
     messages)."""
-    messages, tools = chat_messages(request, tokenizer.chat_template)
+    messages, tools = chat_messages(request, tokenizer.chat_template, serving.ctx.tool_format)
     serving.check_prompt_text(["".join(m["content"] for m in messages)], param,
                               truncated=truncated)
     try:
@@ -154,10 +155,12 @@ def chat_request(fields: dict, param: str, label: str) -> ChatCompletionRequest:
         raise invalid_request(f"Invalid {label}: {msg}.", param=param) from None
 
 
-def constraints(request: ChatCompletionRequest) -> tuple[ToolPlan | None, GrammarSpec | None]:
-    """The tool plan and the grammar the answer follows (a required / named tool_choice's, else
-    response_format's or a guided_* field's), or the 400 that says why not."""
-    plan = plan_tools(request)
+def constraints(request: ChatCompletionRequest, tool_format: str = "hermes"
+                ) -> tuple[ToolPlan | None, GrammarSpec | None]:
+    """The tool plan (calls in `tool_format`) and the grammar the answer follows (a required /
+    named tool_choice's, else response_format's or a guided_* field's), or the 400 that says
+    why not."""
+    plan = plan_tools(request, tool_format)
     grammar = plan.grammar if plan is not None and plan.grammar else grammar_for(request)
     check_constrained(grammar, request)
     return plan, grammar
@@ -186,7 +189,7 @@ def _message(plan: ToolPlan | None, text: str) -> ChatResponseMessage:
     if plan.mode == "named":
         call = ToolCall(id=new_call_id(), function=FunctionCall(name=plan.named, arguments=text))
         return ChatResponseMessage(content=None, tool_calls=[call])
-    content, calls = split_answer(text, plan.names, plan.parallel)
+    content, calls = split_answer(text, plan.names, plan.parallel, plan.format)
     return ChatResponseMessage(content=content, tool_calls=[
         ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
         for c in calls] or None)

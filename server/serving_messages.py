@@ -53,7 +53,8 @@ class MessagesServing(OpenAIServing):
     async def create(self, request: MessagesRequest, raw: Request) -> Response:
         self.ctx.check_model(request.model)
         chat, prompt_ids = await self._prompt(request)
-        plan, grammar = await anyio.to_thread.run_sync(constraints, chat)
+        plan, grammar = await anyio.to_thread.run_sync(constraints, chat,
+                                                       self.ctx.tool_format)
         message_id = f"msg_{uuid.uuid4().hex}"
         generation = self.generation(chat, [prompt_ids], message_id, "messages", grammar,
                                      chat=True)

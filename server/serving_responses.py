@@ -72,7 +72,8 @@ class ResponsesServing(OpenAIServing):
         items = request.input_items()
         chat = _chat_request(request, self._history(request.previous_response_id) + items)
         # NOTE: compiling a large schema takes milliseconds: not on the event loop
-        plan, grammar = await anyio.to_thread.run_sync(constraints, chat)
+        plan, grammar = await anyio.to_thread.run_sync(constraints, chat,
+                                                       self.ctx.tool_format)
         chat, prompt_ids = await self._prompt(request, chat, tokenizer)
         response_id = new_id("resp")
         generation = self.generation(chat, [prompt_ids], response_id, "input", grammar,

@@ -71,7 +71,8 @@ class TokenServing:
             add = True if request.add_special_tokens is None else request.add_special_tokens
             tokens = await anyio.to_thread.run_sync(tokenizer.encode, request.prompt, add)
         else:
-            messages, tools = chat_messages(request, tokenizer.chat_template)
+            messages, tools = chat_messages(request, tokenizer.chat_template,
+                                           self.ctx.tool_format)
             try:
                 text = tokenizer.apply_chat_template(messages, tools,
                                                      **template_options(request))
@@ -93,7 +94,8 @@ class TokenServing:
     async def render_chat(self, request: ChatCompletionRequest) -> RenderResponse:
         self.ctx.check_model(request.model)
         tokenizer = self.ctx.require_ready()
-        messages, tools = chat_messages(request, tokenizer.chat_template)
+        messages, tools = chat_messages(request, tokenizer.chat_template,
+                                           self.ctx.tool_format)
         try:
             ids = await anyio.to_thread.run_sync(
                 lambda: tokenizer.encode_chat(messages, tools, **template_options(request)))

@@ -13,6 +13,7 @@ from pathlib import Path
 from engine.settings import FLAGS_BEGIN, FLAGS_END, check_choices, markdown_rows, setting
 from server.limits import DEFAULT_MAX_REQUEST_BYTES
 from server.reasoning import PARSERS
+from server.tool_formats import PARSERS as TOOL_PARSERS
 from server.response_store import DEFAULT_RESPONSES_STORE_MB
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -38,6 +39,12 @@ class ServerSettings:
                                     "<think>), deepseek_r1 (the prompt opened it); auto: qwen3 "
                                     "when the chat template writes <think>", PARSERS,
                                     group="server")
+    tool_call_parser: str = setting("auto", "how the model writes tool calls, read back into "
+                                    "tool_calls and forced by tool_choice required: hermes "
+                                    "(<tool_call> blocks), mistral ([TOOL_CALLS] and a JSON "
+                                    "array), llama3_json (the answer is {name, parameters}); "
+                                    "auto: by the chat template, hermes for templates that do "
+                                    "not render tools", TOOL_PARSERS, group="server")
     log_level: str = setting("info", "log level", LOG_LEVELS, group="server")
     drain_seconds: float = setting(0.0, "on SIGTERM or Ctrl-C, keep serving this long with "
                                    "/health answering 503, so that a router or load balancer "

@@ -1,9 +1,14 @@
-"""ToolCallParser: an answer's text, as it streams, split into content and tool calls.
+"""An answer's text, as it streams, split into content and tool calls, in the format the
+model writes them (server/tool_formats.py).
 
-Reads the Hermes format (server/tools.py): each call is a JSON object {"name", "arguments"}
+ToolCallParser reads the Hermes format: each call is a JSON object {"name", "arguments"}
 between <tool_call> and </tool_call>. Text outside the tags is content; a tagged block that is
 not a call to a known function stays content, tags and all (nothing the model wrote is lost).
 Text that may be the start of a tag is held back until it is known not to be one.
+TrailingCallsParser reads the formats whose calls run to the end of the answer (mistral after
+[TOOL_CALLS], llama3_json an answer that opens with its JSON): the text from there is held and
+read when the answer ends, calls if it parses as calls to known functions, else content as
+written.
 """
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ from dataclasses import dataclass, field
 
 from server.protocol_responses import DeltaMessage
 from server.protocol_tools import DeltaFunctionCall, DeltaToolCall
-from server.tools import CALL_CLOSE, CALL_OPEN
+from server.tool_formats import (HERMES_CLOSE as CALL_CLOSE, HERMES_OPEN as CALL_OPEN,
+                                 MISTRAL_MARK, PYTHON_TAG, call_of, read_calls)
 
 
 def new_call_id() -> str:
@@ -33,20 +39,12 @@ Event = str | ParsedCall                 # content text, or a complete call
 def parse_call(body: str, names: frozenset[str]) -> ParsedCall | None:
     """A call from the JSON between the tags, or None when it is not one."""
     try:
-        obj = json.loads(body)
+        call = call_of(json.loads(body))
     except ValueError:
         return None
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    if call is None or call.name not in names:
         return None
-    arguments = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(arguments, str):            # some models send the arguments as JSON text
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
+    return ParsedCall(call.name, json.dumps(call.arguments, ensure_ascii=False))
 
 
 class ToolCallParser:
@@ -112,6 +110,65 @@ class ToolCallParser:
             self._space = ""
 
 
+class TrailingCallsParser:
+    """mistral / llama3_json (the module's note): content streams until the calls start; from
+    there the text is held and read when the answer ends."""
+
+    def __init__(self, fmt: str, names: frozenset[str], parallel: bool = True):
+        self._fmt, self._names, self._parallel = fmt, names, parallel
+        self._buf = ""
+        self._held: str | None = None      # the text from the calls' start (None: not yet)
+        self._content_only = False         # llama3_json: the answer did not open with a call
+        self.num_calls = 0
+
+    def push(self, text: str) -> list[Event]:
+        if self._held is not None:
+            self._held += text
+            return []
+        if self._content_only:
+            return [text] if text else []
+        self._buf += text
+        if self._fmt == "mistral":
+            at = self._buf.find(MISTRAL_MARK)
+            if at >= 0:
+                head, self._held = self._buf[:at], self._buf[at + len(MISTRAL_MARK):]
+                self._buf = ""
+                return [head] if head else []
+            keep = len(self._buf) - partial_suffix(self._buf, MISTRAL_MARK)
+            head, self._buf = self._buf[:keep], self._buf[keep:]
+            return [head] if head else []
+        start = self._buf.lstrip()          # llama3_json: is the answer a call?
+        if start.startswith(("{", PYTHON_TAG)):
+            self._held, self._buf = self._buf, ""
+            return []
+        if not start or PYTHON_TAG.startswith(start):
+            return []                       # not known yet
+        self._content_only = True
+        head, self._buf = self._buf, ""
+        return [head]
+
+    def flush(self) -> list[Event]:
+        """The answer ended: the held text as calls, or as the content it is."""
+        if self._held is None:
+            head, self._buf = self._buf, ""
+            return [head] if head else []
+        body, self._held = self._held, None
+        calls = read_calls(self._fmt, body)
+        if calls is None or any(c.name not in self._names for c in calls):
+            return [MISTRAL_MARK + body if self._fmt == "mistral" else body]
+        calls = calls if self._parallel else calls[:1]
+        self.num_calls += len(calls)
+        return [ParsedCall(c.name, json.dumps(c.arguments, ensure_ascii=False))
+                for c in calls]
+
+
+def make_parser(fmt: str, names: frozenset[str], parallel: bool = True):
+    """The parser of `fmt`'s calls (server/tool_formats.py)."""
+    if fmt == "hermes":
+        return ToolCallParser(names, parallel)
+    return TrailingCallsParser(fmt, names, parallel)
+
+
 def partial_suffix(text: str, tag: str) -> int:
     """The length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -120,10 +177,10 @@ def partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-def split_answer(text: str, names: frozenset[str],
-                 parallel: bool = True) -> tuple[str | None, list[ParsedCall]]:
+def split_answer(text: str, names: frozenset[str], parallel: bool = True,
+                 fmt: str = "hermes") -> tuple[str | None, list[ParsedCall]]:
     """A whole answer as (content or None, calls)."""
-    parser = ToolCallParser(names, parallel)
+    parser = make_parser(fmt, names, parallel)
     events = parser.push(text) + parser.flush()
     calls = [e for e in events if isinstance(e, ParsedCall)]
     content = "".join(e for e in events if isinstance(e, str))
@@ -139,7 +196,7 @@ class StreamedCalls:
     def __init__(self, plan):
         self._plan = plan
         self._named_id: str | None = None
-        self._parser = (ToolCallParser(plan.names, plan.parallel)
+        self._parser = (make_parser(plan.format, plan.names, plan.parallel)
                         if plan is not None and plan.parses_calls else None)
         self.num_calls = 0
 

@@ -27,17 +27,24 @@ from server.errors import invalid_request
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.protocol_tools import ChatTool, NamedToolChoice
 from server.structured import checked
+from server.tool_formats import calls_grammar
+from server.tool_formats import format_call as format_call_in
 
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 ANY_OBJECT = {"type": "object"}
 _TEMPLATE_ROLES = {"developer": "system"}    # OpenAI's newer name; templates know "system"
 
 DEFAULT_INSTRUCTIONS = (
     "You can call functions to answer. Their definitions, as JSON Schemas:\n{tools}\n"
-    "To call functions, answer with one block per call and nothing else:\n"
-    f"{CALL_OPEN}\n"
-    '{{"name": "<function name>", "arguments": <the arguments as a JSON object>}}\n'
-    f"{CALL_CLOSE}")
+    "To call functions, answer with {how} and nothing else:\n{example}")
+_HOW = {"hermes": "one block per call", "mistral": "the calls in one list",
+        "llama3_json": 'the call (several joined by "; ")'}
+
+
+def _instructions(listing: str, fmt: str) -> str:
+    """The default tool instructions, with an example call in `fmt`."""
+    example = format_call_in(fmt, "NAME", {"ARGS": 0}).replace(
+        '"NAME"', '"<function name>"').replace('{"ARGS": 0}', "<the arguments as a JSON object>")
+    return DEFAULT_INSTRUCTIONS.format(tools=listing, how=_HOW[fmt], example=example)
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class ToolPlan:
     named: str | None = None           # the function, when mode is "named"
     grammar: GrammarSpec | None = None
     parallel: bool = True              # more than one call per answer (parallel_tool_calls)
+    format: str = "hermes"             # how the model writes calls (server/tool_formats.py)
 
     @property
     def names(self) -> frozenset[str]:
@@ -58,9 +66,10 @@ class ToolPlan:
         return self.mode in ("auto", "required")
 
 
-def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
+def plan_tools(request: ChatCompletionRequest, fmt: str = "hermes") -> ToolPlan | None:
     """None without tools; else the plan, with the grammar for required / named (400s for a
-    tool_choice naming no tool, a bad parameter schema, a clash with response_format)."""
+    tool_choice naming no tool, a bad parameter schema, a clash with response_format);
+    `fmt`: the format the model writes calls in."""
     tools = tuple(request.tools or ())
     choice = request.tool_choice
     if not tools:
@@ -77,11 +86,13 @@ def plan_tools(request: ChatCompletionRequest) -> ToolPlan | None:
         if name not in schemas:
             raise invalid_request(f"tool_choice names '{name}', which is not in tools.",
                                   param="tool_choice")
-        plan = ToolPlan(tools, "named", name, GrammarSpec("json_schema", json.dumps(schemas[name])))
+        plan = ToolPlan(tools, "named", name, GrammarSpec("json_schema", json.dumps(schemas[name])),
+                        format=fmt)
     elif choice == "required":
-        plan = ToolPlan(tools, "required", None, _calls_grammar(schemas, parallel), parallel)
+        grammar = checked(GrammarSpec("lark", calls_grammar(fmt, schemas, parallel)), "tools")
+        plan = ToolPlan(tools, "required", None, grammar, parallel, fmt)
     else:
-        plan = ToolPlan(tools, choice or "auto", parallel=parallel)
+        plan = ToolPlan(tools, choice or "auto", parallel=parallel, format=fmt)
     if plan.grammar is not None and request.guided_fields():
         rf = request.response_format
         if rf is None or rf.type != "text":
@@ -97,36 +108,24 @@ def _parameters(tool: ChatTool, index: int) -> dict:
     return schema
 
 
-def _calls_grammar(schemas: dict[str, dict], parallel: bool) -> GrammarSpec:
-    """Lark: one tagged call (or several, one per line) whose JSON is one of the functions."""
-    body = {"anyOf": [{"type": "object", "properties": {"name": {"const": name},
-                                                        "arguments": schema},
-                       "required": ["name", "arguments"], "additionalProperties": False}
-                      for name, schema in schemas.items()]}
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    lark = (f"{start}\n"
-            f'call: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}\n'
-            f"body: %json {json.dumps(body)}")
-    return checked(GrammarSpec("lark", lark), "tools")
-
-
 # ----------------------------------------------------------------------------- prompts
 
 def template_knows_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
 
-def chat_messages(request: ChatCompletionRequest, template: str | None
+def chat_messages(request: ChatCompletionRequest, template: str | None, fmt: str = "hermes"
                   ) -> tuple[list[dict], list[dict] | None]:
     """(messages for the chat template, tools for it or None): the template's own tool
-    format when it has one, else the default one folded into plain messages."""
+    format when it has one, else the default one folded into plain messages (calls written
+    in `fmt`, server/tool_formats.py)."""
     tools = [t.model_dump(exclude_none=True) for t in request.tools or ()]
     if template_knows_tools(template):
         return [_native(m) for m in request.messages], (tools or None)
-    messages = [_plain(m) for m in request.messages]
+    messages = [_plain(m, fmt) for m in request.messages]
     if tools:
         listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        instructions = DEFAULT_INSTRUCTIONS.format(tools=listing)
+        instructions = _instructions(listing, fmt)
         if messages[0]["role"] == "system":
             messages[0] = {"role": "system",
                            "content": f"{messages[0]['content']}\n\n{instructions}"}
@@ -135,14 +134,14 @@ def chat_messages(request: ChatCompletionRequest, template: str | None
     return messages, None
 
 
-def _plain(m: ChatMessage) -> dict:
+def _plain(m: ChatMessage, fmt: str) -> dict:
     """One message as the default tool format renders it (roles any template knows)."""
     if m.role == "tool":
         return {"role": "user", "content": f"<tool_response>\n{m.text()}\n</tool_response>"}
     content = m.text()
     if m.tool_calls:
-        calls = "\n".join(format_call(c.function.name, _arguments(c.function.arguments))
-                          for c in m.tool_calls)
+        calls = [(c.function.name, _arguments(c.function.arguments)) for c in m.tool_calls]
+        calls = format_calls(fmt, calls)
         content = f"{content}\n{calls}" if content else calls
     return {"role": _TEMPLATE_ROLES.get(m.role, m.role), "content": content}
 
@@ -170,5 +169,14 @@ def _arguments(text: str):
 
 
 def format_call(name: str, arguments) -> str:
-    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    return f"{CALL_OPEN}\n{call}\n{CALL_CLOSE}"
+    """A call as Strata's default (Hermes) renders it."""
+    return format_call_in("hermes", name, arguments)
+
+
+def format_calls(fmt: str, calls: list[tuple[str, object]]) -> str:
+    """An answer's calls, (name, arguments) each, as a model writing `fmt` writes them."""
+    if fmt == "mistral":         # one list
+        body = ", ".join(format_call_in(fmt, n, a)[len("[TOOL_CALLS] ["):-1] for n, a in calls)
+        return f"[TOOL_CALLS] [{body}]"
+    return ("; " if fmt == "llama3_json" else "\n").join(format_call_in(fmt, n, a)
+                                                          for n, a in calls)

@@ -10,7 +10,8 @@ from server.errors import APIError
 from server.protocol import ChatCompletionRequest
 from server.tool_parser import ParsedCall, StreamedCalls, ToolCallParser, split_answer
 from server.tokenizer import Tokenizer
-from server.tools import CALL_CLOSE, CALL_OPEN, chat_messages, format_call, plan_tools
+from server.tool_formats import HERMES_CLOSE as CALL_CLOSE, HERMES_OPEN as CALL_OPEN
+from server.tools import chat_messages, format_call, plan_tools
 
 NAMES = frozenset({"get_weather", "get_time"})
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
