@@ -209,6 +209,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=rid, new_token_ids=new, new_logprobs=tuple(lps), finished=finished,
             prompt_logprobs=prompt_lps,
+            embedding=self.runner.pooler.take(rid) if finished else None,
             finish_reason=reason, error=error, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
             num_output_tokens=len(req.output_token_ids), arrival_time=req.arrival_time,

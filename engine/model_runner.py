@@ -16,6 +16,7 @@ from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from kvstore.lowrank import load_or_calibrate, projection_path
 from engine.outputs import TokenLogprob
+from engine.pooling import Pooler
 from engine.sampler import Sampler, bad_word_bans, make_generator, prompt_logprobs
 from engine.weight_plan import WeightPlan
 from kernels.packed_linear import DENSE
@@ -94,6 +95,7 @@ class ModelRunner:
         # prompt_logprobs requests' entries by prompt position, until their first output
         self._prompt_logprobs: dict[str, list] = {}
         self._prompt_logprobs_sent: set[str] = set()
+        self.pooler = Pooler()             # embedding requests' pooled hidden states
         self.grammars = GrammarTable(folder / "tokenizer.json", config.vocab_size,
                                      tuple(config.eos_token_ids))
 
@@ -115,6 +117,7 @@ class ModelRunner:
         self._prompt_vocab.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self._prompt_logprobs_sent.discard(request_id)
+        self.pooler.release(request_id)
         self.grammars.release(request_id)
         self.store.release(request_id)
 
@@ -131,6 +134,9 @@ class ModelRunner:
         # rows whose next token is a prompt token, for prompt_logprobs: (request, its position)
         prompt_rows: list[int] = []
         prompt_at: list[tuple[str, int]] = []
+        # embedding requests' rows to pool, and per request (id, rows, restart, final)
+        pool_rows: list[int] = []
+        pool_at: list[tuple[str, int, bool, bool]] = []
         seqs: list[SeqKV] = []
         prefilled: list[str] = []
         for r in batch.requests:
@@ -142,6 +148,10 @@ class ModelRunner:
                 last = min(r.start_pos + n, req.num_prompt_tokens - 1)
                 prompt_rows += range(len(input_ids), len(input_ids) + last - r.start_pos)
                 prompt_at += ((r.request_id, p + 1) for p in range(r.start_pos, last))
+            if req.sampling_params.pooling is not None and r.start_pos < req.num_prompt_tokens:
+                rows = self.pooler.rows(req.sampling_params.pooling, len(input_ids), n, r.sample)
+                pool_rows += rows
+                pool_at.append((r.request_id, len(rows), r.start_pos == 0, r.sample))
             input_ids.extend(r.token_ids)
             positions.extend(range(r.start_pos, r.start_pos + n))
             seqs.append(SeqKV(r.request_id, r.page_ids, r.start_pos, n, observe=r.sample and n > 1))
@@ -152,21 +162,24 @@ class ModelRunner:
                 prefilled.append(r.request_id)
         dev = self.device
         step = self.store.begin_step(seqs)
+        hidden_rows = prompt_rows + pool_rows
         try:
             logits = self.model(torch.tensor(input_ids, dtype=torch.int64, device=dev),
                                 torch.tensor(positions, dtype=torch.int64, device=dev), step,
                                 torch.tensor(logits_rows, dtype=torch.int64, device=dev),
-                                torch.tensor(prompt_rows, dtype=torch.int64, device=dev)
-                                if prompt_rows else None)
+                                torch.tensor(hidden_rows, dtype=torch.int64, device=dev)
+                                if hidden_rows else None)
         except BaseException:
             self.store.abort_step()     # no stage thread may outlive the failed step
             raise
         write_failures = self.store.end_step(step, prefilled)
         for rid in prefilled:        # their prompt's full pages join the prefix cache
             self.store.publish(rid, requests[rid].prompt_token_ids)
-        if prompt_rows:
+        if hidden_rows:
             logits, hidden = logits
-            self._keep_prompt_logprobs(hidden, prompt_at, requests)
+            if prompt_rows:
+                self._keep_prompt_logprobs(hidden[:len(prompt_rows)], prompt_at, requests)
+            self._pool(hidden[len(prompt_rows):].cpu(), pool_at, requests)
         sampled, sample_failures = self._sample(batch, requests, logits)
         if len(input_ids) >= _TRIM_AFTER_TOKENS:
             release_free_heap()
@@ -241,6 +254,16 @@ class ModelRunner:
             for (rid, p), (tok, top) in zip(at[a:a + PROMPT_ROWS_AT_ONCE], rows):
                 self._prompt_logprobs[rid][p] = (tok, top[:requests[rid].sampling_params
                                                       .prompt_logprobs])
+
+    def _pool(self, hidden: torch.Tensor, at: list[tuple[str, int, bool, bool]],
+              requests: dict[str, Request]) -> None:
+        """Give each embedding request its rows' hidden states (in `at`'s order)."""
+        row = 0
+        for rid, count, restart, final in at:
+            req = requests[rid]
+            self.pooler.add(rid, hidden[row:row + count], req.sampling_params.pooling, restart,
+                            final, req.num_prompt_tokens)
+            row += count
 
     def take_prompt_logprobs(self, request_id: str) -> tuple | None:
         """A prompt_logprobs request's entries (None for the first token), once its prompt is

@@ -26,6 +26,8 @@ class RequestOutput:
     # prompt_logprobs: on the request's first output, one entry per prompt token (None for
     # the first): (the prompt token, top-k alternatives) as new_logprobs has them
     prompt_logprobs: tuple[tuple[TokenLogprob, tuple[TokenLogprob, ...]] | None, ...] | None = None
+    # an embedding request's pooled hidden state, on the output that ends it
+    embedding: tuple[float, ...] | None = None
     # timestamps (time.monotonic) for metrics
     arrival_time: float = 0.0
     first_scheduled_time: float | None = None

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
+POOLINGS = ("last", "mean")          # an embedding request's pooling (engine/pooling.py)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,15 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # the thinking span the grammar leaves free (None: the grammar constrains the whole output)
     reasoning: ReasoningMarks | None = None
+    # an embedding request (/v1/embeddings): the prompt's final hidden states pooled, of its
+    # last token ("last") or all ("mean"), L2-normalized, on the output that ends it
+    pooling: str | None = None
+
+    @property
+    def needs_whole_prompt(self) -> bool:
+        """Every prompt position is computed (no prefix-cache reuse): prompt logprobs read
+        each position's logits, mean pooling each position's hidden state."""
+        return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
     def greedy(self) -> bool:

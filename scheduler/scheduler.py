@@ -164,9 +164,10 @@ class Scheduler:
         while (not preempted and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self._next_waiting()
-            # NOTE: prompt logprobs need every prompt position's logits: no cached prefix
+            # NOTE: prompt logprobs (mean pooling) need every prompt position's logits (hidden
+            # state): no cached prefix
             hit, reused = 0, (req.num_computed_tokens == 0
-                              and req.sampling_params.prompt_logprobs is None)
+                              and not req.sampling_params.needs_whole_prompt)
             if reused:
                 hit = self.allocator.reuse_prefix(req.request_id, req.all_token_ids)
                 if hit is None:

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.protocol import EngineClient
 from server.context import ServerContext, TokenizerSource
+from server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from server.errors import APIError, install_error_handlers
 from server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from server.messages_protocol import CountTokensRequest, MessagesRequest
@@ -79,7 +80,8 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
               api_key: str | None = None, model_aliases: tuple[str, ...] = (),
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               responses_store_mb: float = DEFAULT_RESPONSES_STORE_MB,
-              reasoning_parser: str = "auto", tool_call_parser: str = "auto") -> FastAPI:
+              reasoning_parser: str = "auto", tool_call_parser: str = "auto",
+              embedding_pooling: str = "last") -> FastAPI:
     ctx = ServerContext(engine, tokenizer, served_model_name=served_model_name,
                         model_aliases=model_aliases, api_key=api_key,
                         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
@@ -87,6 +89,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     completions = CompletionServing(ctx)
     responses = ResponsesServing(ctx, ResponseStore(int(responses_store_mb * 2 ** 20)))
     messages = MessagesServing(ctx)
+    embeddings = EmbeddingServing(ctx, embedding_pooling)
 
     def authorize(authorization: str | None = Header(default=None),
                   x_api_key: str | None = Header(default=None)) -> None:
@@ -107,6 +110,10 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
         return await completions.create(request, raw)
 
     _errors = {**_V1_ERRORS, 400: _GENERATE_ERRORS[400], 404: _GENERATE_ERRORS[404]}
+
+    @v1.post("/embeddings", response_model=EmbeddingResponse, responses=_GENERATE_ERRORS)
+    async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
+        return await embeddings.create(request, raw)
 
     @v1.post("/responses", responses=_generate_doc(ResponseObject))
     async def create_response(request: ResponsesRequest, raw: Request) -> Response:

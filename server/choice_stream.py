@@ -68,6 +68,7 @@ class ChoiceStream:
         self.finished = False
         self.num_output_tokens = 0
         self.num_cached_tokens = 0          # prompt tokens the prefix cache held
+        self.embedding: tuple[float, ...] | None = None    # an embedding request's
         self.prompt_logprobs: Logprobs | None = None    # with the first output, when asked
 
     async def start(self) -> None:
@@ -143,12 +144,14 @@ class ChoiceStream:
     def _record_tokens(self, out: RequestOutput) -> None:
         now = time.monotonic()
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if not self._prompt_counted:
             self._prompt_counted = True
             self._metrics.prompt_tokens.inc(out.num_prompt_tokens
                                             or len(self.spec.prompt_token_ids))
-        if not out.new_token_ids:
-            return
+        if not out.new_token_ids or self.spec.params.pooling is not None:
+            return          # (an embedding request's one token is not an answer)
         if self._last_token_time is None:
             self._metrics.time_to_first_token.observe(max(0.0, now - self._arrival_of(out)))
         else:

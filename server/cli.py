@@ -174,7 +174,8 @@ def serve(args: argparse.Namespace) -> int:
                     model_aliases=aliases, max_request_bytes=settings.max_request_bytes,
                     responses_store_mb=settings.responses_store_mb,
                     reasoning_parser=settings.reasoning_parser,
-                    tool_call_parser=settings.tool_call_parser)
+                    tool_call_parser=settings.tool_call_parser,
+                    embedding_pooling=settings.embedding_pooling)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level,
                             timeout_graceful_shutdown=5)

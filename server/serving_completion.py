@@ -21,17 +21,18 @@ from server.structured import check_constrained, grammar_for
 from server.tokenizer import Tokenizer
 
 
-def prompt_token_ids(prompt, tokenizer: Tokenizer) -> list[list[int]]:
-    """Text, a batch of texts, one token-id list, or a batch of token-id lists."""
+def prompt_token_ids(prompt, tokenizer: Tokenizer, param: str = "prompt") -> list[list[int]]:
+    """Text, a batch of texts, one token-id list, or a batch of token-id lists (`param`: the
+    field's name in errors)."""
     if isinstance(prompt, str):
         return [tokenizer.encode(prompt)]
     if not prompt:
-        raise invalid_request("The prompt must not be empty.", param="prompt")
+        raise invalid_request(f"The {param} must not be empty.", param=param)
     if isinstance(prompt[0], str):
         return [tokenizer.encode(text) for text in prompt]
     batch = [prompt] if isinstance(prompt[0], int) else prompt
     for ids in batch:
-        check_token_ids(ids, tokenizer.vocab_size, "prompt")
+        check_token_ids(ids, tokenizer.vocab_size, param)
     return [list(ids) for ids in batch]
 
 

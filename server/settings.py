@@ -14,6 +14,7 @@ from engine.settings import FLAGS_BEGIN, FLAGS_END, check_choices, markdown_rows
 from server.limits import DEFAULT_MAX_REQUEST_BYTES
 from server.reasoning import PARSERS
 from server.tool_formats import PARSERS as TOOL_PARSERS
+from scheduler.sampling_params import POOLINGS
 from server.response_store import DEFAULT_RESPONSES_STORE_MB
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -45,6 +46,10 @@ class ServerSettings:
                                     "array), llama3_json (the answer is {name, parameters}); "
                                     "auto: by the chat template, hermes for templates that do "
                                     "not render tools", TOOL_PARSERS, group="server")
+    embedding_pooling: str = setting("last", "/v1/embeddings: an input's final hidden state "
+                                     "of its last token (vLLM's default for decoder models) or "
+                                     "the mean over its tokens, L2-normalized", POOLINGS,
+                                     group="server")
     log_level: str = setting("info", "log level", LOG_LEVELS, group="server")
     drain_seconds: float = setting(0.0, "on SIGTERM or Ctrl-C, keep serving this long with "
                                    "/health answering 503, so that a router or load balancer "
