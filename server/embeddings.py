@@ -5,9 +5,10 @@ its tokens (`mean`), L2-normalized (engine/pooling.py).
 
 Each input is one engine request that prefills its prompt (its pages join the prefix cache
 like any prompt's: a document embedded and then asked about is prefilled once) and ends
-there. `encoding_format` "base64" gives the little-endian float32 bytes, base64-encoded (what
-the openai SDK asks for by default and decodes); `dimensions` is refused (no Matryoshka
-training here).
+there. A request of more inputs than a client may have waiting (--max-waiting) runs them in
+waves of that many, one after the other. `encoding_format` "base64" gives the
+little-endian float32 bytes, base64-encoded (what the openai SDK asks for by default and
+decodes); `dimensions` is refused (no Matryoshka training here).
 """
 from __future__ import annotations
 
@@ -22,13 +23,14 @@ from pydantic import Field, StrictInt
 from starlette.responses import Response
 
 from scheduler.sampling_params import SamplingParams
-from server.choice_stream import ChoiceSpec, ChoiceStream
-from server.errors import invalid_request
+from server.choice_stream import ChoiceSpec, ChoiceStream, RequestFailed
+from server.disconnect import ClientDisconnected, run_until_disconnected
+from server.errors import invalid_request, request_failed
 from server.generation import Generation
 from server.protocol import Text, TokenId
 from server.protocol_tools import Unsupported, _Request, _Wire
 from server.sampling import MAX_CLIENT_CHARS, resolve_max_tokens
-from server.serving import OpenAIServing
+from server.serving import CLIENT_CLOSED_REQUEST, OpenAIServing, json_response
 from server.serving_completion import prompt_token_ids
 
 MAX_INPUTS = 2048               # OpenAI's limit on the inputs of one request
@@ -78,10 +80,17 @@ class EmbeddingServing(OpenAIServing):
             self.check_prompt_text(texts, "input", request.truncate_prompt_tokens is not None)
         prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.input, tokenizer,
                                                  "input")
-        self.check_admissible(len(prompts))
-        generation = Generation(self._streams(request, prompts), ctx.metrics)
-        return await self.respond(raw, generation, stream=False, events=None,
-                                  build=lambda _: self._response(request, generation))
+        streams = self._streams(request, prompts)
+        wave = max(1, ctx.max_waiting)
+        try:
+            for at in range(0, len(streams), wave):
+                await run_until_disconnected(raw, self._collect(
+                    Generation(streams[at:at + wave], ctx.metrics)))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except RequestFailed as exc:
+            raise request_failed(str(exc)) from None
+        return json_response(self._response(request, streams))
 
     def _streams(self, request: EmbeddingRequest, prompts: list[list[int]]) -> list:
         ctx, request_id = self.ctx, f"embd-{uuid.uuid4().hex}"
@@ -99,16 +108,15 @@ class EmbeddingServing(OpenAIServing):
             streams.append(ChoiceStream(ctx.engine, ctx.tokenizer, ctx.metrics, spec))
         return streams
 
-    def _response(self, request: EmbeddingRequest,
-                  generation: Generation) -> EmbeddingResponse:
+    def _response(self, request: EmbeddingRequest, streams: list) -> EmbeddingResponse:
         data = []
-        for stream in generation.streams:
+        for stream in streams:
             vector = stream.embedding
             if vector is None:
                 raise RuntimeError(f"input {stream.spec.index} ended without an embedding")
             data.append(Embedding(index=stream.spec.index, embedding=(
                 _base64(vector) if request.encoding_format == "base64" else list(vector))))
-        tokens = generation.usage().prompt_tokens
+        tokens = sum(len(s.spec.prompt_token_ids) for s in streams)
         return EmbeddingResponse(data=data, model=self.ctx.served_model_name,
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 

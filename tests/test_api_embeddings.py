@@ -86,3 +86,16 @@ def test_bad_inputs_are_400s_naming_the_field(server, body, param):
 def test_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError):
         client.embeddings.create(model="text-embedding-3-small", input="hi")
+
+
+def test_more_inputs_than_a_client_may_have_waiting_run_in_waves(smollm2_dir):
+    # --max-waiting 4: 10 inputs are three waves, not a 400
+    with running_server("--max-model-len", str(CONTEXT), "--max-waiting", "4") as s:
+        texts = [f"Item number {i} of the list." for i in range(10)]
+        r = openai_client(s.url).embeddings.create(model=MODEL, input=texts,
+                                                   encoding_format="float")
+        assert [d.index for d in r.data] == list(range(10))
+        alone = openai_client(s.url).embeddings.create(model=MODEL, input=texts[7],
+                                                       encoding_format="float")
+        assert torch.dot(torch.tensor(r.data[7].embedding),
+                         torch.tensor(alone.data[0].embedding)) > 0.999
