@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -101,21 +102,12 @@ def _source_key(src: Path) -> str:
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 
-# GGUF architectures whose file transformers reads without what the model needs
-HF_FOLDER_ONLY = {
-    "phi3": "transformers' GGUF reader drops Phi-3's LongRoPE factors and partial rotary, so "
-            "its answers would drift; serve the model's HF folder (config.json + safetensors)",
-}
-
-
 def _convert(src: Path, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from engine.gguf_weights import open_gguf
-    arch = open_gguf(src).architecture
-    if arch in HF_FOLDER_ONLY:
-        raise ValueError(f"{src.name}: a {arch} GGUF: {HF_FOLDER_ONLY[arch]}")
+    from engine.gguf_weights import open_gguf, phi3_config
+    arch = open_gguf(src).architecture      # (a file that is no GGUF fails here, clearly)
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
@@ -137,6 +129,8 @@ def _convert(src: Path, dest: Path) -> None:
             tok.chat_template = CHATML_TEMPLATE
         logger.info("[3/4] writing safetensors")
         model.save_pretrained(tmp)
+        if arch == "phi3":      # what transformers' reader drops (engine/gguf_weights.py)
+            _update_config(tmp / "config.json", phi3_config(src))
         tok.save_pretrained(tmp)
         gen = GenerationConfig(bos_token_id=model.config.bos_token_id,
                                eos_token_id=list(eos_ids),
@@ -154,6 +148,16 @@ def _convert(src: Path, dest: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     logger.info("converted %s in %.1f s", src.name, time.monotonic() - t0)
+
+
+def _update_config(path: Path, fields: dict) -> None:
+    cfg = json.loads(path.read_text())
+    rope = fields.pop("rope_parameters", None)
+    if rope is not None:
+        cfg["rope_parameters"] = {**(cfg.get("rope_parameters") or {}), **rope}
+        cfg.pop("rope_scaling", None)
+    cfg.update(fields)
+    path.write_text(json.dumps(cfg, indent=2))
 
 
 def _eos_ids(tok, config) -> tuple[int, ...]:

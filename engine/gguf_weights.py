@@ -8,7 +8,10 @@ float32 by the `gguf` package.
 
 llama.cpp's converter permutes the rows of Llama's q and k projections (its RoPE pairs
 neighbouring dims; HF's pairs halves); the permutation is undone here, on whole rows, so
-codes and block scales move with their rows.
+codes and block scales move with their rows. Phi-3's fused q/k/v (`attn_qkv`) and gate/up
+(`ffn_up`) load whole; its LongRoPE factors are tensors and its rotary dims and pretraining
+length metadata, which transformers' GGUF reader drops: `phi3_config` gives them back as HF
+config fields.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
@@ -73,7 +76,7 @@ class GGUFFile:
         for _ in range(n_kv):
             key = self._string()
             value = self._value(struct.unpack_from("<I", raw, self._take(4))[0])
-            if key in ("general.architecture", "general.alignment"):
+            if value is not None:                        # scalars and strings, no arrays
                 self.fields[key] = value
         infos = []
         for _ in range(n_tensors):
@@ -207,9 +210,37 @@ def iter_gguf_weights(path: Path, config: ModelConfig
         else:
             value = torch.from_numpy(dequantize(np.asarray(t.data), GGMLQuantizationType[t.kind])
                                      .astype(np.float32).reshape(t.shape))
+        if file.architecture == "phi3" and name.endswith(".mlp.up_proj.weight"):
+            name = name.replace(".up_proj.", ".gate_up_proj.")     # [gate | up] in one
         if file.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
             heads = config.num_attention_heads if ".q_proj." in name \
                 else config.num_key_value_heads
             order = _unpermute_rows(value.shape[0], heads)
             value = value.permute_rows(order) if isinstance(value, GroupQuant) else value[order]
         yield name, value
+
+
+def phi3_config(path: Path) -> dict:
+    """The HF config fields of a Phi-3 GGUF that transformers' reader drops: LongRoPE (its
+    factor tensors, pretraining length, attention factor), the rotary dims as
+    partial_rotary_factor, the sliding window (0 there: none)."""
+    file = open_gguf(path)
+    f = file.fields
+    heads, hidden = int(f["phi3.attention.head_count"]), int(f["phi3.embedding_length"])
+    rot = int(f.get("phi3.rope.dimension_count", hidden // heads))
+    rope: dict = {"rope_theta": float(f.get("phi3.rope.freq_base", 10000.0)),
+                  "partial_rotary_factor": rot / (hidden // heads)}
+    out: dict = {"sliding_window": int(f.get("phi3.attention.sliding_window", 0)) or None,
+                 "partial_rotary_factor": rope["partial_rotary_factor"]}
+    factors = {t.name: t.data.astype(np.float32).tolist() for t in file.tensors
+               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    if len(factors) == 2:
+        orig = int(f["phi3.rope.scaling.original_context_length"])
+        rope.update(rope_type="longrope", long_factor=factors["rope_factors_long.weight"],
+                    short_factor=factors["rope_factors_short.weight"],
+                    original_max_position_embeddings=orig)
+        if "phi3.rope.scaling.attn_factor" in f:
+            rope["attention_factor"] = float(f["phi3.rope.scaling.attn_factor"])
+        out["original_max_position_embeddings"] = orig
+    out["rope_parameters"] = rope
+    return out
