@@ -22,6 +22,8 @@ FACTORS = {"short_factor": [1.0 + 0.1 * i for i in range(6)],
 NAMES = {"self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
          "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+       "lm_head.weight": "output.weight"}
 
 
 def _write_phi3_gguf(hf, path) -> None:
@@ -55,8 +57,7 @@ def _write_phi3_gguf(hf, path) -> None:
             module, kind = module.rsplit(".", 1)
             out = f"blk.{layer}.{NAMES[module]}.{kind}"
         else:
-            out = {"model.embed_tokens.weight": "token_embd.weight",
-                   "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
+            out = TOP[name]
         w.add_tensor(out, p.float().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
