@@ -13,6 +13,8 @@ Leaf module: imports only torch and kernels (the backend for a device: kernels/b
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -72,8 +74,25 @@ class _SeqPlan:
     q_len: int
     kv_len: int
     pages: torch.Tensor           # [n_pages] int64 page ids
-    mask: torch.Tensor | None     # [q_len, kv_len] bool, True = attend; None when plain causal
     causal: bool                  # q_len == kv_len > 1: SDPA's own causal mask is exact
+
+    @property
+    def after_prefix(self) -> bool:
+        """Several queries after cached keys: the last q_len keys causal, the rest seen by
+        all (a later prefill chunk)."""
+        return 1 < self.q_len < self.kv_len
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        """[q_len, kv_len] bool (True = attend) for SDPA's masked path, None where no mask
+        is needed; made when first asked (then kept for the step's other layers): the CPU's
+        split flash path needs none (building them was ~1% of a 7K prefill, for nothing)."""
+        if not self.after_prefix:
+            return None
+        dev = self.pages.device
+        j = torch.arange(self.q_len, device=dev)[:, None]       # query j sees kv positions
+        p = torch.arange(self.kv_len, device=dev)[None, :]      # <= kv_len - q_len + j
+        return p <= self.kv_len - self.q_len + j
 
 
 @dataclass(frozen=True)
@@ -148,14 +167,8 @@ class TorchPagedAttention:
         for i, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
             if q_len == 0:
                 continue
-            mask = None
-            if 1 < q_len < kv_len:
-                # query j sees kv positions <= kv_len - q_len + j
-                j = torch.arange(q_len, device=dev)[:, None]
-                p = torch.arange(kv_len, device=dev)[None, :]
-                mask = p <= kv_len - q_len + j
             self._seqs.append(_SeqPlan(qo[i], q_len, kv_len, indices[indptr[i]:indptr[i + 1]],
-                                       mask, causal=1 < q_len == kv_len))
+                                       causal=1 < q_len == kv_len))
 
     def forward(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: AttentionBatch,
                 scale: float) -> torch.Tensor:
@@ -217,7 +230,7 @@ class TorchPagedAttention:
         kv = kv.view(2, 1, kvh, -1, d)
         k, v = kv[:, :, :, :s.kv_len]                           # [1, KVH, L, D] (views)
         qh = q.to(k.dtype).transpose(0, 1)[None]                # [1, H, q_len, D]
-        if s.mask is not None and s.q_len > 1 and _FLASH_CPU is not None and qh.is_cpu:
+        if s.after_prefix and _FLASH_CPU is not None and qh.is_cpu:
             out = _chunk_attention_split(qh, k, v, s.kv_len - s.q_len, scale)
         else:
             out = F.scaled_dot_product_attention(

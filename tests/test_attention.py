@@ -84,6 +84,13 @@ def test_later_prefill_chunk_matches_reference_with_any_scale(dtype, atol, kv_he
         torch.testing.assert_close(out.float(), ref, atol=atol, rtol=0)
 
 
+def test_later_chunks_take_the_masked_path_where_the_flash_op_is_missing(monkeypatch):
+    # torch without the CPU flash op (and the GPU fallback): one SDPA call with the mask
+    import kernels.attention as attention
+    monkeypatch.setattr(attention, "_FLASH_CPU", None)
+    _check([700, 61, 130], [300, 20, 129], page_size=16)
+
+
 def test_bf16_cache_is_close_to_float32_reference():
     _check([27, 577], [1, 1], dtype=torch.bfloat16, atol=2e-2)
     _check([27, 577], [27, 64], dtype=torch.bfloat16, atol=2e-2)
