@@ -78,6 +78,11 @@ LogitBias = Annotated[dict[str, float] | None,
 
 class StreamOptions(_Request):
     include_usage: Flag = False
+    continuous_usage_stats: Flag = False     # vLLM's: the usage so far on every chunk
+
+    @property
+    def usage_on_every_chunk(self) -> bool:
+        return bool(self.include_usage and self.continuous_usage_stats)
 
 
 class TextContentPart(_Request):

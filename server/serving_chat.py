@@ -75,10 +75,13 @@ class ChatServing(OpenAIServing):
     async def _chunks(self, request: ChatCompletionRequest, plan: ToolPlan | None,
                       generation: Generation, request_id: str,
                       created: int) -> AsyncIterator[ChatCompletionChunk]:
+        live = request.stream_options is not None \
+            and request.stream_options.usage_on_every_chunk
+
         def chunk(choices, usage=None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created,
                                        model=self.ctx.served_model_name, choices=choices,
-                                       usage=usage)
+                                       usage=generation.usage() if live else usage)
 
         calls, thinking = {}, {}
         style = self.ctx.reasoning_style

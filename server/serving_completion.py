@@ -92,10 +92,13 @@ class CompletionServing(OpenAIServing):
     async def _chunks(self, request: CompletionRequest, generation: Generation,
                       request_id: str, created: int,
                       echoes: list[str]) -> AsyncIterator[CompletionStreamResponse]:
+        live = request.stream_options is not None \
+            and request.stream_options.usage_on_every_chunk
+
         def chunk(choices, usage=None) -> CompletionStreamResponse:
             return CompletionStreamResponse(id=request_id, created=created,
                                             model=self.ctx.served_model_name, choices=choices,
-                                            usage=usage)
+                                            usage=generation.usage() if live else usage)
 
         offsets = {s.spec.index: 0 for s in generation.streams}   # text_offset per choice
         for s in generation.streams:

@@ -122,3 +122,25 @@ def test_chat_template_kwargs_are_passed_and_reserved_names_refused(http):
     bad = http.post("/tokenize", json={"messages": SAY_HI, "continue_final_message": True,
                                        "add_generation_prompt": False})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, api):
+    # vLLM's stream_options.continuous_usage_stats (with include_usage)
+    kw = dict(model=MODEL, max_tokens=12, temperature=0.0, stream=True,
+              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    if api == "chat":
+        chunks = list(client.chat.completions.create(messages=SAY_HI, **kw))
+        whole = client.chat.completions.create(messages=SAY_HI, model=MODEL, max_tokens=12,
+                                               temperature=0.0)
+    else:
+        chunks = list(client.completions.create(prompt="Once upon a time", **kw))
+        whole = client.completions.create(prompt="Once upon a time", model=MODEL,
+                                          max_tokens=12, temperature=0.0)
+    used = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks) and used == sorted(used)
+    last = chunks[-1].usage       # (the cached tokens differ: the second request hits)
+    assert (last.completion_tokens, last.total_tokens) == (whole.usage.completion_tokens,
+                                                           whole.usage.total_tokens)
+    assert used[0] < used[-1]
+    assert {c.usage.prompt_tokens for c in chunks} == {whole.usage.prompt_tokens}
