@@ -174,6 +174,8 @@ class ChoiceStream:
         queue_s = None
         if out is not None and out.first_scheduled_time is not None and out.arrival_time:
             queue_s = out.first_scheduled_time - out.arrival_time
+        if self.spec.params.pooling is not None and reason == "length":
+            reason = "stop"         # an embedding request ends after its one step, as asked
         self._metrics.record_finished(reason, e2e_s=time.monotonic() - self._arrival_of(out),
                                       queue_s=queue_s)
 

@@ -99,3 +99,22 @@ def test_more_inputs_than_a_client_may_have_waiting_run_in_waves(smollm2_dir):
                                                        encoding_format="float")
         assert torch.dot(torch.tensor(r.data[7].embedding),
                          torch.tensor(alone.data[0].embedding)) > 0.999
+
+
+def test_embedding_requests_count_as_stopped_requests_and_generate_no_tokens(client, server):
+    def metrics() -> dict[str, float]:
+        out = {}
+        for line in httpx.get(f"{server.url}/metrics", timeout=30).text.splitlines():
+            if line.startswith(("strata_request_success_total", "strata_generation_tokens_total",
+                                "strata_prompt_tokens_total")):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+    before = metrics()
+    client.embeddings.create(model=MODEL, input=["one text", "and another"])
+    after = metrics()
+    delta = {k: after[k] - before.get(k, 0.0) for k in after}
+    assert delta['strata_request_success_total{finished_reason="stop"}'] == 2
+    assert delta.get('strata_request_success_total{finished_reason="length"}', 0) == 0
+    assert delta["strata_generation_tokens_total"] == 0
+    assert delta["strata_prompt_tokens_total"] > 0
