@@ -68,3 +68,19 @@ def test_pooled_hidden_states_equal_transformers(smollm2_dir, reference, pooling
         assert abs(v.norm() - 1) < 1e-5
         assert torch.dot(v, want) > 0.9999, (text, pooling, chunk)
     assert len(tokens["g"]) == 8
+
+
+def test_a_recomputed_prompt_starts_its_mean_again():
+    # a preempted embedding request prefills again from position 0: its sum restarts, and
+    # the embedding is made once, on the chunk that ends the prompt
+    from engine.pooling import Pooler
+    pooler = Pooler()
+    a, b = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 3.0]])
+    pooler.add("r", a, "mean", restart=True, final=False, num_prompt_tokens=2)
+    pooler.add("r", a * 100, "mean", restart=True, final=False, num_prompt_tokens=2)  # again
+    assert pooler.take("r") is None
+    pooler.add("r", b, "mean", restart=False, final=True, num_prompt_tokens=2)
+    want = _unit(torch.tensor([100.0, 3.0]) / 2)
+    assert torch.allclose(torch.tensor(pooler.take("r")), want) and pooler.take("r") is None
+    assert Pooler.rows("last", 5, 3, final=False) == [] and Pooler.rows("last", 5, 3, True) == [7]
+    assert Pooler.rows("mean", 5, 3, final=False) == [5, 6, 7]
