@@ -1,7 +1,7 @@
 """Background responses (`background: true`) through the official openai SDK against a real
-server: answered at once and polled to the answer a foreground request gives, streamed and
-resumed after the client left (`retrieve(stream=True, starting_after=N)`), cancelled (the
-engine's requests aborted, the response stored as cancelled), and the 400s."""
+server: answered at once and polled to its answer, streamed and resumed after the client left
+(`retrieve(stream=True, starting_after=N)`), cancelled (the engine's requests aborted, the
+response stored as cancelled), and the 400s."""
 from __future__ import annotations
 
 import time
@@ -50,14 +50,22 @@ def running(server) -> float:
                if line.startswith("strata_requests_running"))
 
 
-def test_a_background_response_is_polled_to_the_foreground_answer(client):
-    kw = dict(input="Name three planets.", max_output_tokens=40, **GREEDY)
-    fore = client.responses.create(**kw)
-    back = client.responses.create(background=True, **kw)
+def streamed_text(events) -> str:
+    return "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+
+def test_a_background_response_is_polled_to_its_answer(client):
+    # (not compared with a foreground run's text: two generations may differ at a near-tie,
+    # the second reading the first's cached prompt pages; test_api_responses checks answers)
+    back = client.responses.create(background=True, input="Name three planets.",
+                                   max_output_tokens=40, **GREEDY)
     assert back.background and back.status == "queued" and not back.output
     done = polled(client, back.id)
-    assert done.status == fore.status and done.output_text == fore.output_text
-    assert done.usage.output_tokens == fore.usage.output_tokens and done.background
+    assert done.status == ("incomplete" if done.usage.output_tokens == 40 else "completed")
+    assert done.output_text and done.background
+    events = list(client.responses.retrieve(back.id, stream=True))    # what it recorded
+    assert events[-1].type == f"response.{done.status}"
+    assert streamed_text(events) == done.output_text
     # it is stored: a conversation continues from it as from any other
     nxt = client.responses.create(input="And one more?", previous_response_id=back.id,
                                   max_output_tokens=8, **GREEDY)
@@ -65,10 +73,9 @@ def test_a_background_response_is_polled_to_the_foreground_answer(client):
 
 
 def test_a_stream_left_midway_is_resumed_where_it_stopped(client):
-    kw = dict(input="Write two sentences about disks.", max_output_tokens=60, **GREEDY)
-    fore = client.responses.create(**kw)
     first = []
-    stream = client.responses.create(background=True, stream=True, **kw)
+    stream = client.responses.create(background=True, stream=True, max_output_tokens=60,
+                                     input="Write two sentences about disks.", **GREEDY)
     for event in stream:
         first.append(event)
         if event.type == "response.output_text.delta":
@@ -79,10 +86,10 @@ def test_a_stream_left_midway_is_resumed_where_it_stopped(client):
                                           starting_after=first[-1].sequence_number))
     seqs = [e.sequence_number for e in first + rest]
     assert seqs == list(range(len(seqs)))
-    assert rest[-1].type == f"response.{fore.status}"
-    assert rest[-1].response.output_text == fore.output_text
-    text = "".join(e.delta for e in first + rest if e.type == "response.output_text.delta")
-    assert text == fore.output_text
+    final = client.responses.retrieve(response_id)
+    assert rest[-1].type == f"response.{final.status}"
+    assert streamed_text(first + rest) == final.output_text == rest[-1].response.output_text
+    assert final.output_text
     # followed again from the start, once it ended
     again = list(client.responses.retrieve(response_id, stream=True))
     assert [e.sequence_number for e in again] == seqs
