@@ -179,7 +179,8 @@ class ModelRunner:
             logits, hidden = logits
             if prompt_rows:
                 self._keep_prompt_logprobs(hidden[:len(prompt_rows)], prompt_at, requests)
-            self._pool(hidden[len(prompt_rows):].cpu(), pool_at, requests)
+            if pool_at:
+                self._pool(hidden[len(prompt_rows):].cpu(), pool_at, requests)
         sampled, sample_failures = self._sample(batch, requests, logits)
         if len(input_ids) >= _TRIM_AFTER_TOKENS:
             release_free_heap()
