@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # converted models live beside the checkout, so serve, test and bench share one conversion
 export STRATA_CACHE_DIR ?= $(CURDIR)/.cache/models
 
-.PHONY: setup model prometheus peers serve test test-gpu bench bench-suite clean
+.PHONY: setup model prometheus peers serve test test-gpu gpu-kit bench bench-suite clean
 
 setup: $(STAMP)
 
@@ -54,6 +54,11 @@ test: model prometheus
 # on a machine with CUDA (and the `gpu` extra: pip install -e '.[gpu]'): the tests marked gpu
 test-gpu: model
 	$(PY) -m pytest -q -m gpu $(PYTEST_ARGS)
+
+# a lent GPU machine without internet (the `device` tool): the wheels the GPU checks need, cut
+# into parts that fit its calls, and the calls to make (bench/gpu/kit.py, docs/gpu.md)
+gpu-kit: setup
+	$(PY) bench/gpu/kit.py build
 
 bench: model
 	$(PY) bench/serving.py $(ARGS)
