@@ -174,7 +174,8 @@ class ModelRunner:
             raise
         write_failures = self.store.end_step(step, prefilled)
         for rid in prefilled:        # their prompt's full pages join the prefix cache
-            self.store.publish(rid, requests[rid].prompt_token_ids)
+            self.store.publish(rid, requests[rid].prompt_token_ids,
+                               requests[rid].sampling_params.cache_salt)
         if hidden_rows:
             logits, hidden = logits
             if prompt_rows:

@@ -89,13 +89,13 @@ class PageAllocator:
         if pages:
             self._owned[request_id] = pages
 
-    def reuse_prefix(self, request_id: str, token_ids) -> int | None:
+    def reuse_prefix(self, request_id: str, token_ids, salt: str | None = None) -> int | None:
         """How many leading tokens of `token_ids` the request starts with, computed (pages it
         now shares); None: not now (a running request computes the pages that follow). A bare
         allocator caches nothing: the KV store's prefix cache does."""
         return 0
 
-    def publish(self, request_id: str, token_ids) -> None:
+    def publish(self, request_id: str, token_ids, salt: str | None = None) -> None:
         """The request computed the KV of `token_ids` (its full pages may be cached for later
         requests); a bare allocator caches nothing."""
 

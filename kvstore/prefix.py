@@ -60,15 +60,15 @@ class PrefixReuse:
         self._inflight_of: dict[str, list[bytes]] = {}
 
     # ---------------------------------------------------------------- a request starts
-    def reuse(self, request_id: str, token_ids) -> int | None:
-        """Share the cached pages of the longest cached prefix of `token_ids` (leaving at
-        least `min_new` tokens to compute); returns the tokens they cover, or None when
-        another request is computing the pages that follow them (wait for those)."""
+    def reuse(self, request_id: str, token_ids, salt: str | None = None) -> int | None:
+        """Share the cached pages of the longest cached prefix of `token_ids` under `salt`
+        (leaving at least `min_new` tokens to compute); returns the tokens they cover, or None
+        when another request is computing the pages that follow them (wait for those)."""
         ps = self.cfg.page_size
         n_full = (len(token_ids) - self.min_new) // ps
         if n_full <= 0 or self._allocator.pages(request_id):
             return 0
-        keys = self.cache.keys(token_ids, n_full)
+        keys = self.cache.keys(token_ids, n_full, salt)
         found = self._usable(self.cache.match(keys)) if len(self.cache) else []
         n = len(found)
         if n < n_full and self._inflight.get(keys[n], request_id) != request_id:
@@ -144,7 +144,7 @@ class PrefixReuse:
         return ok
 
     # ---------------------------------------------------------------- pages join
-    def publish(self, request_id: str, token_ids) -> None:
+    def publish(self, request_id: str, token_ids, salt: str | None = None) -> None:
         """The request computed the KV of `token_ids` (its prompt after prefill; prompt and
         answer when it ends): their full pages join the cache."""
         self._done_computing(request_id)
@@ -153,7 +153,7 @@ class PrefixReuse:
         if n <= 0:
             return
         rkv = self._requests[request_id]
-        keys = self.cache.keys(token_ids, n)
+        keys = self.cache.keys(token_ids, n, salt)
         chain = []
         for j, (key, pid) in enumerate(zip(keys, pages[:n])):
             entry = self.cache.find(key)

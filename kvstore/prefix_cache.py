@@ -3,8 +3,10 @@
 A full page's key is a hash chain, as vLLM's block hashes and LMCache's chunk keys: BLAKE2b
 of the parent page's key and the page's token ids; the first page's parent is the namespace,
 a digest of everything that changes the page's bytes (the model's weights, the dtypes, the
-page shape, the layout version). Two prompts give page i the same key only when they share
-tokens [0, (i + 1) * page_size) in one namespace, so a key names its bytes.
+page shape, the layout version), or a digest of it and a request's `cache_salt` (vLLM's: a
+tenant's requests share pages with no one else's). Two prompts give page i the same key only
+when they share tokens [0, (i + 1) * page_size) in one namespace and salt, so a key names its
+bytes.
 
 Bookkeeping only (no tensors but each entry's summaries): key -> page id, each entry's
 flags, and least-recently-used order. The bytes live in the tiers; who holds a page is the
@@ -53,11 +55,15 @@ class PrefixCache:
     def __contains__(self, page_id: int) -> bool:
         return page_id in self._lru
 
-    def keys(self, token_ids, n_pages: int) -> list[bytes]:
-        """Chain keys of the first n_pages full pages of token_ids."""
+    def keys(self, token_ids, n_pages: int, salt: str | None = None) -> list[bytes]:
+        """Chain keys of the first n_pages full pages of token_ids (salted: a chain of its
+        own, which no other salt's or unsalted prompt meets)."""
         ps = self.page_size
         ids = np.asarray(token_ids[:n_pages * ps], dtype=np.int64).tobytes()
         out, parent = [], self.namespace
+        if salt is not None:
+            parent = hashlib.blake2b(parent + b"salt:" + salt.encode(),
+                                     digest_size=KEY_BYTES).digest()
         step = ps * 8
         for i in range(n_pages):
             parent = hashlib.blake2b(parent + ids[i * step:(i + 1) * step],

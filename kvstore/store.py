@@ -240,19 +240,20 @@ class TieredKVStore:
             disk.bind(list(pages[before:]), rkv.handle, before)
         return True
 
-    def reuse_prefix(self, request_id: str, token_ids) -> int | None:
+    def reuse_prefix(self, request_id: str, token_ids, salt: str | None = None) -> int | None:
         """The request starts with the cached pages of the longest cached prefix of its
-        tokens; returns how many tokens they hold (0 with --prefix-cache off), or None when a
-        running request is computing the pages that follow (admit it once they are cached)."""
+        tokens (among those cached under the same `salt`); returns how many tokens they hold
+        (0 with --prefix-cache off), or None when a running request is computing the pages
+        that follow (admit it once they are cached)."""
         if self._prefix is None or request_id not in self._requests:
             return 0
-        return self._prefix.reuse(request_id, token_ids)
+        return self._prefix.reuse(request_id, token_ids, salt)
 
-    def publish(self, request_id: str, token_ids) -> None:
+    def publish(self, request_id: str, token_ids, salt: str | None = None) -> None:
         """The request computed the KV of `token_ids` (its prompt, once prefilled; every
-        token, when it ends): their full pages join the prefix cache."""
+        token, when it ends): their full pages join the prefix cache, under `salt`."""
         if self._prefix is not None and request_id in self._requests:
-            self._prefix.publish(request_id, token_ids)
+            self._prefix.publish(request_id, token_ids, salt)
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached page no request holds; returns how many went."""

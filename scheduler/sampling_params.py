@@ -66,6 +66,9 @@ class SamplingParams:
     # an embedding request (/v1/embeddings): the prompt's final hidden states pooled, of its
     # last token ("last") or all ("mean"), L2-normalized, on the output that ends it
     pooling: str | None = None
+    # extension (vLLM): the prefix cache's pages this request reads and adds are those of its
+    # salt alone (None: the shared ones), so a tenant's prompts are never probed by another's
+    cache_salt: str | None = None
 
     @property
     def needs_whole_prompt(self) -> bool:

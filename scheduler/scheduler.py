@@ -169,7 +169,8 @@ class Scheduler:
             hit, reused = 0, (req.num_computed_tokens == 0
                               and not req.sampling_params.needs_whole_prompt)
             if reused:
-                hit = self.allocator.reuse_prefix(req.request_id, req.all_token_ids)
+                hit = self.allocator.reuse_prefix(req.request_id, req.all_token_ids,
+                                                  req.sampling_params.cache_salt)
                 if hit is None:
                     break    # admitted once the running request has cached the pages it needs
                 req.num_computed_tokens = hit
@@ -302,7 +303,8 @@ class Scheduler:
             if status is not RequestStatus.FINISHED_ERROR:
                 # the next turn of a conversation resends this answer: its full pages too
                 self.allocator.publish(req.request_id,
-                                       _token_slice(req, 0, req.num_computed_tokens))
+                                       _token_slice(req, 0, req.num_computed_tokens),
+                                       req.sampling_params.cache_salt)
         else:
             self._unwait(req)
         self.allocator.free(req.request_id)

@@ -60,6 +60,8 @@ MinTokens = Annotated[StrictInt | None, Field(ge=0)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
 TokenIds = Annotated[list[TokenId] | None, Field(default=None)]
 Seed = Annotated[StrictInt | None, Field(ge=SEED_MIN, le=SEED_MAX)]
+# vLLM's cache_salt: the prefix cache pages a request reads and adds are its salt's alone
+CacheSalt = Annotated[Text | None, Field(min_length=1, max_length=1024)]
 Flag = StrictBool | None
 
 
@@ -175,6 +177,7 @@ class _Constrained(_Request):
     # each prompt token's logprob (after the first) and the top k there (vLLM's); the prompt
     # is then computed whole, without the prefix cache
     prompt_logprobs: Annotated[StrictInt | None, Field(ge=0, le=MAX_PROMPT_LOGPROBS)] = None
+    cache_salt: CacheSalt = None
     # refused: they would change the output and are not implemented
     use_beam_search: OnlyFalse = None
     length_penalty: Unsupported = None

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag, model_validator
 
-from server.protocol import (MAX_CHAT_TOP_LOGPROBS, MAX_TOOLS, Flag, MaxTokens, Seed,
+from server.protocol import (MAX_CHAT_TOP_LOGPROBS, MAX_TOOLS, CacheSalt, Flag, MaxTokens, Seed,
                              Temperature, Text, TopK, TopP)
 from server.protocol_tools import (FUNCTION_NAME, Unsupported, _only,
                                    _Request)
@@ -167,6 +167,7 @@ class ResponsesRequest(_Request):
     # extensions (vLLM's sampling knobs)
     seed: Seed = None
     top_k: TopK = None
+    cache_salt: CacheSalt = None
 
     @property
     def logprobs(self) -> bool:
@@ -198,7 +199,7 @@ class ResponsesRequest(_Request):
                     response_format=fmt, stream=self.stream, user=self.user,
                     logprobs=self.logprobs,
                     top_logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-                    seed=self.seed, top_k=self.top_k)
+                    seed=self.seed, top_k=self.top_k, cache_salt=self.cache_salt)
 
 
 def chat_messages_of(items: list) -> list[dict]:

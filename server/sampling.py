@@ -115,4 +115,5 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         prompt_logprobs=prompt_logprobs_k(request),
         bad_words=bad_words,
         reasoning=reasoning,
+        cache_salt=request.cache_salt,
     )

@@ -144,3 +144,28 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, api)
                                                            whole.usage.total_tokens)
     assert used[0] < used[-1]
     assert {c.usage.prompt_tokens for c in chunks} == {whole.usage.prompt_tokens}
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_cache_salt_keeps_a_prompts_cached_pages_to_its_own_salt(client, http, api):
+    # vLLM's cache_salt: a tenant's prompt pages are never read by a prompt without its salt
+    doc = f"Salted lines of a {api} ledger, one after the other. " * 12 + "What was recorded?"
+
+    def cached(salt):
+        extra = {"cache_salt": salt} if salt else None
+        if api == "chat":
+            r = client.chat.completions.create(
+                model=MODEL, max_tokens=2, temperature=0.0, extra_body=extra,
+                messages=[{"role": "user", "content": doc}])
+            return r.usage.prompt_tokens_details.cached_tokens
+        r = client.responses.create(model=MODEL, input=doc, max_output_tokens=2,
+                                    temperature=0.0, store=False, extra_body=extra)
+        return r.usage.input_tokens_details.cached_tokens
+
+    first = cached(f"{api}-a")
+    hits = [cached(f"{api}-b"), cached(None), cached(f"{api}-a"), cached(None)]
+    # (unsalted, the chat template's opening page may be cached by earlier tests' prompts)
+    assert first == hits[0] == 0 and hits[1] < 100 and hits[2] == hits[3] > 100
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": SAY_HI,
+                                                "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text

@@ -146,6 +146,27 @@ def test_the_next_turn_reuses_the_answer_too(smollm2_dir, prompts):
     assert cached == computed // 16 * 16 > len(prompts[0])
 
 
+def test_a_salted_prompt_shares_pages_with_its_own_salt_alone(smollm2_dir, prompts, reference):
+    from dataclasses import replace
+    engine = make(smollm2_dir)
+    full = (len(prompts[0]) - 1) // 16 * 16
+
+    def cached(rid, salt):
+        engine.add_request(rid, prompts[0], replace(greedy(STEPS), cache_salt=salt))
+        got, hit = [], None
+        while engine.has_unfinished():
+            for out in engine.step():
+                assert out.error is None, out.error
+                got += out.new_token_ids
+                hit = out.num_cached_tokens
+        assert got == reference["dense"]["r0"]
+        return hit
+
+    hits = [cached("a", "tenant-a"), cached("plain", None), cached("b", "tenant-b"),
+            cached("a2", "tenant-a"), cached("plain2", None)]
+    assert hits == [0, 0, 0, full, full]
+
+
 def test_one_document_sent_by_several_clients_at_once_is_computed_once(smollm2_dir, tok, doc):
     # a prefill of several steps: the others wait for its pages instead of computing them
     engine = make(smollm2_dir, max_num_batched_tokens=256)
