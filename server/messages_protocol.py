@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
-from server.protocol import MAX_TOOLS, Flag, Temperature, Text, TopK, TopP
+from server.protocol import MAX_TOOLS, CacheSalt, Flag, Temperature, Text, TopK, TopP
 from server.protocol_tools import FUNCTION_NAME, Unsupported, _Request
 
 MAX_STOP_SEQUENCES = 4
@@ -117,6 +117,7 @@ class MessagesRequest(_Request):
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
     metadata: Metadata | None = None
+    cache_salt: CacheSalt = None          # extension (vLLM's, as on chat completions)
     # refused: servers-side tools and containers this server does not run
     mcp_servers: Unsupported = None
     container: Unsupported = None
@@ -126,7 +127,8 @@ class MessagesRequest(_Request):
         fields: dict[str, Any] = dict(
             model=self.model, messages=chat_messages(self), stop=self.stop_sequences,
             temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            user=self.metadata.user_id if self.metadata else None, stream=self.stream)
+            user=self.metadata.user_id if self.metadata else None, stream=self.stream,
+            cache_salt=self.cache_salt)
         if max_tokens:
             fields["max_tokens"] = self.max_tokens
         if self.tools:

@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 from pydantic import BaseModel
 
-from tests.server_helpers import MODEL, openai_client
+from tests.server_helpers import MODEL, fresh_salt, openai_client
 
 pytestmark = pytest.mark.slow
 
@@ -36,9 +36,11 @@ def create(anth, **kw):
 
 
 def test_a_message_is_the_chat_completion_it_means(anth, server_url):
-    m = create(anth, max_tokens=30, system="Answer briefly.", messages=ASK)
+    # (each computed whole: tests/server_helpers.fresh_salt)
+    m = anth.messages.create(model=MODEL, max_tokens=30, system="Answer briefly.",
+                             messages=ASK, extra_body={**GREEDY, **fresh_salt()})
     chat = openai_client(server_url).chat.completions.create(
-        model=MODEL, max_tokens=30, temperature=0.0,
+        model=MODEL, max_tokens=30, temperature=0.0, extra_body=fresh_salt(),
         messages=[{"role": "system", "content": "Answer briefly."}, *ASK])
     (block,) = m.content
     assert block.type == "text" and block.text == chat.choices[0].message.content
@@ -54,8 +56,9 @@ def test_a_message_is_the_chat_completion_it_means(anth, server_url):
 
 def test_the_stream_builds_the_same_message(anth):
     kw = dict(max_tokens=200, messages=[{"role": "user", "content": "Say hello."}])
-    whole = create(anth, **kw)
-    with anth.messages.stream(model=MODEL, extra_body=GREEDY, **kw) as stream:
+    whole = anth.messages.create(model=MODEL, extra_body={**GREEDY, **fresh_salt()}, **kw)
+    with anth.messages.stream(model=MODEL, extra_body={**GREEDY, **fresh_salt()},
+                              **kw) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
@@ -127,6 +130,9 @@ def test_a_resent_prompt_is_read_from_the_cache(anth):
     assert again.usage.cache_read_input_tokens > 0
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens == \
         first.usage.input_tokens + first.usage.cache_read_input_tokens
+    salted = anth.messages.create(model=MODEL, max_tokens=4, system=system, messages=ASK,
+                                  extra_body={**GREEDY, **fresh_salt()})   # vLLM's cache_salt
+    assert salted.usage.cache_read_input_tokens == 0
 
 
 @pytest.mark.parametrize("body, status, kind", [

@@ -13,7 +13,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server_helpers import openai_client, running_server
+from tests.server_helpers import fresh_salt, openai_client, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -38,13 +38,14 @@ def client(server):
 
 
 def chat_answer(client, messages, max_tokens):
-    r = client.chat.completions.create(messages=messages, max_tokens=max_tokens, **GREEDY)
+    r = client.chat.completions.create(messages=messages, max_tokens=max_tokens,
+                                       extra_body=fresh_salt(), **GREEDY)
     return r.choices[0].message.content, r.usage
 
 
 def test_a_response_is_the_chat_completion_it_means(client):
     r = client.responses.create(input="Name three planets.", instructions="Answer briefly.",
-                                max_output_tokens=24, **GREEDY)
+                                max_output_tokens=24, extra_body=fresh_salt(), **GREEDY)
     text, usage = chat_answer(client, [{"role": "system", "content": "Answer briefly."},
                                        {"role": "user", "content": "Name three planets."}], 24)
     assert r.output_text == text and r.output_text
@@ -58,13 +59,12 @@ def test_a_response_is_the_chat_completion_it_means(client):
 
 
 def test_streamed_events_build_the_same_response(client):
-    # (the streamed text is checked against its own deltas, not against a second generation:
-    # two 200-token greedy answers can part at a near-tie, seen once in a fresh-clone run;
-    # the rendering of the same answer streamed or whole: tests/test_responses_events.py)
+    # (each computed whole, fresh_salt(): two 200-token greedy answers of which the second
+    # read the first's cached pages parted at a near-tie once in a fresh-clone run)
     kw = dict(input="Write one sentence about disks.", max_output_tokens=200, **GREEDY)
-    whole = client.responses.create(**kw)
+    whole = client.responses.create(extra_body=fresh_salt(), **kw)
     assert whole.status == "completed"
-    with client.responses.stream(**kw) as stream:
+    with client.responses.stream(extra_body=fresh_salt(), **kw) as stream:
         events = list(stream)
         final = stream.get_final_response()
     kinds = [event.type for event in events]
@@ -72,7 +72,7 @@ def test_streamed_events_build_the_same_response(client):
     assert kinds[-1] == f"response.{final.status}"
     assert kinds.count("response.output_text.delta") >= 2
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") \
-        == final.output_text
+        == final.output_text == whole.output_text
     assert final.usage.input_tokens == whole.usage.input_tokens
     # what it stored is what it streamed
     assert client.responses.retrieve(final.id).output_text == final.output_text
@@ -226,8 +226,8 @@ def test_unknown_ids_and_models_are_404s(client):
 @pytest.mark.parametrize("stream", [False, True])
 def test_think_text_comes_as_reasoning_content(client, stream):
     kw = dict(messages=[{"role": "user", "content": "Name a planet."}], max_tokens=40,
-              extra_body={"guided_regex": r"<think>[a-z ]{3,20}</think>\n\n[A-Z][a-z]{2,10}"},
-              **GREEDY)
+              extra_body={"guided_regex": r"<think>[a-z ]{3,20}</think>\n\n[A-Z][a-z]{2,10}",
+                          **fresh_salt()}, **GREEDY)
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
         deltas = [c.choices[0].delta for c in chunks if c.choices]
@@ -239,5 +239,5 @@ def test_think_text_comes_as_reasoning_content(client, stream):
     assert reasoning and "<" not in reasoning and content and "<" not in content
     assert content[0].isupper() and not content[0].isspace()
     hidden = client.chat.completions.create(**{**kw, "extra_body": {
-        **kw["extra_body"], "include_reasoning": False}}).choices[0].message
+        **kw["extra_body"], **fresh_salt(), "include_reasoning": False}}).choices[0].message
     assert getattr(hidden, "reasoning_content", None) is None and hidden.content == content
