@@ -18,7 +18,9 @@ from pydantic import (AfterValidator, Field, StrictBool, StrictInt,
                       field_validator, model_validator)
 
 # NOTE: the base models live in protocol_tools.py (imported here, not the other way round)
-from server.protocol_tools import (ChatTool, MessageToolCall, OnlyFalse, OnlyText,
+from server.protocol_tools import (ChatTool, LlamaCppOffAtOne, LlamaCppOffAtZero,
+                                   LlamaCppRepeatPenalty, LlamaCppTopNSigma,
+                                   MessageToolCall, OnlyFalse, OnlyText,
                                    OnlyTrue, ResponseFormat, ToolChoice, Unsupported,
                                    _Request)
 
@@ -183,6 +185,15 @@ class _Constrained(_Request):
     length_penalty: Unsupported = None
     spaces_between_special_tokens: OnlyTrue = None
     structured_outputs: Unsupported = None
+    # llama.cpp's samplers, refused unless off (its own /v1 endpoints take them)
+    repeat_penalty: LlamaCppRepeatPenalty = None
+    typical_p: LlamaCppOffAtOne = None
+    tfs_z: LlamaCppOffAtOne = None
+    mirostat: LlamaCppOffAtZero = None
+    dry_multiplier: LlamaCppOffAtZero = None
+    xtc_probability: LlamaCppOffAtZero = None
+    dynatemp_range: LlamaCppOffAtZero = None
+    top_n_sigma: LlamaCppTopNSigma = None
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

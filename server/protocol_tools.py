@@ -26,14 +26,22 @@ def _unsupported(value: Any) -> Any:
     return value
 
 
-def _only(*accepted: Any):
-    """A field whose only supported values are `accepted` (what Strata does anyway)."""
+def _only(*accepted: Any, hint: str = ""):
+    """A field whose only supported values are `accepted` (what Strata does anyway); `hint`
+    ends the error message (what to use instead)."""
     def check(value: Any) -> Any:
         if value is not None and value not in accepted:
             raise ValueError(f"only {' or '.join(repr(a) for a in accepted)} is supported "
-                             "by this server")
+                             "by this server" + (f"; {hint}" if hint else ""))
         return value
     return AfterValidator(check)
+
+
+def _llamacpp(neutral: float, hint: str = ""):
+    """One of llama.cpp's sampler fields that Strata does not implement: only its neutral
+    value (what the field does when off) is accepted."""
+    return Annotated[Any, _only(neutral, hint=hint or "a llama.cpp sampler this server "
+                                "does not implement")]
 
 
 # a field that would change the output and that Strata cannot honour: 400 when given non-null
@@ -41,6 +49,22 @@ Unsupported = Annotated[Any, AfterValidator(_unsupported)]
 OnlyTrue = Annotated[Any, _only(True)]
 OnlyFalse = Annotated[Any, _only(False)]
 OnlyText = Annotated[Any, _only(["text"])]
+# llama.cpp's samplers (its /v1 endpoints take them as extra fields): refused when on
+LlamaCppRepeatPenalty = _llamacpp(1.0, "repetition_penalty is this server's (vLLM's: over "
+                                       "the prompt and output tokens, not the last "
+                                       "repeat_last_n)")
+LlamaCppOffAtOne = _llamacpp(1.0)           # typical_p, tfs_z
+LlamaCppOffAtZero = _llamacpp(0.0)          # mirostat, dry_multiplier, xtc_probability, ...
+
+
+def _top_n_sigma_off(value: Any) -> Any:
+    if value is not None and not (isinstance(value, (int, float)) and value <= 0):
+        raise ValueError("only a value <= 0 (off) is supported by this server; a llama.cpp "
+                         "sampler this server does not implement")
+    return value
+
+
+LlamaCppTopNSigma = Annotated[Any, AfterValidator(_top_n_sigma_off)]
 
 
 # ----------------------------------------------------------------------------- requests

@@ -67,6 +67,16 @@ def error_for(model, body: dict) -> APIError:
     ({"messages": HELLO, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"messages": HELLO, "spaces_between_special_tokens": False},
      "spaces_between_special_tokens"),
+    # llama.cpp's samplers, on
+    ({"messages": HELLO, "repeat_penalty": 1.1}, "repeat_penalty"),
+    ({"messages": HELLO, "typical_p": 0.9}, "typical_p"),
+    ({"messages": HELLO, "tfs_z": 0.95}, "tfs_z"),
+    ({"messages": HELLO, "mirostat": 2}, "mirostat"),
+    ({"messages": HELLO, "dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"messages": HELLO, "xtc_probability": 0.5}, "xtc_probability"),
+    ({"messages": HELLO, "dynatemp_range": 0.5}, "dynatemp_range"),
+    ({"messages": HELLO, "top_n_sigma": 1.5}, "top_n_sigma"),
+    ({"messages": HELLO, "top_n_sigma": "1"}, "top_n_sigma"),
 ])
 def test_invalid_chat_values_name_the_param(body, param):
     error = error_for(ChatCompletionRequest, body)
@@ -85,6 +95,18 @@ def test_invalid_chat_values_name_the_param(body, param):
 ])
 def test_invalid_completion_values_name_the_param(body, param):
     assert error_for(CompletionRequest, body).param == param
+
+
+def test_llamacpp_samplers_when_off_are_accepted():
+    # what a llama.cpp client sends by default: each sampler off, and the knobs of off samplers
+    off = {"repeat_penalty": 1.0, "repeat_last_n": 64, "typical_p": 1, "tfs_z": 1.0,
+           "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "dry_multiplier": 0.0,
+           "dry_base": 1.75, "xtc_probability": 0, "xtc_threshold": 0.1,
+           "dynatemp_range": 0.0, "top_n_sigma": -1.0}
+    ChatCompletionRequest.model_validate({"messages": HELLO, **off})
+    CompletionRequest.model_validate({"prompt": "x", **off})
+    error = error_for(CompletionRequest, {"prompt": "x", "repeat_penalty": 1.2})
+    assert "repetition_penalty" in error.message
 
 
 def test_seed_range_edges_are_accepted_and_choice_seeds_wrap():
