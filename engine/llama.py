@@ -240,7 +240,9 @@ class LlamaForCausalLM(nn.Module):
             if ahead is not None and i + 1 < len(self.layers):
                 kv.lookahead(i + 1, self.layers[i + 1].predict_q(x[ahead], *ahead_rope))
             x = layer(x, rope, kv)
-        logits = self.head(self.norm(x[logits_indices])).float()             # [S, vocab]
+        logits = (self.head(self.norm(x[logits_indices])).float()            # [S, vocab]
+                  if logits_indices.numel() else x.new_zeros(0, self.config.vocab_size,
+                                                             dtype=torch.float32))
         if hidden_indices is None:
             return logits
         return logits, self.norm(x[hidden_indices])

@@ -175,7 +175,9 @@ class LLMEngine:
         failed = dict(write_failures)
         # requests that should have sampled and did not (their sampling failed) end first:
         # the scheduler's update then skips them
-        unsampled = {r.request_id for r in batch.requests if r.sample} - sampled.keys()
+        unsampled = {r.request_id for r in batch.requests
+                     if r.sample and requests[r.request_id].sampling_params.samples
+                     } - sampled.keys()
         outputs = [o for rid in unsampled if rid in failed
                    and (o := self._fail(rid, failed.pop(rid))) is not None]
         for rid, tok in sampled.items():
@@ -183,12 +185,11 @@ class LLMEngine:
                 self._pending_logprobs[rid].append(tok.logprobs)
         finished = {r.request_id for r in
                     self.scheduler.update(batch, {rid: t.token_id for rid, t in sampled.items()})}
-        for rid in sampled:
-            req = requests[rid]
+        for rid in (r.request_id for r in batch.requests):  # (embedding requests end unsampled)
             if rid in finished:
-                outputs.append(self._finish(req))
-            elif rid not in failed:
-                outputs.append(self._output(req, finished=False))
+                outputs.append(self._finish(requests[rid]))
+            elif rid in sampled and rid not in failed:
+                outputs.append(self._output(requests[rid], finished=False))
         outputs += [o for rid, msg in failed.items() if (o := self._fail(rid, msg)) is not None]
         return outputs
 

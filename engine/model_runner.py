@@ -155,7 +155,7 @@ class ModelRunner:
             input_ids.extend(r.token_ids)
             positions.extend(range(r.start_pos, r.start_pos + n))
             seqs.append(SeqKV(r.request_id, r.page_ids, r.start_pos, n, observe=r.sample and n > 1))
-            if r.sample:
+            if r.sample and req.sampling_params.samples:
                 logits_rows.append(len(input_ids) - 1)
             prompt_len = requests[r.request_id].num_prompt_tokens
             if r.start_pos < prompt_len <= r.start_pos + n:
@@ -192,8 +192,8 @@ class ModelRunner:
         """The sampled token of each request that samples this step, and (request_id, error)
         for those whose sampling failed: one request's failure (its generator, its values)
         ends that request alone; the others' draws are the ones they would make without it."""
-        rows = [(i, requests[r.request_id])
-                for i, r in enumerate(r for r in batch.requests if r.sample)]
+        rows = list(enumerate(q for q in (requests[r.request_id] for r in batch.requests
+                                          if r.sample) if q.sampling_params.samples))
         failed: list[tuple[str, str]] = []
         ready = []
         for i, q in rows:

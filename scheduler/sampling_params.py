@@ -77,5 +77,11 @@ class SamplingParams:
         return self.prompt_logprobs is not None or self.pooling == "mean"
 
     @property
+    def samples(self) -> bool:
+        """Whether the request samples tokens: an embedding request ends once its prompt is
+        computed, with no token (finish_reason "stop")."""
+        return self.pooling is None
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

@@ -207,6 +207,10 @@ class Scheduler:
             req.num_computed_tokens = sr.start_pos + len(sr.token_ids)
             if not sr.sample:
                 continue
+            if not req.sampling_params.samples:     # an embedding request: its prompt is done
+                self._finish(req, RequestStatus.FINISHED_STOPPED)
+                finished.append(req)
+                continue
             token = sampled[sr.request_id]
             req.output_token_ids.append(token)
             status = self._check_stop(req, token)

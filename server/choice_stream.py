@@ -150,8 +150,8 @@ class ChoiceStream:
             self._prompt_counted = True
             self._metrics.prompt_tokens.inc(out.num_prompt_tokens
                                             or len(self.spec.prompt_token_ids))
-        if not out.new_token_ids or self.spec.params.pooling is not None:
-            return          # (an embedding request's one token is not an answer)
+        if not out.new_token_ids:
+            return
         if self._last_token_time is None:
             self._metrics.time_to_first_token.observe(max(0.0, now - self._arrival_of(out)))
         else:
@@ -174,8 +174,6 @@ class ChoiceStream:
         queue_s = None
         if out is not None and out.first_scheduled_time is not None and out.arrival_time:
             queue_s = out.first_scheduled_time - out.arrival_time
-        if self.spec.params.pooling is not None and reason == "length":
-            reason = "stop"         # an embedding request ends after its one step, as asked
         self._metrics.record_finished(reason, e2e_s=time.monotonic() - self._arrival_of(out),
                                       queue_s=queue_s)
 

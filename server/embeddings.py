@@ -23,14 +23,13 @@ from pydantic import Field, StrictInt
 from starlette.responses import Response
 
 from scheduler.sampling_params import SamplingParams
-from server.choice_stream import ChoiceSpec, ChoiceStream, RequestFailed
-from server.disconnect import ClientDisconnected, run_until_disconnected
-from server.errors import invalid_request, request_failed
+from server.choice_stream import ChoiceSpec, ChoiceStream
+from server.errors import invalid_request
 from server.generation import Generation
 from server.protocol import Text, TokenId
 from server.protocol_tools import Unsupported, _Request, _Wire
 from server.sampling import MAX_CLIENT_CHARS, resolve_max_tokens
-from server.serving import CLIENT_CLOSED_REQUEST, OpenAIServing, json_response
+from server.serving import OpenAIServing, json_response
 from server.serving_completion import prompt_token_ids
 
 MAX_INPUTS = 2048               # OpenAI's limit on the inputs of one request
@@ -82,15 +81,12 @@ class EmbeddingServing(OpenAIServing):
                                                  "input")
         streams = self._streams(request, prompts)
         wave = max(1, ctx.max_waiting)
-        try:
+
+        async def answer() -> Response:
             for at in range(0, len(streams), wave):
-                await run_until_disconnected(raw, self._collect(
-                    Generation(streams[at:at + wave], ctx.metrics)))
-        except ClientDisconnected:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except RequestFailed as exc:
-            raise request_failed(str(exc)) from None
-        return json_response(self._response(request, streams))
+                await self.collect(raw, Generation(streams[at:at + wave], ctx.metrics))
+            return json_response(self._response(request, streams))
+        return await self.answered(answer())
 
     def _streams(self, request: EmbeddingRequest, prompts: list[list[int]]) -> list:
         ctx, request_id = self.ctx, f"embd-{uuid.uuid4().hex}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from pydantic import BaseModel
@@ -130,19 +130,32 @@ class OpenAIServing:
                       build: Callable[[list[ChoiceResult]], BaseModel]) -> Response:
         """Stream ``events()`` as SSE, or collect every choice and ``build`` one JSON body.
         Admission errors (429, 503, ...) come back as HTTP statuses on both paths."""
-        try:
+        async def answer() -> Response:
             if stream:
                 await run_until_disconnected(raw, generation.start())
                 return EventStreamResponse(self._event_stream(generation, events()),
                                            on_close=generation.close)
-            results = await run_until_disconnected(raw, self._collect(generation))
-            return json_response(build(results))
+            return json_response(build(await self.collect(raw, generation)))
+        return await self.answered(answer())
+
+    @staticmethod
+    async def answered(answer: Awaitable[Response]) -> Response:
+        """`answer`'s response, or what a request's end means over HTTP: the client gone, 499
+        (nobody reads it); a request that failed in the engine, a 500 in the error shape."""
+        try:
+            return await answer
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except RequestFailed as exc:
             raise request_failed(str(exc)) from None
 
-    async def _collect(self, generation: Generation) -> list[ChoiceResult]:
+    async def collect(self, raw: Request, generation: Generation) -> list[ChoiceResult]:
+        """Every choice of `generation` to its end (ClientDisconnected when `raw`'s client
+        leaves first; the engine's requests are closed either way)."""
+        return await run_until_disconnected(raw, self._run_to_end(generation))
+
+    @staticmethod
+    async def _run_to_end(generation: Generation) -> list[ChoiceResult]:
         try:
             await generation.start()
             return await generation.collect()

@@ -44,6 +44,8 @@ def _embed(engine, prompts, pooling, extra=()):
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             if out.embedding is not None:
                 assert out.finished and out.request_id not in got
+                # it ends once its prompt is computed, sampling nothing
+                assert out.finish_reason == "stop" and out.num_output_tokens == 0
                 got[out.request_id] = torch.tensor(out.embedding)
     return [got[rid] for rid in ids], tokens
 
@@ -68,6 +70,7 @@ def test_pooled_hidden_states_equal_transformers(smollm2_dir, reference, pooling
         assert abs(v.norm() - 1) < 1e-5
         assert torch.dot(v, want) > 0.9999, (text, pooling, chunk)
     assert len(tokens["g"]) == 8
+    assert all(tokens[f"e{i}"] == [] for i in range(len(got)))
 
 
 def test_a_recomputed_prompt_starts_its_mean_again():
