@@ -108,7 +108,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         with self._lock:
             client = params.client
-            self.admission.check(len(prompt_token_ids), params.max_tokens,
+            self.admission.check(len(prompt_token_ids), params.max_new_tokens,
                                  e.scheduler.num_waiting_of(client)
                                  + sum(p.client == client for _, _, p in self._new),
                                  e.scheduler.num_waiting + len(self._new))

@@ -112,7 +112,7 @@ class LLMEngine:
         if request_id in self._emitted:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
         req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
-        total = min(len(prompt_token_ids) + params.max_tokens, self.max_model_len)
+        total = min(len(prompt_token_ids) + params.max_new_tokens, self.max_model_len)
         self.store.add_request(request_id, total)       # KVFull / KVNeverFits
         try:
             self.scheduler.add_request(req)

@@ -83,5 +83,11 @@ class SamplingParams:
         return self.pooling is None
 
     @property
+    def max_new_tokens(self) -> int:
+        """Tokens the request may add to its prompt: max_tokens, or 0 for an embedding
+        request (its prompt may fill the whole context)."""
+        return self.max_tokens if self.samples else 0
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

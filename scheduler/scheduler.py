@@ -110,13 +110,14 @@ class Scheduler:
         p = req.sampling_params
         if req.num_prompt_tokens < 1:
             raise ValueError("the prompt must hold at least one token")
-        if p.max_tokens < 1:
+        if p.samples and p.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {p.max_tokens}")
-        total = req.num_prompt_tokens + p.max_tokens
+        total = req.num_prompt_tokens + p.max_new_tokens
         if total > self.config.max_model_len:
             raise RequestTooLarge(
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({p.max_tokens}) = {total} "
-                f"exceeds the maximum context length of {self.config.max_model_len} tokens")
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({p.max_new_tokens}) = "
+                f"{total} exceeds the maximum context length of {self.config.max_model_len} "
+                "tokens")
         pages = self.allocator.pages_for_tokens(total)
         if pages > self.allocator.num_pages:
             raise RequestTooLarge(

@@ -24,11 +24,11 @@ from starlette.responses import Response
 
 from scheduler.sampling_params import SamplingParams
 from server.choice_stream import ChoiceSpec, ChoiceStream
-from server.errors import invalid_request
+from server.errors import context_length_exceeded, invalid_request
 from server.generation import Generation
 from server.protocol import Text, TokenId
 from server.protocol_tools import Unsupported, _Request, _Wire
-from server.sampling import MAX_CLIENT_CHARS, resolve_max_tokens
+from server.sampling import MAX_CLIENT_CHARS
 from server.serving import OpenAIServing, json_response
 from server.serving_completion import prompt_token_ids
 
@@ -98,7 +98,8 @@ class EmbeddingServing(OpenAIServing):
                 ids = ids[-request.truncate_prompt_tokens:]
             if not ids:
                 raise invalid_request(f"Input {i} has no tokens.", param="input")
-            resolve_max_tokens(1, len(ids), ctx.max_model_len, "input")    # the 400 if long
+            if len(ids) > ctx.max_model_len:        # (no token follows: the whole context)
+                raise context_length_exceeded(ctx.max_model_len, len(ids), None, "input")
             spec = ChoiceSpec(index=i, prompt_index=i, request_id=f"{request_id}-{i}",
                               prompt_token_ids=ids, params=params)
             streams.append(ChoiceStream(ctx.engine, ctx.tokenizer, ctx.metrics, spec))

@@ -61,6 +61,13 @@ def test_float_and_base64_and_token_ids_agree(client, server):
                               torch.tensor(floats.data[0].embedding), atol=1e-5)
 
 
+def test_an_input_may_fill_the_whole_context(client):
+    # no token follows an input: one of exactly --max-model-len tokens is embedded
+    ids = [504 + i % 100 for i in range(CONTEXT)]
+    r = client.embeddings.create(model=MODEL, input=[ids, ids[:-1]])
+    assert r.usage.prompt_tokens == 2 * CONTEXT - 1 and len(r.data[0].embedding) == 576
+
+
 def test_an_embedded_document_is_prefilled_once(client):
     client.embeddings.create(model=MODEL, input=DOC)
     r = client.completions.create(model=MODEL, prompt=DOC + "The log is about", max_tokens=4,
@@ -70,6 +77,7 @@ def test_an_embedded_document_is_prefilled_once(client):
 
 @pytest.mark.parametrize("body, param", [
     ({"input": "word " * CONTEXT}, "input"),              # over the context
+    ({"input": [[504] * (CONTEXT + 1)]}, "input"),        # one token over it
     ({"input": []}, "input"),
     ({"input": [[]]}, "input"),
     ({"input": ""}, "input"),                             # no tokens (no BOS here)
