@@ -54,6 +54,9 @@ class EngineArgs:
                            "packed ones), a dense dtype, or int8/int4 (a float checkpoint "
                            "quantized at load); auto: the fastest on this CPU, timed at "
                            "start-up", WEIGHTS, group="model")
+    lora_modules: str = setting("", "LoRA adapters served beside the model, each a PEFT folder "
+                                "(adapter_config.json, adapter_model.safetensors) a request "
+                                "names in `model`: name=path, comma-separated", group="model")
     threads: int = setting(0, "torch CPU threads for the model (0: all cores)", group="model")
     decode_threads: int = setting(0, "torch CPU threads for steps that only decode (0: "
                                   "sequential mode times, per step shape, torch on every "
@@ -186,6 +189,13 @@ class EngineArgs:
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: the default)")
         self.kv_store_config()          # validates the KV store flags at start-up
+        if self.lora_adapters() and self.kv_recompute != "off":
+            raise ValueError("--kv-recompute rebuilds K/V from the base model's weights: it "
+                             "cannot serve --lora-modules")
+
+    def lora_adapters(self) -> dict[str, Path]:
+        """--lora-modules as {name: folder} (ValueError when malformed)."""
+        return parse_lora_modules(self.lora_modules)
 
     def kv_store_config(self) -> KVStoreConfig:
         gb = _GB
@@ -245,3 +255,16 @@ def disk_folders(value: str | Path | None) -> list[Path]:
     if value is None:
         return []
     return [Path(p.strip()) for p in str(value).split(",") if p.strip()]
+
+
+def parse_lora_modules(spec: str) -> dict[str, Path]:
+    """`--lora-modules`: "name=path,name2=path2" -> {name: path}; ValueError when malformed."""
+    out: dict[str, Path] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules: {item!r} is not name=path")
+        if name.strip() in out:
+            raise ValueError(f"--lora-modules: {name.strip()!r} is named twice")
+        out[name.strip()] = Path(path.strip()).expanduser()
+    return out

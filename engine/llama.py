@@ -117,12 +117,16 @@ class DecoderLayer(nn.Module):
             k = RotaryEmbedding.apply(k, cos, sin)
         return k, v.reshape(n, self.num_kv_heads, self.head_dim)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; rope = (cos, sin) [T, 1, head_dim] of the step."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv,
+                lora=None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; rope = (cos, sin) [T, 1, head_dim] of the step;
+        lora: the step's adapter rows (engine/lora.py LoraBatch), each matmul's delta added."""
         t, d = x.shape[0], self.head_dim
         native = layer_ops.supports(x)      # the small ops in C (kernels/layer_ops.py)
         xn = self.input_layernorm(x)
         qkv = self.qkv(xn)                                                   # [T, q+2kv]
+        if lora is not None:
+            qkv = lora.apply(self.index, "qkv", xn, qkv)
         cos, sin = rope
         if native:          # q and k heads (normed, Qwen3) rotated in place in qkv
             if self.q_norm is not None:
@@ -140,7 +144,8 @@ class DecoderLayer(nn.Module):
             o = kv.attend(self.index, q, k, v, self.scale, inputs=xn)
         else:
             o = kv.attend(self.index, q, k, v, self.scale)                   # [T, H, D]
-        h = self.o(o.reshape(t, self.q_size))
+        o = o.reshape(t, self.q_size)
+        h = self.o(o) if lora is None else lora.apply(self.index, "o", o, self.o(o))
         norm = self.post_attention_layernorm
         if native:          # h += x (the residual stream, in the new tensor), and its norm
             normed = layer_ops.rms_norm(h, norm.weight, norm.eps, residual=x)
@@ -148,10 +153,14 @@ class DecoderLayer(nn.Module):
             h = x + h
             normed = norm(h)
         gate_up = self.gate_up(normed)
+        if lora is not None:
+            gate_up = lora.apply(self.index, "gate_up", normed, gate_up)
         act = layer_ops.silu_mul(gate_up) if native else None       # (float32 only)
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
+        if lora is not None:
+            return h + lora.apply(self.index, "down", act, self.down(act))
         return h + self.down(act)
 
 
@@ -218,13 +227,15 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,
-                logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
+                logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None,
+                lora=None):
         """input_ids [T] int64, positions [T] int64 -> logits [S, vocab] float32 for the rows
         `logits_indices` [S] int64 (the last token of each sequence that samples).
         kv: the step's KV access (`attend(layer, q, k, v, scale) -> o`): writes this step's
         K/V and attends (kvstore.step.StepKV, or tests/kv_cache.py's DenseStep).
         hidden_indices: also return the normed final hidden states [H, hidden] of these rows
-        (prompt logprobs: `self.head` runs on them in blocks, not all at once)."""
+        (prompt logprobs: `self.head` runs on them in blocks, not all at once).
+        lora: the step's adapter rows (engine/lora.py; None: the base model alone)."""
         x = F.embedding(input_ids, self.embed_tokens)                        # [T, hidden]
         rope = self.rope.cos_sin(positions, self.dtype)                      # [T, 1, head_dim]
         # layer-ahead prefetch: the KV store wants layer i+1's queries guessed from layer i's
@@ -232,14 +243,15 @@ class LlamaForCausalLM(nn.Module):
         ahead = getattr(kv, "lookahead_rows", None)
         if ahead is not None:
             ahead_rope = (rope[0][ahead], rope[1][ahead])
-        layers = None if ahead is not None else self._decode_layers(x, rope, kv)
+        layers = None if ahead is not None or lora is not None \
+            else self._decode_layers(x, rope, kv)
         for i, layer in enumerate(self.layers):
             if layers is not None:      # the layer in C, x updated in place
                 layers.run(i, layer.input_layernorm.eps, layer.scale)
                 continue
             if ahead is not None and i + 1 < len(self.layers):
                 kv.lookahead(i + 1, self.layers[i + 1].predict_q(x[ahead], *ahead_rope))
-            x = layer(x, rope, kv)
+            x = layer(x, rope, kv, lora)
         logits = (self.head(self.norm(x[logits_indices])).float()            # [S, vocab]
                   if logits_indices.numel() else x.new_zeros(0, self.config.vocab_size,
                                                              dtype=torch.float32))
@@ -353,14 +365,22 @@ class LlamaForCausalLM(nn.Module):
         if cfg.rope_dims != cfg.head_dim:
             self._reorder_rotary()
 
+    def qkv_rows(self) -> torch.Tensor | None:
+        """The order of the fused q/k/v rows against the checkpoint's (a partial rotary's
+        q and k heads in `rotary_order`), or None where they are as in the checkpoint."""
+        cfg = self.config
+        if cfg.rope_dims == cfg.head_dim:
+            return None
+        d, order = cfg.head_dim, rotary_order(cfg.head_dim, cfg.rope_dims)
+        heads = cfg.num_attention_heads + cfg.num_key_value_heads
+        return torch.cat([h * d + order for h in range(heads)]
+                         + [torch.arange(heads * d, (heads + cfg.num_key_value_heads) * d)])
+
     def _reorder_rotary(self) -> None:
         """Put each q and k head's dims in `rotary_order` (a partial rotary served as a full
         one): the fused weight's rows, its bias, the head norms, and the file's codes."""
         cfg = self.config
-        d, order = cfg.head_dim, rotary_order(cfg.head_dim, cfg.rope_dims)
-        heads = cfg.num_attention_heads + cfg.num_key_value_heads
-        rows = torch.cat([h * d + order for h in range(heads)]
-                         + [torch.arange(heads * d, (heads + cfg.num_key_value_heads) * d)])
+        order, rows = rotary_order(cfg.head_dim, cfg.rope_dims), self.qkv_rows()
         for i, layer in enumerate(self.layers):
             with torch.no_grad():
                 layer.qkv_proj.copy_(layer.qkv_proj[rows])

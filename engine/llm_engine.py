@@ -62,6 +62,10 @@ class LLMEngine:
                                   lowrank_path=projection_path(self.model_folder,
                                                                args.resolved_cache_dir,
                                                                args.lowrank_rank))
+        for name, path in args.lora_adapters().items():
+            adapter = self.runner.load_lora(name, path)
+            logger.info("LoRA adapter %s: %s, rank %d, %d matmuls", name, path, adapter.rank,
+                        len(adapter.weights))
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.store = self.runner.store
         # NOTE: the scheduler allocates through the store, so freed pages leave every tier
@@ -111,7 +115,8 @@ class LLMEngine:
         anything is touched: the request that has the id goes on unharmed)."""
         if request_id in self._emitted:
             raise DuplicateRequestId(f"request id {request_id!r} is already in use")
-        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids)
+        req = Request(request_id, list(prompt_token_ids), params, eos_token_ids=self.eos_token_ids,
+                      prefix_salt=self.runner.prefix_salt(params))
         total = min(len(prompt_token_ids) + params.max_new_tokens, self.max_model_len)
         self.store.add_request(request_id, total)       # KVFull / KVNeverFits
         try:

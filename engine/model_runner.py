@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from engine.grammar_table import GrammarTable
+from engine.lora import LoraAdapter, LoraBatch
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from kvstore.lowrank import load_or_calibrate, projection_path
@@ -25,6 +26,7 @@ from kvstore.step import SeqKV
 from kvstore.store import TieredKVStore
 from scheduler.batch import ScheduledBatch
 from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +98,7 @@ class ModelRunner:
         self._prompt_logprobs: dict[str, list] = {}
         self._prompt_logprobs_sent: set[str] = set()
         self.pooler = Pooler()             # embedding requests' pooled hidden states
+        self.loras: dict[str, LoraAdapter] = {}     # LoRA adapters by name (--lora-modules)
         self.grammars = GrammarTable(folder / "tokenizer.json", config.vocab_size,
                                      tuple(config.eos_token_ids))
 
@@ -122,6 +125,23 @@ class ModelRunner:
         self.store.release(request_id)
 
     @torch.inference_mode()
+    def load_lora(self, name: str, path) -> LoraAdapter:
+        """Serve the PEFT adapter at `path` as `name` (engine/lora.py)."""
+        adapter = LoraAdapter.load(name, path, self.config, self.dtype, self.device,
+                                   self.model.qkv_rows())
+        self.loras[name] = adapter
+        return adapter
+
+    def prefix_salt(self, params: SamplingParams) -> str | None:
+        """The salt a request's pages are cached under: its cache_salt and its adapter's
+        digest (ValueError for an adapter this runner does not serve)."""
+        if params.lora is None:
+            return params.cache_salt
+        adapter = self.loras.get(params.lora)
+        if adapter is None:
+            raise ValueError(f"no LoRA adapter named {params.lora!r} is served")
+        return f"lora:{adapter.fingerprint}|{params.cache_salt or ''}"
+
     def execute(self, batch: ScheduledBatch, requests: dict[str, Request]
                 ) -> tuple[dict[str, SampledToken], list[tuple[str, str]]]:
         """Run one step. Returns the sampled token of every request whose chunk ends its known
@@ -139,9 +159,12 @@ class ModelRunner:
         pool_at: list[tuple[str, int, bool, bool]] = []
         seqs: list[SeqKV] = []
         prefilled: list[str] = []
+        lora_spans: list = []          # (adapter or None, first row, rows) per request
         for r in batch.requests:
             n = len(r.token_ids)
             req = requests[r.request_id]
+            lora_spans.append((self.loras[req.sampling_params.lora]
+                               if req.sampling_params.lora else None, len(input_ids), n))
             if req.sampling_params.prompt_logprobs is not None \
                     and r.request_id not in self._prompt_logprobs_sent:   # (a preempted one)
                 self._prompt_logprobs.setdefault(r.request_id, [None] * req.num_prompt_tokens)
@@ -168,14 +191,15 @@ class ModelRunner:
                                 torch.tensor(positions, dtype=torch.int64, device=dev), step,
                                 torch.tensor(logits_rows, dtype=torch.int64, device=dev),
                                 torch.tensor(hidden_rows, dtype=torch.int64, device=dev)
-                                if hidden_rows else None)
+                                if hidden_rows else None,
+                                lora=LoraBatch.build(lora_spans, len(input_ids), dev))
         except BaseException:
             self.store.abort_step()     # no stage thread may outlive the failed step
             raise
         write_failures = self.store.end_step(step, prefilled)
         for rid in prefilled:        # their prompt's full pages join the prefix cache
             self.store.publish(rid, requests[rid].prompt_token_ids,
-                               requests[rid].sampling_params.cache_salt)
+                               requests[rid].prefix_salt)
         if hidden_rows:
             logits, hidden = logits
             if prompt_rows:

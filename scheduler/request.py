@@ -37,6 +37,9 @@ class Request:
     first_scheduled_time: float | None = None
     # prompt tokens whose KV came from the prefix cache when first admitted (None: not yet)
     num_cached_tokens: int | None = None
+    # what the prefix cache keys this request's pages under besides its tokens (its
+    # cache_salt, and its LoRA adapter's digest: that KV is the adapter's); None: shared
+    prefix_salt: str | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

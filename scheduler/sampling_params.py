@@ -69,6 +69,9 @@ class SamplingParams:
     # extension (vLLM): the prefix cache's pages this request reads and adds are those of its
     # salt alone (None: the shared ones), so a tenant's prompts are never probed by another's
     cache_salt: str | None = None
+    # extension (vLLM): the LoRA adapter (--lora-modules name) the request runs with (None:
+    # the base model); its prompt pages are cached under the adapter's own salt
+    lora: str | None = None
 
     @property
     def needs_whole_prompt(self) -> bool:

@@ -171,7 +171,7 @@ class Scheduler:
                               and not req.sampling_params.needs_whole_prompt)
             if reused:
                 hit = self.allocator.reuse_prefix(req.request_id, req.all_token_ids,
-                                                  req.sampling_params.cache_salt)
+                                                  req.prefix_salt)
                 if hit is None:
                     break    # admitted once the running request has cached the pages it needs
                 req.num_computed_tokens = hit
@@ -309,7 +309,7 @@ class Scheduler:
                 # the next turn of a conversation resends this answer: its full pages too
                 self.allocator.publish(req.request_id,
                                        _token_slice(req, 0, req.num_computed_tokens),
-                                       req.sampling_params.cache_salt)
+                                       req.prefix_salt)
         else:
             self._unwait(req)
         self.allocator.free(req.request_id)

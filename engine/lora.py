@@ -1,0 +1,169 @@
+"""LoRA adapters served beside the base model (`--lora-modules name=path,...`, vLLM's
+multi-LoRA): each request names its adapter in `model`, and one step may mix requests of
+several adapters and of the base model.
+
+An adapter is a PEFT folder (adapter_config.json, adapter_model.safetensors) of low-rank
+deltas on the decoder layers' projections: W' = W + s B A, A [r, in], B [out, r],
+s = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora). The base weights are never
+changed: a step adds s (x A^T) B^T to the rows of the requests that use the adapter
+(`LoraBatch.apply`), after each of the layer's fused matmuls (q/k/v into `qkv`, gate/up into
+`gate_up`, as engine/llama.py fuses them, so an adapter's parts are fused the same way: A
+stacked, B block-diagonal, s folded into B). A partial rotary's q and k rows are reordered as
+the base weights are. Steps with an adapter's rows run the layers op by op (the C decode
+layers know no adapters).
+
+An adapter's KV differs from the base model's, so its prompt pages are cached under a salt of
+its own (`fingerprint`: the adapter's bytes, so a changed adapter never reads stale pages).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.model_config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+# PEFT's tensor names: ...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+def _parts(cfg: ModelConfig) -> dict[str, tuple[str, int, int | None]]:
+    """module -> (fused matmul, first output row, rows; None: all of it)."""
+    q, kv, inter = (cfg.num_attention_heads * cfg.head_dim,
+                    cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+    return {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
+            "qkv_proj": ("qkv", 0, None), "o_proj": ("o", 0, None),
+            "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter),
+            "gate_up_proj": ("gate_up", 0, None), "down_proj": ("down", 0, None)}
+
+
+def _out_rows(cfg: ModelConfig) -> dict[str, int]:
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {"qkv": q + 2 * kv, "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size,
+            "down": cfg.hidden_size}
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    path: Path
+    fingerprint: str                 # digest of the adapter's files: its prefix-cache salt
+    rank: int
+    # (layer, fused matmul) -> (A [R, in], B [out, R] with the scale folded in)
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @classmethod
+    def load(cls, name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+             device, qkv_rows: torch.Tensor | None = None) -> "LoraAdapter":
+        """Read a PEFT adapter folder for a model of `cfg`; `qkv_rows`: the base model's
+        reorder of its fused q/k/v rows (a partial rotary), applied to B alike. ValueError
+        naming what does not fit (another model's shapes, modules it does not adapt, DoRA)."""
+        from safetensors.torch import load_file
+        path = Path(path).expanduser()
+        conf_file, weights_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+        if not conf_file.is_file() or not weights_file.is_file():
+            raise ValueError(f"LoRA {name}: {path} holds no {CONFIG_FILE} and {WEIGHTS_FILE}")
+        conf = json.loads(conf_file.read_text())
+        _check_config(name, conf)
+        digest = hashlib.blake2b(conf_file.read_bytes() + weights_file.read_bytes(),
+                                 digest_size=16).hexdigest()
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for key, tensor in load_file(str(weights_file)).items():
+            m = _KEY.search(key)
+            if m is None:
+                raise ValueError(f"LoRA {name}: tensor {key} adapts no decoder projection "
+                                 "(only q/k/v/o and gate/up/down are served)")
+            pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
+        alpha, rs = float(conf.get("lora_alpha", 8)), bool(conf.get("use_rslora"))
+        parts, out_rows = _parts(cfg), _out_rows(cfg)
+        stacked: dict[tuple[int, str], list] = {}
+        for (layer, module), ab in sorted(pairs.items()):
+            if module not in parts or layer >= cfg.num_hidden_layers or set(ab) != {"A", "B"}:
+                raise ValueError(f"LoRA {name}: layer {layer} {module} is not a projection of "
+                                 "this model with both lora_A and lora_B")
+            a, b = ab["A"].float(), ab["B"].float()
+            fused, start, size = parts[module]
+            size = out_rows[fused] if size is None else size
+            if a.shape[0] != b.shape[1] or b.shape[0] != size:
+                raise ValueError(f"LoRA {name}: layer {layer} {module} has shapes A "
+                                 f"{tuple(a.shape)}, B {tuple(b.shape)}: another model's")
+            r = a.shape[0]
+            scale = alpha / (math.sqrt(r) if rs else r)
+            stacked.setdefault((layer, fused), []).append((start, a, b * scale))
+        weights = {}
+        for (layer, fused), blocks in stacked.items():
+            a = torch.cat([blk[1] for blk in blocks])
+            b = torch.zeros(out_rows[fused], a.shape[0])
+            col = 0
+            for start, _, bb in blocks:
+                b[start:start + bb.shape[0], col:col + bb.shape[1]] = bb
+                col += bb.shape[1]
+            if fused == "qkv" and qkv_rows is not None:
+                b = b[qkv_rows]
+            expect = cfg.intermediate_size if fused == "down" else (
+                cfg.num_attention_heads * cfg.head_dim if fused == "o" else cfg.hidden_size)
+            if a.shape[1] != expect:
+                raise ValueError(f"LoRA {name}: layer {layer} {fused} takes {a.shape[1]} "
+                                 f"inputs, this model's {expect}")
+            weights[(layer, fused)] = (a.to(dtype).to(device), b.to(dtype).to(device))
+        if not weights:
+            raise ValueError(f"LoRA {name}: {weights_file} holds no LoRA weights")
+        rank = max(a.shape[0] for a, _ in weights.values())
+        return cls(name, path, digest, rank, weights)
+
+
+def _check_config(name: str, conf: dict) -> None:
+    """ValueError for what Strata does not serve: other PEFT methods, DoRA, trained biases,
+    whole modules saved beside the adapter, per-module alphas."""
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"LoRA {name}: peft_type {conf.get('peft_type')} is not LoRA")
+    for key, off in (("use_dora", False), ("bias", "none"), ("modules_to_save", None),
+                     ("alpha_pattern", None)):
+        value = conf.get(key)
+        if value and value != off:          # (None, false, [] and {} are off too)
+            raise ValueError(f"LoRA {name}: {key} {value!r} is not served")
+
+
+class LoraBatch:
+    """A step's adapter rows: for each adapter used, the rows of its requests' tokens."""
+
+    def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor | None]]):
+        self.groups = groups            # rows None: every row of the step
+
+    @classmethod
+    def build(cls, spans: list[tuple[LoraAdapter | None, int, int]], total: int,
+              device) -> "LoraBatch | None":
+        """spans: (adapter or None, first row, rows) per request, in row order; None when no
+        request uses an adapter (the base model's step, the C layers allowed)."""
+        rows: dict[str, tuple[LoraAdapter, list[int]]] = {}
+        for adapter, start, n in spans:
+            if adapter is not None:
+                rows.setdefault(adapter.name, (adapter, []))[1].extend(range(start, start + n))
+        if not rows:
+            return None
+        return cls([(a, None if len(r) == total else torch.tensor(r, device=device))
+                    for a, r in rows.values()])
+
+    def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [T, out] (the fused matmul of x [T, in]) with each adapter's delta added to its
+        rows (in place where rows are a subset; y is the matmul's own fresh tensor)."""
+        for adapter, rows in self.groups:
+            ab = adapter.weights.get((layer, fused))
+            if ab is None:
+                continue
+            a, b = ab
+            xs = x if rows is None else x.index_select(0, rows)
+            delta = ((xs.to(a.dtype) @ a.t()) @ b.t()).to(y.dtype)
+            if rows is None:
+                y = y + delta
+            else:
+                y.index_add_(0, rows, delta)
+        return y
+
