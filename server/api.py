@@ -81,10 +81,12 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
               responses_store_mb: float = DEFAULT_RESPONSES_STORE_MB,
               reasoning_parser: str = "auto", tool_call_parser: str = "auto",
-              embedding_pooling: str = "last") -> FastAPI:
+              embedding_pooling: str = "last",
+              lora_modules: dict[str, str] | None = None) -> FastAPI:
     ctx = ServerContext(engine, tokenizer, served_model_name=served_model_name,
                         model_aliases=model_aliases, api_key=api_key,
-                        reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
+                        reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
+                        lora_modules=lora_modules)
     chat = ChatServing(ctx)
     completions = CompletionServing(ctx)
     responses = ResponsesServing(ctx, ResponseStore(int(responses_store_mb * 2 ** 20)))
@@ -159,13 +161,20 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     @v1.get("/models", response_model=ModelList, responses=_V1_ERRORS)
     async def list_models() -> Response:
         card = ModelCard(id=served_model_name, max_model_len=ctx.max_model_len)
-        return json_response(ModelList(data=[card]))
+        adapters = [ModelCard(id=name, max_model_len=ctx.max_model_len, root=str(path),
+                              parent=served_model_name)
+                    for name, path in ctx.lora_modules.items()]
+        return json_response(ModelList(data=[card, *adapters]))
 
     @v1.get("/models/{model:path}", response_model=ModelCard,
             responses={**_V1_ERRORS, 404: _GENERATE_ERRORS[404]})
     async def get_model(model: str) -> Response:
-        ctx.check_model(model)          # the served name or an alias (404 otherwise)
-        return json_response(ModelCard(id=model, max_model_len=ctx.max_model_len))
+        ctx.check_model(model)          # the served name, an alias or an adapter (else 404)
+        lora = ctx.lora_of(model)
+        return json_response(ModelCard(
+            id=model, max_model_len=ctx.max_model_len,
+            root=None if lora is None else str(ctx.lora_modules[lora]),
+            parent=None if lora is None else served_model_name))
 
 
     @v1.post("/tokenize", response_model=TokenizeResponse, responses=_errors)

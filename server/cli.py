@@ -156,6 +156,23 @@ async def _serve(server: uvicorn.Server, loader: EngineLoader) -> None:
     await serving
 
 
+def _app(slot: EngineSlot, name: str, aliases: tuple[str, ...], settings, load_args):
+    """The app over `slot` (ValueError: flags that contradict each other, an adapter folder
+    that is not one)."""
+    loras = load_args.lora_adapters()
+    for lora, folder in loras.items():
+        if not (folder / "adapter_config.json").is_file():
+            raise ValueError(f"--lora-modules: {lora}={folder} holds no adapter_config.json")
+    return build_app(slot, slot.tokenizer, served_model_name=name,
+                     api_key=settings.api_key or os.environ.get("STRATA_API_KEY") or None,
+                     model_aliases=aliases, max_request_bytes=settings.max_request_bytes,
+                     responses_store_mb=settings.responses_store_mb,
+                     reasoning_parser=settings.reasoning_parser,
+                     tool_call_parser=settings.tool_call_parser,
+                     embedding_pooling=settings.embedding_pooling,
+                     lora_modules={k: str(v) for k, v in loras.items()})
+
+
 def serve(args: argparse.Namespace) -> int:
     name = served_name(args.model, args.served_model_name)
     try:
@@ -169,13 +186,11 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     slot = EngineSlot(name)
     aliases = tuple(a for a in {args.model} if a and a != name)
-    app = build_app(slot, slot.tokenizer, served_model_name=name,
-                    api_key=settings.api_key or os.environ.get("STRATA_API_KEY") or None,
-                    model_aliases=aliases, max_request_bytes=settings.max_request_bytes,
-                    responses_store_mb=settings.responses_store_mb,
-                    reasoning_parser=settings.reasoning_parser,
-                    tool_call_parser=settings.tool_call_parser,
-                    embedding_pooling=settings.embedding_pooling)
+    try:
+        app = _app(slot, name, aliases, settings, load_args)
+    except ValueError as exc:
+        print(f"strata serve: {exc}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.log_level,
                             timeout_graceful_shutdown=5)

@@ -23,10 +23,16 @@ class ServerContext:
     def __init__(self, engine: EngineClient, tokenizer: TokenizerSource, *,
                  served_model_name: str, model_aliases: tuple[str, ...] = (),
                  api_key: str | None = None, reasoning_parser: str = "auto",
-                 tool_call_parser: str = "auto"):
+                 tool_call_parser: str = "auto", lora_modules: dict[str, str] | None = None):
         self.engine = engine
         self.served_model_name = served_model_name
         self.model_names = frozenset((served_model_name, *model_aliases))
+        # LoRA adapters a request may name in `model` (--lora-modules): name -> folder
+        self.lora_modules = dict(lora_modules or {})
+        clash = self.model_names & self.lora_modules.keys()
+        if clash:
+            raise ValueError(f"--lora-modules: {', '.join(sorted(clash))} is the served "
+                             "model's name")
         self.metrics = ServerMetrics(engine)
         self._api_key = api_key or None
         self._reasoning_parser = reasoning_parser
@@ -100,6 +106,17 @@ class ServerContext:
             raise invalid_api_key()
 
     def check_model(self, model: str | None) -> None:
-        """404 unless the request names the served model (or an alias); omitted means served."""
-        if model is not None and model not in self.model_names:
+        """404 unless the request names the served model (or an alias) or a LoRA adapter;
+        omitted means served."""
+        if model is not None and model not in self.model_names \
+                and model not in self.lora_modules:
             raise model_not_found(model)
+
+    def lora_of(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names, or None (the base model)."""
+        return model if model in self.lora_modules else None
+
+    def model_name(self, model: str | None) -> str:
+        """The model a response names: the adapter the request asked for, else the served
+        name."""
+        return model if model in self.lora_modules else self.served_model_name

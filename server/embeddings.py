@@ -91,6 +91,7 @@ class EmbeddingServing(OpenAIServing):
     def _streams(self, request: EmbeddingRequest, prompts: list[list[int]]) -> list:
         ctx, request_id = self.ctx, f"embd-{uuid.uuid4().hex}"
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=self.pooling,
+                                lora=ctx.lora_of(request.model),
                                 client=(request.user or "")[:MAX_CLIENT_CHARS])
         streams = []
         for i, ids in enumerate(prompts):
@@ -114,7 +115,7 @@ class EmbeddingServing(OpenAIServing):
             data.append(Embedding(index=stream.spec.index, embedding=(
                 _base64(vector) if request.encoding_format == "base64" else list(vector))))
         tokens = sum(len(s.spec.prompt_token_ids) for s in streams)
-        return EmbeddingResponse(data=data, model=self.ctx.served_model_name,
+        return EmbeddingResponse(data=data, model=self.ctx.model_name(request.model),
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
 

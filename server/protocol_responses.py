@@ -149,6 +149,8 @@ class ModelCard(_Wire):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "strata"
     max_model_len: int | None = None
+    root: str | None = None              # a LoRA adapter's folder (vLLM's)
+    parent: str | None = None            # a LoRA adapter's base model
 
 
 class ModelList(_Wire):

@@ -80,7 +80,8 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
                           vocab_size: int | None = None, grammar: GrammarSpec | None = None,
                           logit_bias: tuple[tuple[int, float], ...] = (),
                           bad_words: tuple[tuple[int, ...], ...] = (),
-                          reasoning: ReasoningMarks | None = None) -> SamplingParams:
+                          reasoning: ReasoningMarks | None = None,
+                          lora: str | None = None) -> SamplingParams:
     """SamplingParams for one choice; choice i of a seeded request uses seed + i;
     `reasoning`: the thinking span `grammar` leaves free."""
     min_tokens = request.min_tokens or 0
@@ -116,4 +117,5 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         bad_words=bad_words,
         reasoning=reasoning,
         cache_salt=request.cache_salt,
+        lora=lora,
     )

@@ -116,7 +116,8 @@ class OpenAIServing:
                 params = build_sampling_params(request, max_tokens=max_tokens, seed_offset=i,
                                                vocab_size=tokenizer.vocab_size,
                                                grammar=grammar, logit_bias=bias,
-                                               bad_words=words, reasoning=marks)
+                                               bad_words=words, reasoning=marks,
+                                               lora=ctx.lora_of(request.model))
                 spec = ChoiceSpec(index=index, prompt_index=prompt_index,
                                   request_id=f"{request_id}-{index}", prompt_token_ids=prompt_ids,
                                   params=params, stop=stops,

@@ -67,7 +67,7 @@ class ChatServing(OpenAIServing):
                                                 logprobs=self._logprobs(request, r.logprobs),
                                                 finish_reason=reason))
         return ChatCompletionResponse(id=request_id, created=created,
-                                      model=self.ctx.served_model_name, choices=choices,
+                                      model=self.ctx.model_name(request.model), choices=choices,
                                       usage=generation.usage(),
                                       prompt_logprobs=self.prompt_logprobs(
                                           request, generation.streams[0]))
@@ -80,7 +80,7 @@ class ChatServing(OpenAIServing):
 
         def chunk(choices, usage=None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=request_id, created=created,
-                                       model=self.ctx.served_model_name, choices=choices,
+                                       model=self.ctx.model_name(request.model), choices=choices,
                                        usage=generation.usage() if live else usage)
 
         calls, thinking = {}, {}

@@ -86,7 +86,7 @@ class CompletionServing(OpenAIServing):
                 finish_reason=r.finish_reason,
                 prompt_logprobs=self.prompt_logprobs(request, streams[r.index])))
         return CompletionResponse(id=request_id, created=created,
-                                  model=self.ctx.served_model_name, choices=choices,
+                                  model=self.ctx.model_name(request.model), choices=choices,
                                   usage=generation.usage())
 
     async def _chunks(self, request: CompletionRequest, generation: Generation,
@@ -97,7 +97,8 @@ class CompletionServing(OpenAIServing):
 
         def chunk(choices, usage=None) -> CompletionStreamResponse:
             return CompletionStreamResponse(id=request_id, created=created,
-                                            model=self.ctx.served_model_name, choices=choices,
+                                            model=self.ctx.model_name(request.model),
+                                            choices=choices,
                                             usage=generation.usage() if live else usage)
 
         offsets = {s.spec.index: 0 for s in generation.streams}   # text_offset per choice

@@ -225,7 +225,7 @@ class ResponsesServing(OpenAIServing):
         text = (request.text.model_dump(by_alias=True, exclude_none=True)
                 if request.text is not None and request.text.format is not None else None)
         return ResponseObject(
-            id=response_id, created_at=int(time.time()), model=self.ctx.served_model_name,
+            id=response_id, created_at=int(time.time()), model=self.ctx.model_name(request.model),
             instructions=request.instructions, max_output_tokens=request.max_output_tokens,
             previous_response_id=request.previous_response_id,
             store=request.store is not False and self.store.enabled,
