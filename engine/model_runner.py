@@ -18,6 +18,7 @@ from engine.model_loader import load_model
 from kvstore.lowrank import load_or_calibrate, projection_path
 from engine.outputs import TokenLogprob
 from engine.pooling import Pooler
+from engine.sampler_llamacpp import MirostatState
 from engine.sampler import Sampler, bad_word_bans, make_generator, prompt_logprobs
 from engine.weight_plan import WeightPlan
 from kernels.packed_linear import DENSE
@@ -92,6 +93,7 @@ class ModelRunner:
         self.page_size = kv.page_size
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
+        self._mirostat: dict[str, MirostatState] = {}   # Mirostat requests' mu
         # the distinct prompt token ids of repetition_penalty requests, made once per request
         self._prompt_vocab: dict[str, list[int]] = {}
         # prompt_logprobs requests' entries by prompt position, until their first output
@@ -117,6 +119,7 @@ class ModelRunner:
     def release(self, request_id: str) -> None:
         """The request ended: its generator and its KV in every tier go."""
         self._generators.pop(request_id, None)
+        self._mirostat.pop(request_id, None)
         self._prompt_vocab.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self._prompt_logprobs_sent.discard(request_id)
@@ -261,7 +264,8 @@ class ModelRunner:
                                   [q.sampling_params for q in reqs],
                                   [q.output_token_ids for q in reqs], [row[2] for row in rows],
                                   banned_token_ids=[row[3] for row in rows], allowed=allowed,
-                                  prompt_token_ids=[self._seen_prompt(q) for q in reqs])
+                                  prompt_token_ids=[self._seen_prompt(q) for q in reqs],
+                                  states=[self._mirostat_state(q) for q in reqs])
         return {q.request_id: SampledToken(out.token_ids[k],
                                            out.logprobs[k] if out.logprobs is not None else None)
                 for k, q in enumerate(reqs)}
@@ -300,11 +304,23 @@ class ModelRunner:
         self._prompt_logprobs_sent.add(request_id)
         return tuple(kept)
 
+    def _mirostat_state(self, req: Request) -> MirostatState | None:
+        p = req.sampling_params
+        if not p.mirostat:
+            return None
+        state = self._mirostat.get(req.request_id)
+        if state is None:
+            state = self._mirostat[req.request_id] = MirostatState(2 * p.mirostat_tau)
+        return state
+
     def _seen_prompt(self, req: Request) -> list[int]:
         """The prompt's distinct token ids where repetition_penalty reads them (else none): the
         penalty needs only which ids occur, not a 100K-token prompt re-read every step."""
-        if req.sampling_params.repetition_penalty == 1.0:
+        p = req.sampling_params
+        if p.repetition_penalty == 1.0:
             return []
+        if p.repetition_window:         # the last tokens alone (llama.cpp's repeat_last_n)
+            return req.prompt_token_ids[-p.repetition_window:]
         seen = self._prompt_vocab.get(req.request_id)
         if seen is None:
             seen = self._prompt_vocab[req.request_id] = sorted(set(req.prompt_token_ids))

@@ -14,18 +14,21 @@ Order per row (as in vLLM):
      the truncated one sampled from, so they do not depend on sampling knobs and are never -inf
      for a token that top-k/top-p merely cut off;
   5. greedy rows (temperature 0) take the argmax;
-  6. other rows: divide by temperature, drop tokens under min_p x the top token's probability,
-     keep top_k, keep the nucleus (top_p) of what is left,
-     then sample by inverse CDF with one uniform drawn from the row's own generator (what
-     torch.multinomial does, vectorized over rows). A seeded row draws only from its own
-     generator, so its tokens do not depend on the other rows in the batch.
+  6. other rows: divide by temperature (llama.cpp's dynamic temperature where asked), apply
+     llama.cpp's top-n-sigma and typical_p where asked, drop tokens under min_p x the top
+     token's probability, keep top_k, keep the nucleus (top_p) of what is left, apply
+     llama.cpp's XTC where asked, then sample by inverse CDF with one uniform drawn from the
+     row's own generator (what torch.multinomial does, vectorized over rows); a Mirostat row
+     draws by Mirostat instead of the truncations (engine/sampler_llamacpp.py). A seeded row
+     draws only from its own generator, so its tokens do not depend on the other rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from engine import sampler_llamacpp as lcpp
 from engine.grammar_table import unpack_bitmask
 from engine.outputs import TokenLogprob
 from scheduler.sampling_params import SamplingParams
@@ -62,10 +65,13 @@ class Sampler:
                generators: list[torch.Generator | None],
                banned_token_ids: list[tuple[int, ...]] | None = None,
                allowed: torch.Tensor | None = None,
-               prompt_token_ids: list[list[int]] | None = None) -> SamplerOutput:
+               prompt_token_ids: list[list[int]] | None = None,
+               states: list[lcpp.MirostatState | None] | None = None) -> SamplerOutput:
         """logits: [S, V] (any float dtype; computed in float32). One entry per row in every
         list; allowed: [S, ceil(V / 32)] int32 bitmasks of the tokens each row may take (rows
-        without a grammar allow all), or None; prompt_token_ids: for repetition_penalty."""
+        without a grammar allow all), or None; prompt_token_ids: for repetition_penalty (the
+        prompt's distinct ids, or its last repetition_window tokens); states: each Mirostat
+        row's state, updated by its draw."""
         num_rows, vocab = logits.shape
         assert len(params) == len(output_token_ids) == len(generators) == num_rows
         logits = logits.float().clone()   # [S, V]
@@ -94,17 +100,23 @@ class Sampler:
             token_ids[greedy] = _rows(logits, greedy).argmax(dim=-1)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if rand:
-            token_ids[rand] = self._sample_random(_rows(logits, rand), [params[i] for i in rand],
-                                                  [generators[i] for i in rand])
+            token_ids[rand] = self._sample_random(
+                _rows(logits, rand), [params[i] for i in rand], [generators[i] for i in rand],
+                [states[i] if states else None for i in rand])
         tokens = token_ids.tolist()
         return SamplerOutput(tokens, _logprobs(logits, params, tokens))
 
     def _sample_random(self, logits: torch.Tensor, params: list[SamplingParams],
-                       generators: list[torch.Generator | None]) -> torch.Tensor:
+                       generators: list[torch.Generator | None],
+                       states: list[lcpp.MirostatState | None]) -> torch.Tensor:
         """logits: [R, V] after penalties; returns [R] token ids."""
         dev = logits.device
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        logits = _apply_top_k_top_p(_apply_min_p(logits / temps[:, None], params), params)
+        temps = torch.tensor([p.temperature if p.dynatemp_range <= 0 else
+                              lcpp.dynamic_temperature(logits[i], p.temperature,
+                                                       p.dynatemp_range, p.dynatemp_exponent)
+                              for i, p in enumerate(params)], dtype=torch.float32, device=dev)
+        logits = logits / temps[:, None]
+        logits = self._truncate(logits, params, generators)
         cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)           # [R, V]
         # one uniform per row from the row's own generator (unseeded rows share the sampler's),
         # drawn on the generator's device (CPU by default) so the device does not change the draw
@@ -117,7 +129,29 @@ class Sampler:
         # the first token whose cdf exceeds u * total. A token with probability 0 never has a cdf
         # step, so it cannot be picked; scaling by the total absorbs float32 cumsum rounding.
         target = (u * cdf[:, -1])[:, None]
-        return torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+        tokens = torch.searchsorted(cdf, target, right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)
+        for i, p in enumerate(params):
+            if p.mirostat:
+                tokens[i] = lcpp.mirostat(logits[i], p.mirostat, p.mirostat_tau, p.mirostat_eta,
+                                          states[i], float(u[i]))
+        return tokens
+
+    def _truncate(self, logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+        """The tempered rows [R, V] truncated: top-n-sigma, typical, min_p, top_k, top_p,
+        XTC (a Mirostat row keeps its whole distribution: Mirostat truncates it itself)."""
+        for i, p in enumerate(params):
+            if p.top_n_sigma > 0 and not p.mirostat:
+                lcpp.top_n_sigma(logits[i], p.top_n_sigma)
+            if p.typical_p < 1.0 and not p.mirostat:
+                lcpp.typical(logits[i], p.typical_p)
+        cut = [replace(p, min_p=0.0, top_k=0, top_p=1.0) if p.mirostat else p for p in params]
+        logits = _apply_top_k_top_p(_apply_min_p(logits, cut), cut)
+        for i, p in enumerate(params):
+            if p.xtc_probability > 0 and not p.mirostat:
+                lcpp.xtc(logits[i], p.xtc_probability, p.xtc_threshold,
+                         generators[i] or self.default_generator)
+        return logits
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -143,11 +177,14 @@ def _apply_penalties(logits: torch.Tensor, params: list[SamplingParams],
 def _apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams],
                               output_token_ids: list[list[int]],
                               prompt_token_ids: list[list[int]] | None) -> None:
-    """In place, vLLM's (CTRL's) rule over each row's prompt and generated tokens."""
+    """In place, vLLM's (CTRL's) rule over each row's prompt and generated tokens (the last
+    repetition_window of them where set: llama.cpp's repeat_penalty)."""
     for i, p in enumerate(params):
         if p.repetition_penalty == 1.0:
             continue
         seen = (prompt_token_ids[i] if prompt_token_ids is not None else []) + output_token_ids[i]
+        if p.repetition_window:         # llama.cpp's repeat_last_n: the last tokens alone
+            seen = seen[-p.repetition_window:]
         if not seen:
             continue
         ids = torch.tensor(seen).unique().to(logits.device)

@@ -45,6 +45,8 @@ class SamplingParams:
     presence_penalty: float = 0.0        # OpenAI semantics, over generated tokens
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0      # extension (vLLM, CTRL): over prompt and output tokens
+    repetition_window: int = 0           # llama.cpp's repeat_last_n: only the last n of them
+                                         # (0: all)
     min_p: float = 0.0                   # extension (vLLM): drop tokens below min_p x the top one
     stop_token_ids: tuple[int, ...] = () # finish with "stop" when one is sampled (an output
                                          # token; the server leaves its text out, as vLLM)
@@ -63,6 +65,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # the thinking span the grammar leaves free (None: the grammar constrains the whole output)
     reasoning: ReasoningMarks | None = None
+    # llama.cpp's samplers (engine/sampler_llamacpp.py), each off at its default
+    dynatemp_range: float = 0.0          # temperature +- this, by the row's entropy
+    dynatemp_exponent: float = 1.0
+    top_n_sigma: float = 0.0             # keep logits within n std devs of the top (<= 0: off)
+    typical_p: float = 1.0               # locally typical sampling's mass
+    xtc_probability: float = 0.0         # XTC: how often the top choices are excluded
+    xtc_threshold: float = 0.1           # ... those at or above this probability
+    mirostat: int = 0                    # 1 or 2: Mirostat's draw; mu starts at 2 tau
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     # an embedding request (/v1/embeddings): the prompt's final hidden states pooled, of its
     # last token ("last") or all ("mean"), L2-normalized, on the output that ends it
     pooling: str | None = None

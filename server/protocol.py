@@ -19,7 +19,6 @@ from pydantic import (AfterValidator, Field, StrictBool, StrictInt,
 
 # NOTE: the base models live in protocol_tools.py (imported here, not the other way round)
 from server.protocol_tools import (ChatTool, LlamaCppOffAtOne, LlamaCppOffAtZero,
-                                   LlamaCppRepeatPenalty, LlamaCppTopNSigma,
                                    MessageToolCall, OnlyFalse, OnlyText,
                                    OnlyTrue, ResponseFormat, ToolChoice, Unsupported,
                                    _Request)
@@ -185,15 +184,21 @@ class _Constrained(_Request):
     length_penalty: Unsupported = None
     spaces_between_special_tokens: OnlyTrue = None
     structured_outputs: Unsupported = None
-    # llama.cpp's samplers, refused unless off (its own /v1 endpoints take them)
-    repeat_penalty: LlamaCppRepeatPenalty = None
-    typical_p: LlamaCppOffAtOne = None
+    # llama.cpp's samplers (its /v1 routes take them): engine/sampler_llamacpp.py
+    repeat_penalty: Annotated[float | None, Field(gt=0.0, le=10.0)] = None
+    repeat_last_n: Annotated[StrictInt | None, Field(ge=-1)] = None
+    typical_p: Annotated[float | None, Field(gt=0.0, le=1.0)] = None
+    top_n_sigma: Annotated[float | None, Field(ge=-1e6, le=1e6)] = None
+    xtc_probability: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
+    xtc_threshold: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
+    dynatemp_range: Annotated[float | None, Field(ge=0.0, le=10.0)] = None
+    dynatemp_exponent: Annotated[float | None, Field(ge=0.0, le=10.0)] = None
+    mirostat: Annotated[StrictInt | None, Field(ge=0, le=2)] = None
+    mirostat_tau: Annotated[float | None, Field(gt=0.0, le=100.0)] = None
+    mirostat_eta: Annotated[float | None, Field(gt=0.0, le=10.0)] = None
+    # ... refused unless off: not implemented (tfs_z is gone from llama.cpp too)
     tfs_z: LlamaCppOffAtOne = None
-    mirostat: LlamaCppOffAtZero = None
     dry_multiplier: LlamaCppOffAtZero = None
-    xtc_probability: LlamaCppOffAtZero = None
-    dynatemp_range: LlamaCppOffAtZero = None
-    top_n_sigma: LlamaCppTopNSigma = None
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

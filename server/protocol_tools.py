@@ -49,22 +49,9 @@ Unsupported = Annotated[Any, AfterValidator(_unsupported)]
 OnlyTrue = Annotated[Any, _only(True)]
 OnlyFalse = Annotated[Any, _only(False)]
 OnlyText = Annotated[Any, _only(["text"])]
-# llama.cpp's samplers (its /v1 endpoints take them as extra fields): refused when on
-LlamaCppRepeatPenalty = _llamacpp(1.0, "repetition_penalty is this server's (vLLM's: over "
-                                       "the prompt and output tokens, not the last "
-                                       "repeat_last_n)")
-LlamaCppOffAtOne = _llamacpp(1.0)           # typical_p, tfs_z
-LlamaCppOffAtZero = _llamacpp(0.0)          # mirostat, dry_multiplier, xtc_probability, ...
-
-
-def _top_n_sigma_off(value: Any) -> Any:
-    if value is not None and not (isinstance(value, (int, float)) and value <= 0):
-        raise ValueError("only a value <= 0 (off) is supported by this server; a llama.cpp "
-                         "sampler this server does not implement")
-    return value
-
-
-LlamaCppTopNSigma = Annotated[Any, AfterValidator(_top_n_sigma_off)]
+# llama.cpp's samplers Strata does not implement (its /v1 routes take them): refused when on
+LlamaCppOffAtOne = _llamacpp(1.0)           # tfs_z
+LlamaCppOffAtZero = _llamacpp(0.0)          # dry_multiplier
 
 
 # ----------------------------------------------------------------------------- requests

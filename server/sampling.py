@@ -11,6 +11,13 @@ Request = ChatCompletionRequest | CompletionRequest
 GREEDY_BELOW = 1e-5
 
 
+# llama.cpp's sampler fields that map onto SamplingParams as they are, and its default window
+LLAMACPP_SAMPLERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                     "dynatemp_range", "dynatemp_exponent", "mirostat", "mirostat_tau",
+                     "mirostat_eta")
+LLAMACPP_REPEAT_LAST_N = 64
+
+
 def resolve_max_tokens(requested: int | None, prompt_tokens: int, max_model_len: int,
                        param: str = "messages") -> int:
     """Tokens to generate at most; the rest of the context when the request does not say.
@@ -103,7 +110,6 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         seed=None if request.seed is None else request.seed + seed_offset,
         presence_penalty=request.presence_penalty or 0.0,
         frequency_penalty=request.frequency_penalty or 0.0,
-        repetition_penalty=request.repetition_penalty or 1.0,
         min_p=request.min_p or 0.0,
         stop_token_ids=stop_ids,
         ignore_eos=bool(request.ignore_eos),
@@ -118,4 +124,24 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         reasoning=reasoning,
         cache_salt=request.cache_salt,
         lora=lora,
+        **llamacpp_fields(request),
     )
+
+
+def llamacpp_fields(request: Request) -> dict:
+    """SamplingParams of the repetition penalty (vLLM's repetition_penalty over the prompt and
+    output, or llama.cpp's repeat_penalty over the last repeat_last_n tokens, 64 unless given,
+    -1 all, 0 none; one of the two: 400 for both) and of llama.cpp's other samplers."""
+    penalty, window = request.repetition_penalty or 1.0, 0
+    if request.repeat_penalty not in (None, 1.0):
+        if penalty != 1.0:
+            raise invalid_request("Give repetition_penalty (vLLM's, over the prompt and output) "
+                                  "or repeat_penalty (llama.cpp's, over the last "
+                                  "repeat_last_n tokens), not both.", param="repeat_penalty")
+        last_n = LLAMACPP_REPEAT_LAST_N if request.repeat_last_n is None \
+            else request.repeat_last_n
+        if last_n != 0:
+            penalty, window = request.repeat_penalty, max(last_n, 0)
+    given = {name: getattr(request, name) for name in LLAMACPP_SAMPLERS}
+    return dict(repetition_penalty=penalty, repetition_window=window,
+                **{k: v for k, v in given.items() if v is not None})

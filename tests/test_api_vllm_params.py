@@ -169,3 +169,17 @@ def test_cache_salt_keeps_a_prompts_cached_pages_to_its_own_salt(client, http, a
     r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": SAY_HI,
                                                 "cache_salt": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+
+
+def test_llamacpp_samplers_reach_the_engine(client):
+    # llama.cpp's fields that leave only the top token make a sampled answer the greedy one
+    kw = dict(model=MODEL, messages=SAY_HI, max_tokens=16)
+    greedy = client.chat.completions.create(temperature=0.0, **kw).choices[0].message.content
+
+    def sampled(**extra):
+        return client.chat.completions.create(temperature=1.5, seed=3, extra_body=extra or None,
+                                              **kw).choices[0].message.content
+    assert sampled() != greedy
+    assert sampled(top_n_sigma=1e-4) == greedy
+    assert sampled(mirostat=2, mirostat_tau=0.01) == greedy
+    assert sampled(mirostat=1, mirostat_tau=0.01) == greedy

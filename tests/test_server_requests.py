@@ -67,16 +67,13 @@ def error_for(model, body: dict) -> APIError:
     ({"messages": HELLO, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     ({"messages": HELLO, "spaces_between_special_tokens": False},
      "spaces_between_special_tokens"),
-    # llama.cpp's samplers, on
-    ({"messages": HELLO, "repeat_penalty": 1.1}, "repeat_penalty"),
-    ({"messages": HELLO, "typical_p": 0.9}, "typical_p"),
+    # llama.cpp's samplers: those not implemented, on; the others' bad values
     ({"messages": HELLO, "tfs_z": 0.95}, "tfs_z"),
-    ({"messages": HELLO, "mirostat": 2}, "mirostat"),
     ({"messages": HELLO, "dry_multiplier": 0.8}, "dry_multiplier"),
-    ({"messages": HELLO, "xtc_probability": 0.5}, "xtc_probability"),
-    ({"messages": HELLO, "dynatemp_range": 0.5}, "dynatemp_range"),
-    ({"messages": HELLO, "top_n_sigma": 1.5}, "top_n_sigma"),
-    ({"messages": HELLO, "top_n_sigma": "1"}, "top_n_sigma"),
+    ({"messages": HELLO, "typical_p": 0}, "typical_p"),
+    ({"messages": HELLO, "mirostat": 3}, "mirostat"),
+    ({"messages": HELLO, "repeat_last_n": -2}, "repeat_last_n"),
+    ({"messages": HELLO, "xtc_threshold": 1.5}, "xtc_threshold"),
 ])
 def test_invalid_chat_values_name_the_param(body, param):
     error = error_for(ChatCompletionRequest, body)
@@ -105,8 +102,31 @@ def test_llamacpp_samplers_when_off_are_accepted():
            "dynatemp_range": 0.0, "top_n_sigma": -1.0}
     ChatCompletionRequest.model_validate({"messages": HELLO, **off})
     CompletionRequest.model_validate({"prompt": "x", **off})
-    error = error_for(CompletionRequest, {"prompt": "x", "repeat_penalty": 1.2})
-    assert "repetition_penalty" in error.message
+    error = error_for(CompletionRequest, {"prompt": "x", "dry_multiplier": 1.2})
+    assert "llama.cpp sampler this server does not implement" in error.message
+
+
+def test_llamacpp_samplers_map_onto_the_sampling_params():
+    from server.sampling import build_sampling_params
+    from server.errors import APIError
+
+    def params(**fields):
+        request = CompletionRequest.model_validate({"prompt": "x", **fields})
+        return build_sampling_params(request, max_tokens=4)
+    p = params(repeat_penalty=1.3)                   # llama.cpp's default window
+    assert (p.repetition_penalty, p.repetition_window) == (1.3, 64)
+    assert params(repeat_penalty=1.3, repeat_last_n=-1).repetition_window == 0    # all
+    assert params(repeat_penalty=1.3, repeat_last_n=0).repetition_penalty == 1.0  # none
+    p = params(repetition_penalty=1.2)
+    assert (p.repetition_penalty, p.repetition_window) == (1.2, 0)
+    p = params(mirostat=2, mirostat_tau=3.0, typical_p=0.9, top_n_sigma=1.5,
+               xtc_probability=0.5, xtc_threshold=0.2, dynatemp_range=0.3)
+    assert (p.mirostat, p.mirostat_tau, p.mirostat_eta, p.typical_p, p.top_n_sigma,
+            p.xtc_probability, p.xtc_threshold, p.dynatemp_range) == (
+        2, 3.0, 0.1, 0.9, 1.5, 0.5, 0.2, 0.3)
+    with pytest.raises(APIError) as err:
+        params(repetition_penalty=1.2, repeat_penalty=1.1)
+    assert err.value.param == "repeat_penalty"
 
 
 def test_seed_range_edges_are_accepted_and_choice_seeds_wrap():

@@ -1,0 +1,112 @@
+"""llama.cpp's samplers, for clients that send its fields (llama-server takes them on its /v1
+routes too): dynamic temperature, top-n-sigma, locally typical sampling, XTC and Mirostat
+(1 and 2), each as llama.cpp's src/llama-sampling.cpp computes it. engine/sampler.py calls
+them on the rows that sample (temperature > 0), in this order: the temperature (dynamic where
+`dynatemp_range` is set), then top-n-sigma, typical, vLLM's min_p / top_k / top_p, XTC, and
+the draw; a Mirostat row replaces the truncations and the draw with Mirostat's (llama.cpp's
+chain with mirostat on is temperature then Mirostat).
+
+All work in float32 on one row's logits [V] (-inf: a token already excluded) and change
+them in place or return a new row; random choices draw from the row's own generator, so a
+seeded request stays reproducible.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+MIROSTAT_M = 100            # Mirostat 1: the top tokens its Zipf exponent is estimated from
+
+
+@dataclass
+class MirostatState:
+    """A request's Mirostat target surprise, mu (starts at 2 tau), updated after each token."""
+    mu: float
+
+
+def dynamic_temperature(row: torch.Tensor, temp: float, spread: float,
+                        exponent: float) -> float:
+    """llama.cpp's dynatemp: a temperature in [temp - spread, temp + spread] that grows with
+    the row's normalized entropy (raised to `exponent`)."""
+    lo, hi = max(0.0, temp - spread), temp + spread
+    finite = row[torch.isfinite(row)]
+    if finite.numel() <= 1:
+        return max(hi, 1e-6)
+    p = torch.softmax(finite, dim=-1)
+    entropy = float(-(p * p.clamp_min(1e-30).log()).sum())
+    norm = entropy / math.log(finite.numel())
+    return max(lo + (hi - lo) * norm ** exponent, 1e-6)
+
+
+def top_n_sigma(row: torch.Tensor, n: float) -> None:
+    """In place: tokens more than n standard deviations (of the finite logits) below the top
+    logit get -inf (llama.cpp's top-n-sigma; temperature scales both sides alike)."""
+    finite = row[torch.isfinite(row)]
+    if n <= 0 or finite.numel() < 2:
+        return
+    cutoff = finite.max() - n * finite.std(unbiased=False)
+    row.masked_fill_(row < cutoff, float("-inf"))
+
+
+def typical(row: torch.Tensor, mass: float) -> None:
+    """In place: locally typical sampling (Meister et al.; llama.cpp's typ_p): keep the tokens
+    whose surprise is closest to the row's entropy until they hold `mass` (at least one)."""
+    if mass >= 1.0:
+        return
+    logp = torch.log_softmax(row, dim=-1)
+    p = logp.exp()
+    entropy = -(p * logp.nan_to_num(neginf=0.0)).sum()
+    shifted = (-logp - entropy).abs()                  # inf for excluded tokens
+    order = shifted.argsort()
+    cum = p[order].cumsum(0)
+    keep = int((cum <= mass).sum()) + 1                # the first prefix to pass `mass`
+    drop = order[min(keep, order.numel()):]
+    row[drop] = float("-inf")
+
+
+def xtc(row: torch.Tensor, probability: float, threshold: float,
+        generator: torch.Generator | None) -> None:
+    """In place: llama.cpp's XTC ("exclude top choices"): with `probability`, every token at
+    or above `threshold` but the least likely of them gets -inf (only where at least two are;
+    a threshold above 0.5 never has two)."""
+    if probability <= 0 or threshold > 0.5:
+        return
+    if float(torch.rand((), generator=generator)) > probability:
+        return
+    p = torch.softmax(row, dim=-1)
+    above = (p >= threshold).nonzero()[:, 0]
+    if above.numel() < 2:
+        return
+    last = above[p[above].argmin()]
+    row[above[above != last]] = float("-inf")
+
+
+def mirostat(row: torch.Tensor, version: int, tau: float, eta: float, state: MirostatState,
+             u: float) -> int:
+    """One token by Mirostat (Basu et al.) `version` 1 or 2 from a tempered row, with the
+    uniform draw `u`; updates `state.mu` by the surprise of the token taken."""
+    p, order = torch.softmax(row, dim=-1).sort(descending=True)
+    p = p[p > 0]
+    order = order[:p.numel()]
+    if version == 2:
+        k = int((-p.log2() <= state.mu).sum())
+    else:
+        m = min(MIROSTAT_M, p.numel())
+        i = torch.arange(m - 1, dtype=torch.float64)
+        t = ((i + 2) / (i + 1)).log()
+        b = (p[:m - 1].double() / p[1:m].double()).log()
+        s_hat = float((t * b).sum() / (t * t).sum()) if m > 1 else 1.0
+        eps, vocab = s_hat - 1, row.numel()
+        # (eps -> 0: eps / (1 - V^-eps) -> 1 / ln V)
+        ratio = 2 ** state.mu * (eps / (1 - vocab ** -eps) if abs(eps) > 1e-6
+                                 else 1 / math.log(vocab))
+        k = round(math.exp(min(math.log(ratio) / s_hat, 700.0))) \
+            if s_hat > 0 and ratio > 0 else p.numel()
+    k = max(1, min(k, p.numel()))
+    q = p[:k] / p[:k].sum()
+    cdf = q.cumsum(0)
+    j = min(int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])]), right=True)), k - 1)
+    state.mu -= eta * (-math.log2(float(q[j])) - tau)
+    return int(order[j])
