@@ -257,6 +257,9 @@ def disk_folders(value: str | Path | None) -> list[Path]:
     return [Path(p.strip()) for p in str(value).split(",") if p.strip()]
 
 
+LORA_CONFIG_FILE = "adapter_config.json"     # what makes a folder a PEFT adapter
+
+
 def parse_lora_modules(spec: str) -> dict[str, Path]:
     """`--lora-modules`: "name=path,name2=path2" -> {name: path}; ValueError when malformed."""
     out: dict[str, Path] = {}

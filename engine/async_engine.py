@@ -35,6 +35,8 @@ class AsyncEngine:
         self._wake = threading.Condition(self._lock)
         self._new: collections.deque = collections.deque()
         self._aborts: collections.deque = collections.deque()
+        # calls to make on the engine thread, between steps: (fn(LLMEngine), loop, future)
+        self._calls: collections.deque = collections.deque()
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -137,6 +139,22 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._wake.notify()
 
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._on_engine_thread(lambda e: e.load_lora(name, path))
+
+    async def unload_lora(self, name: str) -> None:
+        await self._on_engine_thread(lambda e: e.unload_lora(name))
+
+    async def _on_engine_thread(self, fn):
+        """fn(LLMEngine) run by the engine thread between two steps; its result or error."""
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            self._calls.append((fn, loop, future))
+            self._wake.notify()
+        return await future
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
@@ -158,6 +176,14 @@ class AsyncEngine:
             self._new.clear()
             aborts = list(self._aborts)
             self._aborts.clear()
+            calls = list(self._calls)
+            self._calls.clear()
+        for fn, loop, future in calls:
+            try:
+                result, error = fn(e), None
+            except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's
+                result, error = None, exc
+            loop.call_soon_threadsafe(_settle, future, result, error)
         for rid, prompt, params in new:
             try:
                 e.add_request(rid, prompt, params)
@@ -176,12 +202,13 @@ class AsyncEngine:
         try:
             while True:
                 with self._lock:
-                    idle = not (self._stopping or self._new or self._aborts
+                    idle = not (self._stopping or self._new or self._aborts or self._calls
                                 or e.has_unfinished())
                 if idle:        # index and recount what /metrics reads, before sleeping
                     e.store.refresh_stats()
                 with self._lock:
-                    while not (self._stopping or self._new or self._aborts or e.has_unfinished()):
+                    while not (self._stopping or self._new or self._aborts or self._calls
+                               or e.has_unfinished()):
                         self._wake.wait()
                     if self._stopping:
                         return
@@ -195,3 +222,12 @@ class AsyncEngine:
                 targets = list(self._queues.items())
             for rid, (loop, queue) in targets:
                 loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(self._dead))
+
+
+def _settle(future: asyncio.Future, result, error: Exception | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

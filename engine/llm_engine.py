@@ -108,6 +108,24 @@ class LLMEngine:
                 and decode < prefill and not self.args.decode_threads:
             self.core_split = CoreSplit(prefill, decode, shared=shared)
 
+    def load_lora(self, name: str, path) -> None:
+        """Serve the PEFT adapter at `path` as `name` from the next step on (ValueError: the
+        name is taken, or the folder is no adapter of this model)."""
+        if name in self.runner.loras:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+        adapter = self.runner.load_lora(name, path)
+        logger.info("LoRA adapter %s loaded: %s, rank %d", name, path, adapter.rank)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter `name` (KeyError: none is loaded; ValueError: a waiting or
+        running request uses it)."""
+        if name not in self.runner.loras:
+            raise KeyError(name)
+        if any(r.sampling_params.lora == name for r in self.scheduler.requests.values()):
+            raise ValueError(f"LoRA adapter {name!r} has requests in flight")
+        del self.runner.loras[name]
+        logger.info("LoRA adapter %s unloaded", name)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
         """Queue a request. Raises scheduler QueueFull, KVFull, a ValueError when it can never

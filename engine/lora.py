@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
+from engine.args import LORA_CONFIG_FILE
 from engine.model_config import ModelConfig
 
-CONFIG_FILE = "adapter_config.json"
+CONFIG_FILE = LORA_CONFIG_FILE
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's tensor names: ...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

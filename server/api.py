@@ -16,6 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.protocol import EngineClient
+from server import lora_admin
 from server.context import ServerContext, TokenizerSource
 from server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from server.errors import APIError, install_error_handlers
@@ -82,7 +83,8 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
               responses_store_mb: float = DEFAULT_RESPONSES_STORE_MB,
               reasoning_parser: str = "auto", tool_call_parser: str = "auto",
               embedding_pooling: str = "last",
-              lora_modules: dict[str, str] | None = None) -> FastAPI:
+              lora_modules: dict[str, str] | None = None,
+              allow_runtime_lora: bool = False) -> FastAPI:
     ctx = ServerContext(engine, tokenizer, served_model_name=served_model_name,
                         model_aliases=model_aliases, api_key=api_key,
                         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
@@ -192,6 +194,9 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     @v1.post("/completions/render", response_model=RenderResponse, responses=_errors)
     async def render_completion(request: CompletionRequest) -> Response:
         return json_response(await tokens.render_completion(request))
+
+    if allow_runtime_lora:          # vLLM's routes: folders on this server's disk, so opt-in
+        lora_admin.add_routes(v1, ctx, _errors)
 
     # vLLM serves these two at the root as well
     root = APIRouter(dependencies=[Depends(authorize), Depends(ready)])

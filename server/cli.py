@@ -20,6 +20,7 @@ import uvicorn
 
 from server.api import build_app
 from server.engine_slot import EngineSlot
+from engine.args import LORA_CONFIG_FILE
 from engine.settings import add_flags, from_namespace
 from server.settings import ServerSettings
 from server.tokenizer import Tokenizer
@@ -161,8 +162,8 @@ def _app(slot: EngineSlot, name: str, aliases: tuple[str, ...], settings, load_a
     that is not one)."""
     loras = load_args.lora_adapters()
     for lora, folder in loras.items():
-        if not (folder / "adapter_config.json").is_file():
-            raise ValueError(f"--lora-modules: {lora}={folder} holds no adapter_config.json")
+        if not (folder / LORA_CONFIG_FILE).is_file():
+            raise ValueError(f"--lora-modules: {lora}={folder} holds no {LORA_CONFIG_FILE}")
     return build_app(slot, slot.tokenizer, served_model_name=name,
                      api_key=settings.api_key or os.environ.get("STRATA_API_KEY") or None,
                      model_aliases=aliases, max_request_bytes=settings.max_request_bytes,
@@ -170,7 +171,8 @@ def _app(slot: EngineSlot, name: str, aliases: tuple[str, ...], settings, load_a
                      reasoning_parser=settings.reasoning_parser,
                      tool_call_parser=settings.tool_call_parser,
                      embedding_pooling=settings.embedding_pooling,
-                     lora_modules={k: str(v) for k, v in loras.items()})
+                     lora_modules={k: str(v) for k, v in loras.items()},
+                     allow_runtime_lora=settings.allow_runtime_lora)
 
 
 def serve(args: argparse.Namespace) -> int:

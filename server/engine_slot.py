@@ -71,3 +71,14 @@ class EngineSlot:
 
     def stats(self) -> EngineStats:
         return self._engine.stats() if self._engine is not None else _EMPTY_STATS
+
+    async def load_lora(self, name: str, path: str) -> None:
+        await self._ready_engine().load_lora(name, path)
+
+    async def unload_lora(self, name: str) -> None:
+        await self._ready_engine().unload_lora(name)
+
+    def _ready_engine(self) -> EngineClient:
+        if self._engine is None:
+            raise EngineNotReadyError("the model is still loading")
+        return self._engine

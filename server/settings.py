@@ -50,6 +50,10 @@ class ServerSettings:
                                      "of its last token (vLLM's default for decoder models) or "
                                      "the mean over its tokens, L2-normalized", POOLINGS,
                                      group="server")
+    allow_runtime_lora: bool = setting(False, "serve POST /v1/load_lora_adapter and "
+                                       "/v1/unload_lora_adapter (vLLM's), which load LoRA "
+                                       "folders from this server's disk while it serves",
+                                       group="server")
     log_level: str = setting("info", "log level", LOG_LEVELS, group="server")
     drain_seconds: float = setting(0.0, "on SIGTERM or Ctrl-C, keep serving this long with "
                                    "/health answering 503, so that a router or load balancer "

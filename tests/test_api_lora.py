@@ -103,3 +103,37 @@ def test_a_folder_that_is_no_adapter_stops_the_server(tmp_path, adapter):
                         "--lora-modules", f"{MODEL}={adapter}"], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "served model's name" in r.stderr
+
+
+def test_adapters_load_and_unload_while_serving(adapter, tmp_path):
+    import httpx
+    import openai
+    with running_server("--max-model-len", "1024", "--allow-runtime-lora") as s:
+        client, url = openai_client(s.url), s.url + "/v1"
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        r = httpx.post(f"{url}/load_lora_adapter",
+                       json={"lora_name": "late", "lora_path": str(adapter)}, timeout=60)
+        assert r.status_code == 200 and "late" in r.text, r.text
+        assert [m.id for m in client.models.list().data] == [MODEL, "late"]
+        answer = client.chat.completions.create(model="late", messages=ASK, max_tokens=8,
+                                                temperature=0.0)
+        assert answer.model == "late" and answer.choices[0].message.content
+        for body, status, param in (
+                ({"lora_name": "late", "lora_path": str(adapter)}, 400, "lora_name"),  # loaded
+                ({"lora_name": MODEL, "lora_path": str(adapter)}, 400, "lora_name"),
+                ({"lora_name": "x", "lora_path": str(tmp_path)}, 400, "lora_path")):
+            r = httpx.post(f"{url}/load_lora_adapter", json=body, timeout=60)
+            assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
+        r = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+        assert r.status_code == 200, r.text
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model="late", messages=ASK, max_tokens=2)
+        r = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+
+
+def test_runtime_loading_is_off_unless_asked_for(client):
+    import httpx
+    base = str(client.base_url).rstrip("/")
+    r = httpx.post(f"{base}/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"})
+    assert r.status_code == 404

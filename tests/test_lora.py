@@ -157,3 +157,26 @@ def test_lora_flags_are_checked():
         EngineArgs(lora_modules="a=/x,a=/y")
     with pytest.raises(ValueError, match="kv-recompute"):
         EngineArgs(lora_modules="a=/x", kv_recompute="auto")
+
+
+def test_an_adapter_loads_while_serving_and_unloads_once_unused(tmp_path):
+    hf = save_tiny_hf("llama", {}, tmp_path / "model")
+    write_adapter(hf, tmp_path / "a", LLAMA_MODULES, r=4, alpha=8, seed=1)
+    engine = engine_for(tmp_path / "model", {})
+    prompt = prompts_of(4, lengths=(20,))[0]
+    engine.add_request("base", prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()
+    engine.load_lora("a", tmp_path / "a")        # between two steps of a running request
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_lora("a", tmp_path / "a")
+    engine.add_request("a", prompt, SamplingParams(max_tokens=4, ignore_eos=True, lora="a"))
+    engine.step()
+    with pytest.raises(ValueError, match="in flight"):
+        engine.unload_lora("a")
+    while engine.has_unfinished():
+        engine.step()
+    engine.unload_lora("a")
+    with pytest.raises(KeyError):
+        engine.unload_lora("a")
+    with pytest.raises(ValueError, match="no LoRA adapter named 'a'"):
+        engine.add_request("again", prompt, SamplingParams(max_tokens=2, lora="a"))
