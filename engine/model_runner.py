@@ -265,7 +265,8 @@ class ModelRunner:
                                   [q.output_token_ids for q in reqs], [row[2] for row in rows],
                                   banned_token_ids=[row[3] for row in rows], allowed=allowed,
                                   prompt_token_ids=[self._seen_prompt(q) for q in reqs],
-                                  states=[self._mirostat_state(q) for q in reqs])
+                                  states=[self._mirostat_state(q) for q in reqs],
+                                  dry_prompts=[_dry_prompt(q) for q in reqs])
         return {q.request_id: SampledToken(out.token_ids[k],
                                            out.logprobs[k] if out.logprobs is not None else None)
                 for k, q in enumerate(reqs)}
@@ -357,3 +358,12 @@ class ModelRunner:
             return banned
         return banned + tuple(p.stop_token_ids) + (
             () if p.ignore_eos else tuple(req.eos_token_ids))
+
+
+def _dry_prompt(req: Request) -> list[int]:
+    """The prompt tokens DRY looks back over (none where it is off)."""
+    p = req.sampling_params
+    if p.dry_multiplier <= 0 or p.dry_penalty_last_n == 0:
+        return []
+    return req.prompt_token_ids[-p.dry_penalty_last_n:] if p.dry_penalty_last_n > 0 \
+        else req.prompt_token_ids

@@ -66,17 +66,20 @@ class Sampler:
                banned_token_ids: list[tuple[int, ...]] | None = None,
                allowed: torch.Tensor | None = None,
                prompt_token_ids: list[list[int]] | None = None,
-               states: list[lcpp.MirostatState | None] | None = None) -> SamplerOutput:
+               states: list[lcpp.MirostatState | None] | None = None,
+               dry_prompts: list[list[int]] | None = None) -> SamplerOutput:
         """logits: [S, V] (any float dtype; computed in float32). One entry per row in every
         list; allowed: [S, ceil(V / 32)] int32 bitmasks of the tokens each row may take (rows
         without a grammar allow all), or None; prompt_token_ids: for repetition_penalty (the
         prompt's distinct ids, or its last repetition_window tokens); states: each Mirostat
-        row's state, updated by its draw."""
+        row's state, updated by its draw; dry_prompts: each DRY row's prompt (its tail of
+        dry_penalty_last_n tokens)."""
         num_rows, vocab = logits.shape
         assert len(params) == len(output_token_ids) == len(generators) == num_rows
         logits = logits.float().clone()   # [S, V]
         _apply_penalties(logits, params, output_token_ids)
         _apply_repetition_penalty(logits, params, output_token_ids, prompt_token_ids)
+        _apply_dry(logits, params, output_token_ids, dry_prompts)
         _apply_logit_bias(logits, params)
         _apply_allowed_token_ids(logits, params)
         if banned_token_ids is not None:
@@ -190,6 +193,20 @@ def _apply_repetition_penalty(logits: torch.Tensor, params: list[SamplingParams]
         ids = torch.tensor(seen).unique().to(logits.device)
         x = logits[i, ids]
         logits[i, ids] = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+
+
+def _apply_dry(logits: torch.Tensor, params: list[SamplingParams],
+               output_token_ids: list[list[int]], prompts: list[list[int]] | None) -> None:
+    """In place: llama.cpp's DRY penalty on each row that asks, over its last
+    dry_penalty_last_n tokens of prompt and output (engine/sampler_llamacpp.py)."""
+    for i, p in enumerate(params):
+        if p.dry_multiplier <= 0 or p.dry_penalty_last_n == 0:
+            continue
+        context = (prompts[i] if prompts is not None else []) + output_token_ids[i]
+        if p.dry_penalty_last_n > 0:
+            context = context[-p.dry_penalty_last_n:]
+        lcpp.dry(logits[i], context, p.dry_multiplier, p.dry_base, p.dry_allowed_length,
+                 frozenset(p.dry_breakers))
 
 
 def _apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """llama.cpp's samplers, for clients that send its fields (llama-server takes them on its /v1
-routes too): dynamic temperature, top-n-sigma, locally typical sampling, XTC and Mirostat
-(1 and 2), each as llama.cpp's src/llama-sampling.cpp computes it. engine/sampler.py calls
-them on the rows that sample (temperature > 0), in this order: the temperature (dynamic where
+routes too): DRY, dynamic temperature, top-n-sigma, locally typical sampling, XTC and Mirostat
+(1 and 2), each as llama.cpp's src/llama-sampling.cpp computes it. DRY is a penalty, applied
+beside the others to every row (greedy ones too). engine/sampler.py calls the rest on the
+rows that sample (temperature > 0), in this order: the temperature (dynamic where
 `dynatemp_range` is set), then top-n-sigma, typical, vLLM's min_p / top_k / top_p, XTC, and
 the draw; a Mirostat row replaces the truncations and the draw with Mirostat's (llama.cpp's
 chain with mirostat on is temperature then Mirostat).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MIROSTAT_M = 100            # Mirostat 1: the top tokens its Zipf exponent is estimated from
@@ -24,6 +26,36 @@ MIROSTAT_M = 100            # Mirostat 1: the top tokens its Zipf exponent is es
 class MirostatState:
     """A request's Mirostat target surprise, mu (starts at 2 tau), updated after each token."""
     mu: float
+
+
+def dry(row: torch.Tensor, context: list[int], multiplier: float, base: float,
+        allowed_length: int, breakers: frozenset[int]) -> None:
+    """In place: DRY ("don't repeat yourself", p-e-w's, as llama.cpp and text-generation-webui
+    apply it): where the context's last tokens repeat an earlier stretch of it, the token that
+    followed that stretch loses multiplier x base^(length - allowed_length) of its logit, for
+    its longest such repeat of at least `allowed_length` tokens; a breaker token ends a
+    stretch (and a context ending in one is not penalized)."""
+    n = len(context)
+    if multiplier <= 0 or n < 2 or context[-1] in breakers:
+        return
+    ctx = np.asarray(context)
+    longest: dict[int, int] = {}
+    for idx in np.flatnonzero(ctx[:-1] == ctx[-1])[::-1].tolist():
+        follower = context[idx + 1]
+        if follower in breakers:
+            continue
+        length = 1
+        while length <= idx:
+            prev = context[-(length + 1)]
+            if context[idx - length] != prev or prev in breakers:
+                break
+            length += 1
+        longest[follower] = max(length, longest.get(follower, 0))
+    hits = [(t, k) for t, k in longest.items() if k >= allowed_length]
+    if hits:
+        ids = torch.tensor([t for t, _ in hits], device=row.device)
+        row[ids] -= torch.tensor([multiplier * base ** (k - allowed_length) for _, k in hits],
+                                 device=row.device)
 
 
 def dynamic_temperature(row: torch.Tensor, temp: float, spread: float,

@@ -75,6 +75,11 @@ class SamplingParams:
     mirostat: int = 0                    # 1 or 2: Mirostat's draw; mu starts at 2 tau
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    dry_multiplier: float = 0.0          # DRY: the penalty of a repeat at allowed_length
+    dry_base: float = 1.75               # ... times base per token longer
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1         # the context it looks back over (-1: all)
+    dry_breakers: tuple[int, ...] = ()   # token ids that end a repeated stretch
     # an embedding request (/v1/embeddings): the prompt's final hidden states pooled, of its
     # last token ("last") or all ("mean"), L2-normalized, on the output that ends it
     pooling: str | None = None

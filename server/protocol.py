@@ -18,7 +18,7 @@ from pydantic import (AfterValidator, Field, StrictBool, StrictInt,
                       field_validator, model_validator)
 
 # NOTE: the base models live in protocol_tools.py (imported here, not the other way round)
-from server.protocol_tools import (ChatTool, LlamaCppOffAtOne, LlamaCppOffAtZero,
+from server.protocol_tools import (ChatTool, LlamaCppOffAtOne,
                                    MessageToolCall, OnlyFalse, OnlyText,
                                    OnlyTrue, ResponseFormat, ToolChoice, Unsupported,
                                    _Request)
@@ -36,6 +36,8 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18
 MAX_PROMPT_LOGPROBS = 20
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
+MAX_BREAKERS = 32          # DRY's sequence breakers
+MAX_BREAKER_CHARS = 32
 # chat_template_kwargs may not replace what the server passes the template itself
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
                                       "bos_token", "eos_token"})
@@ -196,9 +198,15 @@ class _Constrained(_Request):
     mirostat: Annotated[StrictInt | None, Field(ge=0, le=2)] = None
     mirostat_tau: Annotated[float | None, Field(gt=0.0, le=100.0)] = None
     mirostat_eta: Annotated[float | None, Field(gt=0.0, le=10.0)] = None
-    # ... refused unless off: not implemented (tfs_z is gone from llama.cpp too)
+    dry_multiplier: Annotated[float | None, Field(ge=0.0, le=100.0)] = None
+    dry_base: Annotated[float | None, Field(ge=1.0, le=10.0)] = None
+    dry_allowed_length: Annotated[StrictInt | None, Field(ge=0, le=1000)] = None
+    dry_penalty_last_n: Annotated[StrictInt | None, Field(ge=-1)] = None
+    dry_sequence_breakers: Annotated[list[Annotated[Text, Field(min_length=1,
+                                                                max_length=MAX_BREAKER_CHARS)]]
+                                     | None, Field(max_length=MAX_BREAKERS)] = None
+    # ... refused unless off: not implemented (gone from llama.cpp too)
     tfs_z: LlamaCppOffAtOne = None
-    dry_multiplier: LlamaCppOffAtZero = None
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -49,9 +49,8 @@ Unsupported = Annotated[Any, AfterValidator(_unsupported)]
 OnlyTrue = Annotated[Any, _only(True)]
 OnlyFalse = Annotated[Any, _only(False)]
 OnlyText = Annotated[Any, _only(["text"])]
-# llama.cpp's samplers Strata does not implement (its /v1 routes take them): refused when on
+# llama.cpp's sampler Strata does not implement (its /v1 routes take it): refused when on
 LlamaCppOffAtOne = _llamacpp(1.0)           # tfs_z
-LlamaCppOffAtZero = _llamacpp(0.0)          # dry_multiplier
 
 
 # ----------------------------------------------------------------------------- requests

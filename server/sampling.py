@@ -14,7 +14,9 @@ GREEDY_BELOW = 1e-5
 # llama.cpp's sampler fields that map onto SamplingParams as they are, and its default window
 LLAMACPP_SAMPLERS = ("typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
                      "dynatemp_range", "dynatemp_exponent", "mirostat", "mirostat_tau",
-                     "mirostat_eta")
+                     "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length",
+                     "dry_penalty_last_n")
+DRY_BREAKERS = ("\n", ":", "\"", "*")       # llama.cpp's default dry_sequence_breakers
 LLAMACPP_REPEAT_LAST_N = 64
 
 
@@ -57,6 +59,18 @@ def truncate_prompt(prompt_ids: list[int], keep: int | None, max_model_len: int,
     return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
 
 
+def dry_breaker_ids(request: Request, tokenizer) -> tuple[int, ...]:
+    """DRY's sequence breakers as token ids (none where DRY is off): the last token of each
+    breaker string (text-generation-webui's reading; llama.cpp also matches multi-token
+    breakers whole)."""
+    if not request.dry_multiplier:
+        return ()
+    breakers = DRY_BREAKERS if request.dry_sequence_breakers is None \
+        else request.dry_sequence_breakers
+    return tuple(sorted({ids[-1] for b in breakers
+                         if (ids := tokenizer.encode(b, add_special_tokens=False))}))
+
+
 def bad_words_token_ids(words, tokenizer) -> tuple[tuple[int, ...], ...]:
     """vLLM's bad_words as token sequences: each word as its own tokens and, where a leading
     space changes its first token but not how many there are, as it would follow a space."""
@@ -88,7 +102,8 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
                           logit_bias: tuple[tuple[int, float], ...] = (),
                           bad_words: tuple[tuple[int, ...], ...] = (),
                           reasoning: ReasoningMarks | None = None,
-                          lora: str | None = None) -> SamplingParams:
+                          lora: str | None = None,
+                          dry_breakers: tuple[int, ...] = ()) -> SamplingParams:
     """SamplingParams for one choice; choice i of a seeded request uses seed + i;
     `reasoning`: the thinking span `grammar` leaves free."""
     min_tokens = request.min_tokens or 0
@@ -124,6 +139,7 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         reasoning=reasoning,
         cache_salt=request.cache_salt,
         lora=lora,
+        dry_breakers=dry_breakers,
         **llamacpp_fields(request),
     )
 

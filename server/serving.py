@@ -26,8 +26,8 @@ from server.errors import (APIError, answer_for, context_length_exceeded, from_e
 from server.generation import ChoiceResult, Generation
 from server.protocol_responses import PromptLogprob, PromptLogprobs
 from server.sampling import Request as SamplingRequest
-from server.sampling import (bad_words_token_ids, build_sampling_params, resolve_max_tokens,
-                             stop_strings, truncate_prompt)
+from server.sampling import (bad_words_token_ids, build_sampling_params, dry_breaker_ids,
+                             resolve_max_tokens, stop_strings, truncate_prompt)
 from server.sse import DONE, EventStreamResponse, sse_event, sse_named_event
 from server.structured import logit_bias_pairs
 
@@ -97,6 +97,7 @@ class OpenAIServing:
         stops = stop_strings(request)
         bias = logit_bias_pairs(request, tokenizer.vocab_size)
         words = bad_words_token_ids(request.bad_words or (), tokenizer)
+        breakers = dry_breaker_ids(request, tokenizer)
         marks = ctx.reasoning_marks if chat and grammar is not None else None
         streams = []
         for prompt_index, prompt_ids in enumerate(prompts):
@@ -117,7 +118,8 @@ class OpenAIServing:
                                                vocab_size=tokenizer.vocab_size,
                                                grammar=grammar, logit_bias=bias,
                                                bad_words=words, reasoning=marks,
-                                               lora=ctx.lora_of(request.model))
+                                               lora=ctx.lora_of(request.model),
+                                               dry_breakers=breakers)
                 spec = ChoiceSpec(index=index, prompt_index=prompt_index,
                                   request_id=f"{request_id}-{index}", prompt_token_ids=prompt_ids,
                                   params=params, stop=stops,

@@ -183,3 +183,16 @@ def test_llamacpp_samplers_reach_the_engine(client):
     assert sampled(top_n_sigma=1e-4) == greedy
     assert sampled(mirostat=2, mirostat_tau=0.01) == greedy
     assert sampled(mirostat=1, mirostat_tau=0.01) == greedy
+
+
+def test_dry_keeps_a_greedy_answer_from_repeating_the_prompt(client):
+    # llama.cpp's DRY: the prompt's repeated stretch makes " 4" the greedy continuation; DRY
+    # penalizes the token that would extend the repeat, unless a breaker splits the stretches
+    prompt = "7, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3,"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0.0)
+    plain = client.completions.create(**kw).choices[0].text
+    assert plain.startswith(" 4")
+    dry = dict(dry_multiplier=4.0, dry_allowed_length=2)
+    assert not client.completions.create(**kw, extra_body=dry).choices[0].text.startswith(" 4")
+    broken = client.completions.create(**kw, extra_body={**dry, "dry_sequence_breakers": [","]})
+    assert broken.choices[0].text == plain

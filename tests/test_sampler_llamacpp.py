@@ -126,3 +126,51 @@ def test_repeat_last_n_penalizes_only_the_window():
     # the last 3 of prompt + output are 3, 7, 8: their logits halved, the others not
     lp = {t.token_id: t.logprob for t in out.logprobs[0][1]}
     assert lp[3] == lp[7] == lp[8] < lp[1] == lp[2] == lp[0]
+
+
+def _dry_reference(context, multiplier, base, allowed, breakers, vocab):
+    """DRY by its definition, brute force: for each token t, the longest k such that the
+    context's last k tokens occur earlier, followed by t, with no breaker inside."""
+    pen = [0.0] * vocab
+    n = len(context)
+    if not n or context[-1] in breakers:
+        return pen
+    for t in range(vocab):
+        best = 0
+        for end in range(n - 1):              # an earlier stretch ending at `end`, then t
+            if context[end + 1] != t or t in breakers:
+                continue
+            k = 0
+            while k <= end and context[end - k] == context[n - 1 - k] \
+                    and context[n - 1 - k] not in breakers:
+                k += 1
+            best = max(best, k)
+        if best >= allowed:
+            pen[t] = multiplier * base ** (best - allowed)
+    return pen
+
+
+def test_dry_penalizes_what_would_extend_a_repeat_by_its_length():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        vocab = 6
+        context = torch.randint(0, vocab, (40,), generator=g).tolist()
+        context += context[5:12]               # a planted repeat of 7 tokens
+        breakers = frozenset({5}) if trial % 2 else frozenset()
+        row = torch.zeros(vocab)
+        lcpp.dry(row, context, 0.8, 1.75, 2, breakers)
+        want = _dry_reference(context, 0.8, 1.75, 2, breakers, vocab)
+        assert torch.allclose(-row, torch.tensor(want)), (trial, context)
+
+
+def test_dry_rows_in_a_batch_penalize_from_their_own_context():
+    logits = torch.zeros(2, 10)
+    params = [SamplingParams(temperature=0.0, dry_multiplier=1.0, dry_allowed_length=2,
+                             logprobs=10),
+              SamplingParams(temperature=0.0, logprobs=10)]
+    # prompt 1 2 3 4, output 1 2 3: DRY sees "1 2 3" repeat, followed by 4 before
+    out = Sampler().sample(logits, params, [[1, 2, 3], [1, 2, 3]], [None, None],
+                           dry_prompts=[[1, 2, 3, 4], []])
+    lp = {t.token_id: t.logprob for t in out.logprobs[0][1]}
+    assert lp[4] < lp[0] and out.token_ids[0] != 4
+    assert len({t.logprob for t in out.logprobs[1][1]}) == 1       # the other row: untouched

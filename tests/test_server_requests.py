@@ -69,7 +69,8 @@ def error_for(model, body: dict) -> APIError:
      "spaces_between_special_tokens"),
     # llama.cpp's samplers: those not implemented, on; the others' bad values
     ({"messages": HELLO, "tfs_z": 0.95}, "tfs_z"),
-    ({"messages": HELLO, "dry_multiplier": 0.8}, "dry_multiplier"),
+    ({"messages": HELLO, "dry_base": 0.5}, "dry_base"),
+    ({"messages": HELLO, "dry_sequence_breakers": [""]}, "dry_sequence_breakers[0]"),
     ({"messages": HELLO, "typical_p": 0}, "typical_p"),
     ({"messages": HELLO, "mirostat": 3}, "mirostat"),
     ({"messages": HELLO, "repeat_last_n": -2}, "repeat_last_n"),
@@ -102,7 +103,7 @@ def test_llamacpp_samplers_when_off_are_accepted():
            "dynatemp_range": 0.0, "top_n_sigma": -1.0}
     ChatCompletionRequest.model_validate({"messages": HELLO, **off})
     CompletionRequest.model_validate({"prompt": "x", **off})
-    error = error_for(CompletionRequest, {"prompt": "x", "dry_multiplier": 1.2})
+    error = error_for(CompletionRequest, {"prompt": "x", "tfs_z": 0.9})
     assert "llama.cpp sampler this server does not implement" in error.message
 
 
@@ -124,6 +125,9 @@ def test_llamacpp_samplers_map_onto_the_sampling_params():
     assert (p.mirostat, p.mirostat_tau, p.mirostat_eta, p.typical_p, p.top_n_sigma,
             p.xtc_probability, p.xtc_threshold, p.dynatemp_range) == (
         2, 3.0, 0.1, 0.9, 1.5, 0.5, 0.2, 0.3)
+    p = params(dry_multiplier=0.8, dry_allowed_length=3, dry_penalty_last_n=256)
+    assert (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n) == (
+        0.8, 1.75, 3, 256)
     with pytest.raises(APIError) as err:
         params(repetition_penalty=1.2, repeat_penalty=1.1)
     assert err.value.param == "repeat_penalty"
