@@ -28,6 +28,8 @@ from server.protocol_responses import (AnthropicErrorResponse, ChatCompletionRes
 from server.response_store import DEFAULT_RESPONSES_STORE_MB, ResponseStore
 from server.responses_protocol import ResponsesRequest
 from server.responses_wire import DeletedResponse, InputItemList, ResponseObject
+from server.scoring import (RerankRequest, RerankResponse, ScoreRequest, ScoreResponse,
+                            ScoreServing)
 from server.serving import json_response
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
@@ -94,6 +96,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     responses = ResponsesServing(ctx, ResponseStore(int(responses_store_mb * 2 ** 20)))
     messages = MessagesServing(ctx)
     embeddings = EmbeddingServing(ctx, embedding_pooling)
+    scoring = ScoreServing(embeddings)
 
     def authorize(authorization: str | None = Header(default=None),
                   x_api_key: str | None = Header(default=None)) -> None:
@@ -118,6 +121,14 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     @v1.post("/embeddings", response_model=EmbeddingResponse, responses=_GENERATE_ERRORS)
     async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
         return await embeddings.create(request, raw)
+
+    @v1.post("/score", response_model=ScoreResponse, responses=_GENERATE_ERRORS)
+    async def create_score(request: ScoreRequest, raw: Request) -> Response:
+        return await scoring.score(request, raw)
+
+    @v1.post("/rerank", response_model=RerankResponse, responses=_GENERATE_ERRORS)
+    async def create_rerank(request: RerankRequest, raw: Request) -> Response:
+        return await scoring.rerank(request, raw)
 
     @v1.post("/responses", responses=_generate_doc(ResponseObject))
     async def create_response(request: ResponsesRequest, raw: Request) -> Response:
@@ -204,6 +215,12 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
                        responses=_errors)
     root.add_api_route("/detokenize", detokenize, methods=["POST"],
                        response_model=DetokenizeResponse, responses=_errors)
+    # ... and score and rerank (rerank under /v2 too, Cohere's path)
+    root.add_api_route("/score", create_score, methods=["POST"], response_model=ScoreResponse,
+                       responses=_GENERATE_ERRORS)
+    for path in ("/rerank", "/v2/rerank"):
+        root.add_api_route(path, create_rerank, methods=["POST"],
+                           response_model=RerankResponse, responses=_GENERATE_ERRORS)
 
     app = FastAPI(title="Strata", summary="OpenAI-compatible inference server")
     app.openapi = lambda: _openapi_without_422(app)

@@ -71,50 +71,61 @@ class EmbeddingServing(OpenAIServing):
         self.pooling = pooling
 
     async def create(self, request: EmbeddingRequest, raw: Request) -> Response:
-        ctx = self.ctx
-        ctx.check_model(request.model)
-        tokenizer = ctx.require_ready()
-        texts = [request.input] if isinstance(request.input, str) else request.input
-        if isinstance(texts[0], str):
-            self.check_prompt_text(texts, "input", request.truncate_prompt_tokens is not None)
-        prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.input, tokenizer,
-                                                 "input")
-        streams = self._streams(request, prompts)
-        wave = max(1, ctx.max_waiting)
+        self.ctx.check_model(request.model)
 
         async def answer() -> Response:
-            for at in range(0, len(streams), wave):
-                await self.collect(raw, Generation(streams[at:at + wave], ctx.metrics))
-            return json_response(self._response(request, streams))
+            vectors, tokens = await self.embed(raw, request.input, model=request.model,
+                                               user=request.user,
+                                               truncate=request.truncate_prompt_tokens)
+            return json_response(self._response(request, vectors, tokens))
         return await self.answered(answer())
 
-    def _streams(self, request: EmbeddingRequest, prompts: list[list[int]]) -> list:
+    async def embed(self, raw: Request, inputs, *, model: str | None, user: str | None,
+                    truncate: int | None, param: str = "input"
+                    ) -> tuple[list[tuple[float, ...]], int]:
+        """The embeddings of `inputs` (a text, texts, token ids or lists of them) in order,
+        and their tokens; 400s name `param`. Runs in waves of --max-waiting inputs."""
+        ctx = self.ctx
+        tokenizer = ctx.require_ready()
+        texts = [inputs] if isinstance(inputs, str) else inputs
+        if isinstance(texts[0], str):
+            self.check_prompt_text(texts, param, truncate is not None)
+        prompts = await anyio.to_thread.run_sync(prompt_token_ids, inputs, tokenizer, param)
+        streams = self._streams(prompts, model, user, truncate, param)
+        wave = max(1, ctx.max_waiting)
+        for at in range(0, len(streams), wave):
+            await self.collect(raw, Generation(streams[at:at + wave], ctx.metrics))
+        vectors = []
+        for stream in streams:
+            if stream.embedding is None:
+                raise RuntimeError(f"input {stream.spec.index} ended without an embedding")
+            vectors.append(stream.embedding)
+        return vectors, sum(len(s.spec.prompt_token_ids) for s in streams)
+
+    def _streams(self, prompts: list[list[int]], model: str | None, user: str | None,
+                 truncate: int | None, param: str) -> list:
         ctx, request_id = self.ctx, f"embd-{uuid.uuid4().hex}"
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=self.pooling,
-                                lora=ctx.lora_of(request.model),
-                                client=(request.user or "")[:MAX_CLIENT_CHARS])
+                                lora=ctx.lora_of(model),
+                                client=(user or "")[:MAX_CLIENT_CHARS])
         streams = []
         for i, ids in enumerate(prompts):
-            if request.truncate_prompt_tokens is not None:
-                ids = ids[-request.truncate_prompt_tokens:]
+            if truncate is not None:
+                ids = ids[-truncate:]
             if not ids:
-                raise invalid_request(f"Input {i} has no tokens.", param="input")
+                raise invalid_request(f"Input {i} has no tokens.", param=param)
             if len(ids) > ctx.max_model_len:        # (no token follows: the whole context)
-                raise context_length_exceeded(ctx.max_model_len, len(ids), None, "input")
+                raise context_length_exceeded(ctx.max_model_len, len(ids), None, param)
             spec = ChoiceSpec(index=i, prompt_index=i, request_id=f"{request_id}-{i}",
                               prompt_token_ids=ids, params=params)
             streams.append(ChoiceStream(ctx.engine, ctx.tokenizer, ctx.metrics, spec))
         return streams
 
-    def _response(self, request: EmbeddingRequest, streams: list) -> EmbeddingResponse:
-        data = []
-        for stream in streams:
-            vector = stream.embedding
-            if vector is None:
-                raise RuntimeError(f"input {stream.spec.index} ended without an embedding")
-            data.append(Embedding(index=stream.spec.index, embedding=(
-                _base64(vector) if request.encoding_format == "base64" else list(vector))))
-        tokens = sum(len(s.spec.prompt_token_ids) for s in streams)
+    def _response(self, request: EmbeddingRequest, vectors: list, tokens: int
+                  ) -> EmbeddingResponse:
+        data = [Embedding(index=i, embedding=(
+            _base64(v) if request.encoding_format == "base64" else list(v)))
+            for i, v in enumerate(vectors)]
         return EmbeddingResponse(data=data, model=self.ctx.model_name(request.model),
                                  usage=EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens))
 
