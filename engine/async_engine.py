@@ -100,7 +100,19 @@ class AsyncEngine:
             prefix_hit_tokens=e.scheduler.prefix_hit_tokens,
             prefix_pages=dict(e.store.prefix_pages()),
             kv_disk_io=e.store.disk_io(),
+            lora_requests=self._lora_requests(),
         )
+
+    def _lora_requests(self) -> dict[str, tuple[int, int]]:
+        """Each loaded adapter's (running, waiting) requests (read from the serving thread:
+        a snapshot of the engine's tables, one list copy each)."""
+        e = self.engine
+        counts = {name: [0, 0] for name in list(e.runner.loras)}
+        for req in list(e.scheduler.requests.values()):
+            name = req.sampling_params.lora
+            if name in counts:
+                counts[name][0 if req.status.value == "running" else 1] += 1
+        return {name: (r, w) for name, (r, w) in counts.items()}
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:

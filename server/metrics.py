@@ -48,6 +48,13 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily("strata_requests_waiting", "Requests waiting for admission.",
                                 value=stats.num_waiting)
         yield from kv_families(stats)
+        if stats.lora_requests:
+            lora = GaugeMetricFamily("strata_lora_requests", "Requests of each LoRA adapter, "
+                                     "running or waiting.", labels=["adapter", "state"])
+            for name, (running, waiting) in sorted(stats.lora_requests.items()):
+                lora.add_metric([name, "running"], running)
+                lora.add_metric([name, "waiting"], waiting)
+            yield lora
 
 
 class ServerMetrics:

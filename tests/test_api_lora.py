@@ -137,3 +137,26 @@ def test_runtime_loading_is_off_unless_asked_for(client):
     base = str(client.base_url).rstrip("/")
     r = httpx.post(f"{base}/load_lora_adapter", json={"lora_name": "x", "lora_path": "/"})
     assert r.status_code == 404
+
+
+def test_metrics_count_each_adapters_requests(client):
+    import httpx
+
+    from tests.server_helpers import read_metric
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+
+    def running():
+        text = httpx.get(base + "/metrics", timeout=10).text
+        return read_metric(text, "strata_lora_requests", 'adapter="sql-lora",state="running"')
+    assert running() == 0
+    stream = client.chat.completions.create(model="sql-lora", messages=ASK, max_tokens=200,
+                                            temperature=0.0, stream=True,
+                                            extra_body={"ignore_eos": True})
+    next(iter(stream))                     # the first chunk: the request is running
+    assert running() == 1
+    stream.close()
+    import time
+    deadline = time.time() + 10
+    while running() != 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert running() == 0
