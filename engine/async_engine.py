@@ -152,7 +152,10 @@ class AsyncEngine:
             self._wake.notify()
 
     async def load_lora(self, name: str, path: str) -> None:
-        await self._on_engine_thread(lambda e: e.load_lora(name, path))
+        # read (files, the shapes) on a worker thread; installed between two steps
+        self._check_alive()
+        adapter = await asyncio.to_thread(self.engine.read_lora, name, path)
+        await self._on_engine_thread(lambda e: e.add_lora(adapter))
 
     async def unload_lora(self, name: str) -> None:
         await self._on_engine_thread(lambda e: e.unload_lora(name))
@@ -163,6 +166,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         with self._lock:
+            if self._dead is not None or self._stopping:
+                raise EngineDeadError(self._dead or "the engine is stopping")
             self._calls.append((fn, loop, future))
             self._wake.notify()
         return await future
@@ -190,12 +195,6 @@ class AsyncEngine:
             self._aborts.clear()
             calls = list(self._calls)
             self._calls.clear()
-        for fn, loop, future in calls:
-            try:
-                result, error = fn(e), None
-            except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's
-                result, error = None, exc
-            loop.call_soon_threadsafe(_settle, future, result, error)
         for rid, prompt, params in new:
             try:
                 e.add_request(rid, prompt, params)
@@ -208,6 +207,21 @@ class AsyncEngine:
             out = e.abort(rid)
             if out is not None:
                 self._deliver(rid, out)
+        # after the new requests: an unload sees those naming its adapter
+        for fn, loop, future in calls:
+            try:
+                result, error = fn(e), None
+            except Exception as exc:  # noqa: BLE001 - the caller's error, not the engine's
+                result, error = None, exc
+            loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def _fail_calls(self, message: str) -> None:
+        """The loop ended: calls still queued get EngineDeadError."""
+        with self._lock:
+            calls = list(self._calls)
+            self._calls.clear()
+        for _, loop, future in calls:
+            loop.call_soon_threadsafe(_settle, future, None, EngineDeadError(message))
 
     def _run(self) -> None:
         e = self.engine
@@ -223,7 +237,7 @@ class AsyncEngine:
                                or e.has_unfinished()):
                         self._wake.wait()
                     if self._stopping:
-                        return
+                        break
                 self._drain_inboxes()
                 for out in e.step():
                     self._deliver(out.request_id, out)
@@ -234,6 +248,7 @@ class AsyncEngine:
                 targets = list(self._queues.items())
             for rid, (loop, queue) in targets:
                 loop.call_soon_threadsafe(queue.put_nowait, EngineDeadError(self._dead))
+        self._fail_calls(self._dead or "the engine stopped")
 
 
 def _settle(future: asyncio.Future, result, error: Exception | None) -> None:

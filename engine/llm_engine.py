@@ -63,9 +63,7 @@ class LLMEngine:
                                                                args.resolved_cache_dir,
                                                                args.lowrank_rank))
         for name, path in args.lora_adapters().items():
-            adapter = self.runner.load_lora(name, path)
-            logger.info("LoRA adapter %s: %s, rank %d, %d matmuls", name, path, adapter.rank,
-                        len(adapter.weights))
+            self.load_lora(name, path)
         self.eos_token_ids = tuple(cfg.eos_token_ids)
         self.store = self.runner.store
         # NOTE: the scheduler allocates through the store, so freed pages leave every tier
@@ -108,13 +106,27 @@ class LLMEngine:
                 and decode < prefill and not self.args.decode_threads:
             self.core_split = CoreSplit(prefill, decode, shared=shared)
 
+    def read_lora(self, name: str, path):
+        """The PEFT adapter at `path`, read for this model (any thread: it reads files and
+        the model's shapes only); ValueError: the folder is no adapter of this model, or
+        --kv-recompute is on (it rebuilds K/V from the base weights)."""
+        if self.args.kv_recompute != "off":
+            raise ValueError("--kv-recompute rebuilds K/V from the base model's weights: it "
+                             "cannot serve LoRA adapters")
+        return self.runner.read_lora(name, path)
+
+    def add_lora(self, adapter) -> None:
+        """Serve a read adapter from the next step on (the engine's thread; ValueError: its
+        name is taken)."""
+        if adapter.name in self.runner.loras:
+            raise ValueError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        self.runner.loras[adapter.name] = adapter
+        logger.info("LoRA adapter %s loaded: %s, rank %d", adapter.name, adapter.path,
+                    adapter.rank)
+
     def load_lora(self, name: str, path) -> None:
-        """Serve the PEFT adapter at `path` as `name` from the next step on (ValueError: the
-        name is taken, or the folder is no adapter of this model)."""
-        if name in self.runner.loras:
-            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-        adapter = self.runner.load_lora(name, path)
-        logger.info("LoRA adapter %s loaded: %s, rank %d", name, path, adapter.rank)
+        """read_lora then add_lora, on the engine's thread."""
+        self.add_lora(self.read_lora(name, path))
 
     def unload_lora(self, name: str) -> None:
         """Stop serving adapter `name` (KeyError: none is loaded; ValueError: a waiting or

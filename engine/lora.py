@@ -63,6 +63,17 @@ class LoraAdapter:
     @classmethod
     def load(cls, name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
              device, qkv_rows: torch.Tensor | None = None) -> "LoraAdapter":
+        """_read, with every failure (a damaged file, an unreadable folder) a ValueError."""
+        try:
+            return cls._read(name, path, cfg, dtype, device, qkv_rows)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - safetensors, OS and shape errors alike
+            raise ValueError(f"LoRA {name}: {path} could not be read: {exc}") from exc
+
+    @classmethod
+    def _read(cls, name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+              device, qkv_rows: torch.Tensor | None = None) -> "LoraAdapter":
         """Read a PEFT adapter folder for a model of `cfg`; `qkv_rows`: the base model's
         reorder of its fused q/k/v rows (a partial rotary), applied to B alike. ValueError
         naming what does not fit (another model's shapes, modules it does not adapt, DoRA)."""

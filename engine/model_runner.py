@@ -128,22 +128,22 @@ class ModelRunner:
         self.store.release(request_id)
 
     @torch.inference_mode()
-    def load_lora(self, name: str, path) -> LoraAdapter:
-        """Serve the PEFT adapter at `path` as `name` (engine/lora.py)."""
-        adapter = LoraAdapter.load(name, path, self.config, self.dtype, self.device,
-                                   self.model.qkv_rows())
-        self.loras[name] = adapter
-        return adapter
+    def read_lora(self, name: str, path) -> LoraAdapter:
+        """The PEFT adapter at `path` for this model (engine/lora.py), not yet served."""
+        return LoraAdapter.load(name, path, self.config, self.dtype, self.device,
+                                self.model.qkv_rows())
 
     def prefix_salt(self, params: SamplingParams) -> str | None:
         """The salt a request's pages are cached under: its cache_salt and its adapter's
-        digest (ValueError for an adapter this runner does not serve)."""
+        digest, each tagged, so no cache_salt a client picks spells an adapter's salt
+        (ValueError for an adapter this runner does not serve)."""
+        user = None if params.cache_salt is None else f"user:{params.cache_salt}"
         if params.lora is None:
-            return params.cache_salt
+            return user
         adapter = self.loras.get(params.lora)
         if adapter is None:
             raise ValueError(f"no LoRA adapter named {params.lora!r} is served")
-        return f"lora:{adapter.fingerprint}|{params.cache_salt or ''}"
+        return f"lora:{adapter.fingerprint}|{user or ''}"
 
     def execute(self, batch: ScheduledBatch, requests: dict[str, Request]
                 ) -> tuple[dict[str, SampledToken], list[tuple[str, str]]]:

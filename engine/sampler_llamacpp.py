@@ -1,6 +1,7 @@
 """llama.cpp's samplers, for clients that send its fields (llama-server takes them on its /v1
 routes too): DRY, dynamic temperature, top-n-sigma, locally typical sampling, XTC and Mirostat
-(1 and 2), each as llama.cpp's src/llama-sampling.cpp computes it. DRY is a penalty, applied
+(1 and 2), each as llama.cpp's src/llama-sampling.cpp defines it (in vLLM's order, the
+temperature first, where llama.cpp's default chain puts it last). DRY is a penalty, applied
 beside the others to every row (greedy ones too). engine/sampler.py calls the rest on the
 rows that sample (temperature > 0), in this order: the temperature (dynamic where
 `dynatemp_range` is set), then top-n-sigma, typical, vLLM's min_p / top_k / top_p, XTC, and
@@ -20,6 +21,7 @@ import numpy as np
 import torch
 
 MIROSTAT_M = 100            # Mirostat 1: the top tokens its Zipf exponent is estimated from
+DRY_MAX_PENALTY = 1e6       # DRY's penalty at most: a logit this far down is never drawn
 
 
 @dataclass
@@ -34,28 +36,38 @@ def dry(row: torch.Tensor, context: list[int], multiplier: float, base: float,
     apply it): where the context's last tokens repeat an earlier stretch of it, the token that
     followed that stretch loses multiplier x base^(length - allowed_length) of its logit, for
     its longest such repeat of at least `allowed_length` tokens; a breaker token ends a
-    stretch (and a context ending in one is not penalized)."""
+    stretch (and a context ending in one is not penalized). Repeats are measured up to the
+    length whose penalty passes DRY_MAX_PENALTY (longer ones are banned as surely), all
+    earlier occurrences at once, so a step costs O(context x that length) in numpy."""
     n = len(context)
     if multiplier <= 0 or n < 2 or context[-1] in breakers:
         return
-    ctx = np.asarray(context)
-    longest: dict[int, int] = {}
-    for idx in np.flatnonzero(ctx[:-1] == ctx[-1])[::-1].tolist():
-        follower = context[idx + 1]
-        if follower in breakers:
-            continue
-        length = 1
-        while length <= idx:
-            prev = context[-(length + 1)]
-            if context[idx - length] != prev or prev in breakers:
-                break
-            length += 1
-        longest[follower] = max(length, longest.get(follower, 0))
-    hits = [(t, k) for t, k in longest.items() if k >= allowed_length]
-    if hits:
-        ids = torch.tensor([t for t, _ in hits], device=row.device)
-        row[ids] -= torch.tensor([multiplier * base ** (k - allowed_length) for _, k in hits],
-                                 device=row.device)
+    ctx = np.asarray(context, dtype=np.int64)
+    stops = np.isin(ctx, np.fromiter(breakers, dtype=np.int64)) if breakers \
+        else np.zeros(n, dtype=bool)
+    cand = np.flatnonzero(ctx[:-1] == ctx[-1])              # earlier ends of the last token
+    cand = cand[~stops[cand + 1]]                           # followed by a breaker: no repeat
+    if not cand.size:
+        return
+    cap = allowed_length if base <= 1.0 else allowed_length + int(
+        math.ceil(math.log(DRY_MAX_PENALTY / multiplier) / math.log(base)))
+    length, active = np.ones(cand.size, dtype=np.int64), np.ones(cand.size, dtype=bool)
+    for k in range(1, min(cap, n - 1) + 1):
+        if stops[n - 1 - k]:                                # the repeat reaches a breaker
+            break
+        j = cand - k
+        active &= (j >= 0) & (ctx[np.maximum(j, 0)] == ctx[n - 1 - k])
+        if not active.any():
+            break
+        length += active
+    followers, inverse = np.unique(ctx[cand + 1], return_inverse=True)
+    longest = np.zeros(followers.size, dtype=np.int64)
+    np.maximum.at(longest, inverse, length)
+    hit = longest >= allowed_length
+    if hit.any():
+        penalty = multiplier * np.power(float(base), longest[hit] - allowed_length)
+        row[torch.from_numpy(followers[hit]).to(row.device)] -= torch.from_numpy(
+            np.minimum(penalty, DRY_MAX_PENALTY)).to(row.device, row.dtype)
 
 
 def dynamic_temperature(row: torch.Tensor, temp: float, spread: float,
@@ -118,8 +130,9 @@ def xtc(row: torch.Tensor, probability: float, threshold: float,
 def mirostat(row: torch.Tensor, version: int, tau: float, eta: float, state: MirostatState,
              u: float) -> int:
     """One token by Mirostat (Basu et al.) `version` 1 or 2 from a tempered row, with the
-    uniform draw `u`; updates `state.mu` by the surprise of the token taken."""
-    p, order = torch.softmax(row, dim=-1).sort(descending=True)
+    uniform draw `u`; updates `state.mu` by the surprise of the token taken (on the CPU,
+    whatever the row's device: a row is one vocabulary of floats)."""
+    p, order = torch.softmax(row.float().cpu(), dim=-1).sort(descending=True)
     p = p[p > 0]
     order = order[:p.numel()]
     if version == 2:
@@ -134,7 +147,7 @@ def mirostat(row: torch.Tensor, version: int, tau: float, eta: float, state: Mir
         # (eps -> 0: eps / (1 - V^-eps) -> 1 / ln V)
         ratio = 2 ** state.mu * (eps / (1 - vocab ** -eps) if abs(eps) > 1e-6
                                  else 1 / math.log(vocab))
-        k = round(math.exp(min(math.log(ratio) / s_hat, 700.0))) \
+        k = int(math.exp(min(math.log(ratio) / s_hat, 700.0))) \
             if s_hat > 0 and ratio > 0 else p.numel()
     k = max(1, min(k, p.numel()))
     q = p[:k] / p[:k].sum()

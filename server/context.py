@@ -113,8 +113,12 @@ class ServerContext:
             raise model_not_found(model)
 
     def lora_of(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names, or None (the base model)."""
-        return model if model in self.lora_modules else None
+        """The LoRA adapter a request's `model` names, or None (the base model); 404 when it
+        names neither (an adapter unloaded since `check_model`: never the base model silently)."""
+        if model in self.lora_modules:
+            return model
+        self.check_model(model)
+        return None
 
     def model_name(self, model: str | None) -> str:
         """The model a response names: the adapter the request asked for, else the served

@@ -14,6 +14,8 @@ import time
 import uuid
 from typing import Annotated, Literal
 
+import numpy as np
+
 from fastapi import Request
 from pydantic import Field, StrictBool, StrictInt
 from starlette.responses import Response
@@ -24,13 +26,14 @@ from server.protocol import Text
 from server.protocol_tools import _Request, _Wire
 from server.serving import json_response
 
-Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_INPUTS)]
+NonEmpty = Annotated[Text, Field(min_length=1)]
+Texts = Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_INPUTS)]
 
 
 class ScoreRequest(_Request):
     model: Text | None = None
-    text_1: Text | Texts
-    text_2: Text | Texts
+    text_1: NonEmpty | Texts
+    text_2: NonEmpty | Texts
     truncate_prompt_tokens: Annotated[StrictInt | None, Field(ge=1)] = None
     user: Text | None = None
 
@@ -48,7 +51,7 @@ class ScoreRequest(_Request):
 
 class RerankRequest(_Request):
     model: Text | None = None
-    query: Text
+    query: NonEmpty
     documents: Texts
     top_n: Annotated[StrictInt | None, Field(ge=0)] = None     # 0 or none: all of them
     return_documents: StrictBool = True
@@ -136,5 +139,8 @@ class ScoreServing:
         vectors, tokens = await self.embeddings.embed(
             raw, texts, model=request.model, user=request.user,
             truncate=request.truncate_prompt_tokens, param=param)
-        by_text = dict(zip(texts, vectors))
-        return [sum(x * y for x, y in zip(by_text[a], by_text[b])) for a, b in pairs], tokens
+        at = {t: i for i, t in enumerate(texts)}
+        m = np.asarray(vectors, dtype=np.float32)                  # (unit vectors)
+        a = m[[at[x] for x, _ in pairs]]
+        b = m[[at[y] for _, y in pairs]]
+        return np.einsum("ij,ij->i", a, b).astype(float).tolist(), tokens

@@ -62,10 +62,16 @@ def test_rerank_orders_the_documents_by_their_score(http, path):
     ({"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1"),
     ({"text_1": "a", "text_2": []}, "text_2"),
     ({"text_1": "", "text_2": "b"}, "text_1"),
+    ({"text_1": "a", "text_2": ["b", ""]}, "text_2"),
 ])
 def test_bad_score_requests_are_400s_naming_the_field(http, body, param):
     r = http.post("/v1/score", json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_an_empty_query_is_a_400_naming_it(http):
+    r = http.post("/v1/rerank", json={"query": "", "documents": ["d"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "query", r.text
 
 
 def test_an_unknown_model_is_a_404(http):

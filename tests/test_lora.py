@@ -124,6 +124,15 @@ def test_an_adapters_prompt_pages_are_its_own(tmp_path):
     for rid, lora in (("base", None), ("a", "a"), ("b", "b"), ("a2", "a"), ("base2", None)):
         hits.append(generate(engine, [(rid, prompt, lora)])[1][rid])
     assert hits == [0, 0, 0, 48, 48]
+    # a client's cache_salt that spells the adapter's salt does not reach its pages
+    from dataclasses import replace
+    spelled = f"lora:{engine.runner.loras['a'].fingerprint}|"
+    engine.add_request("spoof", prompt, replace(SamplingParams(max_tokens=2), cache_salt=spelled))
+    cached = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            cached = out.num_cached_tokens
+    assert cached == 0
     with pytest.raises(ValueError, match="no LoRA adapter named 'c'"):
         engine.add_request("c", prompt, SamplingParams(max_tokens=2, lora="c"))
 

@@ -174,3 +174,14 @@ def test_dry_rows_in_a_batch_penalize_from_their_own_context():
     lp = {t.token_id: t.logprob for t in out.logprobs[0][1]}
     assert lp[4] < lp[0] and out.token_ids[0] != 4
     assert len({t.logprob for t in out.logprobs[1][1]}) == 1       # the other row: untouched
+
+
+def test_dry_over_a_long_repeat_bans_the_next_repeat_without_overflowing():
+    # 5000 times the same token: the repeat is as long as the context; its follower (the
+    # token itself) is penalized by DRY's bound, not by base^4998
+    row = torch.zeros(8)
+    lcpp.dry(row, [3] * 5000, 0.8, 1.75, 2, frozenset())
+    assert row[3] == -lcpp.DRY_MAX_PENALTY and torch.all(row[[0, 1, 2, 4, 5, 6, 7]] == 0)
+    row = torch.zeros(8)                       # a breaker every 10 tokens bounds the repeats
+    lcpp.dry(row, ([3] * 9 + [5]) * 500 + [3] * 4, 0.8, 1.75, 2, frozenset({5}))
+    assert -row[3] == pytest.approx(0.8 * 1.75 ** (4 - 2))      # the tail's 4 tokens

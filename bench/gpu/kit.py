@@ -137,10 +137,12 @@ def plan(manifest: dict) -> str:
 
 def build(args: argparse.Namespace) -> None:
     wheels = KIT / "wheels"
-    if args.fresh:
-        shutil.rmtree(wheels, ignore_errors=True)
+    shutil.rmtree(wheels, ignore_errors=True)       # only this build's pins are packed
     download(pins(), wheels, args.python_version)
     part_mb = TREE_LIMIT_MB - tree_mb() - 4 if args.part_mb is None else args.part_mb
+    if part_mb < 1:
+        raise SystemExit(f"kit: the working tree leaves {part_mb:.1f} MiB of a device call's "
+                         f"{TREE_LIMIT_MB}: make it smaller, or give --part-mb")
     manifest = pack(wheels, KIT, part_mb, args.python_version)
     print(f"kit: {len(manifest['wheels'])} wheels, {manifest['bytes'] / 2**20:.0f} MiB in "
           f"{len(manifest['parts'])} parts of <= {part_mb:.0f} MiB under {KIT}")
@@ -272,7 +274,6 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--python-version", default="3.12", help="the device's Python")
     b.add_argument("--part-mb", type=float, default=None,
                    help="MiB per part (default: what the tree leaves of the 64 MiB, less 4)")
-    b.add_argument("--fresh", action="store_true", help="download every wheel again")
     d = sub.add_parser("device", help="there: stage this call's part; with all of them, "
                                       "install and run the checks")
     d.add_argument("--stage-only", action="store_true")
