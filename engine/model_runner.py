@@ -127,7 +127,6 @@ class ModelRunner:
         self.grammars.release(request_id)
         self.store.release(request_id)
 
-    @torch.inference_mode()
     def read_lora(self, name: str, path) -> LoraAdapter:
         """The PEFT adapter at `path` for this model (engine/lora.py), not yet served."""
         return LoraAdapter.load(name, path, self.config, self.dtype, self.device,
@@ -145,6 +144,7 @@ class ModelRunner:
             raise ValueError(f"no LoRA adapter named {params.lora!r} is served")
         return f"lora:{adapter.fingerprint}|{user or ''}"
 
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, requests: dict[str, Request]
                 ) -> tuple[dict[str, SampledToken], list[tuple[str, str]]]:
         """Run one step. Returns the sampled token of every request whose chunk ends its known
