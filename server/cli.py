@@ -20,7 +20,6 @@ import uvicorn
 
 from server.api import build_app
 from server.engine_slot import EngineSlot
-from engine.args import LORA_CONFIG_FILE
 from engine.settings import add_flags, from_namespace
 from server.settings import ServerSettings
 from server.tokenizer import Tokenizer
@@ -160,6 +159,7 @@ async def _serve(server: uvicorn.Server, loader: EngineLoader) -> None:
 def _app(slot: EngineSlot, name: str, aliases: tuple[str, ...], settings, load_args):
     """The app over `slot` (ValueError: flags that contradict each other, an adapter folder
     that is not one)."""
+    from engine.args import LORA_CONFIG_FILE          # plain module: no torch
     loras = load_args.lora_adapters()
     for lora, folder in loras.items():
         if not (folder / LORA_CONFIG_FILE).is_file():

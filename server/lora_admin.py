@@ -15,7 +15,6 @@ from fastapi import APIRouter
 from pydantic import Field, StrictInt
 from starlette.responses import PlainTextResponse
 
-from engine.args import LORA_CONFIG_FILE as CONFIG_FILE
 from server.errors import APIError, invalid_request
 from server.protocol import Text
 from server.protocol_tools import _Request
@@ -43,6 +42,7 @@ def add_routes(v1: APIRouter, ctx, errors: dict) -> None:
 
     @v1.post("/load_lora_adapter", response_class=PlainTextResponse, responses=errors)
     async def load_lora_adapter(request: LoadLoraRequest) -> PlainTextResponse:
+        from engine.args import LORA_CONFIG_FILE as CONFIG_FILE   # (kvstore's config: lazily)
         name, folder = request.lora_name, Path(request.lora_path).expanduser()
         if name in ctx.model_names or name in ctx.lora_modules:
             raise invalid_request(f"The LoRA adapter '{name}' has already been loaded (or is "

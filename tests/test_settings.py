@@ -28,7 +28,8 @@ def test_every_setting_is_a_serve_flag_that_reaches_its_field():
     parser = build_parser()
     for cls in (ServerSettings, EngineArgs):
         for f in flags(cls):
-            ns = parser.parse_args(["serve", flag_name(f), _sample(f)])
+            value = [] if f.type == "bool" else [_sample(f)]     # a switch takes none
+            ns = parser.parse_args(["serve", flag_name(f), *value])
             assert getattr(ns, f.name) is not None, f.name
     ns = parser.parse_args(["serve", "--kv-host-gb", "0.25", "--selector", "mean",
                             "--threads", "3"])
