@@ -164,6 +164,25 @@ class DecoderLayer(nn.Module):
         return h + self.down(act)
 
 
+def projection_rows(cfg: ModelConfig) -> dict[str, tuple[str, int, int | None]]:
+    """Each checkpoint projection -> (the layer's matmul it lands in, its first output row
+    there, its rows; None: all of them): q/k/v fuse into qkv, gate/up into gate_up (Phi-3's
+    checkpoints come fused)."""
+    q, kv, inter = (cfg.num_attention_heads * cfg.head_dim,
+                    cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+    return {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
+            "qkv_proj": ("qkv", 0, None), "o_proj": ("o", 0, None),
+            "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter),
+            "gate_up_proj": ("gate_up", 0, None), "down_proj": ("down", 0, None)}
+
+
+def matmul_rows(cfg: ModelConfig) -> dict[str, int]:
+    """Output rows of each of a layer's matmuls."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {"qkv": q + 2 * kv, "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size,
+            "down": cfg.hidden_size}
+
+
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,
                 fmt: str | None, prefill_rows: int) -> Linear:
     """A Linear over the dense parameter `weight`, plus a `fmt` form for short steps (packed
@@ -290,12 +309,7 @@ class LlamaForCausalLM(nn.Module):
         GroupQuant (a GGUF file's blocks) fills its parameter dequantized and keeps its codes
         for `pack`."""
         cfg = self.config
-        q, kv, inter = cfg.num_attention_heads * cfg.head_dim, \
-            cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size
-        fused = {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
-                 "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter),
-                 "qkv_proj": ("qkv", 0, None), "gate_up_proj": ("gate_up", 0, None)}
-        plain = {"o_proj": "o", "down_proj": "down"}
+        fused = projection_rows(cfg)
         filled: dict[int, int] = {}
         parts: dict[tuple[int, str], dict[int, GroupQuant]] = {}
 
@@ -341,10 +355,6 @@ class LlamaForCausalLM(nn.Module):
                     attr = f"{group}_proj" if kind == "weight" else f"{group}_bias"
                     put(getattr(layer, attr), tensor, name, start, size,
                         key=(int(idx), group) if kind == "weight" else None)
-                elif leaf in plain:
-                    attr = f"{leaf}" if kind == "weight" else f"{plain[leaf]}_bias"
-                    put(getattr(layer, attr), tensor, name,
-                        key=(int(idx), plain[leaf]) if kind == "weight" else None)
                 else:
                     raise ValueError(f"unexpected checkpoint tensor {name}")
             else:
@@ -355,7 +365,7 @@ class LlamaForCausalLM(nn.Module):
                              + (" ..." if len(missing) > 8 else ""))
         # a fused weight keeps the file's codes only when all its parts (or the whole, as
         # Phi-3's files have it) came quantized alike
-        rows = {"qkv": q + 2 * kv, "gate_up": 2 * inter}
+        rows = {k: v for k, v in matmul_rows(cfg).items() if k in ("qkv", "gate_up")}
 
         def whole(key, p) -> bool:
             return len({g.bits for g in p.values()}) == 1 and (

@@ -27,28 +27,13 @@ from pathlib import Path
 import torch
 
 from engine.args import LORA_CONFIG_FILE
+from engine.llama import matmul_rows, projection_rows
 from engine.model_config import ModelConfig
 
 CONFIG_FILE = LORA_CONFIG_FILE
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's tensor names: ...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
-
-
-def _parts(cfg: ModelConfig) -> dict[str, tuple[str, int, int | None]]:
-    """module -> (fused matmul, first output row, rows; None: all of it)."""
-    q, kv, inter = (cfg.num_attention_heads * cfg.head_dim,
-                    cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
-    return {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
-            "qkv_proj": ("qkv", 0, None), "o_proj": ("o", 0, None),
-            "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter),
-            "gate_up_proj": ("gate_up", 0, None), "down_proj": ("down", 0, None)}
-
-
-def _out_rows(cfg: ModelConfig) -> dict[str, int]:
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return {"qkv": q + 2 * kv, "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size,
-            "down": cfg.hidden_size}
 
 
 @dataclass
@@ -94,7 +79,7 @@ class LoraAdapter:
                                  "(only q/k/v/o and gate/up/down are served)")
             pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
         alpha, rs = float(conf.get("lora_alpha", 8)), bool(conf.get("use_rslora"))
-        parts, out_rows = _parts(cfg), _out_rows(cfg)
+        parts, out_rows = projection_rows(cfg), matmul_rows(cfg)
         stacked: dict[tuple[int, str], list] = {}
         for (layer, module), ab in sorted(pairs.items()):
             if module not in parts or layer >= cfg.num_hidden_layers or set(ab) != {"A", "B"}:

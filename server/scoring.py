@@ -21,6 +21,7 @@ from pydantic import Field, StrictBool, StrictInt
 from starlette.responses import Response
 
 from server.embeddings import MAX_INPUTS, EmbeddingServing
+from server.embeddings import EmbeddingUsage as Usage
 from server.errors import invalid_request
 from server.protocol import Text
 from server.protocol_tools import _Request, _Wire
@@ -57,11 +58,6 @@ class RerankRequest(_Request):
     return_documents: StrictBool = True
     truncate_prompt_tokens: Annotated[StrictInt | None, Field(ge=1)] = None
     user: Text | None = None
-
-
-class Usage(_Wire):
-    prompt_tokens: int
-    total_tokens: int
 
 
 class ScoreData(_Wire):
