@@ -228,10 +228,12 @@ class ModelRunner:
                 ready.append((i, q, self._generator(q), self._banned(q), self._matcher(q)))
             except Exception as exc:  # noqa: BLE001 - this request's values, no one else's
                 failed.append((q.request_id, f"sampling failed: {exc}"))
+        restore = self._sampling_snapshot(ready)
         try:
             result = self._sample_rows(logits, ready)
         except Exception:  # noqa: BLE001 - find the row at fault, sample the rest
             logger.exception("sampling %d rows failed; sampling them one by one", len(ready))
+            restore()       # the batch's draws and Mirostat updates, undone
             result = {}
             for row in ready:
                 try:
@@ -247,6 +249,22 @@ class ModelRunner:
                     del result[q.request_id]
                     failed.append((q.request_id, f"constrained decoding failed: {exc}"))
         return result, failed
+
+    def _sampling_snapshot(self, rows: list):
+        """What sampling `rows` changes (their generators, the shared one, their Mirostat mu),
+        as a function that puts it back: a batch that fails part-way is sampled again row by
+        row, and each row must then draw what it would have drawn in the batch."""
+        gens = [g for g in (row[2] for row in rows) if g is not None]
+        gens.append(self.sampler.default_generator)
+        states = [(g, g.get_state()) for g in gens]
+        mus = [(s, s.mu) for s in (self._mirostat_state(row[1]) for row in rows) if s]
+
+        def restore() -> None:
+            for g, state in states:
+                g.set_state(state)
+            for s, mu in mus:
+                s.mu = mu
+        return restore
 
     def _sample_rows(self, logits: torch.Tensor, rows: list) -> dict[str, SampledToken]:
         """rows: (logits row, request, generator, banned ids, grammar matcher or None) ->

@@ -60,6 +60,38 @@ def test_a_row_that_breaks_the_batch_sampler_ends_alone(tiny_folder, alone, monk
     assert {rid: got[rid] for rid in PROMPTS} == alone
 
 
+def test_a_batch_that_fails_after_its_draws_is_redrawn_as_it_was(tiny_folder, alone,
+                                                                   monkeypatch):
+    """The batch fails after every row drew (and Mirostat updated its mu): the row-by-row
+    retry must start from the draws' state before the batch, or the seeded rows take a
+    second uniform and Mirostat's mu moves twice."""
+    miro = {"m": ([30, 31, 32, 33], 4)}
+    mirostat = SamplingParams(max_tokens=12, temperature=1.0, seed=4, ignore_eos=True,
+                              mirostat=2, mirostat_tau=3.0, mirostat_eta=0.5)
+
+    def start(requests):
+        engine = LLMEngine(EngineArgs(model=str(tiny_folder), dtype="fp32", kv_device_gb=0.01))
+        for rid, (prompt, seed) in requests.items():
+            engine.add_request(rid, prompt, mirostat if rid == "m" else sampled(seed))
+        return drive(engine, list(requests))
+
+    alone_m = start(miro)[0]["m"]
+    real = model_runner.Sampler.sample
+
+    def sample(self, logits, params, *a, **kw):
+        out = real(self, logits, params, *a, **kw)
+        if len(params) > 1 and any(p.seed == BAD_SEED for p in params):
+            raise RuntimeError("bad batch")
+        if any(p.seed == BAD_SEED for p in params):
+            raise RuntimeError("bad row")
+        return out
+
+    monkeypatch.setattr(model_runner.Sampler, "sample", sample)
+    got, errors = start({**PROMPTS, **miro, "bad": ([20, 21, 22], BAD_SEED)})
+    assert set(errors) == {"bad"} and "bad row" in errors["bad"]
+    assert {rid: got[rid] for rid in PROMPTS} == alone and got["m"] == alone_m
+
+
 def test_a_duplicate_id_is_refused_and_the_request_holding_it_goes_on(tiny_folder, alone):
     """A second request with a running request's id used to overwrite its KV record and then
     free its pages (and was reported as "too large")."""
