@@ -52,6 +52,8 @@ _GENERATE_ERRORS = {**_V1_ERRORS,
                     429: {**_ERROR, "description": "Queue full: retry after Retry-After"},
                     500: {**_ERROR, "description": "The request failed in the engine"}}
 _STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+# the routes that answer no generation (tokens, counts, adapters)
+_ERRORS = {**_V1_ERRORS, 400: _GENERATE_ERRORS[400], 404: _GENERATE_ERRORS[404]}
 
 
 def _generate_doc(body: type, errors: dict | None = None) -> dict:
@@ -91,12 +93,6 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
                         model_aliases=model_aliases, api_key=api_key,
                         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
                         lora_modules=lora_modules)
-    chat = ChatServing(ctx)
-    completions = CompletionServing(ctx)
-    responses = ResponsesServing(ctx, ResponseStore(int(responses_store_mb * 2 ** 20)))
-    messages = MessagesServing(ctx)
-    embeddings = EmbeddingServing(ctx, embedding_pooling)
-    scoring = ScoreServing(embeddings)
 
     def authorize(authorization: str | None = Header(default=None),
                   x_api_key: str | None = Header(default=None)) -> None:
@@ -105,8 +101,35 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     def ready() -> None:
         ctx.require_ready()
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize), Depends(ready)])
-    tokens = TokenServing(ctx)
+    guarded = [Depends(authorize), Depends(ready)]
+    v1, root = APIRouter(prefix="/v1", dependencies=guarded), APIRouter(dependencies=guarded)
+    _generation_routes(v1, root, ctx, embedding_pooling)
+    _responses_routes(v1, ResponsesServing(ctx, ResponseStore(int(responses_store_mb
+                                                                  * 2 ** 20))))
+    _model_routes(v1, ctx)
+    _token_routes(v1, root, TokenServing(ctx))
+    if allow_runtime_lora:          # vLLM's routes: folders on this server's disk, so opt-in
+        lora_admin.add_routes(v1, ctx, _ERRORS)
+
+    app = FastAPI(title="Strata", summary="OpenAI-compatible inference server")
+    app.openapi = lambda: _openapi_without_422(app)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.include_router(v1)
+    app.include_router(root)
+    _open_routes(app, ctx)
+    return app
+
+
+def _generation_routes(v1: APIRouter, root: APIRouter, ctx: ServerContext,
+                       embedding_pooling: str) -> None:
+    """Chat, completions, messages, embeddings, and vLLM's score and rerank (also at the root,
+    rerank under /v2 too: Cohere's path)."""
+    chat, completions = ChatServing(ctx), CompletionServing(ctx)
+    messages = MessagesServing(ctx)
+    embeddings = EmbeddingServing(ctx, embedding_pooling)
+    scoring = ScoreServing(embeddings)
 
     @v1.post("/chat/completions", responses=_generate_doc(ChatCompletionResponse))
     async def create_chat_completion(request: ChatCompletionRequest, raw: Request) -> Response:
@@ -116,66 +139,77 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
         return await completions.create(request, raw)
 
-    _errors = {**_V1_ERRORS, 400: _GENERATE_ERRORS[400], 404: _GENERATE_ERRORS[404]}
+    @v1.post("/messages", responses=_generate_doc(MessageBody, _anthropic(_GENERATE_ERRORS)))
+    async def create_message(request: MessagesRequest, raw: Request) -> Response:
+        return await messages.create(request, raw)
+
+    @v1.post("/messages/count_tokens", response_model=TokenCount,
+             responses=_anthropic({**_ERRORS, 413: _GENERATE_ERRORS[413]}))
+    async def count_message_tokens(request: CountTokensRequest) -> Response:
+        return await messages.count_tokens(request)
 
     @v1.post("/embeddings", response_model=EmbeddingResponse, responses=_GENERATE_ERRORS)
     async def create_embedding(request: EmbeddingRequest, raw: Request) -> Response:
         return await embeddings.create(request, raw)
 
-    @v1.post("/score", response_model=ScoreResponse, responses=_GENERATE_ERRORS)
     async def create_score(request: ScoreRequest, raw: Request) -> Response:
         return await scoring.score(request, raw)
 
-    @v1.post("/rerank", response_model=RerankResponse, responses=_GENERATE_ERRORS)
     async def create_rerank(request: RerankRequest, raw: Request) -> Response:
         return await scoring.rerank(request, raw)
+
+    for router, path in ((v1, "/score"), (root, "/score")):
+        router.add_api_route(path, create_score, methods=["POST"],
+                             response_model=ScoreResponse, responses=_GENERATE_ERRORS)
+    for router, path in ((v1, "/rerank"), (root, "/rerank"), (root, "/v2/rerank")):
+        router.add_api_route(path, create_rerank, methods=["POST"],
+                             response_model=RerankResponse, responses=_GENERATE_ERRORS)
+
+
+def _responses_routes(v1: APIRouter, responses: ResponsesServing) -> None:
+    """The Responses API: create, retrieve (a background response's events too), cancel,
+    delete, and a stored response's input items."""
+    stored = {**_V1_ERRORS, 404: {**_ERROR, "description": "No stored response has this id"}}
+    streamed = {200: {"model": ResponseObject, "content": _STREAM, "description":
+                      "The response (JSON), or a background response's events (stream)"},
+                **stored, 400: _GENERATE_ERRORS[400]}
 
     @v1.post("/responses", responses=_generate_doc(ResponseObject))
     async def create_response(request: ResponsesRequest, raw: Request) -> Response:
         return await responses.create(request, raw)
 
-    _stored = {**_V1_ERRORS, 404: {**_ERROR, "description": "No stored response has this id"}}
-
-    _streamed = {200: {"model": ResponseObject, "content": _STREAM, "description":
-                       "The response (JSON), or a background response's events (stream)"},
-                 **_stored, 400: _GENERATE_ERRORS[400]}
-
-    @v1.get("/responses/{response_id}", responses=_streamed)
+    @v1.get("/responses/{response_id}", responses=streamed)
     async def get_response(response_id: str, stream: bool = False,
                            starting_after: int | None = Query(None, ge=-1)) -> Response:
         return responses.retrieve(response_id, stream, starting_after)
 
     @v1.post("/responses/{response_id}/cancel", response_model=ResponseObject,
-             responses={**_stored, 400: _GENERATE_ERRORS[400]})
+             responses={**stored, 400: _GENERATE_ERRORS[400]})
     async def cancel_response(response_id: str) -> Response:
         return await responses.cancel(response_id)
 
-    @v1.delete("/responses/{response_id}", response_model=DeletedResponse, responses=_stored)
+    @v1.delete("/responses/{response_id}", response_model=DeletedResponse, responses=stored)
     async def delete_response(response_id: str) -> Response:
         return responses.delete(response_id)
 
     @v1.get("/responses/{response_id}/input_items", response_model=InputItemList,
-            responses={**_stored, 400: _GENERATE_ERRORS[400]})
+            responses={**stored, 400: _GENERATE_ERRORS[400]})
     async def list_input_items(response_id: str,
                                limit: int = Query(20, ge=1, le=MAX_LISTED_ITEMS),
                                order: Literal["asc", "desc"] = "desc",
                                after: str | None = None) -> Response:
         return responses.input_items(response_id, limit, order, after)
 
-    @v1.post("/messages", responses=_generate_doc(MessageBody, _anthropic(_GENERATE_ERRORS)))
-    async def create_message(request: MessagesRequest, raw: Request) -> Response:
-        return await messages.create(request, raw)
 
-    @v1.post("/messages/count_tokens", response_model=TokenCount,
-             responses=_anthropic({**_errors, 413: _GENERATE_ERRORS[413]}))
-    async def count_message_tokens(request: CountTokensRequest) -> Response:
-        return await messages.count_tokens(request)
+def _model_routes(v1: APIRouter, ctx: ServerContext) -> None:
+    """The served model and its LoRA adapters (parent: the base model, root: the folder)."""
+    base = ctx.served_model_name
 
     @v1.get("/models", response_model=ModelList, responses=_V1_ERRORS)
     async def list_models() -> Response:
-        card = ModelCard(id=served_model_name, max_model_len=ctx.max_model_len)
+        card = ModelCard(id=base, max_model_len=ctx.max_model_len)
         adapters = [ModelCard(id=name, max_model_len=ctx.max_model_len, root=str(path),
-                              parent=served_model_name)
+                              parent=base)
                     for name, path in ctx.lora_modules.items()]
         return json_response(ModelList(data=[card, *adapters]))
 
@@ -187,49 +221,35 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
         return json_response(ModelCard(
             id=model, max_model_len=ctx.max_model_len,
             root=None if lora is None else str(ctx.lora_modules[lora]),
-            parent=None if lora is None else served_model_name))
+            parent=None if lora is None else base))
 
 
-    @v1.post("/tokenize", response_model=TokenizeResponse, responses=_errors)
+def _token_routes(v1: APIRouter, root: APIRouter, tokens: TokenServing) -> None:
+    """vLLM's tokenize and detokenize (at the root as well) and its prompt renders."""
+    @v1.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(request: TokenizeRequest) -> Response:
         return json_response(await tokens.tokenize(request))
 
-    @v1.post("/detokenize", response_model=DetokenizeResponse, responses=_errors)
+    @v1.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(request: DetokenizeRequest) -> Response:
         return json_response(await tokens.detokenize(request))
 
-    @v1.post("/chat/completions/render", response_model=RenderResponse, responses=_errors)
+    @v1.post("/chat/completions/render", response_model=RenderResponse, responses=_ERRORS)
     async def render_chat(request: ChatCompletionRequest) -> Response:
         return json_response(await tokens.render_chat(request))
 
-    @v1.post("/completions/render", response_model=RenderResponse, responses=_errors)
+    @v1.post("/completions/render", response_model=RenderResponse, responses=_ERRORS)
     async def render_completion(request: CompletionRequest) -> Response:
         return json_response(await tokens.render_completion(request))
 
-    if allow_runtime_lora:          # vLLM's routes: folders on this server's disk, so opt-in
-        lora_admin.add_routes(v1, ctx, _errors)
-
-    # vLLM serves these two at the root as well
-    root = APIRouter(dependencies=[Depends(authorize), Depends(ready)])
     root.add_api_route("/tokenize", tokenize, methods=["POST"], response_model=TokenizeResponse,
-                       responses=_errors)
+                       responses=_ERRORS)
     root.add_api_route("/detokenize", detokenize, methods=["POST"],
-                       response_model=DetokenizeResponse, responses=_errors)
-    # ... and score and rerank (rerank under /v2 too, Cohere's path)
-    root.add_api_route("/score", create_score, methods=["POST"], response_model=ScoreResponse,
-                       responses=_GENERATE_ERRORS)
-    for path in ("/rerank", "/v2/rerank"):
-        root.add_api_route(path, create_rerank, methods=["POST"],
-                           response_model=RerankResponse, responses=_GENERATE_ERRORS)
+                       response_model=DetokenizeResponse, responses=_ERRORS)
 
-    app = FastAPI(title="Strata", summary="OpenAI-compatible inference server")
-    app.openapi = lambda: _openapi_without_422(app)
-    app.state.ctx = ctx
-    install_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    app.include_router(v1)
-    app.include_router(root)
 
+def _open_routes(app: FastAPI, ctx: ServerContext) -> None:
+    """/health and /metrics: no API key, answered while the engine loads."""
     @app.get("/health", responses={200: {"content": {"application/json": {"schema": {
         "type": "object", "properties": {"status": {"type": "string"}}}}}},
         503: {**_ERROR, "description": "The engine is not ready"}})
@@ -249,5 +269,3 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
         "description": "Prometheus text exposition"}})
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=METRICS_CONTENT_TYPE)
-
-    return app
