@@ -262,8 +262,7 @@ class LlamaForCausalLM(nn.Module):
         ahead = getattr(kv, "lookahead_rows", None)
         if ahead is not None:
             ahead_rope = (rope[0][ahead], rope[1][ahead])
-        layers = None if ahead is not None or lora is not None \
-            else self._decode_layers(x, rope, kv)
+        layers = None if ahead is not None else self._decode_layers(x, rope, kv, lora)
         for i, layer in enumerate(self.layers):
             if layers is not None:      # the layer in C, x updated in place
                 layers.run(i, layer.input_layernorm.eps, layer.scale)
@@ -278,11 +277,15 @@ class LlamaForCausalLM(nn.Module):
             return logits
         return logits, self.norm(x[hidden_indices])
 
-    def _decode_layers(self, x: torch.Tensor, rope, kv) -> DecodeLayers | None:
-        """The step's layers as C calls (kernels/decode_layer.py), where the KV store and the
-        weights allow it (else None: op by op)."""
+    def _decode_layers(self, x: torch.Tensor, rope, kv, lora=None) -> DecodeLayers | None:
+        """The step's layers as C calls (kernels/decode_layer.py), where the KV store, the
+        weights and the step's LoRA adapters (engine/lora.py LoraBatch) allow it (else None:
+        op by op)."""
         table = getattr(kv, "layer_table", None)
         if table is None or not FusedLayers.enabled or getattr(kv, "keeps_inputs", False):
+            return None
+        lora_words = None if lora is None else lora.native()
+        if lora is not None and lora_words is None:
             return None
         if self._decode_words is None:      # the layers' decode weights, once (`pack` resets)
             self._decode_words = (layer_words(self.layers),)
@@ -291,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
                                   table(cfg.num_attention_heads // cfg.num_key_value_heads),
                                   (cfg.hidden_size, cfg.num_attention_heads,
                                    cfg.num_key_value_heads, cfg.head_dim,
-                                   cfg.intermediate_size))
+                                   cfg.intermediate_size), lora_words)
 
     @torch.inference_mode()
     def kv_from_inputs(self, layer: int, xn: torch.Tensor, positions: torch.Tensor

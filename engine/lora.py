@@ -9,8 +9,8 @@ changed: a step adds s (x A^T) B^T to the rows of the requests that use the adap
 (`LoraBatch.apply`), after each of the layer's fused matmuls (q/k/v into `qkv`, gate/up into
 `gate_up`, as engine/llama.py fuses them, so an adapter's parts are fused the same way: A
 stacked, B block-diagonal, s folded into B). A partial rotary's q and k rows are reordered as
-the base weights are. Steps with an adapter's rows run the layers op by op (the C decode
-layers know no adapters).
+the base weights are. The C decode layers add the same deltas in their own calls
+(kernels/decode_layer.py's LoraWords) where the model runs float32 on the CPU.
 
 An adapter's KV differs from the base model's, so its prompt pages are cached under a salt of
 its own (`fingerprint`: the adapter's bytes, so a changed adapter never reads stale pages).
@@ -21,7 +21,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ import torch
 from engine.args import LORA_CONFIG_FILE
 from engine.llama import matmul_rows, projection_rows
 from engine.model_config import ModelConfig
+from kernels.decode_layer import LoraWords, lora_table
 
 CONFIG_FILE = LORA_CONFIG_FILE
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -44,6 +45,16 @@ class LoraAdapter:
     rank: int
     # (layer, fused matmul) -> (A [R, in], B [out, R] with the scale folded in)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    layers: int = 0                  # the model's decoder layers
+    _native: list = field(default_factory=list, repr=False)    # [lora_table's], once asked
+
+    def native_table(self) -> torch.Tensor | None:
+        """This adapter's table for the C decode layers (kernels/decode_layer.lora_table),
+        made on first use; None where they do not serve it."""
+        if not self._native:
+            self._native.append(lora_table(self.weights, self.layers))
+        made = self._native[0]
+        return None if made is None else made[0]
 
     @classmethod
     def load(cls, name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
@@ -113,7 +124,7 @@ class LoraAdapter:
         if not weights:
             raise ValueError(f"LoRA {name}: {weights_file} holds no LoRA weights")
         rank = max(a.shape[0] for a, _ in weights.values())
-        return cls(name, path, digest, rank, weights)
+        return cls(name, path, digest, rank, weights, cfg.num_hidden_layers)
 
 
 def _check_config(name: str, conf: dict) -> None:
@@ -131,8 +142,10 @@ def _check_config(name: str, conf: dict) -> None:
 class LoraBatch:
     """A step's adapter rows: for each adapter used, the rows of its requests' tokens."""
 
-    def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor | None]]):
+    def __init__(self, groups: list[tuple[LoraAdapter, torch.Tensor | None]],
+                 row_adapter: list[int]):
         self.groups = groups            # rows None: every row of the step
+        self.row_adapter = row_adapter  # each row's group (-1: the base model)
 
     @classmethod
     def build(cls, spans: list[tuple[LoraAdapter | None, int, int]], total: int,
@@ -140,13 +153,23 @@ class LoraBatch:
         """spans: (adapter or None, first row, rows) per request, in row order; None when no
         request uses an adapter (the base model's step, the C layers allowed)."""
         rows: dict[str, tuple[LoraAdapter, list[int]]] = {}
+        row_adapter = [-1] * total
         for adapter, start, n in spans:
             if adapter is not None:
-                rows.setdefault(adapter.name, (adapter, []))[1].extend(range(start, start + n))
+                group = rows.setdefault(adapter.name, (adapter, []))
+                group[1].extend(range(start, start + n))
+                row_adapter[start:start + n] = [list(rows).index(adapter.name)] * n
         if not rows:
             return None
         return cls([(a, None if len(r) == total else torch.tensor(r, device=device))
-                    for a, r in rows.values()])
+                    for a, r in rows.values()], row_adapter)
+
+    def native(self) -> LoraWords | None:
+        """These rows for the C decode layers, or None where an adapter is not served there."""
+        tables = [adapter.native_table() for adapter, _ in self.groups]
+        if any(t is None for t in tables):
+            return None
+        return LoraWords(self.row_adapter, tables)
 
     def apply(self, layer: int, fused: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the fused matmul of x [T, in]) with each adapter's delta added to its

@@ -12,6 +12,9 @@
  * K/V write of _layerops.c, the table attention of _decode.c: reached through their `api`
  * capsules), so the bits are the model's layers' own where they run those ops.
  *
+ * LoRA adapters (S_LORA: kernels/decode_layer.py's LoraWords): after each of the four
+ * matmuls, each adapter row's s (x A^T) B^T is added, as engine/lora.py adds it op by op.
+ *
  * Sparse layers (S_SPARSE: kernels/decode_layer.py's SparseWords) select their pages (the
  * selection of _select.c) and attend to them (_decode.c's selected attention) in the same
  * call, their results (entries, union entries, nanoseconds selecting and attending) written
@@ -34,7 +37,7 @@ enum {      /* the step's words (kernels/decode_layer.py writes them) */
     S_ROWS, S_HIDDEN, S_HEADS, S_KV_HEADS, S_HEAD_DIM, S_INTER, S_PAGE, S_POOL_BF16,
     S_N_SLOTS, S_ATTN_SIMD, S_THREADS, S_X, S_COS, S_SIN, S_POOL, S_TOK_OFF, S_INDPTR,
     S_LAST, S_SCRATCH, S_QMM_SIMD, S_LAYERS, S_ENTRIES, S_TOK_SLOTS, S_HEAD_SLOTS,
-    S_ATTN_THREADS, S_SPARSE, STEP_WORDS
+    S_ATTN_THREADS, S_SPARSE, S_LORA, STEP_WORDS
 };
 enum {      /* the sparse table's header (SparseWords): the selection's, the attention's */
     P_PRIORS, P_SUMM_BF16, P_QUEST, P_SINK, P_LOCAL, P_SEL_SIMD, P_SEL_THREADS, P_OFF_INDICES,
@@ -52,6 +55,18 @@ enum {      /* a layer's words: the two norms' weights, the q and k heads' norms
     L_NORM1, L_NORM2, L_QNORM, L_KNORM, L_ROPE, L_W, LAYER_WORDS = L_W + 4 * 5
 };
 enum { W_CODES, W_SCALE, W_ZERO, W_BITS, W_XBITS };
+enum {      /* the step's LoRA table (S_LORA, 0: none; kernels/decode_layer.py's LoraWords):
+             * how many adapters, each row's adapter (int64 [B], -1: the base model), the
+             * adapters' tables (int64 [adapters] addresses) */
+    LR_ADAPTERS, LR_ROW_ADAPTER, LR_TABLES, LORA_HEADER
+};
+enum {      /* an adapter's table, int64 [layers, 4, LORA_ENTRY] (decode_layer.lora_table): per
+             * layer and matmul (qkv, o, gate_up, down) A^T [in, r] and B^T [r, out] (its
+             * scale folded in) float32, and r (0: the matmul is not adapted) */
+    LA_AT, LA_BT, LA_RANK, LORA_ENTRY
+};
+#define MAX_LORA_RANK 256
+#define CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
 static const qmatmul_api *mm_api;
 static const layerops_api *ops_api;
@@ -93,6 +108,61 @@ static void norm_heads(float *row, const int64_t *lw, int nh, int kvh, Py_ssize_
         ops_api->norm_row(row + h * d, NULL, kn, row + h * d, (int)d, eps, 0);
 }
 
+/* y [n] += (x [k] A^T) B^T: both as rows of axpy, so the CPU's widest vectors serve */
+CLONES static void lora_row(const float *x, Py_ssize_t k, Py_ssize_t n, const float *at,
+                            const float *bt, int r, float *y) {
+    float t[MAX_LORA_RANK];
+    for (int j = 0; j < r; j++)
+        t[j] = 0.f;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        const float xi = x[i], *a = at + i * r;
+        for (int j = 0; j < r; j++)
+            t[j] += xi * a[j];
+    }
+    for (int j = 0; j < r; j++) {
+        const float tj = t[j], *b = bt + j * n;
+        for (Py_ssize_t i = 0; i < n; i++)
+            y[i] += tj * b[i];
+    }
+}
+
+/* matmul m (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`, y [B, n] = x [B, k] @ W: each
+ * adapter row's delta added (engine/lora.py's, in the model's layers op by op) */
+static void lora_add(const int64_t *st, int layer, int m, const float *x, Py_ssize_t k,
+                     Py_ssize_t n, float *y) {
+    const int64_t *lt = (const int64_t *)(uintptr_t)st[S_LORA];
+    if (!lt)
+        return;
+    const int64_t *row_adapter = (const int64_t *)(uintptr_t)lt[LR_ROW_ADAPTER];
+    const int64_t *tables = (const int64_t *)(uintptr_t)lt[LR_TABLES];
+    for (Py_ssize_t r = 0; r < st[S_ROWS]; r++) {
+        const int64_t a = row_adapter[r];
+        if (a < 0 || a >= lt[LR_ADAPTERS])
+            continue;
+        const int64_t *e = (const int64_t *)(uintptr_t)tables[a] +
+                           ((int64_t)layer * 4 + m) * LORA_ENTRY;
+        if (e[LA_RANK] > 0)
+            lora_row(x + r * k, k, n, (const float *)(uintptr_t)e[LA_AT],
+                     (const float *)(uintptr_t)e[LA_BT], (int)e[LA_RANK], y + r * n);
+    }
+}
+
+/* whether the LoRA table's ranks for layer `layer` are ones lora_row serves */
+static int lora_ranks_ok(const int64_t *st, int layer) {
+    const int64_t *lt = (const int64_t *)(uintptr_t)st[S_LORA];
+    if (!lt)
+        return 1;
+    const int64_t *tables = (const int64_t *)(uintptr_t)lt[LR_TABLES];
+    for (int64_t a = 0; a < lt[LR_ADAPTERS]; a++) {
+        const int64_t *e = (const int64_t *)(uintptr_t)tables[a] +
+                           (int64_t)layer * 4 * LORA_ENTRY;
+        for (int m = 0; m < 4; m++)
+            if (e[m * LORA_ENTRY + LA_RANK] < 0 || e[m * LORA_ENTRY + LA_RANK] > MAX_LORA_RANK)
+                return 0;
+    }
+    return 1;
+}
+
 /* the attention's inputs: xn = norm1(x), qkv = xn @ Wqkv, the heads' norms (Qwen3), RoPE, q
  * to its own rows [B, H, D] (scratch), K/V into the pool; 0, -1 out of memory, or 1 + the
  * token whose K/V slot is out of range (nothing written) */
@@ -107,6 +177,7 @@ static int attention_inputs(const int64_t *st, const int64_t *lw, int layer, flo
                           (int)hid, eps, 0);
     if (matmul(lw + L_W, xn, b, hid, nqkv, qkv, st))
         return -1;
+    lora_add(st, layer, 0, xn, hid, nqkv, qkv);
     const float *cs = (const float *)(uintptr_t)st[S_COS];
     const float *sn = (const float *)(uintptr_t)st[S_SIN];
     for (Py_ssize_t r = 0; r < b; r++) {
@@ -196,24 +267,27 @@ static int sparse_attention(const int64_t *st, const int64_t *row, int layer, fl
 
 /* the rest: h = a @ Wo (a: the attention's output [B, H * D]), h += x, [g|u] = norm2(h) @
  * Wgu, x = h + (silu(g) * u) @ Wdown; 0 or -1 out of memory */
-static int output_and_mlp(const int64_t *st, const int64_t *lw, float eps, const float *a,
-                          float *h) {
+static int output_and_mlp(const int64_t *st, const int64_t *lw, int layer, float eps,
+                          const float *a, float *h) {
     const Py_ssize_t b = st[S_ROWS], hid = st[S_HIDDEN], inter = st[S_INTER];
     const Py_ssize_t nq = st[S_HEADS] * st[S_HEAD_DIM];
     float *x = (float *)(uintptr_t)st[S_X], *xn = (float *)(uintptr_t)st[S_SCRATCH];
     float *gu = xn + b * hid, *act = gu + b * 2 * inter, *y = act + b * inter;
     if (matmul(lw + L_W + 5, a, b, nq, hid, h, st))
         return -1;
+    lora_add(st, layer, 1, a, nq, hid, h);
     for (Py_ssize_t r = 0; r < b; r++)
         ops_api->norm_row(h + r * hid, x + r * hid, (const void *)(uintptr_t)lw[L_NORM2],
                           xn + r * hid, (int)hid, eps, 0);
     if (matmul(lw + L_W + 10, xn, b, hid, 2 * inter, gu, st))
         return -1;
+    lora_add(st, layer, 2, xn, hid, 2 * inter, gu);
     for (Py_ssize_t r = 0; r < b; r++)
         ops_api->silu_mul_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, act + r * inter,
                               inter);
     if (matmul(lw + L_W + 15, act, b, inter, hid, y, st))
         return -1;
+    lora_add(st, layer, 3, act, inter, hid, y);
     for (Py_ssize_t i = 0; i < b * hid; i++)
         x[i] = h[i] + y[i];
     return 0;
@@ -232,6 +306,11 @@ static PyObject *decode_layer(PyObject *self, PyObject *args) {
     if (layer < 0 || layer >= st[S_LAYERS] || part < 0 || part > 2 || (part == 2 && !a_addr)) {
         PyErr_Format(PyExc_ValueError, "decode_layer: layer %d of %lld, part %d", layer,
                      (long long)st[S_LAYERS], part);
+        return NULL;
+    }
+    if (!lora_ranks_ok(st, layer)) {
+        PyErr_Format(PyExc_ValueError, "decode_layer: layer %d's LoRA rank over %d", layer,
+                     MAX_LORA_RANK);
         return NULL;
     }
     const Py_ssize_t rows = st[S_ROWS] * st[S_KV_HEADS];
@@ -254,7 +333,7 @@ static PyObject *decode_layer(PyObject *self, PyObject *args) {
         attn_res = sparse ? sparse_attention(st, sparse, layer, scale, err, sizeof err)
                           : table_attention(st, layer, scale, &attn_s);
     if (res == 0 && attn_res == 0 && part != 1)
-        res = output_and_mlp(st, lw, eps, a, (float *)(uintptr_t)h_addr);
+        res = output_and_mlp(st, lw, layer, eps, a, (float *)(uintptr_t)h_addr);
     Py_END_ALLOW_THREADS
     if (res < 0 || attn_res < 0)
         return PyErr_NoMemory();
@@ -292,7 +371,10 @@ PyMODINIT_FUNC PyInit__layer(void) {
               PyModule_AddIntConstant(m, "LAYER_WORDS", LAYER_WORDS) < 0 ||
               PyModule_AddIntConstant(m, "SPARSE_HEADER", SPARSE_HEADER) < 0 ||
               PyModule_AddIntConstant(m, "SPARSE_ROW", SPARSE_ROW) < 0 ||
-              PyModule_AddIntConstant(m, "RESULT_WORDS", RESULT_WORDS) < 0)) {
+              PyModule_AddIntConstant(m, "RESULT_WORDS", RESULT_WORDS) < 0 ||
+              PyModule_AddIntConstant(m, "LORA_HEADER", LORA_HEADER) < 0 ||
+              PyModule_AddIntConstant(m, "LORA_ENTRY", LORA_ENTRY) < 0 ||
+              PyModule_AddIntConstant(m, "MAX_LORA_RANK", MAX_LORA_RANK) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -11,7 +11,8 @@ It serves a step when: the model's activations are float32, every layer's matmul
 path (kvstore/resident.py) takes the step (`KVTable`). A layer is one call: over the step's
 dense table, or in sparse layers selecting its pages and attending to them (`SparseWords`);
 on steps the KV store does not lay out for that (dense and sparse rows mixed) sparse
-layers are two calls, the KV store's selection and attention between them.
+layers are two calls, the KV store's selection and attention between them. Rows of LoRA
+adapters' requests get their adapter's deltas in the same call (`LoraWords`).
 Else the model's layers run as before.
 
 Leaf module: imports only torch and kernels.*.
@@ -72,6 +73,50 @@ class SparseWords:
         return self.select.selected(layer, nnz, unnz), select_ns * 1e-9, attend_ns * 1e-9
 
 
+LORA_MATMULS = ("qkv", "o", "gate_up", "down")     # _layer.c's order of a layer's matmuls
+
+
+def lora_table(weights: dict, layers: int) -> tuple[torch.Tensor, list] | None:
+    """An adapter's table for _layer.c: int64 [layers, 4, LORA_ENTRY] (per layer and matmul:
+    the addresses of A^T [in, r] and B^T [r, out], and r; 0 where not adapted) and the
+    tensors it points into, from engine/lora.py's weights ((layer, matmul) -> (A [r, in],
+    B [out, r] scaled)); None where _layer.c does not serve them (not float32 on the CPU, a
+    rank over MAX_LORA_RANK)."""
+    if _layer is None:
+        return None
+    table = torch.zeros(layers, len(LORA_MATMULS), _layer.LORA_ENTRY, dtype=torch.int64)
+    keep = []
+    for (layer, fused), (a, b) in weights.items():
+        if a.dtype != torch.float32 or b.dtype != torch.float32 or a.device.type != "cpu" \
+                or b.device.type != "cpu" or a.shape[0] > _layer.MAX_LORA_RANK:
+            return None
+        at, bt = a.t().contiguous(), b.t().contiguous()
+        keep += [at, bt]
+        table[layer, LORA_MATMULS.index(fused)] = torch.tensor(
+            [at.data_ptr(), bt.data_ptr(), a.shape[0]])
+    return table, keep
+
+
+class LoraWords:
+    """A step's LoRA rows for _layer.c (its S_LORA table): each row's adapter (-1: the base
+    model) and the adapters' tables (`lora_table`, kept alive by their adapters)."""
+
+    def __init__(self, row_adapter: list[int], tables: list[torch.Tensor]):
+        if any(a >= len(tables) for a in row_adapter):
+            raise ValueError(f"LoraWords: a row of adapter {max(row_adapter)}, "
+                             f"{len(tables)} adapters")
+        self.rows = len(row_adapter)
+        self.layers = {t.shape[0] for t in tables}
+        self.row_adapter = torch.tensor(row_adapter, dtype=torch.int64)
+        self.tables = torch.tensor([t.data_ptr() for t in tables], dtype=torch.int64)
+        self.words = torch.tensor([len(tables), self.row_adapter.data_ptr(),
+                                   self.tables.data_ptr()], dtype=torch.int64)
+        if self.words.numel() != _layer.LORA_HEADER:
+            raise RuntimeError(f"LoraWords: {self.words.numel()} header words, _layer.c "
+                               f"reads {_layer.LORA_HEADER}")
+        self._keep = tables
+
+
 @dataclass
 class KVTable:
     """The KV side of a step's layers: the pool [S, 2, KVH, ps, D], the slot and offset of
@@ -123,10 +168,11 @@ class DecodeLayers:
     """One step's layers: `run(i)` is layer i over the step's hidden rows x, in place."""
 
     def __init__(self, words: torch.Tensor, x: torch.Tensor, rope: tuple[torch.Tensor, ...],
-                 kv: KVTable, dims: tuple[int, int, int, int, int]):
+                 kv: KVTable, dims: tuple[int, int, int, int, int],
+                 lora: LoraWords | None = None):
         hidden, heads, kv_heads, head_dim, inter = dims
         b, plan, pool = x.shape[0], kv.plan, kv.pool
-        self.x, self.words, self.kv = x, words, kv
+        self.x, self.words, self.kv, self.lora = x, words, kv, lora
         self.cos, self.sin = (r.reshape(b, head_dim).contiguous() for r in rope)
         self.h = torch.empty(b, hidden)
         nq, nqkv = heads * head_dim, (heads + 2 * kv_heads) * head_dim
@@ -143,7 +189,8 @@ class DecodeLayers:
                 torch.get_num_threads(), x.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
                 pool.data_ptr(), kv.tok_off.data_ptr(), table[0], table[1],
                 self.scratch.data_ptr(), 1, words.shape[0], table[2], kv.tok_slots.data_ptr(),
-                table[3], table[5], 0 if kv.sparse is None else kv.sparse.words.data_ptr()]
+                table[3], table[5], 0 if kv.sparse is None else kv.sparse.words.data_ptr(),
+                0 if lora is None else lora.words.data_ptr()]
         if len(step) != _layer.STEP_WORDS:      # (_layer.c's S_* words, in their order)
             raise RuntimeError(f"DecodeLayers: {len(step)} step words, _layer.c reads "
                                f"{_layer.STEP_WORDS}")
@@ -152,9 +199,10 @@ class DecodeLayers:
 
     @classmethod
     def build(cls, words: tuple[torch.Tensor, int] | None, x: torch.Tensor, rope,
-              kv: KVTable | None, dims: tuple[int, int, int, int, int]) -> DecodeLayers | None:
-        """The step's layers in C (words: `layer_words`), or None where it does not serve
-        them (then op by op)."""
+              kv: KVTable | None, dims: tuple[int, int, int, int, int],
+              lora: LoraWords | None = None) -> DecodeLayers | None:
+        """The step's layers in C (words: `layer_words`; lora: the step's adapter rows), or
+        None where it does not serve them (then op by op)."""
         if not FusedLayers.enabled or words is None or kv is None or not LayerOps.enabled \
                 or dims[0] > MAX_DIM or dims[3] > MAX_DIM \
                 or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() != 2 \
@@ -174,7 +222,9 @@ class DecodeLayers:
                 or any(t.dtype != torch.int64 or not t.is_contiguous()
                        for t in (kv.tok_slots, kv.tok_off)):
             return None
-        return cls(words, x, rope, kv, dims)
+        if lora is not None and (lora.rows != b or lora.layers - {words.shape[0]}):
+            return None
+        return cls(words, x, rope, kv, dims, lora)
 
     def run(self, layer: int, eps: float, scale: float) -> None:
         """Layer `layer` over the rows: x updated in place. With the KV's table, one call;

@@ -70,17 +70,19 @@ def greedy(model, cache, prompt: list[int], max_new_tokens: int, pages: list[int
     return out
 
 
-def greedy_logprobs(engine, prompts: list[list[int]], steps: int
-                    ) -> dict[str, list[tuple[int, float]]]:
-    """Greedy `steps` tokens of each prompt through an LLMEngine: request id ("r0", "r1",
-    ...) -> [(token, its logprob)]; a request that ends in error fails the test."""
+def greedy_logprobs(engine, prompts: list[list[int]], steps: int,
+                    loras: list[str | None] | None = None) -> dict[str, list[tuple[int, float]]]:
+    """Greedy `steps` tokens of each prompt through an LLMEngine (loras: each prompt's LoRA
+    adapter, None the base model): request id ("r0", "r1", ...) -> [(token, its logprob)]; a
+    request that ends in error fails the test."""
     from scheduler.sampling_params import SamplingParams
 
     got = {}
     for i, p in enumerate(prompts):
         got[f"r{i}"] = []
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=steps, temperature=0.0,
-                                                      ignore_eos=True, logprobs=0))
+        engine.add_request(f"r{i}", p, SamplingParams(
+            max_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=0,
+            lora=None if loras is None else loras[i]))
     while engine.has_unfinished():
         for out in engine.step():
             assert out.finish_reason != "error", out.error

@@ -11,10 +11,13 @@ import math
 import pytest
 import torch
 
+from engine import weight_plan
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
+from kernels import decode_layer
+from kernels.decode_layer import DecodeLayers, FusedLayers
 from scheduler.sampling_params import SamplingParams
-from tests.model_helpers import save_tiny_hf
+from tests.model_helpers import greedy_logprobs, save_tiny_hf
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +115,48 @@ def test_adapters_generate_what_their_merged_weights_generate(tmp_path, kind, ex
     got, _ = generate(engine, requests)          # all six in the same steps
     for name in want:
         assert [got[f"{name}{i}"] for i in range(len(prompts))] == want[name], name
+
+
+@pytest.mark.skipif(decode_layer._layer is None, reason="C extensions not built")
+@pytest.mark.parametrize("kind, extra, modules", [("llama", {}, LLAMA_MODULES),
+                                                  ("phi3", PHI4_SHAPE, PHI3_MODULES)])
+def test_the_one_call_decode_layers_add_the_adapters_deltas(tmp_path, monkeypatch, kind, extra,
+                                                            modules):
+    """Decode steps of adapter rows (two adapters and the base model in each step) run in
+    the C decode layers, with our 4-bit decode weights: the tokens and log-probabilities of
+    the model's layers op by op (whose deltas the test above checks against transformers)."""
+    hf = save_tiny_hf(kind, extra, tmp_path / "model")
+    write_adapter(hf, tmp_path / "a", modules, r=4, alpha=8, seed=1)
+    write_adapter(hf, tmp_path / "b", modules, r=2, alpha=4, rslora=True, seed=2,
+                  only={"q_proj", "v_proj", "qkv_proj", "down_proj"})
+    monkeypatch.setattr(weight_plan, "_candidates", lambda weights, dtype, native: ["q4"])
+    with_lora = []
+    init = DecodeLayers.__init__
+    monkeypatch.setattr(DecodeLayers, "__init__", lambda self, *a, **kw: (
+        with_lora.append(kw.get("lora", a[5] if len(a) > 5 else None) is not None),
+        init(self, *a, **kw))[1])
+    p, q = prompts_of(5)
+    prompts, loras = [p, p, q, q, p], ["a", None, "b", None, "b"]
+
+    def decode(fused: bool):
+        FusedLayers.enabled = fused
+        try:
+            engine = engine_for(tmp_path / "model", {"a": tmp_path / "a", "b": tmp_path / "b"},
+                                prefix_cache="off", weights="int4")
+            return greedy_logprobs(engine, prompts, STEPS, loras)
+        finally:
+            FusedLayers.enabled = True
+
+    ref = decode(False)
+    assert not with_lora
+    got = decode(True)
+    assert sum(with_lora) >= STEPS - 1          # every decode step, its adapter rows in C
+    assert ref["r0"] != ref["r1"] and ref["r2"] != ref["r3"]        # the deltas matter
+    for rid in ref:
+        assert [t for t, _ in got[rid]] == [t for t, _ in ref[rid]], rid
+        torch.testing.assert_close(torch.tensor([lp for _, lp in got[rid]]),
+                                   torch.tensor([lp for _, lp in ref[rid]]),
+                                   rtol=0, atol=2e-4)
 
 
 def test_an_adapters_prompt_pages_are_its_own(tmp_path):
