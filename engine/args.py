@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.devices import check_device_spec
+from engine.generation_defaults import GENERATION_CONFIG_FILE, check_override
+from engine.generation_defaults import MODES as GENERATION_MODES
 from engine.settings import check_choices, setting
 from kvstore.config import (FORCE_TIERS, HEAD_PAGES, OBS_REDUCE, PIPELINES, PLACEMENTS,
                             RESIDENCY_POLICIES, SELECTORS, TIER_CODECS, KVStoreConfig)
@@ -57,6 +59,14 @@ class EngineArgs:
     lora_modules: str = setting("", "LoRA adapters served beside the model, each a PEFT folder "
                                 "(adapter_config.json, adapter_model.safetensors) a request "
                                 "names in `model`: name=path, comma-separated", group="model")
+    generation_config: str = setting(
+        "auto", "a request's unset sampling fields take the model's defaults: auto, its "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, "
+        "max_new_tokens) and a GGUF file's general.sampling.* keys; vllm: none (the API's "
+        "defaults); or a folder holding a generation_config.json", group="model")
+    override_generation_config: str = setting(
+        "", "JSON object of sampling defaults over those of --generation-config, by request "
+        "field name, e.g. '{\"temperature\": 0.6, \"top_k\": 20}'", group="model")
     threads: int = setting(0, "torch CPU threads for the model (0: all cores)", group="model")
     decode_threads: int = setting(0, "torch CPU threads for steps that only decode (0: "
                                   "sequential mode times, per step shape, torch on every "
@@ -192,6 +202,11 @@ class EngineArgs:
         if self.lora_adapters() and self.kv_recompute != "off":
             raise ValueError("--kv-recompute rebuilds K/V from the base model's weights: it "
                              "cannot serve --lora-modules")
+        check_override(self.override_generation_config)
+        if self.generation_config not in GENERATION_MODES and not (
+                Path(self.generation_config).expanduser() / GENERATION_CONFIG_FILE).is_file():
+            raise ValueError(f"--generation-config: {self.generation_config} is not auto, vllm "
+                             f"or a folder holding a {GENERATION_CONFIG_FILE}")
 
     def lora_adapters(self) -> dict[str, Path]:
         """--lora-modules as {name: folder} (ValueError when malformed)."""

@@ -26,6 +26,7 @@ class AsyncEngine:
         self.args = args
         self.model_name = args.served_model_name or default_served_name(args.model)
         self.max_model_len = args.max_model_len or 0   # set from the model once loaded
+        self.sampling_defaults: dict = {}               # likewise
         self.max_waiting = args.max_waiting     # narrowed to the total's cap once loaded
         self.tokenizer_path: Path | None = None
         self.engine = None
@@ -61,6 +62,7 @@ class AsyncEngine:
             logger.exception("model failed to load")
             raise
         self.max_model_len = self.engine.max_model_len
+        self.sampling_defaults = self.engine.sampling_defaults
         store = self.engine.store
         # what one request's choices may queue at most: per client, within the total
         self.max_waiting = min(self.args.max_waiting, self.engine.scheduler.config.waiting_total)

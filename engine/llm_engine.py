@@ -10,6 +10,7 @@ from engine.args import EngineArgs
 from engine.core_split import CoreSplit
 from engine.devices import describe, resolve_device
 from engine.gguf_convert import ensure_hf_folder, gguf_source, model_fingerprint
+from engine.generation_defaults import sampling_defaults
 from engine.gguf_weights import native_format
 from engine.model_config import ModelConfig
 from engine.model_runner import ModelRunner
@@ -50,6 +51,12 @@ class LLMEngine:
         if self.device.type == "cuda":      # code that takes "the current device" takes it
             torch.cuda.set_device(self.device)
         gguf = gguf_source(args.model)
+        # a request's unset sampling fields take these (engine/generation_defaults.py)
+        self.sampling_defaults = sampling_defaults(args.generation_config, self.model_folder,
+                                                   gguf, args.override_generation_config)
+        if self.sampling_defaults:
+            logger.info("sampling defaults of requests that leave them unset: %s",
+                        self.sampling_defaults)
         native = native_format(gguf) if gguf is not None else None
         self.weight_plan = plan_weights(cfg, args.dtype, args.weights, native,
                                         args.torch_threads(), self.device)

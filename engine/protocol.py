@@ -60,6 +60,9 @@ class EngineClient(Protocol):
     model_name: str             # the id served at /v1/models
     max_model_len: int          # prompt + completion tokens, at most
     max_waiting: int            # requests waiting at most (QueueFullError beyond)
+    # request field -> the model's default, for requests that leave it unset
+    # (engine/generation_defaults.py; {} until the model is loaded)
+    sampling_defaults: dict
 
     @property
     def is_ready(self) -> bool: ...

@@ -87,6 +87,25 @@ class ServerContext:
     def max_waiting(self) -> int:
         return int(self.engine.max_waiting)
 
+    def with_sampling_defaults(self, request):
+        """`request` (a chat or completion request) with each sampling field it leaves unset or
+        null set to the model's default (--generation-config), as vLLM does. One repetition
+        penalty's default gives way to the other given by the request (both would be a 400)."""
+        defaults = dict(self.engine.sampling_defaults)
+        if not defaults:
+            return request
+        if getattr(request, "repetition_penalty", None) not in (None, 1.0):
+            defaults.pop("repeat_penalty", None)
+            defaults.pop("repeat_last_n", None)
+        if getattr(request, "repeat_penalty", None) not in (None, 1.0):
+            defaults.pop("repetition_penalty", None)
+        if request.requested_max_tokens() is not None:
+            defaults.pop("max_tokens", None)
+        fields = type(request).model_fields
+        update = {k: v for k, v in defaults.items()
+                  if k in fields and getattr(request, k) is None}
+        return request.model_copy(update=update) if update else request
+
     def require_ready(self) -> Tokenizer:
         """The tokenizer, or 503 while the model is loading (or the engine is gone)."""
         if not self.is_ready:

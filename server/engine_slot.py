@@ -54,6 +54,10 @@ class EngineSlot:
         return self._engine.max_waiting if self._engine is not None else 0
 
     @property
+    def sampling_defaults(self) -> dict:
+        return self._engine.sampling_defaults if self._engine is not None else {}
+
+    @property
     def is_ready(self) -> bool:
         return self._engine is not None and self._engine.is_ready
 

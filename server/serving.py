@@ -92,6 +92,7 @@ class OpenAIServing:
         splits)."""
         ctx = self.ctx
         tokenizer = ctx.tokenizer
+        request = ctx.with_sampling_defaults(request)
         n = request.n or 1
         self.check_admissible(n * len(prompts))
         stops = stop_strings(request)
