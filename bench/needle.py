@@ -67,7 +67,8 @@ from scheduler.sampling_params import SamplingParams  # noqa: E402
 from server.tokenizer import Tokenizer  # noqa: E402
 
 use_checkout_cache()
-MAX_MODEL_LEN = 8192
+MAX_MODEL_LEN = 8192        # --max-model-len (past the model's 8192: with --hf-overrides)
+HF_OVERRIDES = ""           # --hf-overrides: e.g. a YaRN rope_scaling for longer haystacks
 
 # needle sentence, question, answer prefix (the assistant turn starts with it; "" for none)
 FORMATS = {
@@ -154,7 +155,7 @@ def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int
                       sparse_obs_reduce=obs_reduce, sparse_prior_share=prior_share,
                       # NOTE: off: prompts sharing their first page (the chat template) would
                       # wait for the one computing it, and the batch's one-step prefill breaks
-                      prefix_cache="off")
+                      prefix_cache="off", hf_overrides=HF_OVERRIDES)
 
 
 def drain(engine: LLMEngine, outs: dict[str, list[int]], errors: dict[str, str]) -> int:
@@ -326,6 +327,10 @@ def build_parser():
     ap.add_argument("--no-fork", action="store_true",
                     help="fresh engine per config, chunked prefill (slow; cross-check)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
+                    help="the engine's (past 8192: with a rope_scaling in --hf-overrides)")
+    ap.add_argument("--hf-overrides", default="", metavar="JSON",
+                    help="strata serve's --hf-overrides, e.g. a YaRN rope_scaling")
     add_out_arg(ap, "needle", quick=True)
     add_replot_arg(ap)
     return ap
@@ -340,7 +345,8 @@ def run_formats(args, depths: list[float], per_depth: int) -> dict:
                     "depths": depths, "per_depth": per_depth, "lengths": args.lengths,
                     "configs": args.configs, "max_tokens": args.max_tokens,
                     "dense_layers": args.dense_layers, "selector": args.selector,
-                    "obs_reduce": args.obs_reduce,
+                    "obs_reduce": args.obs_reduce, "max_model_len": args.max_model_len,
+                    "hf_overrides": args.hf_overrides,
                     "essay_tokens": len(essay), "formats": {}}
     t_all = time.perf_counter()
     for fmt in args.formats:
@@ -376,6 +382,8 @@ def run_formats(args, depths: list[float], per_depth: int) -> dict:
 
 def main() -> None:
     args = build_parser().parse_args()
+    global MAX_MODEL_LEN, HF_OVERRIDES
+    MAX_MODEL_LEN, HF_OVERRIDES = args.max_model_len, args.hf_overrides
     needle_configs.BUDGET_PLAN = args.budget_plan
     if args.replot:
         replot(Path(args.replot))

@@ -1,6 +1,7 @@
 """EngineArgs: every engine setting, chosen once at start-up (CLI flags map onto these fields)."""
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,11 @@ class EngineArgs:
     override_generation_config: str = setting(
         "", "JSON object of sampling defaults over those of --generation-config, by request "
         "field name, e.g. '{\"temperature\": 0.6, \"top_k\": 20}'", group="model")
+    hf_overrides: str = setting(
+        "", "JSON object whose keys replace the model's config.json's at load, as vLLM's "
+        "--hf-overrides; e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4, "
+        "\"original_max_position_embeddings\": 8192}}' serves 4x the model's positions",
+        group="model")
     threads: int = setting(0, "torch CPU threads for the model (0: all cores)", group="model")
     decode_threads: int = setting(0, "torch CPU threads for steps that only decode (0: "
                                   "sequential mode times, per step shape, torch on every "
@@ -203,10 +209,23 @@ class EngineArgs:
             raise ValueError("--kv-recompute rebuilds K/V from the base model's weights: it "
                              "cannot serve --lora-modules")
         check_override(self.override_generation_config)
+        self.config_overrides()
         if self.generation_config not in GENERATION_MODES and not (
                 Path(self.generation_config).expanduser() / GENERATION_CONFIG_FILE).is_file():
             raise ValueError(f"--generation-config: {self.generation_config} is not auto, vllm "
                              f"or a folder holding a {GENERATION_CONFIG_FILE}")
+
+    def config_overrides(self) -> dict:
+        """--hf-overrides as a dict (ValueError when it is not a JSON object)."""
+        if not self.hf_overrides:
+            return {}
+        try:
+            value = json.loads(self.hf_overrides)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--hf-overrides is not JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--hf-overrides takes a JSON object, got {self.hf_overrides}")
+        return value
 
     def lora_adapters(self) -> dict[str, Path]:
         """--lora-modules as {name: folder} (ValueError when malformed)."""

@@ -37,15 +37,16 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         self.args = args
         self.model_folder = ensure_hf_folder(args.model, args.resolved_cache_dir)
-        cfg = ModelConfig.from_hf(self.model_folder)
+        cfg = ModelConfig.from_hf(self.model_folder, args.config_overrides())
         self.max_model_len = args.max_model_len or cfg.served_positions
-        if not args.max_model_len and cfg.served_positions < cfg.max_position_embeddings:
+        if not args.max_model_len and cfg.served_positions < cfg.positions:
             logger.warning("%s attends within a %d-token sliding window; serving up to %d "
                            "tokens, where full attention equals it", cfg.architecture,
                            cfg.sliding_window, cfg.served_positions)
-        if self.max_model_len > cfg.max_position_embeddings:
+        if self.max_model_len > cfg.positions:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
-                             f"{cfg.max_position_embeddings} positions")
+                             f"{cfg.positions} positions (a rope_scaling in --hf-overrides "
+                             "serves more)")
         self.device = resolve_device(args.device)
         logger.info("device: %s", describe(self.device))
         if self.device.type == "cuda":      # code that takes "the current device" takes it

@@ -47,20 +47,35 @@ class ModelConfig:
         return self.rotary_dim or self.head_dim
 
     @property
+    def positions(self) -> int:
+        """The longest sequence the model's RoPE serves: max_position_embeddings, scaled by a
+        linear, dynamic or YaRN rope_scaling's factor as vLLM scales it (YaRN: the original
+        positions times the factor; LongRoPE and Llama 3 configs give the scaled length)."""
+        s = self.rope_scaling or {}
+        if s.get("rope_type") not in ("linear", "dynamic", "yarn") or not s.get("factor"):
+            return self.max_position_embeddings
+        base = self.max_position_embeddings
+        if s["rope_type"] == "yarn":
+            base = s.get("original_max_position_embeddings") or base
+        return max(self.max_position_embeddings, int(base * float(s["factor"])))
+
+    @property
     def served_positions(self) -> int:
         """The default served length: the model's positions, or its sliding window where that
         is shorter (Strata attends to the whole context, which is the windowed attention only
         up to the window)."""
-        return min(self.max_position_embeddings, self.sliding_window or 1 << 62)
+        return min(self.positions, self.sliding_window or 1 << 62)
 
     @property
     def group_size(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
     @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any]) -> "ModelConfig":
+    def from_hf(cls, path_or_dict: str | os.PathLike | Mapping[str, Any],
+                overrides: Mapping[str, Any] | None = None) -> "ModelConfig":
         """From an HF model folder (config.json, plus generation_config.json when present for
-        extra eos ids) or an already-parsed config dict."""
+        extra eos ids) or an already-parsed config dict; `overrides` (--hf-overrides) replace
+        its keys."""
         gen: Mapping[str, Any] = {}
         if isinstance(path_or_dict, Mapping):
             cfg = dict(path_or_dict)
@@ -70,7 +85,7 @@ class ModelConfig:
             gen_file = folder / "generation_config.json"
             if gen_file.is_file():
                 gen = json.loads(gen_file.read_text())
-        return cls._parse(cfg, gen)
+        return cls._parse(_overridden(cfg, overrides or {}), gen)
 
     @classmethod
     def _parse(cls, cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> "ModelConfig":
@@ -121,6 +136,20 @@ class ModelConfig:
             nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else (),
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         )
+
+
+def _overridden(cfg: dict, overrides: Mapping[str, Any]) -> dict:
+    """`cfg` with `overrides`' keys in place of its own. A transformers 5 config keeps RoPE
+    in rope_parameters, which `_rope` reads before the top-level keys: an overridden
+    rope_theta goes there too, and an overridden rope_scaling is read instead of it (a
+    rope_parameters override, over a transformers 4 rope_scaling)."""
+    cfg = {**cfg, **overrides}
+    params = cfg.get("rope_parameters")
+    if "rope_theta" in overrides and isinstance(params, dict):
+        cfg["rope_parameters"] = {**params, "rope_theta": overrides["rope_theta"]}
+    if "rope_parameters" in overrides and "rope_scaling" not in overrides:
+        cfg.pop("rope_scaling", None)
+    return cfg
 
 
 def _rope(cfg: Mapping[str, Any], is_phi3: bool) -> tuple[float, dict[str, Any] | None]:
