@@ -54,16 +54,28 @@ def sampling_defaults(mode: str, folder: Path, gguf: Path | None, override: str)
     JSON given by flag it is a ValueError."""
     found: dict = {}
     if mode == "auto":
-        found.update(_lenient(_from_hf(folder / GENERATION_CONFIG_FILE)))
+        _merge(found, _lenient(_from_hf(folder / GENERATION_CONFIG_FILE)))
         if gguf is not None:
-            found.update(_lenient(_from_gguf(gguf)))
+            _merge(found, _lenient(_from_gguf(gguf)))
     elif mode != "vllm":
         path = Path(mode).expanduser() / GENERATION_CONFIG_FILE
         if not path.is_file():
             raise ValueError(f"--generation-config: no {path}")
-        found.update({k: _checked(k, v, src) for k, (v, src) in _from_hf(path).items()})
-    found.update(check_override(override))
+        _merge(found, {k: _checked(k, v, src) for k, (v, src) in _from_hf(path).items()})
+    _merge(found, check_override(override))
     return found
+
+
+def _merge(found: dict, new: dict) -> None:
+    """`found` updated by `new`; a repetition penalty of one kind in `new` (vLLM's, or
+    llama.cpp's with its window) drops the other kind's from `found`: a request with both
+    is a 400, so both as defaults would refuse every request."""
+    if "repetition_penalty" in new:
+        found.pop("repeat_penalty", None)
+        found.pop("repeat_last_n", None)
+    if "repeat_penalty" in new:
+        found.pop("repetition_penalty", None)
+    found.update(new)
 
 
 def check_override(override: str) -> dict:
@@ -77,6 +89,9 @@ def check_override(override: str) -> dict:
     if not isinstance(extra, dict) or set(extra) - set(FIELDS):
         raise ValueError("--override-generation-config takes an object of "
                          f"{', '.join(FIELDS)}; got {override}")
+    if "repetition_penalty" in extra and "repeat_penalty" in extra:
+        raise ValueError("--override-generation-config: give repetition_penalty (vLLM's) or "
+                         "repeat_penalty (llama.cpp's), not both")
     return {k: _checked(k, v, "--override-generation-config") for k, v in extra.items()}
 
 
@@ -109,7 +124,10 @@ def _from_gguf(path: Path) -> dict:
     for key, field in GGUF_KEYS.items():
         f = reader.fields.get(key)
         if f is not None and f.data:
-            found[field] = (f.parts[f.data[0]].tolist()[0], f"{path.name}: {key}")
+            value = f.parts[f.data[0]].tolist()[0]
+            if isinstance(value, float):        # a float32 as written: 0.7, not 0.699999988
+                value = float(f"{value:.7g}")
+            found[field] = (value, f"{path.name}: {key}")
     return found
 
 

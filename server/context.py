@@ -87,20 +87,26 @@ class ServerContext:
     def max_waiting(self) -> int:
         return int(self.engine.max_waiting)
 
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's defaults of request fields (--generation-config), {} while loading."""
+        return getattr(self.engine, "sampling_defaults", None) or {}
+
     def with_sampling_defaults(self, request):
         """`request` (a chat or completion request) with each sampling field it leaves unset or
         null set to the model's default (--generation-config), as vLLM does. One repetition
-        penalty's default gives way to the other given by the request (both would be a 400)."""
-        defaults = dict(self.engine.sampling_defaults)
+        penalty's default gives way to the other given by the request (both would be a 400).
+        The default max_tokens is not set here: it only caps what the context leaves
+        (`OpenAIServing.generation`), as vLLM caps it."""
+        defaults = dict(self.sampling_defaults)
+        defaults.pop("max_tokens", None)
         if not defaults:
             return request
-        if getattr(request, "repetition_penalty", None) not in (None, 1.0):
+        if getattr(request, "repetition_penalty", None) is not None:
             defaults.pop("repeat_penalty", None)
             defaults.pop("repeat_last_n", None)
-        if getattr(request, "repeat_penalty", None) not in (None, 1.0):
+        if getattr(request, "repeat_penalty", None) is not None:
             defaults.pop("repetition_penalty", None)
-        if request.requested_max_tokens() is not None:
-            defaults.pop("max_tokens", None)
         fields = type(request).model_fields
         update = {k: v for k, v in defaults.items()
                   if k in fields and getattr(request, k) is None}

@@ -113,6 +113,8 @@ class OpenAIServing:
             except APIError:
                 ctx.metrics.record_rejection("context_length")
                 raise
+            if request.requested_max_tokens() is None:      # the model's default, if any
+                max_tokens = min(max_tokens, ctx.sampling_defaults.get("max_tokens", max_tokens))
             for i in range(n):
                 index = prompt_index * n + i
                 params = build_sampling_params(request, max_tokens=max_tokens, seed_offset=i,

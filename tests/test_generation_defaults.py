@@ -52,10 +52,14 @@ def test_a_gguf_files_keys_win_over_its_converted_folder(tmp_path):
         "general.sampling.penalty_repeat": 1.05, "general.sampling.penalty_last_n": 128,
         "general.sampling.mirostat": 2, "general.sampling.mirostat_tau": 4.0})
     got = sampling_defaults("auto", folder, path, "")
-    assert got == pytest.approx({"temperature": 0.7, "top_k": 40, "repeat_penalty": 1.05,
-                                 "repeat_last_n": 128, "mirostat": 2, "mirostat_tau": 4.0,
-                                 "repetition_penalty": 1.1})
+    # the file's repeat_penalty (llama.cpp's) replaces the folder's repetition_penalty: a
+    # request with both is a 400, so both as defaults would refuse every request
+    assert got == {"temperature": 0.7, "top_k": 40, "repeat_penalty": 1.05,
+                   "repeat_last_n": 128, "mirostat": 2, "mirostat_tau": 4.0}
     assert isinstance(got["top_k"], int) and isinstance(got["mirostat"], int)
+    assert sampling_defaults("auto", folder, path, '{"repetition_penalty": 1.2}') == {
+        **{k: v for k, v in got.items() if k not in ("repeat_penalty", "repeat_last_n")},
+        "repetition_penalty": 1.2}
 
 
 def test_the_override_and_a_named_folder_win_and_are_checked(tmp_path):
@@ -83,6 +87,8 @@ def test_a_bad_value_in_the_models_own_file_is_left_out(tmp_path, caplog):
     (dict(override_generation_config='{"temp": 0.5}'), "takes an object of"),
     (dict(override_generation_config='[0.5'), "is not JSON"),
     (dict(override_generation_config='{"top_k": 1.5}'), "top_k 1.5 .* not an integer"),
+    (dict(override_generation_config='{"repeat_penalty": 1.1, "repetition_penalty": 1.1}'),
+     "not both"),
     (dict(generation_config="/no/such/folder"), "not auto, vllm or a folder")])
 def test_bad_flags_are_refused_at_start_up(flags, match):
     with pytest.raises(ValueError, match=match):
@@ -132,3 +138,18 @@ def test_messages_and_completions_take_them_too(client):
     again = client.completions.create(model=MODEL, prompt="The sky is", temperature=0.0,
                                       extra_body=fresh_salt())
     assert done.usage.completion_tokens == 16 and done.choices[0].text == again.choices[0].text
+
+
+def test_a_default_max_tokens_only_caps_what_the_context_leaves():
+    """vLLM's rule: a default longer than the context left is not the client's request, so it
+    is no 400; a request's own max_tokens still is."""
+    import openai
+    with running_server("--max-model-len", "128", "--override-generation-config",
+                        '{"max_tokens": 5000}') as s:
+        client = openai_client(s.url)
+        r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0.0,
+                                           extra_body={"ignore_eos": True, **fresh_salt()})
+        assert r.usage.prompt_tokens + r.usage.completion_tokens == 128
+        assert r.choices[0].finish_reason == "length"
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5000)
