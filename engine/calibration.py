@@ -19,7 +19,7 @@ def calibrate_model(args: EngineArgs, tokens: int, files: list[str] | None = Non
     """Fit args.lowrank_rank on `tokens` tokens of `files` (default: the bundled essays);
     returns (the file written, the projection)."""
     folder = ensure_hf_folder(args.model, args.resolved_cache_dir)
-    cfg = ModelConfig.from_hf(folder)
+    cfg = ModelConfig.from_hf(folder, args.config_overrides())
     model = load_model(folder, cfg, dtype=torch.float32, device=torch.device("cpu"),
                        max_model_len=4096, gguf=gguf_source(args.model))
     texts = calibration_texts(folder / "tokenizer.json", tokens, files=files)

@@ -87,12 +87,14 @@ def ensure_hf_folder(model: str | os.PathLike | None, cache_dir: Path | None = N
     return dest
 
 
-def model_fingerprint(folder: Path, gguf: Path | None) -> str:
+def model_fingerprint(folder: Path, gguf: Path | None, extra: str = "") -> str:
     """Names the weights a KV page was computed with (the prefix cache's namespace): the
-    GGUF file's path, size and modification time, else the HF folder's files'."""
+    GGUF file's path, size and modification time, else the HF folder's files', and `extra`
+    (what else changes the K/V: the RoPE's overrides and served length)."""
     files = [gguf] if gguf is not None else sorted(p for p in Path(folder).iterdir()
                                                    if p.is_file())
     ident = "|".join(f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files)
+    ident += f"|{extra}" if extra else ""
     return hashlib.sha256(ident.encode()).hexdigest()[:16]
 
 

@@ -208,7 +208,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", max_model_len: int | None = None):
         super().__init__()
-        max_len = max_model_len or config.max_position_embeddings
+        max_len = max_model_len or config.served_positions
         if config.sliding_window is not None and config.sliding_window < max_len:
             raise ValueError(
                 f"{config.architecture} uses sliding-window attention ({config.sliding_window} "
@@ -284,11 +284,13 @@ class LlamaForCausalLM(nn.Module):
         table = getattr(kv, "layer_table", None)
         if table is None or not FusedLayers.enabled or getattr(kv, "keeps_inputs", False):
             return None
-        lora_words = None if lora is None else lora.native()
-        if lora is not None and lora_words is None:
-            return None
         if self._decode_words is None:      # the layers' decode weights, once (`pack` resets)
             self._decode_words = (layer_words(self.layers),)
+        if self._decode_words[0] is None:
+            return None
+        lora_words = None if lora is None else lora.native()     # (made once an adapter runs)
+        if lora is not None and lora_words is None:
+            return None
         cfg = self.config
         return DecodeLayers.build(self._decode_words[0], x, rope,
                                   table(cfg.num_attention_heads // cfg.num_key_value_heads),

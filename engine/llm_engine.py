@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous step loop. schedule -> execute -> update -> outputs."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -34,12 +35,23 @@ class DuplicateRequestId(KeyError):
 
 
 class LLMEngine:
+    def _rope_identity(self, cfg: ModelConfig) -> str:
+        """What rotates a page's keys beyond the model's files, for the prefix cache's
+        namespace: --hf-overrides, and the served length where the RoPE depends on it
+        (dynamic NTK, LongRoPE's short or long factors)."""
+        overrides = self.args.config_overrides()
+        ident = json.dumps(overrides, sort_keys=True) if overrides else ""
+        if (cfg.rope_scaling or {}).get("rope_type") in ("dynamic", "longrope"):
+            ident += f"|positions {self.max_model_len}"
+        return ident
+
     def __init__(self, args: EngineArgs):
         self.args = args
         self.model_folder = ensure_hf_folder(args.model, args.resolved_cache_dir)
         cfg = ModelConfig.from_hf(self.model_folder, args.config_overrides())
         self.max_model_len = args.max_model_len or cfg.served_positions
-        if not args.max_model_len and cfg.served_positions < cfg.positions:
+        if not args.max_model_len and cfg.sliding_window is not None \
+                and cfg.served_positions < cfg.positions:
             logger.warning("%s attends within a %d-token sliding window; serving up to %d "
                            "tokens, where full attention equals it", cfg.architecture,
                            cfg.sliding_window, cfg.served_positions)
@@ -66,7 +78,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model_folder, cfg, self.weight_plan,
                                   args.kv_store_config(), self.max_model_len,
                                   device=self.device, gguf=gguf,
-                                  model_id=model_fingerprint(self.model_folder, gguf),
+                                  model_id=model_fingerprint(self.model_folder, gguf,
+                                                             self._rope_identity(cfg)),
                                   lowrank_path=projection_path(self.model_folder,
                                                                args.resolved_cache_dir,
                                                                args.lowrank_rank))

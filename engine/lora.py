@@ -45,7 +45,7 @@ class LoraAdapter:
     rank: int
     # (layer, fused matmul) -> (A [R, in], B [out, R] with the scale folded in)
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
-    layers: int = 0                  # the model's decoder layers
+    layers: int                      # the model's decoder layers
     _native: list = field(default_factory=list, repr=False)    # [lora_table's], once asked
 
     def native_table(self) -> torch.Tensor | None:

@@ -63,8 +63,12 @@ class ModelConfig:
     def served_positions(self) -> int:
         """The default served length: the model's positions, or its sliding window where that
         is shorter (Strata attends to the whole context, which is the windowed attention only
-        up to the window)."""
-        return min(self.positions, self.sliding_window or 1 << 62)
+        up to the window). Dynamic NTK serves max_position_embeddings unless a longer
+        --max-model-len asks (engine/rope.py fixes its base at the served length, which
+        equals transformers' only up to max_position_embeddings)."""
+        dynamic = (self.rope_scaling or {}).get("rope_type") == "dynamic"
+        positions = self.max_position_embeddings if dynamic else self.positions
+        return min(positions, self.sliding_window or 1 << 62)
 
     @property
     def group_size(self) -> int:
@@ -167,8 +171,8 @@ def _rope(cfg: Mapping[str, Any], is_phi3: bool) -> tuple[float, dict[str, Any] 
     scaling.pop("type", None)
     if scaling.get("rope_type") in (None, "default"):
         return theta, None
-    if is_phi3 and scaling["rope_type"] in ("su", "yarn"):
-        scaling["rope_type"] = "longrope"
+    if is_phi3 and scaling["rope_type"] in ("su", "yarn") and "long_factor" in scaling:
+        scaling["rope_type"] = "longrope"       # (a YaRN of --hf-overrides stays YaRN)
     if scaling["rope_type"] == "longrope" and cfg.get("original_max_position_embeddings"):
         scaling["original_max_position_embeddings"] = int(cfg["original_max_position_embeddings"])
     return theta, scaling

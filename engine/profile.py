@@ -52,8 +52,8 @@ def profile_model(args: EngineArgs, tokens: int, length: int, window: int,
     if kv_cfg.selector not in ("quest", "mean"):
         raise ValueError("strata profile measures with --selector quest or mean")
     folder = ensure_hf_folder(args.model, args.resolved_cache_dir)
-    cfg = ModelConfig.from_hf(folder)
-    length = min(length, cfg.max_position_embeddings)
+    cfg = ModelConfig.from_hf(folder, args.config_overrides())
+    length = min(length, cfg.served_positions)
     options = sorted(o for o in (options or DEFAULT_OPTIONS) if o < length - window)
     if not options or kv_cfg.sparse_budget < options[0]:
         raise ValueError(f"--sparse-budget {kv_cfg.sparse_budget}: no budget option from "

@@ -23,7 +23,7 @@ def config(**extra) -> ModelConfig:
 @pytest.mark.parametrize("scaling, positions", [
     (None, 128),
     ({"rope_type": "linear", "factor": 2.0}, 256),
-    ({"rope_type": "dynamic", "factor": 4.0}, 512),
+    ({"rope_type": "dynamic", "factor": 4.0}, 512),     # (served: 128 unless asked)
     (YARN, 256),
     # the config already gives the scaled length (DeepSeek's and YaRN fine-tunes' shape)
     ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, 128),
@@ -31,7 +31,10 @@ def config(**extra) -> ModelConfig:
       "original_max_position_embeddings": 16}, 128)])
 def test_a_rope_scaling_serves_its_factor_times_the_positions(scaling, positions):
     cfg = config(**({} if scaling is None else {"rope_scaling": scaling}))
-    assert cfg.positions == positions == cfg.served_positions
+    assert cfg.positions == positions
+    # dynamic NTK is transformers' only up to the model's positions: served there by default
+    dynamic = scaling is not None and scaling["rope_type"] == "dynamic"
+    assert cfg.served_positions == (128 if dynamic else positions)
 
 
 def test_overrides_replace_the_configs_keys_wherever_rope_is_kept():
@@ -57,8 +60,15 @@ def test_a_bad_override_is_refused_at_start_up(value, match):
 
 
 @pytest.mark.slow
-def test_a_yarn_override_serves_past_the_trained_positions_as_transformers(tmp_path):
+def test_a_yarn_override_serves_past_the_trained_positions_as_transformers(tmp_path,
+                                                                          monkeypatch):
     import json
+
+    import engine.llm_engine as llm_engine
+    namespaces = []         # the prefix cache's: pages rotated otherwise are not shared
+    real = llm_engine.model_fingerprint
+    monkeypatch.setattr(llm_engine, "model_fingerprint",
+                        lambda *a: namespaces.append(real(*a)) or namespaces[-1])
     plain = save_tiny_hf("llama", {}, tmp_path / "plain")
     yarn = save_tiny_hf("llama", {"rope_scaling": YARN}, tmp_path / "yarn")
     for a, b in zip(plain.state_dict().values(), yarn.state_dict().values()):
@@ -76,6 +86,7 @@ def test_a_yarn_override_serves_past_the_trained_positions_as_transformers(tmp_p
         LLMEngine(EngineArgs(**args, max_model_len=256))
     engine = LLMEngine(EngineArgs(**args, hf_overrides=json.dumps({"rope_scaling": YARN})))
     assert engine.max_model_len == 256
+    assert len(namespaces) == 2 and namespaces[0] != namespaces[1]
     engine.add_request("r", prompt, SamplingParams(max_tokens=12, temperature=0.0,
                                                    ignore_eos=True))
     got = []
@@ -84,3 +95,13 @@ def test_a_yarn_override_serves_past_the_trained_positions_as_transformers(tmp_p
             assert out.error is None, out.error
             got += out.new_token_ids
     assert got == want
+
+
+def test_a_phi3_config_names_longrope_yarn_but_an_override_without_its_factors_is_yarn():
+    phi3 = {"architectures": ["Phi3ForCausalLM"], **TINY}
+    lr = {"rope_type": "yarn", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+          "original_max_position_embeddings": 64}
+    assert ModelConfig.from_hf({**phi3, "rope_scaling": lr}).rope_scaling["rope_type"] \
+        == "longrope"
+    cfg = ModelConfig.from_hf(phi3, {"rope_scaling": YARN})
+    assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.positions == 256
