@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, matmul_rows, projection_rows
 from engine.rope import RotaryEmbedding, rotary_order
 from kernels import layer_ops
 from kernels.decode_layer import DecodeLayers, FusedLayers, layer_words
@@ -162,25 +162,6 @@ class DecoderLayer(nn.Module):
         if lora is not None:
             return h + lora.apply(self.index, "down", act, self.down(act))
         return h + self.down(act)
-
-
-def projection_rows(cfg: ModelConfig) -> dict[str, tuple[str, int, int | None]]:
-    """Each checkpoint projection -> (the layer's matmul it lands in, its first output row
-    there, its rows; None: all of them): q/k/v fuse into qkv, gate/up into gate_up (Phi-3's
-    checkpoints come fused)."""
-    q, kv, inter = (cfg.num_attention_heads * cfg.head_dim,
-                    cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
-    return {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
-            "qkv_proj": ("qkv", 0, None), "o_proj": ("o", 0, None),
-            "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter),
-            "gate_up_proj": ("gate_up", 0, None), "down_proj": ("down", 0, None)}
-
-
-def matmul_rows(cfg: ModelConfig) -> dict[str, int]:
-    """Output rows of each of a layer's matmuls."""
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return {"qkv": q + 2 * kv, "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size,
-            "down": cfg.hidden_size}
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,

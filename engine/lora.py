@@ -21,14 +21,14 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from engine.args import LORA_CONFIG_FILE
-from engine.llama import matmul_rows, projection_rows
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, matmul_rows, projection_rows
 from kernels.decode_layer import LoraWords, lora_table
 
 CONFIG_FILE = LORA_CONFIG_FILE
@@ -43,18 +43,16 @@ class LoraAdapter:
     path: Path
     fingerprint: str                 # digest of the adapter's files: its prefix-cache salt
     rank: int
-    # (layer, fused matmul) -> (A [R, in], B [out, R] with the scale folded in)
+    # (layer, fused matmul) -> (A^T [in, R], B^T [R, out] with the scale folded in),
+    # contiguous: what both the op-by-op layers and the C decode layers read
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     layers: int                      # the model's decoder layers
-    _native: list = field(default_factory=list, repr=False)    # [lora_table's], once asked
 
+    @cached_property
     def native_table(self) -> torch.Tensor | None:
         """This adapter's table for the C decode layers (kernels/decode_layer.lora_table),
         made on first use; None where they do not serve it."""
-        if not self._native:
-            self._native.append(lora_table(self.weights, self.layers))
-        made = self._native[0]
-        return None if made is None else made[0]
+        return lora_table(self.weights, self.layers)
 
     @classmethod
     def load(cls, name: str, path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
@@ -120,10 +118,11 @@ class LoraAdapter:
             if a.shape[1] != expect:
                 raise ValueError(f"LoRA {name}: layer {layer} {fused} takes {a.shape[1]} "
                                  f"inputs, this model's {expect}")
-            weights[(layer, fused)] = (a.to(dtype).to(device), b.to(dtype).to(device))
+            weights[(layer, fused)] = (a.t().contiguous().to(dtype).to(device),
+                                       b.t().contiguous().to(dtype).to(device))
         if not weights:
             raise ValueError(f"LoRA {name}: {weights_file} holds no LoRA weights")
-        rank = max(a.shape[0] for a, _ in weights.values())
+        rank = max(at.shape[1] for at, _ in weights.values())
         return cls(name, path, digest, rank, weights, cfg.num_hidden_layers)
 
 
@@ -152,21 +151,21 @@ class LoraBatch:
               device) -> "LoraBatch | None":
         """spans: (adapter or None, first row, rows) per request, in row order; None when no
         request uses an adapter (the base model's step, the C layers allowed)."""
-        rows: dict[str, tuple[LoraAdapter, list[int]]] = {}
+        rows: dict[str, tuple[int, LoraAdapter, list[int]]] = {}    # name -> (group, ...)
         row_adapter = [-1] * total
         for adapter, start, n in spans:
             if adapter is not None:
-                group = rows.setdefault(adapter.name, (adapter, []))
-                group[1].extend(range(start, start + n))
-                row_adapter[start:start + n] = [list(rows).index(adapter.name)] * n
+                group, _, ids = rows.setdefault(adapter.name, (len(rows), adapter, []))
+                ids.extend(range(start, start + n))
+                row_adapter[start:start + n] = [group] * n
         if not rows:
             return None
         return cls([(a, None if len(r) == total else torch.tensor(r, device=device))
-                    for a, r in rows.values()], row_adapter)
+                    for _, a, r in rows.values()], row_adapter)
 
     def native(self) -> LoraWords | None:
         """These rows for the C decode layers, or None where an adapter is not served there."""
-        tables = [adapter.native_table() for adapter, _ in self.groups]
+        tables = [adapter.native_table for adapter, _ in self.groups]
         if any(t is None for t in tables):
             return None
         return LoraWords(self.row_adapter, tables)
@@ -178,9 +177,9 @@ class LoraBatch:
             ab = adapter.weights.get((layer, fused))
             if ab is None:
                 continue
-            a, b = ab
+            at, bt = ab
             xs = x if rows is None else x.index_select(0, rows)
-            delta = ((xs.to(a.dtype) @ a.t()) @ b.t()).to(y.dtype)
+            delta = ((xs.to(at.dtype) @ at) @ bt).to(y.dtype)
             if rows is None:
                 y = y + delta
             else:

@@ -142,6 +142,25 @@ class ModelConfig:
         )
 
 
+def projection_rows(cfg: ModelConfig) -> dict[str, tuple[str, int, int | None]]:
+    """Each checkpoint projection -> (the layer's matmul it lands in, its first output row
+    there, its rows; None: all of them): q/k/v fuse into qkv, gate/up into gate_up (Phi-3's
+    checkpoints come fused)."""
+    q, kv, inter = (cfg.num_attention_heads * cfg.head_dim,
+                    cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size)
+    return {"q_proj": ("qkv", 0, q), "k_proj": ("qkv", q, kv), "v_proj": ("qkv", q + kv, kv),
+            "qkv_proj": ("qkv", 0, None), "o_proj": ("o", 0, None),
+            "gate_proj": ("gate_up", 0, inter), "up_proj": ("gate_up", inter, inter),
+            "gate_up_proj": ("gate_up", 0, None), "down_proj": ("down", 0, None)}
+
+
+def matmul_rows(cfg: ModelConfig) -> dict[str, int]:
+    """Output rows of each of a layer's matmuls."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    return {"qkv": q + 2 * kv, "o": cfg.hidden_size, "gate_up": 2 * cfg.intermediate_size,
+            "down": cfg.hidden_size}
+
+
 def _overridden(cfg: dict, overrides: Mapping[str, Any]) -> dict:
     """`cfg` with `overrides`' keys in place of its own. A transformers 5 config keeps RoPE
     in rope_parameters, which `_rope` reads before the top-level keys: an overridden

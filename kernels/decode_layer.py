@@ -76,25 +76,22 @@ class SparseWords:
 LORA_MATMULS = ("qkv", "o", "gate_up", "down")     # _layer.c's order of a layer's matmuls
 
 
-def lora_table(weights: dict, layers: int) -> tuple[torch.Tensor, list] | None:
+def lora_table(weights: dict, layers: int) -> torch.Tensor | None:
     """An adapter's table for _layer.c: int64 [layers, 4, LORA_ENTRY] (per layer and matmul:
-    the addresses of A^T [in, r] and B^T [r, out], and r; 0 where not adapted) and the
-    tensors it points into, from engine/lora.py's weights ((layer, matmul) -> (A [r, in],
-    B [out, r] scaled)); None where _layer.c does not serve them (not float32 on the CPU, a
+    the addresses of A^T [in, r] and B^T [r, out], and r; 0 where not adapted), from
+    engine/lora.py's weights ((layer, matmul) -> (A^T, B^T scaled), which the adapter keeps
+    alive); None where _layer.c does not serve them (not contiguous float32 on the CPU, a
     rank over MAX_LORA_RANK)."""
     if _layer is None:
         return None
     table = torch.zeros(layers, len(LORA_MATMULS), _layer.LORA_ENTRY, dtype=torch.int64)
-    keep = []
-    for (layer, fused), (a, b) in weights.items():
-        if a.dtype != torch.float32 or b.dtype != torch.float32 or a.device.type != "cpu" \
-                or b.device.type != "cpu" or a.shape[0] > _layer.MAX_LORA_RANK:
+    for (layer, fused), (at, bt) in weights.items():
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+               for t in (at, bt)) or at.shape[1] > _layer.MAX_LORA_RANK:
             return None
-        at, bt = a.t().contiguous(), b.t().contiguous()
-        keep += [at, bt]
         table[layer, LORA_MATMULS.index(fused)] = torch.tensor(
-            [at.data_ptr(), bt.data_ptr(), a.shape[0]])
-    return table, keep
+            [at.data_ptr(), bt.data_ptr(), at.shape[1]])
+    return table
 
 
 class LoraWords:
