@@ -13,6 +13,7 @@ from engine.settings import check_choices, setting
 from kvstore.config import (FORCE_TIERS, HEAD_PAGES, OBS_REDUCE, PIPELINES, PLACEMENTS,
                             RESIDENCY_POLICIES, SELECTORS, TIER_CODECS, KVStoreConfig)
 from scheduler.scheduler import SchedulerConfig
+from scheduler.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "bf16", "fp32")
 WEIGHTS = ("auto", "native", "fp32", "bf16", "int8", "int4")  # kernels.packed_linear.FORMATS
@@ -91,6 +92,12 @@ class EngineArgs:
     max_waiting_total: int = setting(_SCHED.max_waiting_total, "waiting requests of all "
                                      "clients at most (0: 4 x --max-waiting)",
                                      group="scheduler")
+    speculative_config: str = setting(
+        "", "n-gram speculation (prompt lookup), vLLM's JSON: '{\"method\": \"ngram\", "
+        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'"
+        ": a decode whose last tokens occurred earlier in its text also verifies the tokens "
+        "that followed them, in one step; the output is what it would be without (off: '')",
+        group="scheduler")
     page_size: int = setting(_KV.page_size, "tokens per KV page (a power of two)", group="kv")
     kv_device_gb: float = setting(_KV.device_bytes / _GB, "device KV tier: GPU memory, a "
                                   "preallocated RAM pool on a CPU", group="kv")
@@ -209,6 +216,7 @@ class EngineArgs:
             raise ValueError("--kv-recompute rebuilds K/V from the base model's weights: it "
                              "cannot serve --lora-modules")
         check_override(self.override_generation_config)
+        SpeculativeConfig.from_json(self.speculative_config)
         self.config_overrides()
         if self.generation_config not in GENERATION_MODES and not (
                 Path(self.generation_config).expanduser() / GENERATION_CONFIG_FILE).is_file():

@@ -103,6 +103,7 @@ class AsyncEngine:
             prefix_pages=dict(e.store.prefix_pages()),
             kv_disk_io=e.store.disk_io(),
             lora_requests=self._lora_requests(),
+            spec_decode=(e.spec.drafts, e.spec.draft_tokens, e.spec.accepted_tokens),
         )
 
     def _lora_requests(self) -> dict[str, tuple[int, int]]:

@@ -23,6 +23,7 @@ from kvstore.lowrank import projection_path
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.speculative import SpecStats, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ class LLMEngine:
                                         args.torch_threads(), self.device)
         # NOTE: a GGUF model's weights come from the file itself (quantized blocks as they
         # are, dequantized exactly in float32); the converted folder gives config and tokenizer
+        kv = args.kv_store_config()
         self.runner = ModelRunner(self.model_folder, cfg, self.weight_plan,
-                                  args.kv_store_config(), self.max_model_len,
+                                  kv, self.max_model_len,
                                   device=self.device, gguf=gguf,
                                   model_id=model_fingerprint(self.model_folder, gguf,
                                                              self._rope_identity(cfg)),
@@ -96,11 +98,14 @@ class LLMEngine:
             max_waiting_total=args.max_waiting_total,
             max_model_len=self.max_model_len,
             page_size=args.page_size,
+            speculative=SpeculativeConfig.from_json(args.speculative_config),
+            draft_context=kv.sparse_from_pages * kv.page_size if kv.sparse_budget > 0 else 0,
         ), self.allocator)
         # how many tokens/logprobs each request has already been told about
         self._emitted: dict[str, int] = {}
         self._pending_logprobs: dict[str, list] = {}
         self.num_preemptions = 0
+        self.spec = SpecStats()             # drafts verified and kept (--speculative-config)
         # (prefill, decode-only) torch threads of each step (`use_threads`); None: the caller's
         self.threads: tuple[int, int] | None = None
         self.core_split: CoreSplit | None = None     # sequential decode: who gets the cores
@@ -236,11 +241,11 @@ class LLMEngine:
                      } - sampled.keys()
         outputs = [o for rid in unsampled if rid in failed
                    and (o := self._fail(rid, failed.pop(rid))) is not None]
-        for rid, tok in sampled.items():
-            if tok.logprobs is not None:
-                self._pending_logprobs[rid].append(tok.logprobs)
-        finished = {r.request_id for r in
-                    self.scheduler.update(batch, {rid: t.token_id for rid, t in sampled.items()})}
+        for rid, toks in sampled.items():
+            self._pending_logprobs[rid] += [t.logprobs for t in toks if t.logprobs is not None]
+        self.spec.observe(batch, sampled)
+        finished = {r.request_id for r in self.scheduler.update(
+            batch, {rid: tuple(t.token_id for t in toks) for rid, toks in sampled.items()})}
         for rid in (r.request_id for r in batch.requests):  # (embedding requests end unsampled)
             if rid in finished:
                 outputs.append(self._finish(requests[rid]))
@@ -258,7 +263,8 @@ class LLMEngine:
         start = self._emitted.get(rid, 0)
         new = tuple(req.output_token_ids[start:])
         self._emitted[rid] = len(req.output_token_ids)
-        lps = self._pending_logprobs.get(rid, [])
+        # (a decode with drafts may stop before its last token: those entries go too)
+        lps = self._pending_logprobs.get(rid, [])[:len(new)]
         self._pending_logprobs[rid] = []
         reason = req.status.value if finished else None
         # NOTE: the prompt is computed once the first token is sampled

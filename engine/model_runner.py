@@ -5,6 +5,7 @@ random generator. Knows nothing of HTTP or of scheduling policy.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,10 +147,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, requests: dict[str, Request]
-                ) -> tuple[dict[str, SampledToken], list[tuple[str, str]]]:
-        """Run one step. Returns the sampled token of every request whose chunk ends its known
-        tokens, and (request_id, error) for requests whose KV write to the backing store failed
-        or whose sampling failed (those have no sampled token).
+                ) -> tuple[dict[str, list[SampledToken]], list[tuple[str, str]]]:
+        """Run one step. Returns the tokens sampled for every request whose chunk ends its
+        known tokens (one, or a decode's drafts kept and the token after them), and
+        (request_id, error) for requests whose KV write to the backing store failed or whose
+        sampling failed (those have no sampled token).
         Raises kvstore.store.RequestKVError when pages of some requests were lost."""
         input_ids: list[int] = []
         positions: list[int] = []
@@ -180,9 +182,10 @@ class ModelRunner:
                 pool_at.append((r.request_id, len(rows), r.start_pos == 0, r.sample))
             input_ids.extend(r.token_ids)
             positions.extend(range(r.start_pos, r.start_pos + n))
-            seqs.append(SeqKV(r.request_id, r.page_ids, r.start_pos, n, observe=r.sample and n > 1))
-            if r.sample and req.sampling_params.samples:
-                logits_rows.append(len(input_ids) - 1)
+            seqs.append(SeqKV(r.request_id, r.page_ids, r.start_pos, n,
+                              observe=r.sample and n > 1 and not r.drafts, drafts=r.drafts))
+            if r.sample and req.sampling_params.samples:    # (a decode's drafts: every row)
+                logits_rows.extend(range(len(input_ids) - 1 - r.drafts, len(input_ids)))
             prompt_len = requests[r.request_id].num_prompt_tokens
             if r.start_pos < prompt_len <= r.start_pos + n:
                 prefilled.append(r.request_id)
@@ -215,12 +218,42 @@ class ModelRunner:
         return sampled, write_failures + sample_failures
 
     def _sample(self, batch: ScheduledBatch, requests: dict[str, Request], logits: torch.Tensor
-                ) -> tuple[dict[str, SampledToken], list[tuple[str, str]]]:
-        """The sampled token of each request that samples this step, and (request_id, error)
-        for those whose sampling failed: one request's failure (its generator, its values)
-        ends that request alone; the others' draws are the ones they would make without it."""
-        rows = list(enumerate(q for q in (requests[r.request_id] for r in batch.requests
-                                          if r.sample) if q.sampling_params.samples))
+                ) -> tuple[dict[str, list[SampledToken]], list[tuple[str, str]]]:
+        """The tokens each request that samples this step keeps, and (request_id, error) for
+        those whose sampling failed. A decode with drafts samples its positions in turn, each
+        as a decode step would with the tokens kept before it, while the token sampled
+        equals the draft at its place: the drafts kept and the first token that differs (or
+        the one after every draft), the same draws in the same order as without drafts."""
+        live, row = [], 0       # (request, its first logits row, its drafts)
+        for r in batch.requests:
+            q = requests[r.request_id]
+            if r.sample and q.sampling_params.samples:
+                live.append((q, row, r.token_ids[len(r.token_ids) - r.drafts:]))
+                row += 1 + r.drafts
+        kept: dict[str, list[SampledToken]] = {q.request_id: [] for q, _, _ in live}
+        failed: list[tuple[str, str]] = []
+        k = 0
+        while live:
+            got, fails = self._sample_pass(logits, [(at + k, _with_outputs(q, kept[q.request_id]))
+                                                    for q, at, _ in live])
+            failed += fails
+            for rid, _ in fails:
+                del kept[rid]
+            going = []
+            for q, at, drafts in live:
+                tok = got.get(q.request_id)
+                if tok is not None:
+                    kept[q.request_id].append(tok)
+                    if k < len(drafts) and tok.token_id == drafts[k]:
+                        going.append((q, at, drafts))
+            live, k = going, k + 1
+        return {rid: toks for rid, toks in kept.items() if toks}, failed
+
+    def _sample_pass(self, logits: torch.Tensor, rows: list[tuple[int, Request]]
+                     ) -> tuple[dict[str, SampledToken], list[tuple[str, str]]]:
+        """The token sampled from each (logits row, request), and (request_id, error) for
+        those whose sampling failed: one request's failure (its generator, its values) ends
+        that request alone; the others' draws are the ones they would make without it."""
         failed: list[tuple[str, str]] = []
         ready = []
         for i, q in rows:
@@ -376,6 +409,14 @@ class ModelRunner:
             return banned
         return banned + tuple(p.stop_token_ids) + (
             () if p.ignore_eos else tuple(req.eos_token_ids))
+
+
+def _with_outputs(req: Request, kept: list[SampledToken]) -> Request:
+    """`req` as sampling sees it after the tokens `kept` this step (a decode's drafts)."""
+    if not kept:
+        return req
+    return dataclasses.replace(req, output_token_ids=req.output_token_ids + [
+        t.token_id for t in kept])
 
 
 def _dry_prompt(req: Request) -> list[int]:

@@ -52,6 +52,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0          # of which the prefix cache held the KV
     prefix_pages: dict = field(default_factory=dict)   # tier -> cached pages
     kv_disk_io: dict = field(default_factory=dict)     # disk folder -> bytes_read, bytes_written
+    spec_decode: tuple[int, int, int] = (0, 0, 0)   # drafts verified, tokens drafted, kept
     # LoRA adapter -> (running, waiting) requests, every loaded adapter listed
     lora_requests: dict = field(default_factory=dict)
 

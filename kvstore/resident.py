@@ -82,8 +82,9 @@ class ResidentDecode:
         the CPU's C kernel; sparse ones in sequential mode with per-head pages) and every page
         of every layer is on the device tier, else None (the general path)."""
         tiers, kernel = step.tiers, step.parts.sparse_attention
+        drafts = any(s.drafts for s in step.seqs)
         if not cls.enabled or not step.seqs or tiers.recompute is not None \
-                or any(s.q_len != 1 for s in step.seqs) \
+                or not all(s.decodes for s in step.seqs) or drafts and step.sparse_idx \
                 or not isinstance(kernel, NativeSparseDecode):
             return None
         if step.sparse_idx and (step.pipe.mode != "sequential"
@@ -105,8 +106,10 @@ class ResidentDecode:
                     step.t_full_rids * L)
         # the head table over the pages in order (entries: positions in their concatenation;
         # a layer maps them to its slots)
-        head = step.dense_head_table(list(range(len(step.seqs))),
-                                     torch.arange(sum(step.n_pages)))
+        # (with drafts: a row per token, each over the pages up to its position)
+        entries = torch.arange(sum(step.n_pages))
+        head = step.row_head_table(entries) if drafts else \
+            step.dense_head_table(list(range(len(step.seqs))), entries)
         return cls(step, kernel, head, slots[:, head.indices.long()].contiguous(), t_slots,
                    t_slots[:, step.tok_t].contiguous(), full, slots)
 
@@ -126,7 +129,7 @@ class ResidentDecode:
         def off_device(missing: torch.Tensor) -> bool:
             """Whether a page missing from the device (bool per page, or [L, pages]) is not
             one this step opens (its one token written now)."""
-            new = torch.isin(pages, step.t_pid[step.t_valid == 1])
+            new = torch.isin(pages, step.t_pid[step.t_new])
             return bool((missing & ~new).any())
 
         # one layer first: a context the device tier does not hold (tiered sparse decode)

@@ -38,6 +38,14 @@ class SeqKV:
     start_pos: int
     q_len: int
     observe: bool = False        # the chunk ends the prefill: rank pages by its last queries
+    drafts: int = 0              # a decode's pending token and this many drafts after it
+                                 # (scheduler/speculative.py): each token's row attends to the
+                                 # positions up to its own, as a decode would
+
+    @property
+    def decodes(self) -> bool:
+        """A decode (one token, or one and its drafts), not a prompt chunk."""
+        return self.q_len == 1 + self.drafts
 
     @property
     def kv_len(self) -> int:
@@ -77,7 +85,7 @@ class StepKV:
         # page is its sequence's last, which selection always keeps: KVStoreConfig.local_pages
         # >= 1)
         self.s_counts: list[int] = []
-        t_pid, t_valid, t_full = [], [], []
+        t_pid, t_valid, t_full, t_new = [], [], [], []
         for i, s in enumerate(seqs):
             self.qo.append(self.qo[-1] + s.q_len)
             pos = range(s.start_pos, s.kv_len)
@@ -90,6 +98,7 @@ class StepKV:
                 valid = min(ps, s.kv_len - j * ps)
                 t_valid.append(valid)
                 t_full.append(valid == ps and s.start_pos - j * ps < ps)   # filled in this step
+                t_new.append(j * ps >= s.start_pos)                         # opened in this step
             self.s_counts.append(sum(t_full[len(t_full) - (j1 - j0 + 1):]))   # full, leading
         # each token's page, as an index into the touched pages (t_pid)
         self.tok_t = torch.tensor(tok_t, **_I64)
@@ -97,6 +106,7 @@ class StepKV:
         self.t_pid = torch.tensor(t_pid, **_I64)
         self.t_valid = torch.tensor(t_valid, **_I64)
         self.t_full = torch.tensor(t_full, dtype=torch.bool)
+        self.t_new = torch.tensor(t_new, dtype=torch.bool)
         # the owner of each page that became full, in t_full order (for per-request write-back)
         self.t_full_rids = [seqs[i].request_id for (i, _, n) in self.t_runs for _ in range(n)]
         self.t_full_rids = [rid for rid, f in zip(self.t_full_rids, t_full) if f]
@@ -124,9 +134,9 @@ class StepKV:
         self.selected: list[torch.Tensor] = []     # keys the sparse decodes selected
         if cfg.sparse_budget > 0:
             st, L = self.stats, self.tiers.num_layers
-            st.dense_fallbacks["prefill"] += L * sum(s.q_len > 1 for s in seqs)
+            st.dense_fallbacks["prefill"] += L * sum(not s.decodes for s in seqs)
             st.dense_fallbacks["fits_budget"] += L * sum(
-                s.q_len == 1 and not sp for s, sp in zip(seqs, sparse))
+                s.decodes and not sp for s, sp in zip(seqs, sparse))
             st.dense_fallbacks["dense_layer"] += min(cfg.dense_layers, L) * len(self.sparse_idx)
         self.resident = ResidentDecode.plan(self)     # None: the general path below
 
@@ -149,7 +159,7 @@ class StepKV:
             if n:
                 rkv.summaries[layer, j0:j0 + n] = summ[u:u + n]
             u += n
-            if self.seqs[i].q_len > 1:
+            if not self.seqs[i].decodes:
                 prompts.append((rkv, self.n_pages[i]))
         self.selection.index_prompts(layer, prompts)
 
@@ -296,6 +306,28 @@ class StepKV:
             heads = table.page_table.per_head(self.tiers.page_shape.num_kv_heads)
             plan = self._head_tables[key] = PageTable(heads.indptr, heads.indices.long(),
                                                heads.last_page_len, heads.page_size)
+        return PageTable(plan.indptr, slots[plan.indices].to(torch.int32), plan.last_page_len,
+                         plan.page_size)
+
+    def row_head_table(self, slots: torch.Tensor) -> PageTable:
+        """`dense_head_table` of every sequence with a row per token: a decode's drafts each
+        attend to the pages up to their own position (the step's K/V written first)."""
+        if () not in self._head_tables:
+            ps, indptr, entries, last, base = self.cfg.page_size, [0], [], [], 0
+            for s, n in zip(self.seqs, self.n_pages):
+                for kv in range(s.start_pos + 1, s.kv_len + 1):
+                    pages = -(-kv // ps)
+                    entries.extend(range(base, base + pages))
+                    indptr.append(len(entries))
+                    last.append(kv - (pages - 1) * ps)
+                base += n
+            table = PageTable(torch.tensor(indptr, dtype=torch.int32),
+                              torch.tensor(entries, dtype=torch.int32),
+                              torch.tensor(last, dtype=torch.int32), ps)
+            heads = table.per_head(self.tiers.page_shape.num_kv_heads)
+            self._head_tables[()] = PageTable(heads.indptr, heads.indices.long(),
+                                              heads.last_page_len, heads.page_size)
+        plan = self._head_tables[()]
         return PageTable(plan.indptr, slots[plan.indices].to(torch.int32), plan.last_page_len,
                          plan.page_size)
 

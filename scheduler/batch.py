@@ -13,6 +13,9 @@ class ScheduledRequest:
     page_ids: tuple[int, ...]    # the request's KV pages, covering [0, start_pos + len(token_ids))
     sample: bool                 # True when the chunk ends at the last known token: sample one
                                  # token
+    drafts: int = 0              # the last `drafts` token_ids are speculated (a decode's pending
+                                 # token, then drafts: each position is sampled and checked,
+                                 # scheduler/speculative.py)
 
 
 @dataclass(frozen=True)
@@ -31,5 +34,5 @@ class ScheduledBatch:
 
     @property
     def decode_only(self) -> bool:
-        """Every request computes one token (no prompt chunk)."""
-        return self.num_tokens == len(self.requests)
+        """Every request decodes: one token, or one and its drafts (no prompt chunk)."""
+        return self.num_tokens == len(self.requests) + sum(r.drafts for r in self.requests)

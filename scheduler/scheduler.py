@@ -39,6 +39,7 @@ from kvstore.page_allocator import PageAllocator
 from scheduler.batch import ScheduledBatch, ScheduledRequest
 from scheduler.errors import QueueFull, RequestTooLarge
 from scheduler.request import Request, RequestStatus
+from scheduler.speculative import NgramProposer, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ class SchedulerConfig:
     long_prefill_chunk: int = 0          # tokens per request per step at most; 0: only the budget
                                          # caps
     page_size: int = 16                  # tokens per KV page (must match the allocator)
+    speculative: SpeculativeConfig = SpeculativeConfig()    # n-gram drafts (off by default)
+    draft_context: int = 0               # drafts only while a request's tokens and drafts
+                                         # stay within this many (decodes past it attend
+                                         # sparsely, which a step of several tokens does not);
+                                         # 0: any
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "page_size"):
@@ -82,6 +88,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, waiting or running
         self.prefix_queried_tokens = 0     # prompt tokens of requests admitted (first time)
         self.prefix_hit_tokens = 0         # of which the prefix cache held the KV
+        spec = config.speculative
+        self.proposer = NgramProposer(spec) if spec.enabled else None
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -151,15 +159,17 @@ class Scheduler:
             if n == 0:       # nothing to compute (update() not called yet): leave it be
                 i += 1
                 continue
-            while not self.allocator.allocate(req.request_id, req.num_computed_tokens + n):
+            drafts = self._drafts(req, budget - n) if n == 1 else ()
+            while not self.allocator.allocate(req.request_id,
+                                              req.num_computed_tokens + n + len(drafts)):
                 victim = self.running.pop()       # the newest running request
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
-                scheduled.append(self._schedule_chunk(req, n))
-                budget -= n
+                scheduled.append(self._schedule_chunk(req, n, drafts))
+                budget -= n + len(drafts)
                 i += 1
 
         while (not preempted and self.waiting and budget > 0
@@ -196,8 +206,10 @@ class Scheduler:
 
         return ScheduledBatch(tuple(scheduled), tuple(preempted))
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Request]:
-        """Record a step's results: advance progress, append sampled tokens, finish requests
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int | tuple[int, ...]]
+               ) -> list[Request]:
+        """Record a step's results: advance progress, append sampled tokens (a decode with
+        drafts: the drafts kept and the token sampled after them, in order), finish requests
         that stopped. Returns the requests that finished in this update (pages already freed).
         Requests aborted between schedule() and update() are skipped."""
         finished: list[Request] = []
@@ -212,12 +224,16 @@ class Scheduler:
                 self._finish(req, RequestStatus.FINISHED_STOPPED)
                 finished.append(req)
                 continue
-            token = sampled[sr.request_id]
-            req.output_token_ids.append(token)
-            status = self._check_stop(req, token)
-            if status is not None:
-                self._finish(req, status)
-                finished.append(req)
+            tokens = sampled[sr.request_id]
+            for k, token in enumerate((tokens,) if isinstance(tokens, int) else tokens):
+                if sr.drafts:   # the K/V of the pending token and the drafts kept so far
+                    req.num_computed_tokens = sr.start_pos + k + 1
+                req.output_token_ids.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    self._finish(req, status)
+                    finished.append(req)
+                    break
         return finished
 
     # ---- ending requests early --------------------------------------------------------------
@@ -244,16 +260,41 @@ class Scheduler:
             n = min(n, self.config.long_prefill_chunk)
         return max(n, 0)
 
-    def _schedule_chunk(self, req: Request, n: int) -> ScheduledRequest:
+    def _schedule_chunk(self, req: Request, n: int, drafts: tuple[int, ...] = ()
+                        ) -> ScheduledRequest:
         start = req.num_computed_tokens
         end = start + n
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=_token_slice(req, start, end),
+            token_ids=_token_slice(req, start, end) + drafts,
             start_pos=start,
             page_ids=self.allocator.pages(req.request_id),
             sample=end == req.num_tokens,
+            drafts=len(drafts),
         )
+
+    def _drafts(self, req: Request, budget: int) -> tuple[int, ...]:
+        """The n-gram drafts a decode of `req` verifies this step (scheduler/speculative.py).
+        No more than could be kept (max_tokens, max_model_len, `budget`), and all in the
+        page the pending token goes to, short of its last slot: a page is full (summarized,
+        written to the backing tier, cached) only once tokens that were kept fill it, and
+        the K/V of drafts that were not is overwritten before then."""
+        p = req.sampling_params
+        if self.proposer is None or not p.samples or req.num_computed_tokens + 1 != req.num_tokens:
+            return ()
+        ps, cfg = self.config.page_size, self.config
+        limit = min(cfg.speculative.num_speculative_tokens, budget,
+                    p.max_tokens - len(req.output_token_ids) - 1,
+                    cfg.max_model_len - req.num_tokens - 1,
+                    ps - 2 - req.num_computed_tokens % ps)
+        if cfg.draft_context:
+            limit = min(limit, cfg.draft_context - req.num_tokens)
+        if limit <= 0:
+            return ()
+        stops = frozenset(p.stop_token_ids) | (
+            frozenset() if p.ignore_eos else frozenset(req.eos_token_ids))
+        return self.proposer.propose(req.request_id, req.prompt_token_ids,
+                                     req.output_token_ids, limit, stops)
 
     def _next_waiting(self) -> Request:
         """The oldest waiting request of the client with the fewest running requests."""
@@ -313,6 +354,8 @@ class Scheduler:
         else:
             self._unwait(req)
         self.allocator.free(req.request_id)
+        if self.proposer is not None:
+            self.proposer.release(req.request_id)
         req.status = status
         del self.requests[req.request_id]
 

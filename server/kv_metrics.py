@@ -43,6 +43,7 @@ def kv_families(stats):
                                 "--pipeline sfc (0 while the start-up calibration runs).",
                                 value=mb)
     yield from prefix_families(stats)
+    yield from spec_families(stats)
     if stats.kv_disk_io:
         disk = CounterMetricFamily("strata_kv_disk_bytes", "Bytes the disk tier's drives read "
                                    "and wrote, per folder (--kv-disk-path; reads count the gap "
@@ -98,6 +99,16 @@ def prefix_families(stats):
     for tier in TIERS:
         pages.add_metric([tier], stats.prefix_pages.get(tier, 0))
     yield pages
+
+
+def spec_families(stats):
+    """strata_spec_decode_*: n-gram drafts verified, tokens drafted and kept (vLLM's
+    spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens)."""
+    for name, text, value in zip(
+            ("num_drafts", "num_draft_tokens", "num_accepted_tokens"),
+            ("Decodes that verified drafts (--speculative-config).", "Tokens drafted.",
+             "Drafted tokens kept."), stats.spec_decode):
+        yield CounterMetricFamily(f"strata_spec_decode_{name}", text, value=value)
 
 
 def stage_families(kv):
