@@ -74,8 +74,10 @@ def run(context: int, steps: int, batches: list[int], rounds: int, rank: int) ->
     ids = essay_ids(tokenizer())
     with tempfile.TemporaryDirectory() as tmp:
         write_adapter(Path(tmp) / "bench", cfg, rank)
-        engine = LLMEngine(EngineArgs(model="bundled", prefix_cache="off",
-                                      lora_modules=f"bench={tmp}/bench"))
+        args = EngineArgs(model="bundled", prefix_cache="off",
+                          lora_modules=f"bench={tmp}/bench")
+        engine = LLMEngine(args)
+        engine.use_threads(*args.torch_threads())       # as the server's
         rows: dict[str, list[float]] = {}
         for r in range(rounds):
             for b in batches:
