@@ -24,6 +24,8 @@ CONFIGS = {
     "off": "",
     "k3 n2-4": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
                '"prompt_lookup_max": 4}',
+    "k3 n2-4 all": '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
+                   '"prompt_lookup_max": 4, "draft_p_min": 0}',
     "k5 n2-4": '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, '
                '"prompt_lookup_max": 4}',
     "k5 n5 (vLLM's)": '{"method": "ngram", "num_speculative_tokens": 5}',

@@ -23,7 +23,7 @@ from kvstore.lowrank import projection_path
 from scheduler.request import Request
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.speculative import SpecStats, SpeculativeConfig
+from scheduler.speculative import DraftCost, SpecStats, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,7 @@ class LLMEngine:
         self._pending_logprobs: dict[str, list] = {}
         self.num_preemptions = 0
         self.spec = SpecStats()             # drafts verified and kept (--speculative-config)
+        self.draft_cost = DraftCost()       # what a draft row costs, from the decode steps
         # (prefill, decode-only) torch threads of each step (`use_threads`); None: the caller's
         self.threads: tuple[int, int] | None = None
         self.core_split: CoreSplit | None = None     # sequential decode: who gets the cores
@@ -211,6 +212,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
+        fixed = self.scheduler.config.speculative.draft_p_min
+        self.scheduler.draft_min_p = fixed if fixed is not None else \
+            self.draft_cost.min_p(self.scheduler.num_running)
         batch = self.scheduler.schedule()
         self.num_preemptions += len(batch.preempted_ids)
         if batch.is_empty:
@@ -222,8 +226,11 @@ class LLMEngine:
         try:
             t0 = time.perf_counter()
             sampled, write_failures = self.runner.execute(batch, requests)
-            if split is not None:
+            drafts = batch.num_tokens - len(batch.requests)     # (of a decode-only step)
+            if split is not None and not drafts:    # (drafts' rows: not the shape it times)
                 split.observe(time.perf_counter() - t0)
+            if batch.decode_only:
+                self.draft_cost.observe(len(batch.requests), drafts, time.perf_counter() - t0)
         except RequestKVError as exc:
             # pages of these requests were lost: they end with an error; the others were not
             # advanced and simply run this step again

@@ -90,6 +90,8 @@ class Scheduler:
         self.prefix_hit_tokens = 0         # of which the prefix cache held the KV
         spec = config.speculative
         self.proposer = NgramProposer(spec) if spec.enabled else None
+        # the chance of being kept a draft needs (the engine's DraftCost sets it each step)
+        self.draft_min_p = 0.0
 
     # ---- queries ----------------------------------------------------------------------------
 
@@ -225,7 +227,11 @@ class Scheduler:
                 finished.append(req)
                 continue
             tokens = sampled[sr.request_id]
-            for k, token in enumerate((tokens,) if isinstance(tokens, int) else tokens):
+            tokens = (tokens,) if isinstance(tokens, int) else tokens
+            if self.proposer is not None:
+                self.proposer.observe(sr.request_id, sr.token_ids[1:] if sr.drafts else (),
+                                      tokens)
+            for k, token in enumerate(tokens):
                 if sr.drafts:   # the K/V of the pending token and the drafts kept so far
                     req.num_computed_tokens = sr.start_pos + k + 1
                 req.output_token_ids.append(token)
@@ -293,8 +299,9 @@ class Scheduler:
             return ()
         stops = frozenset(p.stop_token_ids) | (
             frozenset() if p.ignore_eos else frozenset(req.eos_token_ids))
-        return self.proposer.propose(req.request_id, req.prompt_token_ids,
-                                     req.output_token_ids, limit, stops)
+        drafts = self.proposer.propose(req.request_id, req.prompt_token_ids,
+                                       req.output_token_ids, limit, stops)
+        return self.proposer.worth(req.request_id, drafts, self.draft_min_p)
 
     def _next_waiting(self) -> Request:
         """The oldest waiting request of the client with the fewest running requests."""

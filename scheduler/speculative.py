@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 METHODS = ("ngram",)
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "draft_p_min")
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 0     # drafts a step verifies per request at most; 0: off
     prompt_lookup_min: int = 5          # the shortest n-gram matched
     prompt_lookup_max: int = 5          # the longest (the longest match wins)
+    # the chance of being kept a draft needs to be verified (ours, not vLLM's); None: what a
+    # draft row costs against a plain step, measured (DraftCost)
+    draft_p_min: float | None = None
 
     def __post_init__(self):
         if self.num_speculative_tokens < 0:
@@ -38,6 +42,8 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("1 <= prompt_lookup_min <= prompt_lookup_max must hold, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.draft_p_min is not None and not 0 <= self.draft_p_min <= 1:
+            raise ValueError(f"draft_p_min must be in [0, 1], got {self.draft_p_min}")
 
     @property
     def enabled(self) -> bool:
@@ -47,8 +53,8 @@ class SpeculativeConfig:
     def from_json(cls, text: str) -> SpeculativeConfig:
         """--speculative-config: vLLM's JSON object ({"method": "ngram",
         "num_speculative_tokens": k, "prompt_lookup_max": n, "prompt_lookup_min": m}); as
-        in vLLM, an n-gram size given alone is both, and neither means 5. "" is off.
-        ValueError naming what is wrong."""
+        in vLLM, an n-gram size given alone is both, and neither means 5. Ours beside them:
+        "draft_p_min" (see the field). "" is off. ValueError naming what is wrong."""
         if not text.strip():
             return cls()
         try:
@@ -67,25 +73,66 @@ class SpeculativeConfig:
                              "draft model's methods need a second model); use \"ngram\"")
         if "num_speculative_tokens" not in value:
             raise ValueError("--speculative-config needs num_speculative_tokens")
-        ints = {k: value[k] for k in _KEYS[1:] if k in value}
+        ints = {k: value[k] for k in _KEYS[1:4] if k in value}
         bad = [k for k, v in ints.items() if not isinstance(v, int) or isinstance(v, bool)]
         if bad:
             raise ValueError(f"--speculative-config: {bad} must be integers")
         hi, lo = ints.get("prompt_lookup_max"), ints.get("prompt_lookup_min")
         hi, lo = (hi or lo or 5), (lo or hi or 5)
-        return cls(ints["num_speculative_tokens"], lo, hi)
+        p_min = value.get("draft_p_min")
+        if p_min is not None and (not isinstance(p_min, (int, float)) or isinstance(p_min, bool)):
+            raise ValueError(f"--speculative-config: draft_p_min must be a number, got {p_min!r}")
+        return cls(ints["num_speculative_tokens"], lo, hi, p_min)
+
+
+RATE_PRIOR = 0.5        # a request's first guess of how often a draft is kept
+RATE_WEIGHT = 0.15      # the weight of each new outcome in that estimate
 
 
 class NgramProposer:
-    """Each request's tokens as a numpy buffer (grown as outputs arrive) and the drafts its
-    tail's longest earlier match gives."""
+    """Each request's tokens as a numpy buffer (grown as outputs arrive), the drafts its
+    tail's longest earlier match gives, and how often its drafts are kept: `worth` keeps a
+    draft only while the chance that it is reached and kept (the rate to the power of its
+    place) stays above what a draft row costs (`DraftCost`). The rate learns from every
+    proposal, verified or not: a proposal not verified is checked against the token the step
+    samples instead, so a request whose matches stop paying drafts nothing, and one whose
+    matches pay again resumes."""
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self._tokens: dict[str, tuple[np.ndarray, int]] = {}     # id -> (buffer, length)
+        self._rate: dict[str, float] = {}           # id -> share of its drafts kept (EMA)
+        self._unverified: dict[str, int] = {}       # id -> a proposal's first token, to check
 
     def release(self, request_id: str) -> None:
-        self._tokens.pop(request_id, None)
+        for table in (self._tokens, self._rate, self._unverified):
+            table.pop(request_id, None)
+
+    def worth(self, request_id: str, drafts: tuple[int, ...], min_p: float) -> tuple[int, ...]:
+        """The leading drafts whose chance of being kept is at least `min_p`; a proposal
+        left wholly unverified is remembered to be checked (`observe`)."""
+        rate, chance, n = self._rate.get(request_id, RATE_PRIOR), 1.0, 0
+        for _ in drafts:
+            chance *= rate
+            if chance < min_p:
+                break
+            n += 1
+        if drafts and not n:
+            self._unverified[request_id] = drafts[0]
+        return drafts[:n]
+
+    def observe(self, request_id: str, drafts: tuple[int, ...], tokens: tuple[int, ...]) -> None:
+        """A step's outcome: the drafts it verified (or, none verified, the proposal kept
+        aside) against the tokens it sampled; each draft up to the first one missed counts."""
+        first = self._unverified.pop(request_id, None)
+        if not drafts and first is not None:
+            drafts = (first,)
+        rate = self._rate.get(request_id, RATE_PRIOR)
+        for draft, token in zip(drafts, tokens):
+            rate += RATE_WEIGHT * ((draft == token) - rate)
+            if draft != token:
+                break
+        self._rate[request_id] = rate
 
     def propose(self, request_id: str, prompt: list[int], outputs: list[int], limit: int,
                 stop_ids: frozenset[int] = frozenset()) -> tuple[int, ...]:
@@ -154,3 +201,35 @@ class SpecStats:
                 self.drafts += 1
                 self.draft_tokens += r.drafts
                 self.accepted_tokens += len(kept[r.request_id]) - 1
+
+
+class DraftCost:
+    """What a draft row costs, against what a token costs without drafts, measured from the
+    engine's decode steps: a draft is worth its row where the chance it is kept exceeds
+    (seconds a row adds) x (requests in the step) / (seconds of a plain step of as many
+    requests). Where a row costs most of a step (a small model on a CPU: its matmuls bound
+    by arithmetic) that asks for likely drafts; where the weights' bytes bound the step, for
+    few. `PRIOR` until a step with drafts and one without of the same size were timed."""
+    PRIOR = 0.5
+    WEIGHT = 0.1
+
+    def __init__(self):
+        self._plain: dict[int, float] = {}      # requests -> seconds of a plain decode step
+        self._row: float | None = None          # seconds one draft row adds
+
+    def observe(self, requests: int, rows: int, seconds: float) -> None:
+        """A decode step of `requests` with `rows` draft rows in all took `seconds`."""
+        plain = self._plain.get(requests)
+        if not rows:
+            self._plain[requests] = seconds if plain is None else \
+                plain + self.WEIGHT * (seconds - plain)
+        elif plain is not None:
+            row = max(0.0, (seconds - plain) / rows)
+            self._row = row if self._row is None else self._row + self.WEIGHT * (row - self._row)
+
+    def min_p(self, requests: int) -> float:
+        """The chance of being kept a draft needs, in a step of `requests`."""
+        plain = self._plain.get(max(requests, 1))
+        if self._row is None or not plain:
+            return self.PRIOR
+        return min(1.0, self._row * max(requests, 1) / plain)

@@ -10,7 +10,7 @@ from tests.server_helpers import fresh_salt
 pytestmark = pytest.mark.slow
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, ' \
-       '"prompt_lookup_min": 2}'
+       '"prompt_lookup_min": 2, "draft_p_min": 0}'      # every draft verified
 LIST = "\n".join(f"- item {i}: the {w} box" for i, w in enumerate(
     ["red", "green", "blue", "small", "large", "old", "new", "empty", "round", "square"]))
 MESSAGES = [{"role": "user", "content": f"Copy this list exactly, one item a line:\n{LIST}"}]

@@ -6,12 +6,12 @@ import pytest
 
 from kvstore.page_allocator import PageAllocator
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams
+from scheduler.sampling_params import GrammarSpec, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.speculative import NgramProposer, SpeculativeConfig
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, ' \
-       '"prompt_lookup_min": 2}'
+       '"prompt_lookup_min": 2, "draft_p_min": 0}'      # every draft, whatever it costs
 
 
 def propose(tokens, limit=8, lo=1, hi=4, stops=frozenset()):
@@ -47,6 +47,7 @@ def test_the_proposer_follows_a_requests_outputs_as_they_grow():
 def test_the_config_is_vllms_json_and_names_what_is_wrong():
     c = SpeculativeConfig.from_json(SPEC)
     assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 2, 4)
+    assert c.draft_p_min == 0 and SpeculativeConfig().draft_p_min is None
     assert SpeculativeConfig.from_json('{"num_speculative_tokens": 2}').prompt_lookup_min == 5
     c = SpeculativeConfig.from_json('{"num_speculative_tokens": 2, "prompt_lookup_max": 3}')
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
@@ -58,6 +59,8 @@ def test_the_config_is_vllms_json_and_names_what_is_wrong():
                       ('{"num_speculative_tokens": 2, "prompt_lookup_min": 4, '
                        '"prompt_lookup_max": 2}', "prompt_lookup_min"),
                       ('{"num_speculative_tokens": "2"}', "integers"), ("[2]", "object"),
+                      ('{"num_speculative_tokens": 2, "draft_p_min": 2}', r"\[0, 1\]"),
+                      ('{"num_speculative_tokens": 2, "draft_p_min": "a"}', "number"),
                       ("{", "not JSON")]:
         with pytest.raises(ValueError, match=says):
             SpeculativeConfig.from_json(bad)
@@ -67,6 +70,36 @@ def test_the_flag_is_checked_at_start_up():
     from engine.args import EngineArgs
     with pytest.raises(ValueError, match="eagle"):
         EngineArgs(speculative_config='{"method": "eagle", "num_speculative_tokens": 2}')
+
+
+def test_a_requests_drafts_stop_while_they_miss_and_resume_when_they_hit():
+    p = NgramProposer(SpeculativeConfig(4, 1, 4))
+    drafts = (7, 8, 9, 10)
+    assert p.worth("r", drafts, 0.3) == (7,)            # the prior 0.5: 0.25 < 0.3 for two
+    assert p.worth("r", drafts, 0.6) == ()              # none: kept aside to be checked
+    for _ in range(12):                                 # unverified proposals that miss
+        p.observe("r", p.worth("r", drafts, 0.3), (1,))
+    assert p.worth("r", drafts, 0.1) == ()               # 0.5 x 0.85^12 ~ 0.07
+    for _ in range(20):                                 # ... and that hit
+        p.observe("r", p.worth("r", drafts, 0.3), (7, 8, 9, 10, 11))
+    assert p.worth("r", drafts, 0.3) == drafts
+    p.observe("r", drafts, (7, 1, 9))                   # a miss at the second: 7 kept, 8 not
+    p.release("r")
+    assert p.worth("r", drafts, 0.3) == (7,)
+
+
+def test_the_cost_of_a_draft_row_is_measured_against_a_plain_step():
+    from scheduler.speculative import DraftCost
+    c = DraftCost()
+    assert c.min_p(1) == DraftCost.PRIOR
+    c.observe(1, 0, 0.010)
+    c.observe(1, 3, 0.022)                  # three rows added 12 ms: 4 ms a row
+    assert abs(c.min_p(1) - 0.4) < 1e-9
+    c.observe(4, 0, 0.020)                  # four requests: a token costs 5 ms
+    assert abs(c.min_p(4) - 0.8) < 1e-9
+    assert c.min_p(2) == DraftCost.PRIOR    # no plain step of two timed yet
+    c.observe(1, 2, 0.005)                  # faster than plain (noise): no negative cost
+    assert 0 <= c.min_p(1) < 0.4
 
 
 # ---- the scheduler ------------------------------------------------------------------------
@@ -175,15 +208,18 @@ def generate(spec: str, prompt_ids, params_list, resident=True):
 @pytest.mark.slow
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "general"])
 def test_outputs_equal_decoding_without_drafts(prompt_ids, resident):
-    """The same tokens with drafts as without, in a batch of three. On the resident decode
+    """The same tokens with drafts as without, in a batch of four. On the resident decode
     path (the drafts' rows in the C layers, whose rows do not depend on their batch): greedy,
-    seeded sampling with penalties, and logprobs. On the general path (a chunk's attention,
+    seeded sampling with penalties, a JSON schema's grammar, and logprobs. On the general path (a chunk's attention,
     torch's, which adds in another order than one row's): greedy, whose logprobs agree
     closely. Some drafts were kept."""
     params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=50, temperature=0.7, seed=11, ignore_eos=True,
                              frequency_penalty=0.3, repetition_penalty=1.1),
-              SamplingParams(max_tokens=40, temperature=1.0, top_k=20, seed=3)]
+              SamplingParams(max_tokens=40, temperature=1.0, top_k=20, seed=3),
+              SamplingParams(max_tokens=40, temperature=0.0, grammar=GrammarSpec(
+                  "json_schema", '{"type": "object", "properties": {"items": {"type": '
+                  '"array", "items": {"type": "string"}}}, "required": ["items"]}'))]
     params = params if resident else params[:1]
     base, none = generate("", prompt_ids, params)
     spec, stats = generate(SPEC, prompt_ids, params, resident)
