@@ -10,7 +10,7 @@ from scheduler.sampling_params import GrammarSpec, SamplingParams
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.speculative import NgramProposer, SpeculativeConfig
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, ' \
+SPEC = '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4, ' \
        '"prompt_lookup_min": 2, "draft_p_min": 0}'      # every draft, whatever it costs
 
 
@@ -46,7 +46,7 @@ def test_the_proposer_follows_a_requests_outputs_as_they_grow():
 
 def test_the_config_is_vllms_json_and_names_what_is_wrong():
     c = SpeculativeConfig.from_json(SPEC)
-    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 2, 4)
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2, 4)
     assert c.draft_p_min == 0 and SpeculativeConfig().draft_p_min is None
     assert SpeculativeConfig.from_json('{"num_speculative_tokens": 2}').prompt_lookup_min == 5
     c = SpeculativeConfig.from_json('{"num_speculative_tokens": 2, "prompt_lookup_max": 3}')
@@ -202,17 +202,29 @@ def generate(spec: str, prompt_ids, params_list, resident=True):
                 got[out.request_id][1].extend(out.new_logprobs)
     finally:
         ResidentDecode.enabled = True
-    return [got[f"r{i}"] for i in range(len(params_list))], engine.spec
+    return [got[f"r{i}"] for i in range(len(params_list))], engine.spec, engine
+
+
+def batch_invariant(engine, rows: int) -> bool:
+    """Whether a row's arithmetic is the same in a step of any size up to `rows`: float32
+    activations through the C decode layers (our kernel; rows are computed alone) and no
+    switch to the dense weights by then. (Where torch's kernels run, e.g. bf16 activations
+    on a CPU with AVX512_BF16, rounding changes with the rows.)"""
+    from kernels.decode_layer import layer_words
+    plan = engine.weight_plan
+    return plan.dtype == "fp32" and layer_words(engine.runner.model.layers) is not None \
+        and (plan.prefill_rows == 0 or plan.prefill_rows > rows)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "general"])
 def test_outputs_equal_decoding_without_drafts(prompt_ids, resident):
     """The same tokens with drafts as without, in a batch of four. On the resident decode
-    path (the drafts' rows in the C layers, whose rows do not depend on their batch): greedy,
-    seeded sampling with penalties, a JSON schema's grammar, and logprobs. On the general path (a chunk's attention,
-    torch's, which adds in another order than one row's): greedy, whose logprobs agree
-    closely. Some drafts were kept."""
+    path, where rows are computed alone (the C layers, float32: `batch_invariant`): greedy,
+    seeded sampling with penalties, a JSON schema's grammar, and logprobs. Elsewhere (the
+    general path's chunk attention, torch's, adds in another order than one row's; torch's
+    kernels round by the rows): greedy, whose logprobs agree closely. Some drafts were
+    kept."""
     params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=2),
               SamplingParams(max_tokens=50, temperature=0.7, seed=11, ignore_eos=True,
                              frequency_penalty=0.3, repetition_penalty=1.1),
@@ -220,14 +232,16 @@ def test_outputs_equal_decoding_without_drafts(prompt_ids, resident):
               SamplingParams(max_tokens=40, temperature=0.0, grammar=GrammarSpec(
                   "json_schema", '{"type": "object", "properties": {"items": {"type": '
                   '"array", "items": {"type": "string"}}}, "required": ["items"]}'))]
-    params = params if resident else params[:1]
-    base, none = generate("", prompt_ids, params)
-    spec, stats = generate(SPEC, prompt_ids, params, resident)
+    base, none, _ = generate("", prompt_ids, params)
+    spec, stats, engine = generate(SPEC, prompt_ids, params, resident)
+    exact = resident and batch_invariant(engine, len(params) * 3)     # (2 drafts each)
     assert none.drafts == 0
-    for (toks, lps), (want, want_lps) in zip(spec, base):
+    for (toks, lps), (want, want_lps) in list(zip(spec, base))[:len(params) if exact else 1]:
         assert toks == want
         assert len(lps) == len(want_lps)
     for got, want in zip(spec[0][1], base[0][1]):       # the greedy row's logprobs
-        assert [t.token_id for t in got[1]] == [t.token_id for t in want[1]]
-        assert abs(got[0].logprob - want[0].logprob) < (2e-3 if resident else 1e-2)
+        assert got[0].token_id == want[0].token_id
+        assert abs(got[0].logprob - want[0].logprob) < (2e-3 if exact else 1e-2)
+        if exact:       # (elsewhere the alternatives' order may part at a near-tie)
+            assert [t.token_id for t in got[1]] == [t.token_id for t in want[1]]
     assert stats.drafts > 5 and stats.accepted_tokens >= 10, stats
