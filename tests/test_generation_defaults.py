@@ -153,3 +153,28 @@ def test_a_default_max_tokens_only_caps_what_the_context_leaves():
         assert r.choices[0].finish_reason == "length"
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=5000)
+
+
+def test_the_defaults_ranges_are_the_request_fields_own():
+    """engine/generation_defaults.FIELDS repeats server/protocol.py's ranges (the engine does
+    not import the server): each bound a default may take, a request may take, and the
+    value past it neither may."""
+    from pydantic import ValidationError
+
+    from engine.generation_defaults import FIELDS
+    from server.protocol import ChatCompletionRequest
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+    def request_takes(field: str, value) -> bool:
+        try:
+            ChatCompletionRequest(**base, **{field: value})
+        except ValidationError:
+            return False
+        return True
+
+    for field, (integer, lo, hi, lo_excluded) in FIELDS.items():
+        step = 1 if integer else 1e-6
+        assert request_takes(field, lo) is not lo_excluded, field
+        assert not request_takes(field, lo - step), field
+        if hi is not None:
+            assert request_takes(field, hi) and not request_takes(field, hi + step), field
