@@ -38,10 +38,8 @@ Writes bench/results/needle.json and bench/results/needle.png.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-import random
 import re
 import sys
 import tempfile
@@ -58,6 +56,7 @@ from bench.common import (RESULTS, add_out_arg, add_replot_arg, add_thread_args,
                           result_path, use_checkout_cache,
                           write_json)
 from bench import needle_configs  # noqa: E402
+from bench.needle_prompts import DEFAULT_FORMAT, FORMATS, Prompt, make_prompts  # noqa: E402
 from bench.needle_report import plot, plot_title, print_tables, replot, summarize  # noqa: E402
 from bench.needle_configs import (apply_codec, config_codec, config_head_pages,  # noqa: E402
                                   config_plan, config_prior_share, config_selector)
@@ -69,73 +68,6 @@ from server.tokenizer import Tokenizer  # noqa: E402
 use_checkout_cache()
 MAX_MODEL_LEN = 8192        # --max-model-len (past the model's 8192: with --hf-overrides)
 HF_OVERRIDES = ""           # --hf-overrides: e.g. a YaRN rope_scaling for longer haystacks
-
-# needle sentence, question, answer prefix (the assistant turn starts with it; "" for none)
-FORMATS = {
-    "passcode": ("The secret passcode is {v}.",
-                 "What is the secret passcode?",
-                 "The secret passcode is"),
-    "passcode_noprefix": ("The secret passcode is {v}.",
-                          "What is the secret passcode? Answer with the number only.", ""),
-    "magic": ("One of the special magic numbers is: {v}.",
-              "What is the special magic number mentioned in the provided text?",
-              "The special magic number mentioned in the provided text is"),
-}
-DEFAULT_FORMAT = "passcode_noprefix"
-
-
-# ------------------------------------------------------------------------------ prompts
-@dataclasses.dataclass
-class Prompt:
-    rid: str
-    length: int          # target context length (tokens)
-    depth: float
-    value: str
-    ids: list[int]
-
-
-def build_prompt(tok: Tokenizer, essay_ids: list[int], fmt: str, length: int, depth: float,
-                 value: str, offset: int) -> list[int]:
-    needle_t, question, prefix = FORMATS[fmt]
-    needle = needle_t.format(v=value)
-
-    def render(hay: str) -> list[int]:
-        msg = f"{hay}\n\n{question}"
-        ids = tok.encode_chat([{"role": "user", "content": msg}])
-        return ids + (tok.encode(prefix, add_special_tokens=False) if prefix else [])
-
-    overhead = len(render("")) + len(tok.encode(" " + needle, add_special_tokens=False)) + 8
-    n = length - overhead
-    start = offset % max(1, len(essay_ids) - n)
-    hay = tok.decode(essay_ids[start:start + n])
-    hay = hay[hay.find(" ") + 1:]                       # drop a partial first word
-    cut = hay.rfind(".")
-    hay = hay[:cut + 1] if cut > len(hay) // 2 else hay
-    # insert after the sentence end nearest to the depth (by characters)
-    pos = int(depth * len(hay))
-    ends = [m.end() for m in re.finditer(r"[.!?](?=\s)", hay)] or [len(hay)]
-    at = min(ends, key=lambda e: abs(e - pos))
-    if depth <= 0.0:
-        at = 0
-    hay = hay[:at] + " " + needle + hay[at:]
-    ids = render(hay)
-    if len(ids) > MAX_MODEL_LEN - 64:
-        raise ValueError(f"prompt of {len(ids)} tokens does not fit")
-    return ids
-
-
-def make_prompts(tok, essay_ids, fmt, lengths, depths, per_depth, seed) -> list[Prompt]:
-    prompts = []
-    for length in lengths:
-        for d in depths:
-            for i in range(per_depth):
-                rng = random.Random(f"{seed}-{length}-{d}-{i}")
-                value = str(rng.randrange(10000, 100000))
-                offset = i * 37_003 + int(d * 10_007)
-                ids = build_prompt(tok, essay_ids, fmt, length, d, value, offset)
-                prompts.append(Prompt(f"n{length}-d{d}-{i}", length, d, value, ids))
-    return prompts
-
 
 # ------------------------------------------------------------------------------ running
 def engine_args(budget: int, threads: int, one_step_prefill: bool, max_seqs: int,
@@ -351,7 +283,7 @@ def run_formats(args, depths: list[float], per_depth: int) -> dict:
     t_all = time.perf_counter()
     for fmt in args.formats:
         prompts = make_prompts(folder_tok, essay, fmt, args.lengths, depths, per_depth,
-                               args.seed)
+                               args.seed, MAX_MODEL_LEN)
         lens = {n: [len(p.ids) for p in prompts if p.length == n] for n in args.lengths}
         print(f"format {fmt!r}: {len(prompts)} prompts; prompt tokens "
               + ", ".join(f"~{n}: {min(v)}-{max(v)}" for n, v in lens.items()))

@@ -21,7 +21,7 @@ if not __package__:                     # run as a script: import from the check
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (RESULTS, add_thread_args, essay_ids, parser,  # noqa: E402
                           use_checkout_cache, write_json)
-from bench.needle import DEFAULT_FORMAT, build_prompt  # noqa: E402
+from bench.needle_prompts import DEFAULT_FORMAT, build_prompt  # noqa: E402
 from engine.args import EngineArgs  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from kvstore import step as step_mod  # noqa: E402

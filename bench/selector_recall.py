@@ -179,7 +179,7 @@ def select_time(proj, cfg, args, reps: int = 30) -> dict[str, float]:
 
 
 def build_prompts(tok, args) -> list[tuple[str, list[int]]]:
-    from bench.needle import DEFAULT_FORMAT, make_prompts
+    from bench.needle_prompts import DEFAULT_FORMAT, make_prompts
     from bench.ruler_tasks import TASKS, generate
     out = []
     depths = [0.1, 0.3, 0.5, 0.7, 0.9]
