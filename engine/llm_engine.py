@@ -250,7 +250,7 @@ class LLMEngine:
                    and (o := self._fail(rid, failed.pop(rid))) is not None]
         for rid, toks in sampled.items():
             self._pending_logprobs[rid] += [t.logprobs for t in toks if t.logprobs is not None]
-        self.spec.observe(batch, sampled)
+        self.spec.observe(batch, {rid: t for rid, t in sampled.items() if rid not in failed})
         finished = {r.request_id for r in self.scheduler.update(
             batch, {rid: tuple(t.token_id for t in toks) for rid, toks in sampled.items()})}
         for rid in (r.request_id for r in batch.requests):  # (embedding requests end unsampled)
@@ -270,7 +270,7 @@ class LLMEngine:
         start = self._emitted.get(rid, 0)
         new = tuple(req.output_token_ids[start:])
         self._emitted[rid] = len(req.output_token_ids)
-        # (a decode with drafts may stop before its last token: those entries go too)
+        # (one entry a token; defensive: a step's tokens after a stop would have none)
         lps = self._pending_logprobs.get(rid, [])[:len(new)]
         self._pending_logprobs[rid] = []
         reason = req.status.value if finished else None

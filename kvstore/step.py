@@ -130,7 +130,8 @@ class StepKV:
         self._q_pred: dict[int, torch.Tensor] = {}
         self._sparse_pages: torch.Tensor | None = None
         self._rows: dict[tuple[int, ...], torch.Tensor | slice] = {}
-        self._head_tables: dict[tuple[int, ...], PageTable] = {}    # dense_head_table's
+        # dense_head_table's by sequences, row_head_table's under "rows"
+        self._head_tables: dict[tuple[int, ...] | str, PageTable] = {}
         self.selected: list[torch.Tensor] = []     # keys the sparse decodes selected
         if cfg.sparse_budget > 0:
             st, L = self.stats, self.tiers.num_layers
@@ -312,7 +313,7 @@ class StepKV:
     def row_head_table(self, slots: torch.Tensor) -> PageTable:
         """`dense_head_table` of every sequence with a row per token: a decode's drafts each
         attend to the pages up to their own position (the step's K/V written first)."""
-        if () not in self._head_tables:
+        if "rows" not in self._head_tables:
             ps, indptr, entries, last, base = self.cfg.page_size, [0], [], [], 0
             for s, n in zip(self.seqs, self.n_pages):
                 for kv in range(s.start_pos + 1, s.kv_len + 1):
@@ -325,9 +326,9 @@ class StepKV:
                               torch.tensor(entries, dtype=torch.int32),
                               torch.tensor(last, dtype=torch.int32), ps)
             heads = table.per_head(self.tiers.page_shape.num_kv_heads)
-            self._head_tables[()] = PageTable(heads.indptr, heads.indices.long(),
-                                              heads.last_page_len, heads.page_size)
-        plan = self._head_tables[()]
+            self._head_tables["rows"] = PageTable(heads.indptr, heads.indices.long(),
+                                                  heads.last_page_len, heads.page_size)
+        plan = self._head_tables["rows"]
         return PageTable(plan.indptr, slots[plan.indices].to(torch.int32), plan.last_page_len,
                          plan.page_size)
 

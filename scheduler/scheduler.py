@@ -231,6 +231,8 @@ class Scheduler:
             if self.proposer is not None:
                 self.proposer.observe(sr.request_id, sr.token_ids[1:] if sr.drafts else (),
                                       tokens)
+            if sr.drafts:       # only the pending token's K/V is sure yet
+                req.num_computed_tokens = sr.start_pos + 1
             for k, token in enumerate(tokens):
                 if sr.drafts:   # the K/V of the pending token and the drafts kept so far
                     req.num_computed_tokens = sr.start_pos + k + 1

@@ -78,7 +78,8 @@ class SpeculativeConfig:
         if bad:
             raise ValueError(f"--speculative-config: {bad} must be integers")
         hi, lo = ints.get("prompt_lookup_max"), ints.get("prompt_lookup_min")
-        hi, lo = (hi or lo or 5), (lo or hi or 5)
+        hi, lo = (lo if hi is None else hi), (hi if lo is None else lo)
+        hi, lo = (5 if hi is None else hi), (5 if lo is None else lo)
         p_min = value.get("draft_p_min")
         if p_min is not None and (not isinstance(p_min, (int, float)) or isinstance(p_min, bool)):
             raise ValueError(f"--speculative-config: draft_p_min must be a number, got {p_min!r}")
@@ -164,7 +165,10 @@ class NgramProposer:
         if best < lo:
             return ()
         end = int(ends[np.flatnonzero(length == best)[-1]])      # the most recent one
-        draft = buf[end + 1:end + 1 + limit].tolist()
+        # what followed it, repeated where it runs into the tail (a period shorter than
+        # `limit`: "x y z x y" continues "z x y z ...")
+        follow = buf[end + 1:end + 1 + limit].tolist()
+        draft = [follow[i % len(follow)] for i in range(limit)]
         for i, tok in enumerate(draft):
             if tok in stop_ids:
                 return tuple(draft[:i])
@@ -174,11 +178,11 @@ class NgramProposer:
         n = len(prompt) + len(outputs)
         buf, have = self._tokens.get(request_id, (None, 0))
         if buf is None or have > n or have < len(prompt):
-            buf = np.empty(max(2 * n, 64), dtype=np.int64)
+            buf = np.empty(n + n // 2 + 64, dtype=np.int32)     # (token ids fit)
             buf[:len(prompt)] = prompt
             have = len(prompt)
         if n > buf.shape[0]:
-            grown = np.empty(2 * n, dtype=np.int64)
+            grown = np.empty(n + n // 2 + 64, dtype=np.int32)
             grown[:have] = buf[:have]
             buf = grown
         if n > have:
@@ -212,6 +216,9 @@ class DraftCost:
     few. `PRIOR` until a step with drafts and one without of the same size were timed."""
     PRIOR = 0.5
     WEIGHT = 0.1
+    # at most: a request whose drafts hit (its rate nears 1) still verifies some, so a row
+    # that once measured slow (a first step's set-up, a noisy neighbour) is measured again
+    MOST = 0.9
 
     def __init__(self):
         self._plain: dict[int, float] = {}      # requests -> seconds of a plain decode step
@@ -232,4 +239,4 @@ class DraftCost:
         plain = self._plain.get(max(requests, 1))
         if self._row is None or not plain:
             return self.PRIOR
-        return min(1.0, self._row * max(requests, 1) / plain)
+        return min(self.MOST, self._row * max(requests, 1) / plain)

@@ -114,20 +114,22 @@ class ChoiceStream:
         await self._abort_engine()
 
     async def _on_output(self, out: RequestOutput) -> ChoiceDelta:
-        self._record_tokens(out)
         ids = out.new_token_ids
         if out.finish_reason == "stop" and ids and not self.spec.include_stop:
             ids = ids[:-1]      # the EOS or stop_token_id that ended it: counted, not written
-        text = self._detokenizer.push(ids)
-        if out.finished:
-            text += self._detokenizer.flush()
-        text = self._stop.push(text)
+        text, kept = self._push_tokens(ids)
+        if out.finished and not self._stop.stopped:
+            text += self._stop.push(self._detokenizer.flush())
         if self._stop.stopped:
+            # (a step of several tokens, a decode's drafts: those after the stop string's
+            # last are neither counted nor given logprobs, as one token a step would end)
+            self._record_tokens(out, kept)
             self._finish("stop", out)
             if not out.finished:
                 await self._abort_engine()
-            return ChoiceDelta(self.spec.index, text, out.new_logprobs, "stop",
+            return ChoiceDelta(self.spec.index, text, out.new_logprobs[:kept], "stop",
                                self._stop.matched)
+        self._record_tokens(out, len(out.new_token_ids))
         if not out.finished:
             return ChoiceDelta(self.spec.index, text, out.new_logprobs)
         text += self._stop.flush()
@@ -141,7 +143,19 @@ class ChoiceStream:
         self._finish(reason, out)
         return ChoiceDelta(self.spec.index, text, out.new_logprobs, reason)
 
-    def _record_tokens(self, out: RequestOutput) -> None:
+    def _push_tokens(self, ids) -> tuple[str, int]:
+        """The text `ids` add, cut at a stop string, and how many of them it took: token by
+        token where several arrive at once and a stop string could end them early."""
+        if len(ids) < 2 or not self._stop.watching:
+            return self._stop.push(self._detokenizer.push(ids)), len(ids)
+        pieces = []
+        for i, token in enumerate(ids):
+            pieces.append(self._stop.push(self._detokenizer.push([token])))
+            if self._stop.stopped:
+                return "".join(pieces), i + 1
+        return "".join(pieces), len(ids)
+
+    def _record_tokens(self, out: RequestOutput, count: int) -> None:
         now = time.monotonic()
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         if out.embedding is not None:
@@ -150,15 +164,15 @@ class ChoiceStream:
             self._prompt_counted = True
             self._metrics.prompt_tokens.inc(out.num_prompt_tokens
                                             or len(self.spec.prompt_token_ids))
-        if not out.new_token_ids:
+        if not count:
             return
         if self._last_token_time is None:
             self._metrics.time_to_first_token.observe(max(0.0, now - self._arrival_of(out)))
         else:
             self._metrics.inter_token_latency.observe(now - self._last_token_time)
         self._last_token_time = now
-        self.num_output_tokens += len(out.new_token_ids)
-        self._metrics.generation_tokens.inc(len(out.new_token_ids))
+        self.num_output_tokens += count
+        self._metrics.generation_tokens.inc(count)
 
     def _arrival_of(self, out: RequestOutput | None) -> float:
         # NOTE: the engine stamps arrival with time.monotonic() in this process, when its

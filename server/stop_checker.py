@@ -36,6 +36,11 @@ class StopChecker:
         self._pending = buffer[len(buffer) - keep:]
         return buffer[:len(buffer) - keep]
 
+    @property
+    def watching(self) -> bool:
+        """Whether there are stop strings to find."""
+        return bool(self._stops)
+
     def flush(self) -> str:
         """The request ended without a stop string: release what was held back."""
         text, self._pending = self._pending, ""

@@ -55,7 +55,21 @@ def test_max_tokens_and_stop_strings_cut_where_they_would_one_token_a_step(clien
         c = chat(client, max_tokens=n)
         assert c.usage.completion_tokens == n
         assert full.startswith(c.choices[0].message.content)
-    stop = "blue"
-    assert stop in full
-    c = chat(client, max_tokens=60, stop=[stop]).choices[0]
+    # a stop string that the first token of a step of several tokens completes: the rest
+    # of that step is neither written nor counted
+    steps = [[t.token for t in chunk.choices[0].logprobs.content]
+             for chunk in chat(client, max_tokens=60, logprobs=True, stream=True)
+             if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content]
+    before, stop, count = "", None, 0
+    for step in steps:
+        word = step[0].strip()
+        if len(step) > 1 and len(word) >= 3 and word not in before + step[0][:-1]:
+            stop, count = word, count + 1
+            break
+        before += "".join(step)
+        count += len(step)
+    assert stop is not None, steps
+    r = chat(client, max_tokens=60, stop=[stop], logprobs=True)
+    c = r.choices[0]
     assert c.message.content == full[:full.index(stop)] and c.finish_reason == "stop"
+    assert r.usage.completion_tokens == count == len(c.logprobs.content)

@@ -37,6 +37,8 @@ REQUIRED_PANELS = {
         "Tokens per second": {"strata_generation_tokens_total", "strata_prompt_tokens_total"},
         "Finished requests by reason": {"strata_request_success_total"},
         "Rejections by reason": {"strata_admission_rejections_total"},
+        "Draft acceptance": {"strata_spec_decode_num_accepted_tokens_total",
+                             "strata_spec_decode_num_draft_tokens_total"},
     },
     "Strata I/O vs compute": {
         "Time per stage (stacked)": {"strata_stage_busy_seconds_total"},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-import engine.model_runner as model_runner
+import engine.request_sampling as request_sampling
 from engine.args import EngineArgs
 from engine.llm_engine import LLMEngine
 from scheduler.sampling_params import SamplingParams
@@ -33,28 +33,28 @@ def alone(tiny_folder):
 
 
 def test_a_failing_generator_ends_its_request_alone(tiny_folder, alone, monkeypatch):
-    real = model_runner.make_generator
+    real = request_sampling.make_generator
 
     def make_generator(seed, *a, **kw):
         if seed == BAD_SEED:
             raise OverflowError("Overflow when unpacking long long")
         return real(seed, *a, **kw)
 
-    monkeypatch.setattr(model_runner, "make_generator", make_generator)
+    monkeypatch.setattr(request_sampling, "make_generator", make_generator)
     got, errors = run(tiny_folder, {**PROMPTS, "bad": ([20, 21, 22], BAD_SEED)})
     assert set(errors) == {"bad"} and "Overflow" in errors["bad"]
     assert {rid: got[rid] for rid in PROMPTS} == alone
 
 
 def test_a_row_that_breaks_the_batch_sampler_ends_alone(tiny_folder, alone, monkeypatch):
-    real = model_runner.Sampler.sample
+    real = request_sampling.Sampler.sample
 
     def sample(self, logits, params, *a, **kw):
         if any(p.seed == BAD_SEED for p in params):
             raise RuntimeError("bad row")
         return real(self, logits, params, *a, **kw)
 
-    monkeypatch.setattr(model_runner.Sampler, "sample", sample)
+    monkeypatch.setattr(request_sampling.Sampler, "sample", sample)
     got, errors = run(tiny_folder, {**PROMPTS, "bad": ([20, 21, 22], BAD_SEED)})
     assert set(errors) == {"bad"} and "bad row" in errors["bad"]
     assert {rid: got[rid] for rid in PROMPTS} == alone
@@ -76,7 +76,7 @@ def test_a_batch_that_fails_after_its_draws_is_redrawn_as_it_was(tiny_folder, al
         return drive(engine, list(requests))
 
     alone_m = start(miro)[0]["m"]
-    real = model_runner.Sampler.sample
+    real = request_sampling.Sampler.sample
 
     def sample(self, logits, params, *a, **kw):
         out = real(self, logits, params, *a, **kw)
@@ -86,7 +86,7 @@ def test_a_batch_that_fails_after_its_draws_is_redrawn_as_it_was(tiny_folder, al
             raise RuntimeError("bad row")
         return out
 
-    monkeypatch.setattr(model_runner.Sampler, "sample", sample)
+    monkeypatch.setattr(request_sampling.Sampler, "sample", sample)
     got, errors = start({**PROMPTS, **miro, "bad": ([20, 21, 22], BAD_SEED)})
     assert set(errors) == {"bad"} and "bad row" in errors["bad"]
     assert {rid: got[rid] for rid in PROMPTS} == alone and got["m"] == alone_m

@@ -27,6 +27,8 @@ def test_the_longest_tail_match_gives_the_tokens_that_followed_it():
     assert propose(tokens, limit=3, lo=3) == ()         # no earlier 3-gram [3, 1, 2]
     assert propose([1, 2, 3, 1, 2, 4, 1, 2], limit=2) == (4, 1)  # the most recent of equals
     assert propose([4, 5, 6], limit=3) == ()
+    assert propose([1, 2, 3, 1, 2], limit=4) == (3, 1, 2, 3)     # the period continued
+    assert propose([5, 7, 7, 7], limit=3, hi=1) == (7, 7, 7)
     assert propose(tokens, limit=3, stops=frozenset({7})) == (9, 9)    # ends before a stop
     assert propose(tokens, limit=0) == ()
 
@@ -61,6 +63,7 @@ def test_the_config_is_vllms_json_and_names_what_is_wrong():
                       ('{"num_speculative_tokens": "2"}', "integers"), ("[2]", "object"),
                       ('{"num_speculative_tokens": 2, "draft_p_min": 2}', r"\[0, 1\]"),
                       ('{"num_speculative_tokens": 2, "draft_p_min": "a"}', "number"),
+                      ('{"num_speculative_tokens": 2, "prompt_lookup_min": 0}', "1 <="),
                       ("{", "not JSON")]:
         with pytest.raises(ValueError, match=says):
             SpeculativeConfig.from_json(bad)
@@ -100,6 +103,8 @@ def test_the_cost_of_a_draft_row_is_measured_against_a_plain_step():
     assert c.min_p(2) == DraftCost.PRIOR    # no plain step of two timed yet
     c.observe(1, 2, 0.005)                  # faster than plain (noise): no negative cost
     assert 0 <= c.min_p(1) < 0.4
+    c.observe(1, 1, 1.0)                    # one very slow step with a draft
+    assert c.min_p(1) == DraftCost.MOST < 1     # drafts that hit are still verified
 
 
 # ---- the scheduler ------------------------------------------------------------------------
