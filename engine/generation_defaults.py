@@ -66,15 +66,24 @@ def sampling_defaults(mode: str, folder: Path, gguf: Path | None, override: str)
     return found
 
 
+# each repetition penalty kind -> the other kind's fields: a request with both is a 400, so
+# a default of one kind gives way to the other kind given later (a source, the request)
+OTHER_PENALTY = {"repetition_penalty": ("repeat_penalty", "repeat_last_n"),
+                 "repeat_penalty": ("repetition_penalty",)}
+
+
+def drop_other_penalty(defaults: dict, given) -> None:
+    """Drop from `defaults` the other kind's fields of each repetition penalty in `given`
+    (names)."""
+    for name in given:
+        for other in OTHER_PENALTY.get(name, ()):
+            defaults.pop(other, None)
+
+
 def _merge(found: dict, new: dict) -> None:
     """`found` updated by `new`; a repetition penalty of one kind in `new` (vLLM's, or
-    llama.cpp's with its window) drops the other kind's from `found`: a request with both
-    is a 400, so both as defaults would refuse every request."""
-    if "repetition_penalty" in new:
-        found.pop("repeat_penalty", None)
-        found.pop("repeat_last_n", None)
-    if "repeat_penalty" in new:
-        found.pop("repetition_penalty", None)
+    llama.cpp's with its window) drops the other kind's from `found` (`OTHER_PENALTY`)."""
+    drop_other_penalty(found, new)
     found.update(new)
 
 

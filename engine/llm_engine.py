@@ -99,7 +99,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             page_size=args.page_size,
             speculative=SpeculativeConfig.from_json(args.speculative_config),
-            draft_context=kv.sparse_from_pages * kv.page_size if kv.sparse_budget > 0 else 0,
+            draft_context=kv.sparse_from_pages * kv.page_size,     # (0: decode is dense)
         ), self.allocator)
         # how many tokens/logprobs each request has already been told about
         self._emitted: dict[str, int] = {}

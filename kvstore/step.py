@@ -300,20 +300,13 @@ class StepKV:
         """The dense decodes' per-(sequence, KV head) table over device slots (slots in page
         order): its shape is the same in every layer of the step, built once; a layer only
         maps its slots through it."""
-        key = tuple(idx)
-        plan = self._head_tables.get(key)
-        if plan is None:
-            table = dense_batch(self, idx, torch.arange(sum(self.n_pages[i] for i in idx)))
-            heads = table.page_table.per_head(self.tiers.page_shape.num_kv_heads)
-            plan = self._head_tables[key] = PageTable(heads.indptr, heads.indices.long(),
-                                               heads.last_page_len, heads.page_size)
-        return PageTable(plan.indptr, slots[plan.indices].to(torch.int32), plan.last_page_len,
-                         plan.page_size)
+        return self._head_table(tuple(idx), slots, lambda: dense_batch(
+            self, idx, torch.arange(sum(self.n_pages[i] for i in idx))).page_table)
 
     def row_head_table(self, slots: torch.Tensor) -> PageTable:
         """`dense_head_table` of every sequence with a row per token: a decode's drafts each
         attend to the pages up to their own position (the step's K/V written first)."""
-        if "rows" not in self._head_tables:
+        def rows() -> PageTable:
             ps, indptr, entries, last, base = self.cfg.page_size, [0], [], [], 0
             for s, n in zip(self.seqs, self.n_pages):
                 for kv in range(s.start_pos + 1, s.kv_len + 1):
@@ -322,13 +315,19 @@ class StepKV:
                     indptr.append(len(entries))
                     last.append(kv - (pages - 1) * ps)
                 base += n
-            table = PageTable(torch.tensor(indptr, dtype=torch.int32),
-                              torch.tensor(entries, dtype=torch.int32),
-                              torch.tensor(last, dtype=torch.int32), ps)
-            heads = table.per_head(self.tiers.page_shape.num_kv_heads)
-            self._head_tables["rows"] = PageTable(heads.indptr, heads.indices.long(),
-                                                  heads.last_page_len, heads.page_size)
-        plan = self._head_tables["rows"]
+            return PageTable(torch.tensor(indptr, dtype=torch.int32),
+                             torch.tensor(entries, dtype=torch.int32),
+                             torch.tensor(last, dtype=torch.int32), ps)
+        return self._head_table("rows", slots, rows)
+
+    def _head_table(self, key, slots: torch.Tensor, build) -> PageTable:
+        """The table `build()` gives, once per KV head, made once a step under `key`; each
+        call maps its entries (positions in page order) through `slots`."""
+        plan = self._head_tables.get(key)
+        if plan is None:
+            heads = build().per_head(self.tiers.page_shape.num_kv_heads)
+            plan = self._head_tables[key] = PageTable(heads.indptr, heads.indices.long(),
+                                                      heads.last_page_len, heads.page_size)
         return PageTable(plan.indptr, slots[plan.indices].to(torch.int32), plan.last_page_len,
                          plan.page_size)
 

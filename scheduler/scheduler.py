@@ -219,7 +219,8 @@ class Scheduler:
             req = self.requests.get(sr.request_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens = sr.start_pos + len(sr.token_ids)
+            # (with drafts: only the pending token's K/V is sure; the kept ones add below)
+            req.num_computed_tokens = sr.start_pos + (1 if sr.drafts else len(sr.token_ids))
             if not sr.sample:
                 continue
             if not req.sampling_params.samples:     # an embedding request: its prompt is done
@@ -231,8 +232,6 @@ class Scheduler:
             if self.proposer is not None:
                 self.proposer.observe(sr.request_id, sr.token_ids[1:] if sr.drafts else (),
                                       tokens)
-            if sr.drafts:       # only the pending token's K/V is sure yet
-                req.num_computed_tokens = sr.start_pos + 1
             for k, token in enumerate(tokens):
                 if sr.drafts:   # the K/V of the pending token and the drafts kept so far
                     req.num_computed_tokens = sr.start_pos + k + 1

@@ -5,6 +5,7 @@ import hmac
 import logging
 from typing import Callable
 
+from engine.generation_defaults import OTHER_PENALTY, drop_other_penalty
 from engine.protocol import EngineClient
 from server.errors import invalid_api_key, model_not_found, not_ready
 from server.metrics import ServerMetrics
@@ -102,11 +103,8 @@ class ServerContext:
         defaults.pop("max_tokens", None)
         if not defaults:
             return request
-        if getattr(request, "repetition_penalty", None) is not None:
-            defaults.pop("repeat_penalty", None)
-            defaults.pop("repeat_last_n", None)
-        if getattr(request, "repeat_penalty", None) is not None:
-            defaults.pop("repetition_penalty", None)
+        drop_other_penalty(defaults, [k for k in OTHER_PENALTY
+                                      if getattr(request, k, None) is not None])
         fields = type(request).model_fields
         update = {k: v for k, v in defaults.items()
                   if k in fields and getattr(request, k) is None}
