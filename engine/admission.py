@@ -6,6 +6,7 @@ to one HTTP answer (its `ANSWERS` table):
 | check                                             | error                 | HTTP |
 |---------------------------------------------------|-----------------------|------|
 | n x prompts above --max-waiting: can never queue  | TooManyChoicesError   | 400  |
+| a priority without --scheduling-policy priority   | PriorityNotEnabled... | 400  |
 | prompt + max_tokens above the KV store or context | RequestTooLargeError  | 400  |
 | --max-waiting of this client's requests waiting,  | QueueFullError        | 429  |
 | or --max-waiting-total of all clients' requests   |                       |      |
@@ -21,17 +22,18 @@ Plain Python: the server imports this (the KV store's and scheduler's errors onl
 """
 from __future__ import annotations
 
-from engine.protocol import (EngineError, QueueFullError, RequestTooLargeError,
-                             TooManyChoicesError)
+from engine.protocol import (EngineError, PriorityNotEnabledError, QueueFullError,
+                             RequestTooLargeError, TooManyChoicesError)
 
 
 def _refusals() -> tuple:
     """The lower layers' refusals, in the engine's vocabulary (imported here: the server
     imports this module and must import neither the KV store nor the scheduler)."""
     from kvstore.errors import KVFull, KVNeverFits
-    from scheduler.errors import QueueFull, RequestTooLarge
+    from scheduler.errors import PriorityNotEnabled, QueueFull, RequestTooLarge
     return ((QueueFull, QueueFullError), (KVFull, QueueFullError),
-            (RequestTooLarge, RequestTooLargeError), (KVNeverFits, RequestTooLargeError))
+            (RequestTooLarge, RequestTooLargeError), (KVNeverFits, RequestTooLargeError),
+            (PriorityNotEnabled, PriorityNotEnabledError))
 
 
 def refusal(exc: Exception) -> EngineError:
@@ -55,17 +57,22 @@ class Admission:
     """The limits one engine admits requests under."""
 
     def __init__(self, max_model_len: int, kv_capacity_tokens: int, kv_backing: str,
-                 max_waiting: int, max_waiting_total: int):
+                 max_waiting: int, max_waiting_total: int, policy: str = "fcfs"):
         self.max_model_len = max_model_len
+        self.policy = policy                        # the scheduler's (fcfs or priority)
         self.kv_capacity_tokens = kv_capacity_tokens
         self.kv_backing = kv_backing
         self.max_waiting = max_waiting              # per client (scheduler/scheduler.py)
         self.max_waiting_total = max_waiting_total
 
     def check(self, prompt_tokens: int, max_tokens: int, waiting: int,
-              waiting_total: int) -> None:
-        """Raises RequestTooLargeError (never fits) or QueueFullError (not now); `waiting`:
-        the requests of the same client waiting, `waiting_total`: all clients'."""
+              waiting_total: int, priority: int = 0) -> None:
+        """Raises RequestTooLargeError (never fits), PriorityNotEnabledError or QueueFullError
+        (not now); `waiting`: the requests of the same client waiting, `waiting_total`: all
+        clients'."""
+        if priority and self.policy != "priority":
+            from scheduler.scheduler import PRIORITY_NOT_ENABLED
+            raise PriorityNotEnabledError(PRIORITY_NOT_ENABLED)
         need = prompt_tokens + max_tokens
         if need > self.max_model_len:
             raise RequestTooLargeError(

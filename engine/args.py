@@ -12,7 +12,7 @@ from engine.generation_defaults import MODES as GENERATION_MODES
 from engine.settings import check_choices, setting
 from kvstore.config import (FORCE_TIERS, HEAD_PAGES, OBS_REDUCE, PIPELINES, PLACEMENTS,
                             RESIDENCY_POLICIES, SELECTORS, TIER_CODECS, KVStoreConfig)
-from scheduler.scheduler import SchedulerConfig
+from scheduler.scheduler import POLICIES, SchedulerConfig
 from scheduler.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "bf16", "fp32")
@@ -92,6 +92,11 @@ class EngineArgs:
     max_waiting_total: int = setting(_SCHED.max_waiting_total, "waiting requests of all "
                                      "clients at most (0: 4 x --max-waiting)",
                                      group="scheduler")
+    scheduling_policy: str = setting(
+        _SCHED.policy, "which waiting request runs first and which running one is preempted "
+        "when KV pages run out: arrival order (fcfs), or the request's `priority` (lower "
+        "first), then arrival (priority: vLLM's); under fcfs a request with a priority is a "
+        "400", POLICIES, group="scheduler")
     speculative_config: str = setting(
         "", "n-gram speculation (prompt lookup), vLLM's JSON: '{\"method\": \"ngram\", "
         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}'"

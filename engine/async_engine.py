@@ -68,7 +68,8 @@ class AsyncEngine:
         self.max_waiting = min(self.args.max_waiting, self.engine.scheduler.config.waiting_total)
         self.admission = Admission(self.max_model_len, store.capacity_tokens(), store.cfg.backing,
                                    self.args.max_waiting,
-                                   self.engine.scheduler.config.waiting_total)
+                                   self.engine.scheduler.config.waiting_total,
+                                   self.engine.scheduler.config.policy)
         self.tokenizer_path = self.engine.model_folder
         self._thread = threading.Thread(target=self._run, name="strata-engine", daemon=True)
         self._thread.start()
@@ -128,7 +129,7 @@ class AsyncEngine:
             self.admission.check(len(prompt_token_ids), params.max_new_tokens,
                                  e.scheduler.num_waiting_of(client)
                                  + sum(p.client == client for _, _, p in self._new),
-                                 e.scheduler.num_waiting + len(self._new))
+                                 e.scheduler.num_waiting + len(self._new), params.priority)
             self._queues[request_id] = (loop, queue)
             self._new.append((request_id, list(prompt_token_ids), params))
             self._wake.notify()

@@ -96,6 +96,7 @@ class LLMEngine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_waiting=args.max_waiting,
             max_waiting_total=args.max_waiting_total,
+            policy=args.scheduling_policy,
             max_model_len=self.max_model_len,
             page_size=args.page_size,
             speculative=SpeculativeConfig.from_json(args.speculative_config),

@@ -33,6 +33,10 @@ class RequestTooLargeError(EngineError):
     """The request can never fit (HTTP 400)."""
 
 
+class PriorityNotEnabledError(EngineError):
+    """A request with a priority while the server schedules first come, first served (400)."""
+
+
 class TooManyChoicesError(EngineError):
     """n x prompts above the waiting queue's size: the request could never be queued (400)."""
 

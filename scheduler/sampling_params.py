@@ -54,6 +54,8 @@ class SamplingParams:
     logprobs: int | None = None          # None: off; k >= 0: sampled token's logprob plus top-k
     min_tokens: int = 0                  # extension (vLLM): EOS/stop ids are masked until reached
     client: str = ""                     # who asked (OpenAI `user`; "": anonymous): fair share
+    priority: int = 0                    # extension (vLLM): lower is sooner, under the
+                                         # scheduler's "priority" policy (0 under "fcfs")
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit)
     grammar: GrammarSpec | None = None   # constrained decoding: the output follows it
     allowed_token_ids: tuple[int, ...] | None = None  # extension (vLLM): only these are sampled

@@ -15,6 +15,9 @@ Policy:
   `max_waiting_total` (QueueFull beyond: one client's burst leaves room for the others);
 - when pages run out for a running request, the NEWEST running request is preempted (pages freed,
   recomputed later from prompt + outputs so far) and goes to the front of the waiting queue;
+- `policy` "priority" (vLLM's): the waiting requests of the lowest `SamplingParams.priority`
+  come first (the rules above among them); the newest of the highest value is preempted, even
+  if scheduled earlier in the step (its chunk is taken back); admission never preempts;
 - no admission in a step that preempted, and a waiting request is admitted only if its first chunk
   fits in the free pages (admission never preempts);
 - a request that ends (but for an error) offers the full pages of every token it computed,
@@ -24,7 +27,7 @@ Policy:
   while a running request is computing the pages that follow that prefix (one document sent by
   several clients at once), it waits for them rather than computing them a second time.
 The oldest running request is never preempted while others run, so every request that fits alone
-completes eventually.
+completes eventually (under "priority": while no request of a higher priority keeps arriving).
 
 Not thread-safe: only the engine's step loop calls it.
 """
@@ -37,11 +40,15 @@ from dataclasses import dataclass
 
 from kvstore.page_allocator import PageAllocator
 from scheduler.batch import ScheduledBatch, ScheduledRequest
-from scheduler.errors import QueueFull, RequestTooLarge
+from scheduler.errors import PriorityNotEnabled, QueueFull, RequestTooLarge
 from scheduler.request import Request, RequestStatus
 from scheduler.speculative import NgramProposer, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
+
+POLICIES = ("fcfs", "priority")
+PRIORITY_NOT_ENABLED = ("priority scheduling is not enabled (--scheduling-policy priority); "
+                        "send priority 0 or none")
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ class SchedulerConfig:
                                          # caps
     page_size: int = 16                  # tokens per KV page (must match the allocator)
     speculative: SpeculativeConfig = SpeculativeConfig()    # n-gram drafts (off by default)
+    policy: str = "fcfs"                 # who is admitted and who preempted first: by
+                                         # arrival (fcfs), or by priority, then arrival
     draft_context: int = 0               # drafts only while a request's tokens and drafts
                                          # stay within this many (decodes past it attend
                                          # sparsely, which a step of several tokens does not);
@@ -68,6 +77,9 @@ class SchedulerConfig:
         if self.max_waiting < 0 or self.long_prefill_chunk < 0 or self.max_waiting_total < 0:
             raise ValueError("SchedulerConfig.max_waiting, max_waiting_total and "
                              "long_prefill_chunk must be >= 0")
+        if self.policy not in POLICIES:
+            raise ValueError(f"SchedulerConfig.policy must be one of {POLICIES}, "
+                             f"got {self.policy!r}")
 
     @property
     def waiting_total(self) -> int:
@@ -135,6 +147,8 @@ class Scheduler:
                 f"{self.allocator.num_pages}; lower max_tokens or raise the KV memory budget")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already queued")
+        if p.priority and self.config.policy != "priority":
+            raise PriorityNotEnabled(PRIORITY_NOT_ENABLED)
         client = p.client
         if self._waiting_of[client] >= self.config.max_waiting:
             raise QueueFull(f"{self._waiting_of[client]} requests of this client are already "
@@ -164,7 +178,13 @@ class Scheduler:
             drafts = self._drafts(req, budget - n) if n == 1 else ()
             while not self.allocator.allocate(req.request_id,
                                               req.num_computed_tokens + n + len(drafts)):
-                victim = self.running.pop()       # the newest running request
+                at = self._victim()
+                victim = self.running.pop(at)
+                if at < i:      # scheduled earlier in this step: its chunk goes too
+                    i -= 1
+                    undone = next(s for s in scheduled if s.request_id == victim.request_id)
+                    scheduled.remove(undone)
+                    budget += len(undone.token_ids)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -273,7 +293,7 @@ class Scheduler:
         end = start + n
         return ScheduledRequest(
             request_id=req.request_id,
-            token_ids=_token_slice(req, start, end) + drafts,
+            token_ids=req.token_slice(start, end) + drafts,
             start_pos=start,
             page_ids=self.allocator.pages(req.request_id),
             sample=end == req.num_tokens,
@@ -281,11 +301,9 @@ class Scheduler:
         )
 
     def _drafts(self, req: Request, budget: int) -> tuple[int, ...]:
-        """The n-gram drafts a decode of `req` verifies this step (scheduler/speculative.py).
-        No more than could be kept (max_tokens, max_model_len, `budget`), and all in the
-        page the pending token goes to, short of its last slot: a page is full (summarized,
-        written to the backing tier, cached) only once tokens that were kept fill it, and
-        the K/V of drafts that were not is overwritten before then."""
+        """The n-gram drafts a decode of `req` verifies this step (scheduler/speculative.py):
+        no more than could be kept, all in the pending token's page short of its last slot (a
+        page fills, and is cached, only with kept tokens; rejected drafts' K/V is overwritten)."""
         p = req.sampling_params
         if self.proposer is None or not p.samples or req.num_computed_tokens + 1 != req.num_tokens:
             return ()
@@ -304,15 +322,28 @@ class Scheduler:
                                        req.output_token_ids, limit, stops)
         return self.proposer.worth(req.request_id, drafts, self.draft_min_p)
 
+    def _victim(self) -> int:
+        """Where in `running` the request to preempt is: the newest (fcfs), or the newest of
+        the lowest priority (the largest priority value: vLLM's order)."""
+        if self.config.policy == "fcfs":
+            return len(self.running) - 1
+        return max(range(len(self.running)), key=lambda k: (
+            self.running[k].sampling_params.priority, self.running[k].arrival_time, k))
+
     def _next_waiting(self) -> Request:
-        """The oldest waiting request of the client with the fewest running requests."""
-        head = self.waiting[0]
+        """The oldest waiting request of the client with the fewest running requests (under
+        the priority policy, among those of the lowest priority value alone)."""
+        waiting = self.waiting
+        if self.config.policy == "priority":
+            top = min(r.sampling_params.priority for r in waiting)
+            waiting = [r for r in waiting if r.sampling_params.priority == top]
+        head = waiting[0]
         if len(self._waiting_of) == 1:
             return head
-        best = min(self._running_of[c] for c in self._waiting_of)
+        best = min(self._running_of[r.sampling_params.client] for r in waiting)
         if self._running_of[head.sampling_params.client] == best:
             return head
-        return next(r for r in self.waiting
+        return next(r for r in waiting
                     if self._running_of[r.sampling_params.client] == best)
 
     def _unwait(self, req: Request) -> None:
@@ -357,7 +388,7 @@ class Scheduler:
             if status is not RequestStatus.FINISHED_ERROR:
                 # the next turn of a conversation resends this answer: its full pages too
                 self.allocator.publish(req.request_id,
-                                       _token_slice(req, 0, req.num_computed_tokens),
+                                       req.token_slice(0, req.num_computed_tokens),
                                        req.prefix_salt)
         else:
             self._unwait(req)
@@ -367,13 +398,3 @@ class Scheduler:
         req.status = status
         del self.requests[req.request_id]
 
-
-def _token_slice(req: Request, start: int, end: int) -> tuple[int, ...]:
-    """req.all_token_ids[start:end] without copying the whole prompt (long contexts)."""
-    prompt, outputs = req.prompt_token_ids, req.output_token_ids
-    n = len(prompt)
-    if end <= n:
-        return tuple(prompt[start:end])
-    if start >= n:
-        return tuple(outputs[start - n:end - n])
-    return tuple(prompt[start:]) + tuple(outputs[:end - n])

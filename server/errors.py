@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.protocol import (EngineDeadError, EngineError, EngineNotReadyError, QueueFullError,
-                             RequestTooLargeError, TooManyChoicesError)
+                             RequestTooLargeError, TooManyChoicesError,
+                             PriorityNotEnabledError)
 from server.protocol_responses import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ ANSWERS: dict[type[EngineError], Answer] = {
     QueueFullError: Answer(429, "rate_limit_error", "queue_full", "queue_full",
                            prefix="Server is busy: ", retry_after_s=1),
     RequestTooLargeError: Answer(400, "invalid_request_error", "request_too_large", "too_large"),
+    PriorityNotEnabledError: Answer(400, "invalid_request_error", "priority_not_enabled",
+                                    "priority_not_enabled", param="priority"),
     TooManyChoicesError: Answer(400, "invalid_request_error", "too_many_choices", "too_large",
                                 param="n"),
     EngineNotReadyError: Answer(503, "service_unavailable", "model_loading", "not_ready",

@@ -28,7 +28,8 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 FINISHED_REASONS = ("stop", "length", "abort", "error")
-REJECTION_REASONS = ("queue_full", "context_length", "too_large", "not_ready", "engine_dead")
+REJECTION_REASONS = ("queue_full", "context_length", "too_large", "not_ready", "engine_dead",
+                     "priority_not_enabled")
 
 
 class EngineStatsCollector(Collector):

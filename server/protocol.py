@@ -66,6 +66,8 @@ Seed = Annotated[StrictInt | None, Field(ge=SEED_MIN, le=SEED_MAX)]
 # vLLM's cache_salt: the prefix cache pages a request reads and adds are its salt's alone
 CacheSalt = Annotated[Text | None, Field(min_length=1, max_length=1024)]
 Flag = StrictBool | None
+# vLLM's priority: lower runs sooner (--scheduling-policy priority; else only 0)
+Priority = Annotated[StrictInt | None, Field(ge=-2 ** 31, le=2 ** 31 - 1)]
 
 
 def _logit_bias(value: dict[str, float] | None) -> dict[str, float] | None:
@@ -181,6 +183,7 @@ class _Constrained(_Request):
     # is then computed whole, without the prefix cache
     prompt_logprobs: Annotated[StrictInt | None, Field(ge=0, le=MAX_PROMPT_LOGPROBS)] = None
     cache_salt: CacheSalt = None
+    priority: Priority = None
     # refused: they would change the output and are not implemented
     use_beam_search: OnlyFalse = None
     length_penalty: Unsupported = None

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, StrictBool, StrictInt, Tag, model_validator
 
-from server.protocol import (MAX_CHAT_TOP_LOGPROBS, MAX_TOOLS, CacheSalt, Flag, MaxTokens, Seed,
-                             Temperature, Text, TopK, TopP)
+from server.protocol import (MAX_CHAT_TOP_LOGPROBS, MAX_TOOLS, CacheSalt, Flag, MaxTokens,
+                             Priority, Seed, Temperature, Text, TopK, TopP)
 from server.protocol_tools import (FUNCTION_NAME, Unsupported, _only,
                                    _Request)
 
@@ -168,6 +168,7 @@ class ResponsesRequest(_Request):
     seed: Seed = None
     top_k: TopK = None
     cache_salt: CacheSalt = None
+    priority: Priority = None
 
     @property
     def logprobs(self) -> bool:
@@ -199,7 +200,8 @@ class ResponsesRequest(_Request):
                     response_format=fmt, stream=self.stream, user=self.user,
                     logprobs=self.logprobs,
                     top_logprobs=(self.top_logprobs or 0) if self.logprobs else None,
-                    seed=self.seed, top_k=self.top_k, cache_salt=self.cache_salt)
+                    seed=self.seed, top_k=self.top_k, cache_salt=self.cache_salt,
+                    priority=self.priority)
 
 
 def chat_messages_of(items: list) -> list[dict]:

@@ -131,6 +131,7 @@ def build_sampling_params(request: Request, *, max_tokens: int, seed_offset: int
         logprobs=request.logprobs_k(),
         min_tokens=min_tokens,
         client=(getattr(request, "user", None) or "")[:MAX_CLIENT_CHARS],
+        priority=request.priority or 0,
         logit_bias=logit_bias,
         grammar=grammar,
         allowed_token_ids=None if allowed is None else tuple(sorted(set(allowed))),

@@ -48,6 +48,20 @@ def test_more_choices_than_the_queue_holds_is_400_not_429(server, client):
     assert len(ok.choices) == 4
 
 
+def test_a_priority_without_the_priority_policy_is_400(server, client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1,
+                                       extra_body={"priority": 3})
+    assert info.value.body["code"] == "priority_not_enabled"
+    assert info.value.body["param"] == "priority"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="a", max_tokens=1,
+                                  extra_body={"priority": -1})
+    ok = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1,
+                                        extra_body={"priority": 0})
+    assert ok.choices[0].finish_reason == "length"
+
+
 def test_seed_outside_64_bits_is_400_and_harms_no_one(server, client):
     for seed in (2 ** 64, 10 ** 30, -2 ** 63 - 1):
         with pytest.raises(openai.BadRequestError) as info:
