@@ -13,6 +13,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.openapi.utils import get_openapi
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.protocol import EngineClient
@@ -88,7 +89,9 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
               reasoning_parser: str = "auto", tool_call_parser: str = "auto",
               embedding_pooling: str = "last",
               lora_modules: dict[str, str] | None = None,
-              allow_runtime_lora: bool = False) -> FastAPI:
+              allow_runtime_lora: bool = False, cors: dict | None = None) -> FastAPI:
+    """The app; `cors`: CORSMiddleware's keywords (ServerSettings.cors), None: no CORS
+    headers."""
     ctx = ServerContext(engine, tokenizer, served_model_name=served_model_name,
                         model_aliases=model_aliases, api_key=api_key,
                         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
@@ -116,6 +119,8 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if cors is not None:    # added last, so outermost: a 413 or 401 carries its headers too
+        app.add_middleware(CORSMiddleware, **cors)
     app.include_router(v1)
     app.include_router(root)
     _open_routes(app, ctx)

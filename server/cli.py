@@ -172,7 +172,7 @@ def _app(slot: EngineSlot, name: str, aliases: tuple[str, ...], settings, load_a
                      tool_call_parser=settings.tool_call_parser,
                      embedding_pooling=settings.embedding_pooling,
                      lora_modules={k: str(v) for k, v in loras.items()},
-                     allow_runtime_lora=settings.allow_runtime_lora)
+                     allow_runtime_lora=settings.allow_runtime_lora, cors=settings.cors())
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ engine/args.py's EngineArgs; `--check` exits 1 when the README differs (tests ru
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,16 @@ class ServerSettings:
                                        "/v1/unload_lora_adapter (vLLM's), which load LoRA "
                                        "folders from this server's disk while it serves",
                                        group="server")
+    allowed_origins: str = setting("*", "origins whose web pages may call this server (CORS): "
+                                   "comma-separated or a JSON list (vLLM's form); *: any, as "
+                                   "vLLM and llama.cpp allow; '': none", group="server")
+    allowed_methods: str = setting("*", "HTTP methods those pages may use (CORS; as "
+                                   "--allowed-origins)", group="server")
+    allowed_headers: str = setting("*", "request headers those pages may send (CORS; as "
+                                   "--allowed-origins)", group="server")
+    allow_credentials: bool = setting(False, "let those pages send cookies (CORS); needs "
+                                      "origins named in --allowed-origins, not *",
+                                      group="server")
     log_level: str = setting("info", "log level", LOG_LEVELS, group="server")
     drain_seconds: float = setting(0.0, "on SIGTERM or Ctrl-C, keep serving this long with "
                                    "/health answering 503, so that a router or load balancer "
@@ -70,6 +81,31 @@ class ServerSettings:
             raise ValueError("--responses-store-mb must be >= 0 (0: store no responses)")
         if self.max_request_bytes < 0:
             raise ValueError("--max-request-bytes must be >= 0 (0: no limit)")
+        self.cors()
+
+    def cors(self) -> dict:
+        """Starlette's CORSMiddleware keywords (ValueError: a flag is no list, or credentials
+        with any origin, which would let every site send this server's cookies)."""
+        origins = flag_list(self.allowed_origins, "--allowed-origins")
+        if self.allow_credentials and "*" in origins:
+            raise ValueError("--allow-credentials needs the origins named in --allowed-origins "
+                             "(not *)")
+        return dict(allow_origins=origins, allow_credentials=self.allow_credentials,
+                    allow_methods=flag_list(self.allowed_methods, "--allowed-methods"),
+                    allow_headers=flag_list(self.allowed_headers, "--allowed-headers"))
+
+
+def flag_list(value: str, flag: str) -> list[str]:
+    """A list flag's items: a JSON list of strings (vLLM's form) or comma-separated."""
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{flag}: not a JSON list: {exc}") from None
+        if not all(isinstance(i, str) for i in items):
+            raise ValueError(f"{flag}: a JSON list of strings, got {value}")
+        return items
+    return [item.strip() for item in value.split(",") if item.strip()]
 
 
 def flag_table() -> str:
