@@ -89,13 +89,15 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
               reasoning_parser: str = "auto", tool_call_parser: str = "auto",
               embedding_pooling: str = "last",
               lora_modules: dict[str, str] | None = None,
-              allow_runtime_lora: bool = False, cors: dict | None = None) -> FastAPI:
+              allow_runtime_lora: bool = False, cors: dict | None = None,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """The app; `cors`: CORSMiddleware's keywords (ServerSettings.cors), None: no CORS
     headers."""
     ctx = ServerContext(engine, tokenizer, served_model_name=served_model_name,
                         model_aliases=model_aliases, api_key=api_key,
                         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
                         lora_modules=lora_modules)
+    ctx.trust_request_chat_template = trust_request_chat_template
 
     def authorize(authorization: str | None = Header(default=None),
                   x_api_key: str | None = Header(default=None)) -> None:

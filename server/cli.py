@@ -90,8 +90,10 @@ def engine_args(args: argparse.Namespace, served_model_name: str):
 class EngineLoader:
     """Loads the engine off the event loop, then attaches it to the slot."""
 
-    def __init__(self, engine_args, slot: EngineSlot, server: uvicorn.Server):
+    def __init__(self, engine_args, slot: EngineSlot, server: uvicorn.Server,
+                 chat_template: str | None = None):
         self._engine_args, self._slot, self._server = engine_args, slot, server
+        self._chat_template = chat_template         # --chat-template's, over the model's
         self._loop: asyncio.AbstractEventLoop | None = None
         self.failed = False
 
@@ -113,7 +115,7 @@ class EngineLoader:
             engine = self._call(create if callable(create) else AsyncEngine, self._engine_args)
             if not engine.is_ready and hasattr(engine, "start"):
                 self._call(engine.start)
-            tokenizer = Tokenizer.from_folder(engine.tokenizer_path)
+            tokenizer = Tokenizer.from_folder(engine.tokenizer_path, self._chat_template)
             self._slot.attach(engine, tokenizer)
             logger.info("ready: %s (max_model_len %d)", engine.model_name, engine.max_model_len)
         except Exception as exc:
@@ -172,7 +174,8 @@ def _app(slot: EngineSlot, name: str, aliases: tuple[str, ...], settings, load_a
                      tool_call_parser=settings.tool_call_parser,
                      embedding_pooling=settings.embedding_pooling,
                      lora_modules={k: str(v) for k, v in loras.items()},
-                     allow_runtime_lora=settings.allow_runtime_lora, cors=settings.cors())
+                     allow_runtime_lora=settings.allow_runtime_lora, cors=settings.cors(),
+                     trust_request_chat_template=settings.trust_request_chat_template)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -198,7 +201,7 @@ def serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, settings.drain_seconds,
                             on_drain=lambda: setattr(app.state.ctx, "draining", True))
-    loader = EngineLoader(load_args, slot, server)
+    loader = EngineLoader(load_args, slot, server, settings.chat_template_source())
     with asyncio.Runner(loop_factory=config.get_loop_factory()) as runner:
         runner.run(_serve(server, loader))
     engine = slot.engine

@@ -39,6 +39,8 @@ class ServerContext:
         self._reasoning_parser = reasoning_parser
         self._tool_call_parser = tool_call_parser
         self.draining = False          # stopping: /health says 503, requests are still served
+        # a request's own chat_template may render it (--trust-request-chat-template)
+        self.trust_request_chat_template = False
         self._tokenizer_source = tokenizer
         self._tokenizer: Tokenizer | None = tokenizer if isinstance(tokenizer, Tokenizer) else None
 

@@ -38,6 +38,7 @@ MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
 MAX_BREAKERS = 32          # DRY's sequence breakers
 MAX_BREAKER_CHARS = 32
+MAX_TEMPLATE_CHARS = 65536  # a request's own chat template (--trust-request-chat-template)
 # chat_template_kwargs may not replace what the server passes the template itself
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
                                       "bos_token", "eos_token"})
@@ -66,6 +67,7 @@ Seed = Annotated[StrictInt | None, Field(ge=SEED_MIN, le=SEED_MAX)]
 # vLLM's cache_salt: the prefix cache pages a request reads and adds are its salt's alone
 CacheSalt = Annotated[Text | None, Field(min_length=1, max_length=1024)]
 Flag = StrictBool | None
+RequestTemplate = Annotated[Text | None, Field(min_length=1, max_length=MAX_TEMPLATE_CHARS)]
 # vLLM's priority: lower runs sooner (--scheduling-policy priority; else only 0)
 Priority = Annotated[StrictInt | None, Field(ge=-2 ** 31, le=2 ** 31 - 1)]
 
@@ -275,7 +277,8 @@ class ChatCompletionRequest(_Constrained):
     chat_template_kwargs: TemplateKwargs = None
     # vLLM's: false leaves a reasoning model's <think> text out of the answer
     include_reasoning: Flag = True
-    chat_template: Unsupported = None
+    # vLLM's: a Jinja template instead of the model's (--trust-request-chat-template)
+    chat_template: RequestTemplate = None
     documents: Unsupported = None
 
     @field_validator("top_logprobs")

@@ -124,12 +124,23 @@ class ChatServing(OpenAIServing):
         return ChatChoiceLogprobs(content=content)
 
 
-def template_options(request: ChatCompletionRequest) -> dict:
-    """The chat template's switches a request sets (Tokenizer.apply_chat_template's keywords):
-    the generation prompt (on unless false), continuing the last message, more variables."""
-    return dict(add_generation_prompt=request.add_generation_prompt is not False,
-                continue_final_message=bool(request.continue_final_message),
-                template_kwargs=request.chat_template_kwargs)
+def chat_render(ctx, request, tokenizer) -> tuple[list[dict], list[dict] | None, dict]:
+    """A chat request (or a tokenize request's messages) as the chat template takes it: its
+    messages, its tools, and the template's switches it sets (Tokenizer.apply_chat_template's
+    keywords: the generation prompt, on unless false; continuing the last message; more
+    variables; its own template, vLLM's `chat_template`, which only
+    --trust-request-chat-template allows: a template is code the server runs)."""
+    template = request.chat_template
+    if template is not None and not ctx.trust_request_chat_template:
+        raise invalid_request("This server renders chats with its own template only: a "
+                              "request's chat_template needs --trust-request-chat-template.",
+                              param="chat_template")
+    messages, tools = chat_messages(request, template or tokenizer.chat_template,
+                                    ctx.tool_format)
+    return messages, tools, dict(add_generation_prompt=request.add_generation_prompt is not False,
+                                 continue_final_message=bool(request.continue_final_message),
+                                 template_kwargs=request.chat_template_kwargs,
+                                 chat_template=template)
 
 
 async def chat_prompt_ids(serving: OpenAIServing, request: ChatCompletionRequest, tokenizer,
@@ -138,12 +149,12 @@ async def chat_prompt_ids(serving: OpenAIServing, request: ChatCompletionRequest
     template, on a worker thread, after the text-size check (`truncated`: the request cuts
     its prompt); a template error is a 400 naming `param` (another API's name for its
     messages)."""
-    messages, tools = chat_messages(request, tokenizer.chat_template, serving.ctx.tool_format)
+    messages, tools, options = chat_render(serving.ctx, request, tokenizer)
     serving.check_prompt_text(["".join(m["content"] for m in messages)], param,
                               truncated=truncated)
     try:
         return await anyio.to_thread.run_sync(
-            lambda: tokenizer.encode_chat(messages, tools, **template_options(request)))
+            lambda: tokenizer.encode_chat(messages, tools, **options))
     except TemplateError as exc:
         raise invalid_request(str(exc), param=param) from None
 

@@ -14,13 +14,13 @@ from pydantic import Field, StrictBool
 from server.context import ServerContext
 from server.errors import invalid_request
 from server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                             ContinueFinalMessage, TemplateKwargs, Text, TokenId)
+                             ContinueFinalMessage, RequestTemplate, TemplateKwargs, Text,
+                             TokenId)
 from server.protocol_tools import ChatTool, _Request, _Wire
 from server.sampling import check_token_ids
 from server.serving_completion import prompt_token_ids
 from server.tokenizer import TemplateError
-from server.serving_chat import template_options
-from server.tools import chat_messages
+from server.serving_chat import chat_render
 
 
 class TokenizeRequest(_Request):
@@ -35,6 +35,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: StrictBool | None = True
     continue_final_message: ContinueFinalMessage = False
     chat_template_kwargs: TemplateKwargs = None
+    chat_template: RequestTemplate = None
 
 
 class TokenizeResponse(_Wire):
@@ -71,11 +72,9 @@ class TokenServing:
             add = True if request.add_special_tokens is None else request.add_special_tokens
             tokens = await anyio.to_thread.run_sync(tokenizer.encode, request.prompt, add)
         else:
-            messages, tools = chat_messages(request, tokenizer.chat_template,
-                                           self.ctx.tool_format)
+            messages, tools, options = chat_render(self.ctx, request, tokenizer)
             try:
-                text = tokenizer.apply_chat_template(messages, tools,
-                                                     **template_options(request))
+                text = tokenizer.apply_chat_template(messages, tools, **options)
             except TemplateError as exc:
                 raise invalid_request(str(exc), param="messages") from None
             tokens = await anyio.to_thread.run_sync(tokenizer.encode, text,
@@ -94,11 +93,10 @@ class TokenServing:
     async def render_chat(self, request: ChatCompletionRequest) -> RenderResponse:
         self.ctx.check_model(request.model)
         tokenizer = self.ctx.require_ready()
-        messages, tools = chat_messages(request, tokenizer.chat_template,
-                                           self.ctx.tool_format)
+        messages, tools, options = chat_render(self.ctx, request, tokenizer)
         try:
             ids = await anyio.to_thread.run_sync(
-                lambda: tokenizer.encode_chat(messages, tools, **template_options(request)))
+                lambda: tokenizer.encode_chat(messages, tools, **options))
         except TemplateError as exc:
             raise invalid_request(str(exc), param="messages") from None
         return RenderResponse(model=self.ctx.served_model_name, token_ids=ids)

@@ -55,6 +55,13 @@ class ServerSettings:
                                        "/v1/unload_lora_adapter (vLLM's), which load LoRA "
                                        "folders from this server's disk while it serves",
                                        group="server")
+    chat_template: str = setting("", "a Jinja chat template instead of the model's: a file, or "
+                                 "the template itself (vLLM's --chat-template)",
+                                 group="server")
+    trust_request_chat_template: bool = setting(False, "let a chat request's own "
+                                                "`chat_template` (vLLM's field) render it: a "
+                                                "template is code this server runs (in "
+                                                "Jinja's sandbox)", group="server")
     allowed_origins: str = setting("*", "origins whose web pages may call this server (CORS): "
                                    "comma-separated or a JSON list (vLLM's form); *: any, as "
                                    "vLLM and llama.cpp allow; '': none", group="server")
@@ -82,6 +89,27 @@ class ServerSettings:
         if self.max_request_bytes < 0:
             raise ValueError("--max-request-bytes must be >= 0 (0: no limit)")
         self.cors()
+        self.chat_template_source()
+
+    def chat_template_source(self) -> str | None:
+        """--chat-template's text (a file's, or the flag's own), None: the model's (ValueError:
+        neither a file nor a template, or not valid Jinja)."""
+        from server.tokenizer import TemplateError, compile_template
+        if not self.chat_template:
+            return None
+        path = Path(self.chat_template).expanduser()
+        if path.is_file():
+            source = path.read_text()
+        elif "{{" in self.chat_template or "{%" in self.chat_template:
+            source = self.chat_template
+        else:
+            raise ValueError(f"--chat-template: {self.chat_template} is no file and no Jinja "
+                             "template")
+        try:
+            compile_template(source)
+        except TemplateError as exc:
+            raise ValueError(f"--chat-template: {exc}") from None
+        return source
 
     def cors(self) -> dict:
         """Starlette's CORSMiddleware keywords (ValueError: a flag is no list, or credentials

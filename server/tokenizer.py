@@ -32,6 +32,15 @@ def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=F
                       sort_keys=sort_keys)
 
 
+def compile_template(source: str) -> jinja2.Template:
+    """A chat template compiled (TemplateError: it is not valid Jinja)."""
+    try:
+        return _compile_template(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise TemplateError(f"The chat template is not valid Jinja (line {exc.lineno}): "
+                            f"{exc.message}") from None
+
+
 @lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -86,7 +95,8 @@ class Tokenizer:
                                     for p, i in backend.get_vocab(True).items()), default=1)
 
     @classmethod
-    def from_folder(cls, folder: str | Path) -> "Tokenizer":
+    def from_folder(cls, folder: str | Path, chat_template: str | None = None) -> "Tokenizer":
+        """The folder's tokenizer; `chat_template`: one over the folder's (--chat-template)."""
         folder = Path(folder)
         backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         config_path = folder / "tokenizer_config.json"
@@ -98,7 +108,7 @@ class Tokenizer:
             template = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
         if isinstance(template, list):      # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(backend, chat_template=template,
+        return cls(backend, chat_template=chat_template or template,
                    bos_token=_token_content(config.get("bos_token")),
                    eos_token=_token_content(config.get("eos_token")))
 
@@ -140,20 +150,23 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
                             add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
-                            template_kwargs: dict | None = None) -> str:
+                            template_kwargs: dict | None = None,
+                            chat_template: str | None = None) -> str:
         """Render a conversation ending with the assistant's generation prompt (unless
         add_generation_prompt is false); `tools`: the OpenAI tool definitions, for a template
         that renders them (server/tools.py). continue_final_message: the text ends where the
         last (assistant) message's content does, so the answer continues it (what follows
         it, the end of the turn, is cut, as transformers and vLLM do). template_kwargs: more
-        variables for the template (vLLM's chat_template_kwargs)."""
-        if not self.chat_template:
+        variables for the template (vLLM's chat_template_kwargs). chat_template: a request's
+        template instead of the model's."""
+        source = chat_template or self.chat_template
+        if not source:
             raise TemplateError("This model has no chat template; use /v1/completions.")
-        template = _compile_template(self.chat_template)
         try:
-            text = template.render(**(template_kwargs or {}), messages=messages, tools=tools,
-                                   add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+            text = compile_template(source).render(
+                **(template_kwargs or {}), messages=messages, tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         except TemplateError:
             raise
         # NOTE: what the request's values make the template do wrong (a chat_template_kwargs

@@ -62,6 +62,14 @@ def test_a_priority_without_the_priority_policy_is_400(server, client):
     assert ok.choices[0].finish_reason == "length"
 
 
+def test_a_requests_own_chat_template_needs_the_servers_trust(server, client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=1,
+                                       extra_body={"chat_template": "{{ messages }}"})
+    assert info.value.body["param"] == "chat_template"
+    assert "--trust-request-chat-template" in info.value.body["message"]
+
+
 def test_seed_outside_64_bits_is_400_and_harms_no_one(server, client):
     for seed in (2 ** 64, 10 ** 30, -2 ** 63 - 1):
         with pytest.raises(openai.BadRequestError) as info:

@@ -102,3 +102,31 @@ def test_bad_words_become_their_tokens_alone_and_after_a_space(tokenizer):
         ids = tuple(tokenizer.encode(word, add_special_tokens=False))
         assert ids in seqs
     assert len(seqs) == len(set(seqs)) == 4
+
+
+PLAIN = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}" \
+        "{% if add_generation_prompt %}[assistant] {% endif %}"
+
+
+def test_a_chat_template_over_the_models_from_a_file_or_the_flag(smollm2_dir, tmp_path):
+    from server.settings import ServerSettings
+    path = tmp_path / "plain.jinja"
+    path.write_text(PLAIN)
+    for flag in (str(path), PLAIN):
+        source = ServerSettings(chat_template=flag).chat_template_source()
+        tok = Tokenizer.from_folder(smollm2_dir, source)
+        assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == \
+            "[user] Hi\n[assistant] "
+    assert ServerSettings().chat_template_source() is None
+    for bad, match in ((str(tmp_path / "missing.jinja"), "no file"),
+                       ("{% for %}", "not valid Jinja")):
+        with pytest.raises(ValueError, match=match):
+            ServerSettings(chat_template=bad)
+
+
+def test_a_requests_template_renders_that_request_alone(tokenizer):
+    hi = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(hi, chat_template=PLAIN) == "[user] Hi\n[assistant] "
+    assert tokenizer.apply_chat_template(hi).startswith("<|im_start|>system")
+    with pytest.raises(TemplateError, match="not valid Jinja"):
+        tokenizer.apply_chat_template(hi, chat_template="{{ messages[0 }}")
