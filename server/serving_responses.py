@@ -222,6 +222,7 @@ class ResponsesServing(OpenAIServing):
 
     def _base(self, request: ResponsesRequest, response_id: str) -> ResponseObject:
         choice = request.tool_choice
+        defaults = self.ctx.sampling_defaults
         text = (request.text.model_dump(by_alias=True, exclude_none=True)
                 if request.text is not None and request.text.format is not None else None)
         return ResponseObject(
@@ -229,7 +230,10 @@ class ResponsesServing(OpenAIServing):
             instructions=request.instructions, max_output_tokens=request.max_output_tokens,
             previous_response_id=request.previous_response_id,
             store=request.store is not False and self.store.enabled,
-            temperature=request.temperature, top_p=request.top_p,
+            # the values sampling used, as OpenAI echoes them: the model's default where the
+            # request set none (--generation-config), else the API's
+            temperature=_used(request.temperature, "temperature", defaults, 1.0),
+            top_p=_used(request.top_p, "top_p", defaults, 1.0),
             top_logprobs=request.top_logprobs,
             tool_choice=(choice.model_dump() if hasattr(choice, "model_dump")
                          else choice or "auto"),
@@ -336,3 +340,7 @@ async def _nothing() -> None:
 def _not_found(response_id: str) -> APIError:
     return APIError(404, f"Response with id '{response_id}' not found.",
                     type="invalid_request_error", param="response_id", code="not_found")
+
+
+def _used(value: float | None, field: str, defaults: dict, api_default: float) -> float:
+    return value if value is not None else defaults.get(field, api_default)

@@ -138,6 +138,12 @@ def test_messages_and_completions_take_them_too(client):
     again = client.completions.create(model=MODEL, prompt="The sky is", temperature=0.0,
                                       extra_body=fresh_salt())
     assert done.usage.completion_tokens == 16 and done.choices[0].text == again.choices[0].text
+    # a response echoes the values sampling used: the default where the request set none
+    r = client.responses.create(model=MODEL, input="Hi", extra_body=fresh_salt())
+    assert (r.temperature, r.top_p) == (0.0, 1.0)
+    r = client.responses.create(model=MODEL, input="Hi", temperature=0.5, top_p=0.9,
+                                extra_body=fresh_salt())
+    assert (r.temperature, r.top_p) == (0.5, 0.9)
 
 
 def test_a_default_max_tokens_only_caps_what_the_context_leaves():
