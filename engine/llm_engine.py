@@ -1,7 +1,6 @@
 """LLMEngine: the synchronous step loop. schedule -> execute -> update -> outputs."""
 from __future__ import annotations
 
-import json
 import logging
 import time
 
@@ -13,7 +12,7 @@ from engine.devices import describe, resolve_device
 from engine.gguf_convert import ensure_hf_folder, gguf_source, model_fingerprint
 from engine.generation_defaults import sampling_defaults
 from engine.gguf_weights import native_format
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, rope_identity
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.weight_plan import plan_weights
@@ -36,16 +35,6 @@ class DuplicateRequestId(KeyError):
 
 
 class LLMEngine:
-    def _rope_identity(self, cfg: ModelConfig) -> str:
-        """What rotates a page's keys beyond the model's files, for the prefix cache's
-        namespace: --hf-overrides, and the served length where the RoPE depends on it
-        (dynamic NTK, LongRoPE's short or long factors)."""
-        overrides = self.args.config_overrides()
-        ident = json.dumps(overrides, sort_keys=True) if overrides else ""
-        if (cfg.rope_scaling or {}).get("rope_type") in ("dynamic", "longrope"):
-            ident += f"|positions {self.max_model_len}"
-        return ident
-
     def __init__(self, args: EngineArgs):
         self.args = args
         self.model_folder = ensure_hf_folder(args.model, args.resolved_cache_dir)
@@ -77,14 +66,14 @@ class LLMEngine:
         # NOTE: a GGUF model's weights come from the file itself (quantized blocks as they
         # are, dequantized exactly in float32); the converted folder gives config and tokenizer
         kv = args.kv_store_config()
+        rope = rope_identity(cfg, args.config_overrides(), self.max_model_len)
         self.runner = ModelRunner(self.model_folder, cfg, self.weight_plan,
                                   kv, self.max_model_len,
                                   device=self.device, gguf=gguf,
-                                  model_id=model_fingerprint(self.model_folder, gguf,
-                                                             self._rope_identity(cfg)),
+                                  model_id=model_fingerprint(self.model_folder, gguf, rope),
                                   lowrank_path=projection_path(self.model_folder,
                                                                args.resolved_cache_dir,
-                                                               args.lowrank_rank))
+                                                               args.lowrank_rank, rope))
         for name, path in args.lora_adapters().items():
             self.load_lora(name, path)
         self.eos_token_ids = tuple(cfg.eos_token_ids)

@@ -142,6 +142,17 @@ class ModelConfig:
         )
 
 
+def rope_identity(cfg: ModelConfig, overrides: Mapping[str, Any], served_len: int) -> str:
+    """What rotates a layer's keys beyond the model's files ("" when nothing does): the
+    --hf-overrides, and the served length where the RoPE depends on it (dynamic NTK,
+    LongRoPE's short or long factors). Names the prefix cache's pages and the low-rank
+    projection fitted on those keys."""
+    ident = json.dumps(dict(overrides), sort_keys=True) if overrides else ""
+    if (cfg.rope_scaling or {}).get("rope_type") in ("dynamic", "longrope"):
+        ident += f"|positions {served_len}"
+    return ident
+
+
 def projection_rows(cfg: ModelConfig) -> dict[str, tuple[str, int, int | None]]:
     """Each checkpoint projection -> (the layer's matmul it lands in, its first output row
     there, its rows; None: all of them): q/k/v fuse into qkv, gate/up into gate_up (Phi-3's

@@ -31,12 +31,18 @@ DEFAULT_RANK = 16
 FILE_VERSION = 1
 
 
-def projection_path(model_folder: str | Path, cache_dir: str | Path | None, rank: int) -> Path:
-    """Beside the (converted) model when its folder is writable, else under the cache dir."""
+def projection_path(model_folder: str | Path, cache_dir: str | Path | None, rank: int,
+                    rope: str = "") -> Path:
+    """Beside the (converted) model when its folder is writable, else under the cache dir;
+    `rope`: what rotates the keys beyond the model's files (engine/model_config.py
+    `rope_identity`), whose keys need a basis of their own."""
+    import hashlib
     folder = Path(model_folder)
+    name = f"r{int(rank)}" + (f"-{hashlib.sha256(rope.encode()).hexdigest()[:8]}" if rope
+                              else "")
     if cache_dir is None or os.access(folder, os.W_OK):
-        return folder / f"lowrank-r{int(rank)}.pt"
-    return Path(cache_dir) / "lowrank" / f"{folder.name}-r{int(rank)}.pt"
+        return folder / f"lowrank-{name}.pt"
+    return Path(cache_dir) / "lowrank" / f"{folder.name}-{name}.pt"
 
 
 @dataclass(frozen=True)

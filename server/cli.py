@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     calib = commands.add_parser("calibrate", help="fit the keys' low-rank projection of "
                                 "--selector lowrank on text (once per model; serve does it "
                                 "on first use otherwise)")
-    add_flags(calib, EngineArgs, only=("model", "cache_dir", "lowrank_rank"))
+    add_flags(calib, EngineArgs, only=("model", "cache_dir", "lowrank_rank", "hf_overrides",
+                                       "max_model_len"))
     calib.add_argument("--text", action="append", default=None, metavar="FILE",
                        help="calibration text file (repeatable; default: the bundled essays)")
     calib.add_argument("--tokens", type=int, default=32768,
@@ -225,7 +226,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
     from engine.args import EngineArgs
     from engine.calibration import calibrate_model
     eargs = EngineArgs(model=args.model, cache_dir=args.cache_dir,
-                       lowrank_rank=args.lowrank_rank)
+                       lowrank_rank=args.lowrank_rank, hf_overrides=args.hf_overrides,
+                       max_model_len=args.max_model_len)
     path, proj = calibrate_model(eargs, args.tokens, args.text)
     print(f"{path}: rank {proj.rank} keeps {100 * min(proj.energy):.1f}-"
           f"{100 * max(proj.energy):.1f}% of the keys' energy per layer "

@@ -85,3 +85,25 @@ def test_lowrank_over_the_identity_basis_selects_as_quest(smollm2_dir):
     engine, low = _run(smollm2_dir, selector="lowrank", lowrank_rank=64, **kw)
     assert low == quest
     assert engine.store.stats.snapshot().selected_count > 0
+
+
+def test_keys_rotated_otherwise_get_a_basis_of_their_own(smollm2_dir, tmp_path):
+    from engine.llm_engine import LLMEngine
+    from engine.model_config import ModelConfig, rope_identity
+    cfg = ModelConfig.from_hf(smollm2_dir)
+    assert rope_identity(cfg, {}, 8192) == ""           # the model's own keys: the plain name
+    assert projection_path(tmp_path, None, 16).name == "lowrank-r16.pt"
+    yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                             "original_max_position_embeddings": 8192}}
+    ident = rope_identity(ModelConfig.from_hf(smollm2_dir, yarn), yarn, 16384)
+    path = projection_path(smollm2_dir, EngineArgs().resolved_cache_dir, 4, ident)
+    assert path != projection_path(smollm2_dir, EngineArgs().resolved_cache_dir, 4)
+    # serve with those overrides reads that file (calibrating the plain one would differ)
+    basis = torch.linalg.qr(torch.randn(30, 3, 64, 4, generator=torch.Generator().manual_seed(
+        0)))[0].contiguous()
+    LowRankProjection(basis, 0, (1.0,) * 30).save(path)
+    import json
+    engine = LLMEngine(EngineArgs(model=str(smollm2_dir), selector="lowrank", lowrank_rank=4,
+                                  kv_device_gb=0.05, hf_overrides=json.dumps(yarn),
+                                  max_model_len=4096))
+    assert torch.equal(engine.store.selection.projection.basis, basis)
