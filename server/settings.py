@@ -44,7 +44,8 @@ class ServerSettings:
     tool_call_parser: str = setting("auto", "how the model writes tool calls, read back into "
                                     "tool_calls and forced by tool_choice required: hermes "
                                     "(<tool_call> blocks), mistral ([TOOL_CALLS] and a JSON "
-                                    "array), llama3_json (the answer is {name, parameters}); "
+                                    "array), llama3_json (the answer is {name, parameters}), "
+                                    "phi4_mini_json (functools and a JSON array); "
                                     "auto: by the chat template, hermes for templates that do "
                                     "not render tools", TOOL_PARSERS, group="server")
     embedding_pooling: str = setting("last", "/v1/embeddings: an input's final hidden state "

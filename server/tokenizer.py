@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
@@ -43,12 +44,27 @@ def compile_template(source: str) -> jinja2.Template:
 
 @lru_cache(maxsize=8)
 def _compile_template(source: str) -> jinja2.Template:
+    return _environment().from_string(source)
+
+
+@lru_cache(maxsize=32)
+def reads_variable(source: str, name: str) -> bool:
+    """Whether a template reads the variable `name` (Qwen's reads `tools`; Phi-4-mini's
+    mentions 'tools' only as a key of its messages); a template that does not parse, by
+    its text."""
+    try:
+        return name in jinja2.meta.find_undeclared_variables(_environment().parse(source))
+    except jinja2.TemplateSyntaxError:
+        return name in source
+
+
+def _environment() -> jinja2.Environment:
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(source)
+    return env
 
 
 @lru_cache(maxsize=1)

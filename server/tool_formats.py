@@ -9,27 +9,39 @@ grammar that makes a model write them (tool_choice required).
                answer (Mistral 7B v0.3's template)
   llama3_json  the answer is the call, {"name", "parameters"} (several joined by "; "),
                maybe after <|python_tag|> (Llama 3.1 / 3.2's JSON tool calling)
+  phi4_mini_json  functools then a JSON array of {"name", "arguments"} to the end of the
+               answer (Phi-4-mini's)
 
-`auto` reads the chat template: [TOOL_CALLS] means mistral, <|python_tag|> llama3_json, else
-hermes. A template that does not render tools gets Strata's Hermes instructions, so hermes.
+`auto` reads the chat template: <|tool|> means phi4_mini_json (Phi-4-mini's template lists
+tools from a system message's own field, not the request's, so Strata's instructions show
+them, written in that format); a template that does not render the `tools` variable gets
+Strata's Hermes instructions, so hermes; else [TOOL_CALLS] means mistral, <|python_tag|>
+llama3_json, and anything else hermes.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
-FORMATS = ("hermes", "mistral", "llama3_json")
+from server.tokenizer import reads_variable
+
+FORMATS = ("hermes", "mistral", "llama3_json", "phi4_mini_json")
 PARSERS = ("auto", *FORMATS)
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 MISTRAL_MARK = "[TOOL_CALLS]"
 PYTHON_TAG = "<|python_tag|>"
+PHI4_TOOL_TAG = "<|tool|>"
+# the formats whose calls are one JSON array after a marker, and what opens the array
+LIST_MARKS = {"mistral": (MISTRAL_MARK, " ["), "phi4_mini_json": ("functools", "[")}
 
 
 def resolve_format(name: str, template: str | None) -> str:
     """The format a server with --tool-call-parser `name` reads, for this chat template."""
     if name != "auto":
         return name
-    if not template or "tools" not in template:
+    if template and PHI4_TOOL_TAG in template:
+        return "phi4_mini_json"
+    if not template or not reads_variable(template, "tools"):
         return "hermes"
     if MISTRAL_MARK in template:
         return "mistral"
@@ -52,7 +64,7 @@ def read_calls(fmt: str, body: str) -> list[Call] | None:
     if fmt == "llama3_json" and text.startswith(PYTHON_TAG):
         text = text[len(PYTHON_TAG):].lstrip()
     try:
-        if fmt == "mistral":
+        if fmt in LIST_MARKS:
             objects = json.loads(text)
             if not isinstance(objects, list):
                 return None
@@ -104,8 +116,8 @@ def calls_grammar(fmt: str, schemas: dict[str, dict], parallel: bool) -> str:
     else:
         call, more = "call: body", '("; " call)*' if fmt == "llama3_json" else '(", " call)*'
     calls = f"call {more}" if parallel else "call"
-    start = (f"start: {json.dumps(MISTRAL_MARK + ' [')} {calls} \"]\"" if fmt == "mistral"
-             else f"start: {calls}")
+    start = (f"start: {json.dumps(''.join(LIST_MARKS[fmt]))} {calls} \"]\""
+             if fmt in LIST_MARKS else f"start: {calls}")
     return f"{start}\n{call}\nbody: %json {json.dumps(body)}"
 
 
@@ -114,6 +126,6 @@ def format_call(fmt: str, name: str, arguments) -> str:
     if fmt == "llama3_json":
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
     call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
-    if fmt == "mistral":
-        return f"{MISTRAL_MARK} [{call}]"
+    if fmt in LIST_MARKS:
+        return f"{''.join(LIST_MARKS[fmt])}{call}]"
     return f"{HERMES_OPEN}\n{call}\n{HERMES_CLOSE}"

@@ -6,9 +6,9 @@ between <tool_call> and </tool_call>. Text outside the tags is content; a tagged
 not a call to a known function stays content, tags and all (nothing the model wrote is lost).
 Text that may be the start of a tag is held back until it is known not to be one.
 TrailingCallsParser reads the formats whose calls run to the end of the answer (mistral after
-[TOOL_CALLS], llama3_json an answer that opens with its JSON): the text from there is held and
-read when the answer ends, calls if it parses as calls to known functions, else content as
-written.
+[TOOL_CALLS], phi4_mini_json after functools, llama3_json an answer that opens with its
+JSON): the text from there is held and read when the answer ends, calls if it parses as calls
+to known functions, else content as written.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from server.protocol_responses import DeltaMessage
 from server.protocol_tools import DeltaFunctionCall, DeltaToolCall
 from server.tool_formats import (HERMES_CLOSE as CALL_CLOSE, HERMES_OPEN as CALL_OPEN,
-                                 MISTRAL_MARK, PYTHON_TAG, call_of, read_calls)
+                                 LIST_MARKS, PYTHON_TAG, call_of, read_calls)
 
 
 def new_call_id() -> str:
@@ -111,11 +111,13 @@ class ToolCallParser:
 
 
 class TrailingCallsParser:
-    """mistral / llama3_json (the module's note): content streams until the calls start; from
-    there the text is held and read when the answer ends."""
+    """mistral, phi4_mini_json / llama3_json (the module's note): content streams until the
+    calls start (the marker; llama3_json: an answer opening with JSON); from there the text is
+    held and read when the answer ends."""
 
     def __init__(self, fmt: str, names: frozenset[str], parallel: bool = True):
         self._fmt, self._names, self._parallel = fmt, names, parallel
+        self._mark = LIST_MARKS[fmt][0] if fmt in LIST_MARKS else None   # where calls start
         self._buf = ""
         self._held: str | None = None      # the text from the calls' start (None: not yet)
         self._content_only = False         # llama3_json: the answer did not open with a call
@@ -128,13 +130,13 @@ class TrailingCallsParser:
         if self._content_only:
             return [text] if text else []
         self._buf += text
-        if self._fmt == "mistral":
-            at = self._buf.find(MISTRAL_MARK)
+        if self._mark is not None:
+            at = self._buf.find(self._mark)
             if at >= 0:
-                head, self._held = self._buf[:at], self._buf[at + len(MISTRAL_MARK):]
+                head, self._held = self._buf[:at], self._buf[at + len(self._mark):]
                 self._buf = ""
                 return [head] if head else []
-            keep = len(self._buf) - partial_suffix(self._buf, MISTRAL_MARK)
+            keep = len(self._buf) - partial_suffix(self._buf, self._mark)
             head, self._buf = self._buf[:keep], self._buf[keep:]
             return [head] if head else []
         start = self._buf.lstrip()          # llama3_json: is the answer a call?
@@ -155,7 +157,7 @@ class TrailingCallsParser:
         body, self._held = self._held, None
         calls = read_calls(self._fmt, body)
         if calls is None or any(c.name not in self._names for c in calls):
-            return [MISTRAL_MARK + body if self._fmt == "mistral" else body]
+            return [(self._mark or "") + body]
         calls = calls if self._parallel else calls[:1]
         self.num_calls += len(calls)
         return [ParsedCall(c.name, json.dumps(c.arguments, ensure_ascii=False))

@@ -28,7 +28,9 @@ from server.protocol import ChatCompletionRequest, ChatMessage
 from server.protocol_tools import ChatTool, NamedToolChoice
 from server.structured import checked
 from server.tool_formats import calls_grammar
+from server.tool_formats import LIST_MARKS
 from server.tool_formats import format_call as format_call_in
+from server.tokenizer import reads_variable
 
 ANY_OBJECT = {"type": "object"}
 _TEMPLATE_ROLES = {"developer": "system"}    # OpenAI's newer name; templates know "system"
@@ -37,7 +39,8 @@ DEFAULT_INSTRUCTIONS = (
     "You can call functions to answer. Their definitions, as JSON Schemas:\n{tools}\n"
     "To call functions, answer with {how} and nothing else:\n{example}")
 _HOW = {"hermes": "one block per call", "mistral": "the calls in one list",
-        "llama3_json": 'the call (several joined by "; ")'}
+        "llama3_json": 'the call (several joined by "; ")',
+        "phi4_mini_json": "the calls in one list"}
 
 
 def _instructions(listing: str, fmt: str) -> str:
@@ -111,7 +114,7 @@ def _parameters(tool: ChatTool, index: int) -> dict:
 # ----------------------------------------------------------------------------- prompts
 
 def template_knows_tools(template: str | None) -> bool:
-    return bool(template) and "tools" in template
+    return bool(template) and reads_variable(template, "tools")
 
 
 def chat_messages(request: ChatCompletionRequest, template: str | None, fmt: str = "hermes"
@@ -175,8 +178,9 @@ def format_call(name: str, arguments) -> str:
 
 def format_calls(fmt: str, calls: list[tuple[str, object]]) -> str:
     """An answer's calls, (name, arguments) each, as a model writing `fmt` writes them."""
-    if fmt == "mistral":         # one list
-        body = ", ".join(format_call_in(fmt, n, a)[len("[TOOL_CALLS] ["):-1] for n, a in calls)
-        return f"[TOOL_CALLS] [{body}]"
+    if fmt in LIST_MARKS:        # one list
+        opening = "".join(LIST_MARKS[fmt])
+        body = ", ".join(format_call_in(fmt, n, a)[len(opening):-1] for n, a in calls)
+        return f"{opening}{body}]"
     return ("; " if fmt == "llama3_json" else "\n").join(format_call_in(fmt, n, a)
                                                           for n, a in calls)

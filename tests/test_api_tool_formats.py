@@ -1,8 +1,8 @@
 """Tool calls in the other formats (server/tool_formats.py) through the openai SDK against a
 real server: a model folder whose chat template writes Llama 3.1's JSON calls (auto picks
-llama3_json), and the bundled model with --tool-call-parser mistral. tool_choice required
-makes the model write calls in the format (its grammar); they come back as tool_calls,
-streamed and not, and a round trip renders the history."""
+llama3_json), and the bundled model with --tool-call-parser mistral or phi4_mini_json.
+tool_choice required makes the model write calls in the format (its grammar); they come back
+as tool_calls, streamed and not, and a round trip renders the history."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,7 @@ LLAMA3_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
 
 
-@pytest.fixture(scope="module", params=["llama3_json", "mistral"])
+@pytest.fixture(scope="module", params=["llama3_json", "mistral", "phi4_mini_json"])
 def served(request, smollm2_dir, tmp_path_factory):
     if request.param == "llama3_json":
         folder = tmp_path_factory.mktemp("llama3-template")
@@ -44,7 +44,7 @@ def served(request, smollm2_dir, tmp_path_factory):
         (folder / "chat_template.jinja").write_text(LLAMA3_TEMPLATE)
         args = ("--model", str(folder), "--served-model-name", "m")
     else:
-        args = ("--tool-call-parser", "mistral", "--served-model-name", "m")
+        args = ("--tool-call-parser", request.param, "--served-model-name", "m")
     with running_server("--max-model-len", "1024", *args) as server:
         yield openai_client(server.url), request.param
 
@@ -67,7 +67,8 @@ def test_required_calls_come_back_as_tool_calls_and_round_trip(served, stream):
         written = "".join(t.token for t in r.choices[0].logprobs.content)   # the raw answer
         assert "".join(written.split()).startswith({
             "llama3_json": '{"name":"get_weather","parameters":',
-            "mistral": '[TOOL_CALLS][{"name":"get_weather",'}[fmt]), written
+            "mistral": '[TOOL_CALLS][{"name":"get_weather",',
+            "phi4_mini_json": 'functools[{"name":"get_weather",'}[fmt]), written
         (call,) = r.choices[0].message.tool_calls
         name, call_id, arguments = call.function.name, call.id, call.function.arguments
     assert name == "get_weather" and isinstance(json.loads(arguments)["city"], str)

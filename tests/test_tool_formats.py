@@ -29,7 +29,7 @@ def streamed(fmt: str, text: str, size: int, parallel: bool = True):
                      if isinstance(e, ParsedCall)]
 
 
-@pytest.mark.parametrize("fmt", ["mistral", "llama3_json", "hermes"])
+@pytest.mark.parametrize("fmt", ["mistral", "llama3_json", "hermes", "phi4_mini_json"])
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
 def test_calls_read_back_however_they_stream(fmt, size):
     text = format_calls(fmt, CALLS)
@@ -49,6 +49,17 @@ def test_mistral_content_before_the_calls_streams_and_stays_content(size):
 
 
 @pytest.mark.parametrize("size", [1, 4, 1000])
+def test_phi4_mini_calls_after_content_and_its_written_form(size):
+    assert format_calls("phi4_mini_json", CALLS) == (
+        'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {"zone": "CET"}}]')
+    text = "Let me check. " + format_calls("phi4_mini_json", CALLS[:1])
+    assert streamed("phi4_mini_json", text, size) == ("Let me check. ", CALLS[:1])
+    parser = make_parser("phi4_mini_json", NAMES)
+    assert parser.push("Sure. functoo") == ["Sure. "]            # a partial marker is held
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
 def test_llama3_python_tag_and_a_text_answer(size):
     text = "<|python_tag|>" + format_calls("llama3_json", CALLS[:1])
     assert streamed("llama3_json", text, size) == ("", CALLS[:1])
@@ -63,6 +74,8 @@ def test_llama3_python_tag_and_a_text_answer(size):
     ("mistral", "[TOOL_CALLS] [not json"),
     ("llama3_json", '{"name": "get_time", "parameters": [1]}'),          # arguments not an object
     ("llama3_json", '{"answer": 42}'),
+    ("phi4_mini_json", 'functools[{"name": "launch", "arguments": {}}]'),
+    ("phi4_mini_json", "functools are handy"),
 ])
 def test_what_is_not_calls_to_known_functions_stays_content_as_written(fmt, text):
     assert streamed(fmt, text, 3) == (text, [])
@@ -74,6 +87,11 @@ def test_what_is_not_calls_to_known_functions_stays_content_as_written(fmt, text
     ("{% for t in tools %}{{ t }}{% endfor %}<tool_call>", "hermes"),
     ("{{ tools }}[TOOL_CALLS] [", "mistral"),
     ("{{ tools }}<|python_tag|>", "llama3_json"),
+    ("{% if 'tools' in m %}{{ m['tools'] }}{% endif %}[TOOL_CALLS]", "hermes"),  # a key only
+    ("{% set tools = 1 %}{{ tools }}<|python_tag|>", "hermes"),    # its own, not the request's
+    # Phi-4-mini's: tools from a system message's own field, between <|tool|> tags
+    ("{% if 'tools' in message %}<|tool|>{{ message['tools'] }}<|/tool|>{% endif %}",
+     "phi4_mini_json"),
 ])
 def test_auto_reads_the_format_from_the_chat_template(template, fmt):
     assert resolve_format("auto", template) == fmt
@@ -93,9 +111,15 @@ def test_the_default_instructions_and_history_are_written_in_the_format():
     assert messages[2]["content"] == format_calls("mistral", [("get_weather", {"city": "Paris"})])
     messages, _ = chat_messages(request, None, "llama3_json")
     assert messages[2]["content"] == '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    # a template naming 'tools' only as a message's key does not render the request's
+    phi4 = "{% for m in messages %}{% if 'tools' in m %}<|tool|>{{ m['tools'] }}{% endif %}" \
+           "{{ m['content'] }}{% endfor %}"
+    messages, tools = chat_messages(request, phi4, "phi4_mini_json")
+    assert tools is None and 'functools[{"name": "<function name>"' in messages[0]["content"]
+    assert messages[2]["content"].startswith('functools[{"name": "get_weather"')
 
 
-@pytest.mark.parametrize("fmt", ["mistral", "llama3_json", "hermes"])
+@pytest.mark.parametrize("fmt", ["mistral", "llama3_json", "hermes", "phi4_mini_json"])
 def test_the_required_grammar_takes_what_the_format_writes(smollm2_dir, fmt):
     from engine.grammar import GrammarError
     from engine.grammar_table import GrammarTable
