@@ -34,6 +34,7 @@ from server.scoring import (RerankRequest, RerankResponse, ScoreRequest, ScoreRe
 from server.serving import json_response
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
+from server.serving_infill import InfillRequest, InfillResponse, InfillServing
 from server.serving_messages import MessageBody, MessagesServing, TokenCount
 from server.serving_responses import MAX_LISTED_ITEMS, ResponsesServing
 from server.serving_tokens import (DetokenizeRequest, DetokenizeResponse, RenderResponse,
@@ -131,9 +132,9 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
 
 def _generation_routes(v1: APIRouter, root: APIRouter, ctx: ServerContext,
                        embedding_pooling: str) -> None:
-    """Chat, completions, messages, embeddings, and vLLM's score and rerank (also at the root,
-    rerank under /v2 too: Cohere's path)."""
-    chat, completions = ChatServing(ctx), CompletionServing(ctx)
+    """Chat, completions, messages, embeddings, vLLM's score and rerank (also at the root,
+    rerank under /v2 too: Cohere's path), and llama.cpp's /infill."""
+    chat, completions, infill = ChatServing(ctx), CompletionServing(ctx), InfillServing(ctx)
     messages = MessagesServing(ctx)
     embeddings = EmbeddingServing(ctx, embedding_pooling)
     scoring = ScoreServing(embeddings)
@@ -145,6 +146,10 @@ def _generation_routes(v1: APIRouter, root: APIRouter, ctx: ServerContext,
     @v1.post("/completions", responses=_generate_doc(CompletionResponse))
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
         return await completions.create(request, raw)
+
+    @root.post("/infill", responses=_generate_doc(InfillResponse))
+    async def create_infill(request: InfillRequest, raw: Request) -> Response:
+        return await infill.create(request, raw)
 
     @v1.post("/messages", responses=_generate_doc(MessageBody, _anthropic(_GENERATE_ERRORS)))
     async def create_message(request: MessagesRequest, raw: Request) -> Response:

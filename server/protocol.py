@@ -313,7 +313,7 @@ class CompletionRequest(_Constrained):
     stop: Stop = None
     stream: Flag = False
     stream_options: StreamOptions | None = None
-    suffix: Unsupported = None
+    suffix: Text | None = None            # the text after the completion (server/fim.py)
     temperature: Temperature = None
     top_p: TopP = None
     user: Text | None = None

@@ -59,6 +59,7 @@ def json_response(body: BaseModel) -> Response:
 
 class OpenAIServing:
     named_events = False        # streams as named events (Responses, Messages), no [DONE]
+    done_marker = True          # a `data:` stream ends with [DONE] (llama.cpp's /infill: not)
 
     def __init__(self, ctx: ServerContext):
         self.ctx = ctx
@@ -182,7 +183,7 @@ class OpenAIServing:
             yield sse_event(to_api_error(exc).body())
         finally:
             await generation.close()
-        if not self.named_events:
+        if not self.named_events and self.done_marker:
             yield DONE
 
     # ---------------------------------------------------------------- shared formatting

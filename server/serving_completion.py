@@ -11,6 +11,7 @@ from starlette.responses import Response
 
 from server.choice_stream import ChoiceStream, Logprobs
 from server.errors import invalid_request
+from server.fim import fim_prompt_ids, require_fim
 from server.generation import ChoiceResult, Generation
 from server.protocol import CompletionRequest
 from server.protocol_responses import (CompletionChoice, CompletionLogprobs, CompletionResponse,
@@ -47,6 +48,21 @@ def _echoes(request: CompletionRequest, prompts: list[list[int]],
     return [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
 
+def _infill(request: CompletionRequest, tokenizer: Tokenizer
+            ) -> tuple[CompletionRequest, list[list[int]]]:
+    """OpenAI's `suffix`: the completion goes between the prompt and it (server/fim.py); the
+    request, stopping where the model ends a middle too, and its prompt."""
+    fim = require_fim(tokenizer, "suffix")
+    if not isinstance(request.prompt, str):
+        raise invalid_request("With a suffix the prompt is one text (the code before the "
+                              "completion).", param="prompt")
+    if request.echo:
+        raise invalid_request("echo is not supported with a suffix.", param="echo")
+    ids = fim_prompt_ids(tokenizer, fim, request.prompt, request.suffix)
+    stops = [*(request.stop_token_ids or ()), *fim.ends]
+    return request.model_copy(update={"stop_token_ids": stops}), [ids]
+
+
 class CompletionServing(OpenAIServing):
     async def create(self, request: CompletionRequest, raw: Request) -> Response:
         self.ctx.check_model(request.model)
@@ -56,9 +72,15 @@ class CompletionServing(OpenAIServing):
             self.check_admissible(len(texts) * (request.n or 1))
             self.check_prompt_text(texts, "prompt",
                                    truncated=request.truncate_prompt_tokens is not None)
+        if request.suffix is not None:
+            self.check_prompt_text([request.suffix], "suffix")
         grammar = await anyio.to_thread.run_sync(grammar_for, request)
         check_constrained(grammar, request)
-        prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt, tokenizer)
+        if request.suffix is not None:      # fill in the middle: the prompt is the prefix
+            request, prompts = await anyio.to_thread.run_sync(_infill, request, tokenizer)
+        else:
+            prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt,
+                                                     tokenizer)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         generation = self.generation(request, prompts, request_id, "prompt", grammar)

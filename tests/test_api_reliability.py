@@ -29,10 +29,10 @@ def client(server):
     return openai_client(server.url)
 
 
-def post(server, body: bytes | dict, **kw) -> httpx.Response:
+def post(server, body: bytes | dict, path: str = "/v1/chat/completions",
+         **kw) -> httpx.Response:
     if isinstance(body, dict):
-        return httpx.post(server.url + "/v1/chat/completions", json=body,
-                          timeout=REQUEST_TIMEOUT_S, **kw)
+        return httpx.post(server.url + path, json=body, timeout=REQUEST_TIMEOUT_S, **kw)
     return httpx.post(server.url + "/v1/chat/completions", content=body,
                       headers={"content-type": "application/json"}, timeout=REQUEST_TIMEOUT_S,
                       **kw)
@@ -68,6 +68,14 @@ def test_a_requests_own_chat_template_needs_the_servers_trust(server, client):
                                        extra_body={"chat_template": "{{ messages }}"})
     assert info.value.body["param"] == "chat_template"
     assert "--trust-request-chat-template" in info.value.body["message"]
+
+
+def test_fill_in_the_middle_needs_a_model_with_fim_tokens(server, client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="def f(", suffix=")", max_tokens=2)
+    assert info.value.body["param"] == "suffix"
+    r = post(server, {"input_prefix": "def f(", "input_suffix": ")"}, path="/infill")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input_prefix"
 
 
 def test_seed_outside_64_bits_is_400_and_harms_no_one(server, client):

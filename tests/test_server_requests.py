@@ -84,7 +84,7 @@ def test_invalid_chat_values_name_the_param(body, param):
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "logprobs": 6}, "logprobs"),
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "suffix": 3}, "suffix"),
     ({"prompt": [-1]}, "prompt"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),

@@ -1,0 +1,85 @@
+"""Fill-in-the-middle: the prompt a code model completes the gap between two texts from.
+
+A FIM-trained model (Qwen2.5-Coder, StarCoder, CodeLlama, DeepSeek-Coder) reads the text
+before the cursor and the text after it between its own marker tokens, in the order llama.cpp
+and the models' papers use (prefix, suffix, middle: "PSM"):
+
+    [repo context] <PRE> prefix <SUF> suffix <MID>          -> the model writes the middle
+
+Repo context (llama.cpp's `input_extra`: other files, the editor's recent snippets) goes
+first as `<REPO>name <SEP>file\ntext <SEP>file\ntext ... <SEP>` where the model has those
+tokens (Qwen2.5-Coder, StarCoder), else as plain text before the prefix. The markers are found
+by their spelling in the tokenizer; a model without them has no FIM (a 400 naming the field).
+The middle ends at EOS or at the tokens that end an infill (pad, file separator, CodeLlama's
+<EOT>), which the engine stops at and leaves out of the text.
+
+Used by /v1/completions' `suffix` (OpenAI's) and llama.cpp's /infill (server/serving_infill.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.errors import invalid_request
+from server.tokenizer import Tokenizer
+
+# each family's spelling of (prefix, suffix, middle, pad, repo name, file separator, end)
+_SPELLINGS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>",
+     "<|file_sep|>", None),                                                  # Qwen2.5-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>", "<fim_pad>", "<reponame>", "<file_sep>",
+     None),                                                                  # StarCoder
+    ("▁<PRE>", "▁<SUF>", "▁<MID>", None, None, None, "▁<EOT>"),              # CodeLlama
+    ("<PRE>", "<SUF>", "<MID>", None, None, None, "<EOT>"),
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", None, None, None, None),  # DeepSeek
+)
+REPO_NAME = "myproject"        # what llama.cpp names the repo before the files
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    prefix: int
+    suffix: int
+    middle: int
+    repo: int | None = None        # before the repo's name (needs `separator` too)
+    separator: int | None = None   # before each file of the repo context
+    ends: tuple[int, ...] = ()     # tokens that end a middle besides EOS
+
+
+def fim_tokens(tokenizer: Tokenizer) -> FimTokens | None:
+    """The model's FIM markers, or None when its vocabulary has none."""
+    for spelling in _SPELLINGS:
+        pre, suf, mid, pad, repo, sep, end = (
+            None if s is None else tokenizer.token_id(s) for s in spelling)
+        if None in (pre, suf, mid):
+            continue
+        ends = tuple(t for t in (pad, sep, repo, end) if t is not None)
+        return FimTokens(pre, suf, mid, repo if sep is not None else None, sep, ends)
+    return None
+
+
+def require_fim(tokenizer: Tokenizer, param: str) -> FimTokens:
+    fim = fim_tokens(tokenizer)
+    if fim is None:
+        raise invalid_request("This model has no fill-in-the-middle tokens (<fim_prefix>, "
+                              "<|fim_prefix|>, <PRE>, ...): serve a FIM-trained code model "
+                              "to complete between a prefix and a suffix.", param=param)
+    return fim
+
+
+def fim_prompt_ids(tokenizer: Tokenizer, fim: FimTokens, prefix: str, suffix: str,
+                   extra: list[tuple[str, str]] = ()) -> list[int]:
+    """The prompt (PSM order) whose completion is the text between `prefix` and `suffix`;
+    `extra`: (file name, text) pairs of repo context, before the rest."""
+    def enc(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    head = tokenizer.encode("", add_special_tokens=True)       # BOS where the model has one
+    if extra and fim.separator is not None:
+        if fim.repo is not None:
+            head += [fim.repo] + enc(f"{REPO_NAME}\n")
+        for name, text in extra:
+            head += [fim.separator] + enc(f"{name}\n{text}")
+        head += [fim.separator] + enc("filename\n")             # the file being edited
+    elif extra:
+        prefix = "".join(f"{text}\n" for _, text in extra) + prefix
+    return head + [fim.prefix] + enc(prefix) + [fim.suffix] + enc(suffix) + [fim.middle]

@@ -1,0 +1,56 @@
+"""Fill-in-the-middle prompts (server/fim.py): the markers found by their spelling, the PSM
+layout, repo context with and without file-separator tokens."""
+from __future__ import annotations
+
+import pytest
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as HF
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from server.errors import APIError
+from server.fim import FimTokens, fim_prompt_ids, fim_tokens, require_fim
+from server.tokenizer import Tokenizer
+from tests.fim_helpers import fim_model_folder
+
+
+def word_tokenizer(specials: list[str]) -> Tokenizer:
+    words = ["[UNK]", "a", "b", "c", "x", "y", "f.py", "myproject", "filename"]
+    hf = HF(WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    hf.pre_tokenizer = Whitespace()
+    hf.add_special_tokens([AddedToken(s, special=True) for s in specials])
+    return Tokenizer(hf)
+
+
+def test_psm_layout_and_codellamas_end_token():
+    tok = word_tokenizer(["<PRE>", "<SUF>", "<MID>", "<EOT>"])
+    pre, suf, mid, eot = (tok.token_id(s) for s in ("<PRE>", "<SUF>", "<MID>", "<EOT>"))
+    fim = fim_tokens(tok)
+    assert fim == FimTokens(pre, suf, mid, None, None, (eot,))
+    ids = fim_prompt_ids(tok, fim, "a b", "c")
+    assert ids == [pre, 1, 2, suf, 3, mid]
+    # no file separators: the repo context is text before the prefix
+    assert fim_prompt_ids(tok, fim, "a", "c", [("f.py", "x y")]) == [pre, 4, 5, 1, suf, 3, mid]
+
+
+def test_repo_context_between_file_separators(smollm2_dir, tmp_path):
+    tok = Tokenizer.from_folder(fim_model_folder(smollm2_dir, tmp_path))
+    fim = fim_tokens(tok)
+    ids = {s: tok.token_id(s) for s in ("<fim_prefix>", "<fim_suffix>", "<fim_middle>",
+                                        "<fim_pad>", "<reponame>", "<file_sep>")}
+    assert (fim.prefix, fim.suffix, fim.middle, fim.repo, fim.separator) == (
+        ids["<fim_prefix>"], ids["<fim_suffix>"], ids["<fim_middle>"], ids["<reponame>"],
+        ids["<file_sep>"])
+    assert set(fim.ends) == {ids["<fim_pad>"], ids["<file_sep>"], ids["<reponame>"]}
+    got = fim_prompt_ids(tok, fim, "def f():\n", "\n\nf()", [("util.py", "X = 1")])
+    text = tok.decode(got, skip_special_tokens=False)
+    assert text == ("<reponame>myproject\n<file_sep>util.py\nX = 1<file_sep>filename\n"
+                    "<fim_prefix>def f():\n<fim_suffix>\n\nf()<fim_middle>")
+
+
+def test_a_model_without_markers_has_no_fim(smollm2_dir):
+    tok = Tokenizer.from_folder(smollm2_dir)
+    assert fim_tokens(tok) is None
+    with pytest.raises(APIError) as info:
+        require_fim(tok, "suffix")
+    assert info.value.status == 400 and info.value.param == "suffix"
