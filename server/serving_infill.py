@@ -6,15 +6,19 @@ has `stop: true`.
 
 The request is a text completion underneath (server/protocol.py's CompletionRequest: the same
 sampling fields, llama.cpp's samplers among them, and checks); `n_predict` is its max_tokens
-(-1 or absent: until the model ends the middle or the context is full). llama.cpp's fields
-that tune its own slots and timing (`cache_prompt`, `id_slot`, `samplers`, `t_max_prompt_ms`,
-`t_max_predict_ms`, `n_indent`, `n_probs`, `response_fields`) are accepted and ignored
-(docs/api.md).
+(-1 or absent: until the model ends the middle or the context is full). llama.cpp's two
+stops for editors apply as there (`EditorStops`): `n_indent` ends the middle where a line
+starts less indented than that (the line is cut after its indentation), `t_max_predict_ms`
+once that long has passed since the first token and a line has ended (`stop_type` "limit"
+either way). The fields that tune llama.cpp's own slots and timing (`cache_prompt`,
+`id_slot`, `samplers`, `t_max_prompt_ms`, `n_probs`, `response_fields`) are accepted and
+ignored (docs/api.md).
 """
 from __future__ import annotations
 
+import time
 import uuid
-from typing import Annotated, AsyncIterator
+from typing import Annotated, AsyncIterator, Callable
 
 import anyio
 from fastapi import Request
@@ -23,10 +27,11 @@ from starlette.responses import Response
 
 from server.errors import invalid_request
 from server.fim import fim_prompt_ids, require_fim
+from server.disconnect import run_until_disconnected
 from server.generation import ChoiceResult, Generation
 from server.protocol import CompletionRequest, MaxTokens, Text
 from server.protocol_tools import Unsupported, _Request, _Wire
-from server.serving import OpenAIServing
+from server.serving import OpenAIServing, json_response
 from server.structured import check_constrained, grammar_for
 
 MAX_EXTRA = 256                 # input_extra chunks
@@ -44,6 +49,8 @@ class InfillRequest(CompletionRequest):
     prompt: Text = ""                     # the cursor line's start, after input_prefix
     n_predict: Annotated[StrictInt | None, Field(ge=-1)] = None
     max_tokens: MaxTokens = None          # llama.cpp's alias of n_predict
+    n_indent: Annotated[StrictInt, Field(ge=0)] = 0
+    t_max_predict_ms: Annotated[StrictInt, Field(ge=0)] = 0
     suffix: Unsupported = None            # input_suffix is /infill's
     echo: Unsupported = None              # neither is in llama.cpp's answer (n_probs is
     logprobs: Unsupported = None          # accepted and ignored)
@@ -93,19 +100,80 @@ class InfillServing(OpenAIServing):
         generation = self.generation(request, [ids], f"infill-{uuid.uuid4().hex}",
                                      "input_prefix", grammar)
         model = self.ctx.model_name(request.model)
-        return await self.respond(
-            raw, generation, stream=bool(request.stream),
-            events=lambda: self._chunks(generation, model),
-            build=lambda results: _answer(generation, model, results[0]))
+        stops = lambda: EditorStops(request.n_indent, request.t_max_predict_ms)  # noqa: E731
+        if request.stream:
+            return await self.respond(raw, generation, stream=True,
+                                      events=lambda: self._chunks(generation, model, stops()),
+                                      build=None)
+        return await self.answered(run_until_disconnected(
+            raw, self._whole(generation, model, stops())))
 
-    async def _chunks(self, generation: Generation, model: str) -> AsyncIterator[dict]:
-        last = ChoiceResult(index=0)
-        async for delta in generation.deltas():
-            if delta.text:
-                yield {"index": 0, "content": delta.text, "stop": False}
-            last.finish_reason = delta.finish_reason or last.finish_reason
-            last.stop_string = delta.stop_string or last.stop_string
-        yield _answer(generation, model, last).model_dump()
+    async def _whole(self, generation: Generation, model: str,
+                     stops: EditorStops) -> Response:
+        result = ChoiceResult(index=0)
+        try:
+            await generation.start()
+            async for text, _ in _deltas(generation, stops, result):
+                result.text += text
+        finally:
+            await generation.close()            # a middle the stops ended: its request too
+        return json_response(_answer(generation, model, result))
+
+    async def _chunks(self, generation: Generation, model: str,
+                      stops: EditorStops) -> AsyncIterator[dict]:
+        result = ChoiceResult(index=0)
+        async for text, _ in _deltas(generation, stops, result):
+            if text:
+                yield {"index": 0, "content": text, "stop": False}
+        yield _answer(generation, model, result).model_dump()
+
+
+class EditorStops:
+    """llama.cpp's n_indent and t_max_predict_ms over a middle's text as it grows: a line
+    after the first whose indentation is less than n_indent (a blank one included) ends the
+    middle, cut after that indentation; so does a newline seen once t_max_predict_ms have
+    passed since the first token."""
+
+    def __init__(self, n_indent: int, t_max_predict_ms: int,
+                 clock: Callable[[], float] = time.monotonic):
+        self._indent, self._max_s, self._clock = n_indent, t_max_predict_ms / 1000, clock
+        self._text = ""
+        self._line = -1                      # where the last line starts (-1: still the first)
+        self._start: float | None = None
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """(the part of `text` kept, whether the middle ends here)."""
+        if self._start is None:
+            self._start = self._clock()
+        done = len(self._text)
+        self._text += text
+        while True:
+            if self._indent and self._line >= 0:
+                rest = self._text[self._line:]
+                indent = len(rest) - len(rest.lstrip(" \t"))
+                if indent < len(rest) and indent < self._indent:
+                    return self._text[done:self._line + indent], True
+            at = self._text.find("\n", max(self._line, 0))
+            if at < 0:
+                break
+            self._line = at + 1
+        late = self._max_s and self._line >= 0 and self._clock() - self._start > self._max_s
+        return text, bool(late)
+
+
+async def _deltas(generation: Generation, stops: EditorStops,
+                  result: ChoiceResult) -> AsyncIterator[tuple[str, bool]]:
+    """The middle's text as it comes, (text, ended by a stop), recording in `result` how it
+    ended; a stop ends the iteration (the caller closes the generation)."""
+    async for delta in generation.deltas():
+        text, stopped = stops.push(delta.text)
+        if stopped:
+            result.finish_reason, result.stop_string = "length", None
+            yield text, True
+            return
+        result.finish_reason = delta.finish_reason or result.finish_reason
+        result.stop_string = delta.stop_string or result.stop_string
+        yield text, False
 
 
 def _answer(generation: Generation, model: str, result: ChoiceResult) -> InfillResponse:

@@ -78,8 +78,23 @@ def test_the_models_end_of_middle_stops_it(server):
     assert got["content"] == "" and got["tokens_predicted"] == 1 and got["stop_type"] == "eos"
 
 
+def test_llama_vscodes_stops_end_the_middle(server):
+    nl = httpx.post(server.url + "/tokenize", json={"prompt": "\n", "add_special_tokens": False})
+    (nl_id,) = nl.json()["tokens"]
+    newlines = {"logit_bias": {str(nl_id): 100}, "n_predict": 8}    # it writes blank lines
+    got = infill(server, n_indent=4, **newlines)      # the second (blank) line is less indented
+    assert (got["content"], got["tokens_predicted"], got["stop_type"]) == ("\n", 2, "limit")
+    got = infill(server, t_max_predict_ms=1, **newlines)   # a step takes more than 1 ms
+    assert (got["content"], got["stop_type"]) == ("\n\n", "limit")
+    assert infill(server, **newlines)["tokens_predicted"] == 8            # without them
+    with httpx.stream("POST", server.url + "/infill", json={**BODY, **newlines, "n_indent": 4,
+                                                          "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert "".join(c["content"] for c in chunks) == "\n" and chunks[-1]["stop_type"] == "limit"
+
+
 def test_bad_infill_requests_are_400(server):
     for body, param in (({"n": 2}, "n"), ({"suffix": "x"}, "suffix"),
-                        ({"n_predict": -2}, "n_predict")):
+                        ({"n_predict": -2}, "n_predict"), ({"n_indent": -1}, "n_indent")):
         r = httpx.post(server.url + "/infill", json={**BODY, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -54,3 +54,36 @@ def test_a_model_without_markers_has_no_fim(smollm2_dir):
     with pytest.raises(APIError) as info:
         require_fim(tok, "suffix")
     assert info.value.status == 400 and info.value.param == "suffix"
+
+
+def pushes(stops, pieces):
+    kept, ended = "", False
+    for piece in pieces:
+        text, ended = stops.push(piece)
+        kept += text
+        if ended:
+            break
+    return kept, ended
+
+
+def test_n_indent_ends_the_middle_at_a_less_indented_line():
+    from server.serving_infill import EditorStops
+    body = ["x = 1", "\n", "    ", "y = 2\n", "  ", "z", " = 3\n"]
+    assert pushes(EditorStops(4, 0), body) == ("x = 1\n    y = 2\n  ", True)
+    # the first line is never checked; a blank line is a line with no indentation
+    assert pushes(EditorStops(4, 0), ["a\n", "\n", "b"]) == ("a\n", True)
+    assert pushes(EditorStops(0, 0), body) == ("".join(body), False)
+    # several lines in one piece (a step of several tokens) are checked one by one
+    assert pushes(EditorStops(2, 0), ["a\n  b\n  c\nd\n  e"]) == ("a\n  b\n  c\n", True)
+
+
+def test_t_max_predict_ms_ends_it_after_a_newline_once_late():
+    from server.serving_infill import EditorStops
+    now = [0.0]
+    stops = EditorStops(0, 100, clock=lambda: now[0])
+    assert stops.push("a") == ("a", False)
+    now[0] = 0.5                                  # late, but no line has ended yet
+    assert stops.push("b") == ("b", False)
+    assert stops.push("\nc") == ("\nc", True)
+    early = EditorStops(0, 100, clock=lambda: 0.0)
+    assert pushes(early, ["a\n", "b\n", "c"]) == ("a\nb\nc", False)
