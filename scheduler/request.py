@@ -16,16 +16,6 @@ class RequestStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
-    def token_slice(self, start: int, end: int) -> tuple[int, ...]:
-        """all_token_ids[start:end] without copying the whole prompt (long contexts)."""
-        prompt, outputs = self.prompt_token_ids, self.output_token_ids
-        n = len(prompt)
-        if end <= n:
-            return tuple(prompt[start:end])
-        if start >= n:
-            return tuple(outputs[start - n:end - n])
-        return tuple(prompt[start:]) + tuple(outputs[:end - n])
-
     @property
     def finished(self) -> bool:
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)

@@ -63,8 +63,7 @@ class SchedulerConfig:
                                          # caps
     page_size: int = 16                  # tokens per KV page (must match the allocator)
     speculative: SpeculativeConfig = SpeculativeConfig()    # n-gram drafts (off by default)
-    policy: str = "fcfs"                 # who is admitted and who preempted first: by
-                                         # arrival (fcfs), or by priority, then arrival
+    policy: str = "fcfs"                 # admission, preemption: by arrival, or priority
     draft_context: int = 0               # drafts only while a request's tokens and drafts
                                          # stay within this many (decodes past it attend
                                          # sparsely, which a step of several tokens does not);
@@ -180,11 +179,13 @@ class Scheduler:
                                               req.num_computed_tokens + n + len(drafts)):
                 at = self._victim()
                 victim = self.running.pop(at)
-                if at < i:      # scheduled earlier in this step: its chunk goes too
+                if at < i:      # before this one in the step: its chunk (if any) goes too
                     i -= 1
-                    undone = next(s for s in scheduled if s.request_id == victim.request_id)
-                    scheduled.remove(undone)
-                    budget += len(undone.token_ids)
+                    undone = next((s for s in scheduled if s.request_id == victim.request_id),
+                                  None)
+                    if undone is not None:
+                        scheduled.remove(undone)
+                        budget += len(undone.token_ids)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
@@ -263,8 +264,6 @@ class Scheduler:
                     break
         return finished
 
-    # ---- ending requests early --------------------------------------------------------------
-
     def abort(self, request_id: str,
               status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> Request | None:
         """Finish a waiting or running request with `status` and free its pages. Returns the
@@ -324,7 +323,7 @@ class Scheduler:
 
     def _victim(self) -> int:
         """Where in `running` the request to preempt is: the newest (fcfs), or the newest of
-        the lowest priority (the largest priority value: vLLM's order)."""
+        the lowest priority (the largest value: vLLM's order)."""
         if self.config.policy == "fcfs":
             return len(self.running) - 1
         return max(range(len(self.running)), key=lambda k: (

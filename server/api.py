@@ -261,7 +261,18 @@ def _token_routes(v1: APIRouter, root: APIRouter, tokens: TokenServing) -> None:
 
 
 def _open_routes(app: FastAPI, ctx: ServerContext) -> None:
-    """/health and /metrics: no API key, answered while the engine loads."""
+    """/health (and vLLM's /ping, SageMaker's), /version and /metrics: no API key, answered
+    while the engine loads."""
+    @app.get("/version", responses={200: {"content": {"application/json": {"schema": {
+        "type": "object", "properties": {"version": {"type": "string"}}}}}}})
+    async def version() -> Response:
+        return JSONResponse({"version": server_version()})
+
+    @app.api_route("/ping", methods=["GET", "POST"], responses={
+        200: {"description": "Ready"}, 503: {**_ERROR, "description": "Not ready"}})
+    async def ping() -> Response:
+        return await health()
+
     @app.get("/health", responses={200: {"content": {"application/json": {"schema": {
         "type": "object", "properties": {"status": {"type": "string"}}}}}},
         503: {**_ERROR, "description": "The engine is not ready"}})
@@ -281,3 +292,12 @@ def _open_routes(app: FastAPI, ctx: ServerContext) -> None:
         "description": "Prometheus text exposition"}})
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+def server_version() -> str:
+    """This package's version (pyproject.toml's, as installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("strata")
+    except PackageNotFoundError:
+        return "unknown"

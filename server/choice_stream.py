@@ -113,6 +113,13 @@ class ChoiceStream:
         self._finish("abort", None)
         await self._abort_engine()
 
+    async def end(self, reason: str) -> None:
+        """End the request now as `reason` (the server's own stop, e.g. /infill's editor
+        stops: counted as that, not as an abort)."""
+        if self.started and not self.finished:
+            self._finish(reason, None)
+            await self._abort_engine()
+
     async def _on_output(self, out: RequestOutput) -> ChoiceDelta:
         ids = out.new_token_ids
         if out.finish_reason == "stop" and ids and not self.spec.include_stop:

@@ -190,6 +190,12 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"strata serve: {exc}", file=sys.stderr)
         return 2
+    if "*" in settings.cors()["allow_origins"] and not (
+            settings.api_key or os.environ.get("STRATA_API_KEY")) and (
+            settings.allow_runtime_lora or settings.trust_request_chat_template):
+        logger.warning("any web page may call this server (--allowed-origins *) without an "
+                       "--api-key, and it loads adapters or runs request templates: set a "
+                       "key or name the origins")
     slot = EngineSlot(name)
     aliases = tuple(a for a in {args.model} if a and a != name)
     try:
@@ -197,8 +203,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"strata serve: {exc}", file=sys.stderr)
         return 2
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level,
+    config = uvicorn.Config(app, **settings.listen(), log_level=settings.log_level,
                             timeout_graceful_shutdown=5)
     server = DrainingServer(config, settings.drain_seconds,
                             on_drain=lambda: setattr(app.state.ctx, "draining", True))

@@ -6,9 +6,10 @@ and the models' papers use (prefix, suffix, middle: "PSM"):
 
     [repo context] <PRE> prefix <SUF> suffix <MID>          -> the model writes the middle
 
-Repo context (llama.cpp's `input_extra`: other files, the editor's recent snippets) goes
-first as `<REPO>name <SEP>file\ntext <SEP>file\ntext ... <SEP>` where the model has those
-tokens (Qwen2.5-Coder, StarCoder), else as plain text before the prefix. The markers are found
+Where the model has repo tokens (Qwen2.5-Coder, StarCoder) the prompt opens as llama.cpp's
+does, `<REPO>myproject\n <SEP>file\ntext ... <SEP>filename\n`, with llama.cpp's `input_extra`
+(other files, the editor's recent snippets) as the files; a model without them reads each
+chunk after a "--- snippet ---" line, before the prefix marker. The markers are found
 by their spelling in the tokenizer; a model without them has no FIM (a 400 naming the field).
 The middle ends at EOS or at the tokens that end an infill (pad, file separator, CodeLlama's
 <EOT>), which the engine stops at and leaves out of the text.
@@ -33,6 +34,7 @@ _SPELLINGS = (
     ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>", None, None, None, None),  # DeepSeek
 )
 REPO_NAME = "myproject"        # what llama.cpp names the repo before the files
+SNIPPET = "\n\n--- snippet ---\n\n"  # before a chunk where the model has no file separator
 
 
 @dataclass(frozen=True)
@@ -74,12 +76,11 @@ def fim_prompt_ids(tokenizer: Tokenizer, fim: FimTokens, prefix: str, suffix: st
         return tokenizer.encode(text, add_special_tokens=False)
 
     head = tokenizer.encode("", add_special_tokens=True)       # BOS where the model has one
-    if extra and fim.separator is not None:
-        if fim.repo is not None:
-            head += [fim.repo] + enc(f"{REPO_NAME}\n")
-        for name, text in extra:
-            head += [fim.separator] + enc(f"{name}\n{text}")
+    if fim.repo is not None:
+        head += [fim.repo] + enc(f"{REPO_NAME}\n")
+    for name, text in extra:
+        head += ([fim.separator] + enc(f"{name}\n") if fim.separator is not None
+                 else enc(SNIPPET)) + enc(text)
+    if fim.separator is not None:
         head += [fim.separator] + enc("filename\n")             # the file being edited
-    elif extra:
-        prefix = "".join(f"{text}\n" for _, text in extra) + prefix
     return head + [fim.prefix] + enc(prefix) + [fim.suffix] + enc(suffix) + [fim.middle]

@@ -106,6 +106,12 @@ class Generation:
                          prompt_tokens_details=PromptTokensDetails(
                              cached_tokens=sum(cached.values())))
 
+    async def end(self, reason: str) -> None:
+        """End every unfinished choice now as `reason` (ChoiceStream.end)."""
+        with anyio.CancelScope(shield=True):
+            for stream in self.streams:
+                await stream.end(reason)
+
     async def close(self) -> None:
         """Abort every unfinished engine request; safe to call more than once, even while
         the surrounding task is being cancelled (client disconnect)."""

@@ -6,13 +6,13 @@ has `stop: true`.
 
 The request is a text completion underneath (server/protocol.py's CompletionRequest: the same
 sampling fields, llama.cpp's samplers among them, and checks); `n_predict` is its max_tokens
-(-1 or absent: until the model ends the middle or the context is full). llama.cpp's two
-stops for editors apply as there (`EditorStops`): `n_indent` ends the middle where a line
-starts less indented than that (the line is cut after its indentation), `t_max_predict_ms`
-once that long has passed since the first token and a line has ended (`stop_type` "limit"
-either way). The fields that tune llama.cpp's own slots and timing (`cache_prompt`,
-`id_slot`, `samplers`, `t_max_prompt_ms`, `n_probs`, `response_fields`) are accepted and
-ignored (docs/api.md).
+(-1 or absent: until the model ends the middle or the context is full; 0: one token, as
+llama.vim's cache warm-ups ask). llama.cpp's two stops for editors apply as there
+(`EditorStops`): `n_indent` ends the middle where a line starts less indented than that (the
+line is cut after its indentation), `t_max_predict_ms` at the end of a line once that long
+has passed since the first token (`stop_type` "limit" either way). The fields that tune
+llama.cpp's own slots and timing (`cache_prompt`, `id_slot`, `samplers`, `t_max_prompt_ms`,
+`n_probs`, `response_fields`) are accepted and ignored (docs/api.md).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ MAX_EXTRA = 256                 # input_extra chunks
 
 
 class ExtraChunk(_Request):
-    filename: Text = ""
+    filename: Text = "tmp"                # llama.cpp's name for a chunk without one
     text: Text = ""
 
 
@@ -57,10 +57,11 @@ class InfillRequest(CompletionRequest):
 
     @model_validator(mode="after")
     def _n_predict_is_max_tokens(self):
-        if self.n_predict is not None and self.n_predict > 0:
-            self.max_tokens = self.n_predict
+        if self.n_predict is not None and self.n_predict >= 0:
+            # 0 (llama.vim warms its cache so): the prompt and the one token sampled after it
+            self.max_tokens = max(self.n_predict, 1)
         elif self.n_predict is not None:
-            self.max_tokens = None        # 0 / -1: until the middle ends or the context is full
+            self.max_tokens = None        # -1: until the middle ends or the context is full
         return self
 
 
@@ -131,8 +132,8 @@ class InfillServing(OpenAIServing):
 class EditorStops:
     """llama.cpp's n_indent and t_max_predict_ms over a middle's text as it grows: a line
     after the first whose indentation is less than n_indent (a blank one included) ends the
-    middle, cut after that indentation; so does a newline seen once t_max_predict_ms have
-    passed since the first token."""
+    middle, cut after that indentation; so does a piece of text that ends a line once
+    t_max_predict_ms have passed since the first token (never half a line)."""
 
     def __init__(self, n_indent: int, t_max_predict_ms: int,
                  clock: Callable[[], float] = time.monotonic):
@@ -157,7 +158,7 @@ class EditorStops:
             if at < 0:
                 break
             self._line = at + 1
-        late = self._max_s and self._line >= 0 and self._clock() - self._start > self._max_s
+        late = self._max_s and "\n" in text and self._clock() - self._start > self._max_s
         return text, bool(late)
 
 
@@ -169,6 +170,7 @@ async def _deltas(generation: Generation, stops: EditorStops,
         text, stopped = stops.push(delta.text)
         if stopped:
             result.finish_reason, result.stop_string = "length", None
+            await generation.end("length")
             yield text, True
             return
         result.finish_reason = delta.finish_reason or result.finish_reason

@@ -74,7 +74,8 @@ class TokenServing:
         else:
             messages, tools, options = chat_render(self.ctx, request, tokenizer)
             try:
-                text = tokenizer.apply_chat_template(messages, tools, **options)
+                text = await anyio.to_thread.run_sync(
+                    lambda: tokenizer.apply_chat_template(messages, tools, **options))
             except TemplateError as exc:
                 raise invalid_request(str(exc), param="messages") from None
             tokens = await anyio.to_thread.run_sync(tokenizer.encode, text,

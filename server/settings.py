@@ -73,6 +73,15 @@ class ServerSettings:
     allow_credentials: bool = setting(False, "let those pages send cookies (CORS); needs "
                                       "origins named in --allowed-origins, not *",
                                       group="server")
+    ssl_keyfile: str | None = setting(None, "serve HTTPS with this private key (PEM), with "
+                                      "--ssl-certfile", group="server")
+    ssl_certfile: str | None = setting(None, "the certificate (PEM) of --ssl-keyfile",
+                                       group="server")
+    root_path: str = setting("", "the path prefix a reverse proxy serves this server under "
+                             "and strips before forwarding (ASGI root_path, as vLLM's "
+                             "--root-path: the API docs' URLs carry it)", group="server")
+    uds: str | None = setting(None, "listen on this Unix domain socket instead of "
+                              "--host/--port", group="server")
     log_level: str = setting("info", "log level", LOG_LEVELS, group="server")
     drain_seconds: float = setting(0.0, "on SIGTERM or Ctrl-C, keep serving this long with "
                                    "/health answering 503, so that a router or load balancer "
@@ -91,6 +100,20 @@ class ServerSettings:
             raise ValueError("--max-request-bytes must be >= 0 (0: no limit)")
         self.cors()
         self.chat_template_source()
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile),
+                           ("--ssl-certfile", self.ssl_certfile)):
+            if path is not None and not Path(path).expanduser().is_file():
+                raise ValueError(f"{flag}: no such file: {path}")
+
+    def listen(self) -> dict:
+        """uvicorn.Config's keywords of where and how this server listens."""
+        where = {"uds": self.uds} if self.uds else {"host": self.host, "port": self.port}
+        tls = {"ssl_keyfile": str(Path(self.ssl_keyfile).expanduser()),
+               "ssl_certfile": str(Path(self.ssl_certfile).expanduser())} \
+            if self.ssl_keyfile else {}
+        return {**where, **tls, "root_path": self.root_path}
 
     def chat_template_source(self) -> str | None:
         """--chat-template's text (a file's, or the flag's own), None: the model's (ValueError:
@@ -99,10 +122,10 @@ class ServerSettings:
         if not self.chat_template:
             return None
         path = Path(self.chat_template).expanduser()
-        if path.is_file():
+        if "{{" in self.chat_template or "{%" in self.chat_template:
+            source = self.chat_template          # (a long one is no file name: check first)
+        elif path.is_file():
             source = path.read_text()
-        elif "{{" in self.chat_template or "{%" in self.chat_template:
-            source = self.chat_template
         else:
             raise ValueError(f"--chat-template: {self.chat_template} is no file and no Jinja "
                              "template")

@@ -33,6 +33,9 @@ PYTHON_TAG = "<|python_tag|>"
 PHI4_TOOL_TAG = "<|tool|>"
 # the formats whose calls are one JSON array after a marker, and what opens the array
 LIST_MARKS = {"mistral": (MISTRAL_MARK, " ["), "phi4_mini_json": ("functools", "[")}
+# what starts the calls in streamed text: phi4's marker is a plain word ("functools.partial"
+# is prose), so its bracket too
+CALLS_START = {"mistral": MISTRAL_MARK, "phi4_mini_json": "functools["}
 
 
 def resolve_format(name: str, template: str | None) -> str:

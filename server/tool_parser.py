@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from server.protocol_responses import DeltaMessage
 from server.protocol_tools import DeltaFunctionCall, DeltaToolCall
 from server.tool_formats import (HERMES_CLOSE as CALL_CLOSE, HERMES_OPEN as CALL_OPEN,
-                                 LIST_MARKS, PYTHON_TAG, call_of, read_calls)
+                                 CALLS_START, LIST_MARKS, PYTHON_TAG, call_of, read_calls)
 
 
 def new_call_id() -> str:
@@ -117,7 +117,8 @@ class TrailingCallsParser:
 
     def __init__(self, fmt: str, names: frozenset[str], parallel: bool = True):
         self._fmt, self._names, self._parallel = fmt, names, parallel
-        self._mark = LIST_MARKS[fmt][0] if fmt in LIST_MARKS else None   # where calls start
+        # where calls start: the marker (phi4's, a plain word, with its list's bracket)
+        self._mark = CALLS_START.get(fmt)
         self._buf = ""
         self._held: str | None = None      # the text from the calls' start (None: not yet)
         self._content_only = False         # llama3_json: the answer did not open with a call
@@ -133,7 +134,8 @@ class TrailingCallsParser:
         if self._mark is not None:
             at = self._buf.find(self._mark)
             if at >= 0:
-                head, self._held = self._buf[:at], self._buf[at + len(self._mark):]
+                start = at + len(LIST_MARKS[self._fmt][0])      # the list's bracket is held
+                head, self._held = self._buf[:at], self._buf[start:]
                 self._buf = ""
                 return [head] if head else []
             keep = len(self._buf) - partial_suffix(self._buf, self._mark)
@@ -157,7 +159,7 @@ class TrailingCallsParser:
         body, self._held = self._held, None
         calls = read_calls(self._fmt, body)
         if calls is None or any(c.name not in self._names for c in calls):
-            return [(self._mark or "") + body]
+            return [(LIST_MARKS[self._fmt][0] if self._mark else "") + body]
         calls = calls if self._parallel else calls[:1]
         self.num_calls += len(calls)
         return [ParsedCall(c.name, json.dumps(c.arguments, ensure_ascii=False))

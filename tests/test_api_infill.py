@@ -43,12 +43,13 @@ def test_infill_answers_in_llama_cpps_shape(server):
     assert 1 <= got["tokens_predicted"] <= 12
     assert got["stop_type"] in ("eos", "limit")
     # the prompt: the three markers around the prefix (with the cursor line) and the suffix
-    assert got["tokens_evaluated"] == 3 + count(server, PREFIX) + count(server, SUFFIX)
+    # (and the repo's header, as llama.cpp writes it: the model has <reponame>, <file_sep>)
+    header = 1 + count(server, "myproject\n") + 1 + count(server, "filename\n")
+    assert got["tokens_evaluated"] == header + 3 + count(server, PREFIX) + count(server, SUFFIX)
     extra = [{"filename": "math_util.py", "text": "PI = 3.14"}]
     more = infill(server, input_extra=extra)
     assert more["tokens_evaluated"] == got["tokens_evaluated"] + 1 + count(
-        server, "myproject\n") + 1 + count(server, "math_util.py\nPI = 3.14") + 1 + count(
-        server, "filename\n")
+        server, "math_util.py\n") + count(server, "PI = 3.14")
 
 
 def test_streamed_chunks_end_with_the_stop_chunk_and_no_done(server):
@@ -82,8 +83,12 @@ def test_llama_vscodes_stops_end_the_middle(server):
     nl = httpx.post(server.url + "/tokenize", json={"prompt": "\n", "add_special_tokens": False})
     (nl_id,) = nl.json()["tokens"]
     newlines = {"logit_bias": {str(nl_id): 100}, "n_predict": 8}    # it writes blank lines
+    ended = 'finished_reason="length"', 'finished_reason="abort"'
+    before = [server.metric("strata_request_success_total", e) for e in ended]
     got = infill(server, n_indent=4, **newlines)      # the second (blank) line is less indented
     assert (got["content"], got["tokens_predicted"], got["stop_type"]) == ("\n", 2, "limit")
+    after = [server.metric("strata_request_success_total", e) for e in ended]
+    assert (after[0] - before[0], after[1] - before[1]) == (1, 0)     # a stop, not an abort
     got = infill(server, t_max_predict_ms=1, **newlines)   # a step takes more than 1 ms
     assert (got["content"], got["stop_type"]) == ("\n\n", "limit")
     assert infill(server, **newlines)["tokens_predicted"] == 8            # without them

@@ -29,8 +29,10 @@ def test_psm_layout_and_codellamas_end_token():
     assert fim == FimTokens(pre, suf, mid, None, None, (eot,))
     ids = fim_prompt_ids(tok, fim, "a b", "c")
     assert ids == [pre, 1, 2, suf, 3, mid]
-    # no file separators: the repo context is text before the prefix
-    assert fim_prompt_ids(tok, fim, "a", "c", [("f.py", "x y")]) == [pre, 4, 5, 1, suf, 3, mid]
+    # no file separators: each chunk after a snippet line, before the prefix marker
+    snippet = tok.encode("\n\n--- snippet ---\n\n", add_special_tokens=False)
+    assert fim_prompt_ids(tok, fim, "a", "c", [("f.py", "x y")]) == [
+        *snippet, 4, 5, pre, 1, suf, 3, mid]
 
 
 def test_repo_context_between_file_separators(smollm2_dir, tmp_path):
@@ -46,6 +48,9 @@ def test_repo_context_between_file_separators(smollm2_dir, tmp_path):
     text = tok.decode(got, skip_special_tokens=False)
     assert text == ("<reponame>myproject\n<file_sep>util.py\nX = 1<file_sep>filename\n"
                     "<fim_prefix>def f():\n<fim_suffix>\n\nf()<fim_middle>")
+    bare = tok.decode(fim_prompt_ids(tok, fim, "a", "b"), skip_special_tokens=False)
+    assert bare == ("<reponame>myproject\n<file_sep>filename\n<fim_prefix>a<fim_suffix>b"
+                    "<fim_middle>")                             # as llama.cpp lays it out
 
 
 def test_a_model_without_markers_has_no_fim(smollm2_dir):
@@ -84,6 +89,7 @@ def test_t_max_predict_ms_ends_it_after_a_newline_once_late():
     assert stops.push("a") == ("a", False)
     now[0] = 0.5                                  # late, but no line has ended yet
     assert stops.push("b") == ("b", False)
-    assert stops.push("\nc") == ("\nc", True)
+    assert stops.push("    half(") == ("    half(", False)   # never half a line
+    assert stops.push(")\nc") == (")\nc", True)
     early = EditorStops(0, 100, clock=lambda: 0.0)
     assert pushes(early, ["a\n", "b\n", "c"]) == ("a\nb\nc", False)

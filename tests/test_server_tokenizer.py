@@ -118,6 +118,8 @@ def test_a_chat_template_over_the_models_from_a_file_or_the_flag(smollm2_dir, tm
         assert tok.apply_chat_template([{"role": "user", "content": "Hi"}]) == \
             "[user] Hi\n[assistant] "
     assert ServerSettings().chat_template_source() is None
+    long = "{# " + "x" * 600 + " #}" + PLAIN                  # no file name is that long
+    assert ServerSettings(chat_template=long).chat_template_source() == long
     for bad, match in ((str(tmp_path / "missing.jinja"), "no file"),
                        ("{% for %}", "not valid Jinja")):
         with pytest.raises(ValueError, match=match):

@@ -57,6 +57,7 @@ def test_phi4_mini_calls_after_content_and_its_written_form(size):
     assert streamed("phi4_mini_json", text, size) == ("Let me check. ", CALLS[:1])
     parser = make_parser("phi4_mini_json", NAMES)
     assert parser.push("Sure. functoo") == ["Sure. "]            # a partial marker is held
+    assert parser.push("ls.partial helps.") == ["functools.partial helps."]   # prose streams
 
 
 @pytest.mark.parametrize("size", [1, 4, 1000])
