@@ -9,6 +9,9 @@ ready, /v1 routes answer 503 (after the key check, before body validation). A bo
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
 from typing import Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
@@ -39,6 +42,7 @@ from server.serving_messages import MessageBody, MessagesServing, TokenCount
 from server.serving_responses import MAX_LISTED_ITEMS, ResponsesServing
 from server.serving_tokens import (DetokenizeRequest, DetokenizeResponse, RenderResponse,
                                    TokenizeRequest, TokenizeResponse, TokenServing)
+from server.stats_log import StatsLogger
 
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -91,14 +95,16 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
               embedding_pooling: str = "last",
               lora_modules: dict[str, str] | None = None,
               allow_runtime_lora: bool = False, cors: dict | None = None,
-              trust_request_chat_template: bool = False) -> FastAPI:
+              trust_request_chat_template: bool = False, log_stats: bool = False,
+              log_requests: bool = False) -> FastAPI:
     """The app; `cors`: CORSMiddleware's keywords (ServerSettings.cors), None: no CORS
-    headers."""
+    headers; `log_stats`, `log_requests`: server/stats_log.py's lines."""
     ctx = ServerContext(engine, tokenizer, served_model_name=served_model_name,
                         model_aliases=model_aliases, api_key=api_key,
                         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
                         lora_modules=lora_modules)
     ctx.trust_request_chat_template = trust_request_chat_template
+    ctx.metrics.log_requests = log_requests
 
     def authorize(authorization: str | None = Header(default=None),
                   x_api_key: str | None = Header(default=None)) -> None:
@@ -117,7 +123,8 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     if allow_runtime_lora:          # vLLM's routes: folders on this server's disk, so opt-in
         lora_admin.add_routes(v1, ctx, _ERRORS)
 
-    app = FastAPI(title="Strata", summary="OpenAI-compatible inference server")
+    app = FastAPI(title="Strata", summary="OpenAI-compatible inference server",
+                  lifespan=_stats_lifespan(ctx) if log_stats else None)
     app.openapi = lambda: _openapi_without_422(app)
     app.state.ctx = ctx
     install_error_handlers(app)
@@ -292,6 +299,18 @@ def _open_routes(app: FastAPI, ctx: ServerContext) -> None:
         "description": "Prometheus text exposition"}})
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+def _stats_lifespan(ctx: ServerContext):
+    """The app's life: the periodic stats line (server/stats_log.py) logged while it serves."""
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(StatsLogger(ctx.metrics, ctx.engine).run())
+        try:
+            yield
+        finally:
+            task.cancel()
+    return lifespan
 
 
 def server_version() -> str:

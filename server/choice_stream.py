@@ -16,6 +16,7 @@ from engine.protocol import EngineClient, EngineError
 from scheduler.sampling_params import SamplingParams
 from server.detokenizer import Decoder, IncrementalDetokenizer
 from server.metrics import ServerMetrics
+from server.stats_log import request_line
 from server.stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class ChoiceStream:
         self._first: RequestOutput | None = None
         self._arrival = time.monotonic()
         self._last_token_time: float | None = None
+        self._first_token_time: float | None = None
         self._prompt_counted = False
         self.started = False
         self.finished = False
@@ -169,17 +171,17 @@ class ChoiceStream:
             self.embedding = out.embedding
         if not self._prompt_counted:
             self._prompt_counted = True
-            self._metrics.prompt_tokens.inc(out.num_prompt_tokens
-                                            or len(self.spec.prompt_token_ids))
+            self._metrics.count_prompt(out.num_prompt_tokens or len(self.spec.prompt_token_ids))
         if not count:
             return
         if self._last_token_time is None:
+            self._first_token_time = now
             self._metrics.time_to_first_token.observe(max(0.0, now - self._arrival_of(out)))
         else:
             self._metrics.inter_token_latency.observe(now - self._last_token_time)
         self._last_token_time = now
         self.num_output_tokens += count
-        self._metrics.generation_tokens.inc(count)
+        self._metrics.count_generated(count)
 
     def _arrival_of(self, out: RequestOutput | None) -> float:
         # NOTE: the engine stamps arrival with time.monotonic() in this process, when its
@@ -195,8 +197,13 @@ class ChoiceStream:
         queue_s = None
         if out is not None and out.first_scheduled_time is not None and out.arrival_time:
             queue_s = out.first_scheduled_time - out.arrival_time
-        self._metrics.record_finished(reason, e2e_s=time.monotonic() - self._arrival_of(out),
-                                      queue_s=queue_s)
+        now, arrival = time.monotonic(), self._arrival_of(out)
+        self._metrics.record_finished(reason, e2e_s=now - arrival, queue_s=queue_s)
+        if self._metrics.log_requests:
+            logger.info("%s", request_line(
+                self.spec.request_id, reason, len(self.spec.prompt_token_ids),
+                self.num_cached_tokens, self.num_output_tokens, arrival,
+                self._first_token_time, now))
 
     async def _abort_engine(self) -> None:
         # Closing the engine's iterator aborts the request; the explicit abort makes sure.

@@ -176,7 +176,9 @@ def _app(slot: EngineSlot, name: str, aliases: tuple[str, ...], settings, load_a
                      embedding_pooling=settings.embedding_pooling,
                      lora_modules={k: str(v) for k, v in loras.items()},
                      allow_runtime_lora=settings.allow_runtime_lora, cors=settings.cors(),
-                     trust_request_chat_template=settings.trust_request_chat_template)
+                     trust_request_chat_template=settings.trust_request_chat_template,
+                     log_stats=not settings.disable_log_stats,
+                     log_requests=settings.enable_log_requests)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -91,6 +91,17 @@ class ServerMetrics:
         for reason in REJECTION_REASONS:
             self.admission_rejections.labels(reason)
         r.register(EngineStatsCollector(engine))
+        self.prompt_total = 0                  # the two counters' values, for the stats line
+        self.generated_total = 0
+        self.log_requests = False              # a log line per finished request
+
+    def count_prompt(self, tokens: int) -> None:
+        self.prompt_tokens.inc(tokens)
+        self.prompt_total += tokens
+
+    def count_generated(self, tokens: int) -> None:
+        self.generation_tokens.inc(tokens)
+        self.generated_total += tokens
 
     def record_finished(self, reason: str, *, e2e_s: float, queue_s: float | None) -> None:
         self.request_success.labels(reason if reason in FINISHED_REASONS else "error").inc()

@@ -83,6 +83,12 @@ class ServerSettings:
     uds: str | None = setting(None, "listen on this Unix domain socket instead of "
                               "--host/--port", group="server")
     log_level: str = setting("info", "log level", LOG_LEVELS, group="server")
+    disable_log_stats: bool = setting(False, "no stats line in the log every 10 s while "
+                                      "requests run (throughput, requests, KV pages, prefix "
+                                      "hits: vLLM's)", group="server")
+    enable_log_requests: bool = setting(False, "a log line per finished request: its tokens "
+                                        "(cached, output), time to first token, decode speed",
+                                        group="server")
     drain_seconds: float = setting(0.0, "on SIGTERM or Ctrl-C, keep serving this long with "
                                    "/health answering 503, so that a router or load balancer "
                                    "moves new requests away first (a second signal stops at "

@@ -1,6 +1,7 @@
 """Where and how the server listens: HTTPS (--ssl-keyfile/--ssl-certfile, a self-signed
 certificate made with openssl), a path prefix behind a reverse proxy (--root-path), a Unix
-socket (--uds); and the open routes vLLM has besides /health (/ping, /version)."""
+socket (--uds); the open routes vLLM has besides /health (/ping, /version); a log line per
+request (--enable-log-requests)."""
 from __future__ import annotations
 
 import shutil
@@ -63,9 +64,13 @@ def test_https_behind_a_path_prefix(certificate):
 
 def test_a_unix_socket_and_the_open_routes(tmp_path):
     sock = tmp_path / "strata.sock"
-    with running_server("--uds", str(sock), wait=False):
+    with running_server("--uds", str(sock), "--enable-log-requests", wait=False) as s:
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=30) as c:
             ready(c.get, "http://strata/health")
+            r = c.post("http://strata/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
+            assert r.status_code == 200
+            line = f"{r.json()['id']}-0: 1 prompt tokens (0 cached), 3 output tokens (length)"
+            assert line in s.log_tail(20000)                # --enable-log-requests
             assert c.get("http://strata/ping").status_code == 200
             assert c.post("http://strata/ping").status_code == 200
             version = c.get("http://strata/version").json()["version"]
