@@ -12,7 +12,7 @@ llama.vim's cache warm-ups ask). llama.cpp's two stops for editors apply as ther
 line is cut after its indentation), `t_max_predict_ms` at the end of a line once that long
 has passed since the first token (`stop_type` "limit" either way). The fields that tune
 llama.cpp's own slots and timing (`cache_prompt`, `id_slot`, `samplers`, `t_max_prompt_ms`,
-`n_probs`, `response_fields`) are accepted and ignored (docs/api.md).
+`n_probs`, `response_fields`) are accepted and ignored (docs/api-other.md).
 """
 from __future__ import annotations
 
