@@ -24,7 +24,7 @@ from server import lora_admin
 from server.context import ServerContext, TokenizerSource
 from server.embeddings import EmbeddingRequest, EmbeddingResponse, EmbeddingServing
 from server.errors import APIError, install_error_handlers
-from server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
+from server.limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimit, EchoRequestId
 from server.messages_protocol import CountTokensRequest, MessagesRequest
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.protocol_responses import (AnthropicErrorResponse, ChatCompletionResponse,
@@ -129,6 +129,7 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(EchoRequestId)
     if cors is not None:    # added last, so outermost: a 413 or 401 carries its headers too
         app.add_middleware(CORSMiddleware, **cors)
     app.include_router(v1)

@@ -1,5 +1,6 @@
 """Request size limit: a body over `--max-request-bytes` is refused with 413 before it is
-parsed (by its Content-Length, or as it arrives when chunked), in the OpenAI error shape.
+parsed (by its Content-Length, or as it arrives when chunked), in the OpenAI error shape; and
+a client's X-Request-Id echoed on the answer.
 
 Pure ASGI middleware: it counts the bytes the app reads, so nothing is buffered twice.
 """
@@ -50,3 +51,25 @@ class BodyLimit:
                 await too_large(self.max_bytes).response(Request(scope))(scope, receive, send)
 
         await self.app(scope, counted, guarded)
+
+
+class EchoRequestId:
+    """A client's X-Request-Id comes back on the answer's headers (vLLM's
+    --enable-request-id-headers, here whenever one is sent), errors included; the answer's id
+    carries it too (server/serving.py `request_ids`)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        given = dict(scope.get("headers") or ()).get(b"x-request-id") \
+            if scope["type"] == "http" else None
+        if not given:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", given)]}
+            await send(message)
+        await self.app(scope, receive, send_with_id)

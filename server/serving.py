@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -32,6 +33,9 @@ from server.sse import DONE, EventStreamResponse, sse_event, sse_named_event
 from server.structured import logit_bias_pairs
 
 logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 128
 
 MIN_LOGPROB = -9999.0          # JSON has no -inf
 TRUNCATE_TEXT_FACTOR = 8       # truncate_prompt_tokens: texts up to 8 contexts are cut
@@ -74,6 +78,18 @@ class OpenAIServing:
         if bound >= ctx.max_model_len * (TRUNCATE_TEXT_FACTOR if truncated else 1):
             ctx.metrics.record_rejection("context_length")
             raise context_length_exceeded(ctx.max_model_len, f"at least {bound}", None, param)
+
+    @staticmethod
+    def request_ids(raw: Request, prefix: str) -> tuple[str, str]:
+        """(the answer's id, the base of its engine requests' ids): `prefix` and the client's
+        X-Request-Id (vLLM's: a trace id that shows in the answer and in the log), or a fresh
+        id; a client's id gets a nonce in the engine's ids, which must be unique while a
+        client may send one id twice at once."""
+        given = raw.headers.get(REQUEST_ID_HEADER, "")
+        if 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable():
+            return prefix + given, f"{prefix}{given}-{uuid.uuid4().hex[:8]}"
+        fresh = prefix + uuid.uuid4().hex
+        return fresh, fresh
 
     def check_admissible(self, choices: int) -> None:
         """400 for a request that could never be admitted (its choices, each an engine

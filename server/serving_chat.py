@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from typing import AsyncIterator
 
 import anyio
@@ -40,9 +39,9 @@ class ChatServing(OpenAIServing):
                                                        self.ctx.tool_format)
         prompt_ids = await chat_prompt_ids(self, request, tokenizer,
                                            truncated=request.truncate_prompt_tokens is not None)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id, engine_id = self.request_ids(raw, "chatcmpl-")
         created = int(time.time())
-        generation = self.generation(request, [prompt_ids], request_id, "messages", grammar,
+        generation = self.generation(request, [prompt_ids], engine_id, "messages", grammar,
                                      chat=True)
         return await self.respond(
             raw, generation, stream=bool(request.stream),

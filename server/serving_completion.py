@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-import uuid
 from typing import AsyncIterator
 
 import anyio
@@ -81,9 +80,9 @@ class CompletionServing(OpenAIServing):
         else:
             prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt,
                                                      tokenizer)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id, engine_id = self.request_ids(raw, "cmpl-")
         created = int(time.time())
-        generation = self.generation(request, prompts, request_id, "prompt", grammar)
+        generation = self.generation(request, prompts, engine_id, "prompt", grammar)
         echoes = _echoes(request, prompts, tokenizer)
         return await self.respond(
             raw, generation, stream=bool(request.stream),

@@ -17,7 +17,6 @@ llama.cpp's own slots and timing (`cache_prompt`, `id_slot`, `samplers`, `t_max_
 from __future__ import annotations
 
 import time
-import uuid
 from typing import Annotated, AsyncIterator, Callable
 
 import anyio
@@ -98,7 +97,7 @@ class InfillServing(OpenAIServing):
                                              request.input_suffix, extra)
         request = request.model_copy(update={
             "stop_token_ids": [*(request.stop_token_ids or ()), *fim.ends]})
-        generation = self.generation(request, [ids], f"infill-{uuid.uuid4().hex}",
+        generation = self.generation(request, [ids], self.request_ids(raw, "infill-")[1],
                                      "input_prefix", grammar)
         model = self.ctx.model_name(request.model)
         stops = lambda: EditorStops(request.n_indent, request.t_max_predict_ms)  # noqa: E731

@@ -14,7 +14,6 @@ the rest as input_tokens (Anthropic's split). Errors on these routes come in Ant
 """
 from __future__ import annotations
 
-import uuid
 from typing import Any, AsyncIterator, Literal
 
 import anyio
@@ -55,8 +54,8 @@ class MessagesServing(OpenAIServing):
         chat, prompt_ids = await self._prompt(request)
         plan, grammar = await anyio.to_thread.run_sync(constraints, chat,
                                                        self.ctx.tool_format)
-        message_id = f"msg_{uuid.uuid4().hex}"
-        generation = self.generation(chat, [prompt_ids], message_id, "messages", grammar,
+        message_id, engine_id = self.request_ids(raw, "msg_")
+        generation = self.generation(chat, [prompt_ids], engine_id, "messages", grammar,
                                      chat=True)
         base = {"id": message_id, "type": "message", "role": "assistant",
                 "model": request.model, "content": [], "stop_reason": None,

@@ -1,9 +1,10 @@
 """Where and how the server listens: HTTPS (--ssl-keyfile/--ssl-certfile, a self-signed
 certificate made with openssl), a path prefix behind a reverse proxy (--root-path), a Unix
 socket (--uds); the open routes vLLM has besides /health (/ping, /version); a log line per
-request (--enable-log-requests)."""
+request (--enable-log-requests); a client's X-Request-Id."""
 from __future__ import annotations
 
+import re
 import shutil
 import ssl
 import subprocess
@@ -71,6 +72,21 @@ def test_a_unix_socket_and_the_open_routes(tmp_path):
             assert r.status_code == 200
             line = f"{r.json()['id']}-0: 1 prompt tokens (0 cached), 3 output tokens (length)"
             assert line in s.log_tail(20000)                # --enable-log-requests
+            # a client's X-Request-Id: in the answer's id and headers, twice at once too
+            trace = {"X-Request-Id": "trace-42"}
+            body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40,
+                    "stream": True}
+            with c.stream("POST", "http://strata/v1/chat/completions", json=body,
+                          headers=trace) as first:
+                assert first.headers["x-request-id"] == "trace-42"
+                again = c.post("http://strata/v1/chat/completions", headers=trace,
+                               json={**body, "stream": False, "max_tokens": 2})
+                assert again.status_code == 200 and again.json()["id"] == "chatcmpl-trace-42"
+                assert again.headers["x-request-id"] == "trace-42"
+                assert '"id":"chatcmpl-trace-42"' in "".join(first.iter_lines())
+            # engine ids: a nonce more (the two at once were two engine requests)
+            assert len(set(re.findall(r"chatcmpl-trace-42-[0-9a-f]{8}-0: ",
+                                      s.log_tail(20000)))) == 2
             assert c.get("http://strata/ping").status_code == 200
             assert c.post("http://strata/ping").status_code == 200
             version = c.get("http://strata/version").json()["version"]
