@@ -58,7 +58,7 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv",
                                                  "-ffp-contract=off"]),
                    Extension("kernels._qmatmul", ["kernels/_qmatmul.c"],
-                             depends=["kernels/_pool.h", "kernels/_qmatmul_avx2.h",
+                             depends=["kernels/_pool.h", "kernels/_qmatmul_tiles.h",
                                       "kernels/_api.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"]
                              + OPENMP,

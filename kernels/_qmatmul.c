@@ -3,25 +3,31 @@
  *   out[m, n] = sum_k x[m, k] * w[n, k],   w[n, k] = scale[n, g] * q[n, k] + zero[n, g]
  *
  * for groups g of 32 along k (GGUF's Q4_0 / Q4_1 / Q8_0 blocks map onto this with their own
- * codes). Each row of x is first rounded to integers per group of 32 (xq = round(x / dx),
- * dx = max|x| / (2^(xbits-1) - 1)), so a group's dot product is integer:
+ * codes). Each row of x is first rounded to int16 per group of 32 (xq = round(x / dx),
+ * dx = max|x| / top), so a group's dot product is integer:
  *
  *   sum_k x w ~= scale * dx * sum(q * xq) + zero * dx * sum(xq)
  *
- * xbits 8 is llama.cpp's scheme (int8 x: u8 x s8 products by maddubs, the fewest
- * instructions); xbits 16 keeps 15 bits of x (int16 products by madd), within ~1e-3 of the
- * dequantized weight's float result where int8 x can be 0.3-0.5 logit standard deviations
- * off on the bundled model.
+ * xbits 16 (top 32767) keeps 15 bits of x, within ~1e-3 of the dequantized weight's float
+ * result; xbits 8 (top 127) is llama.cpp's rounding, 0.3-0.5 logit standard deviations off on
+ * the bundled model, kept for comparison (same instructions).
  *
- * Codes: 4-bit, unsigned 0..15, two to a byte, group by group: byte j of a group holds element
- * j in its low nibble and element j + 16 in its high one (GGUF's order); 8-bit, signed, one
- * byte each. Scales and zeros are float16, [N, K / 32] (zero may be absent: 0).
+ * Layout (kernels/packed_linear.py `_our_layout` writes it): output rows in tiles of 8 (N
+ * padded with zero rows), tile by tile, group by group. A tile's group is 16 units of an
+ * element pair (e, e + 1) for its 8 rows: 16 codes, row-major (row i's pair at 2i, 2i + 1).
+ *   8-bit: signed bytes, unit p (elements 2p, 2p + 1) at bytes 16p .. 16p + 15 (256 a group).
+ *   4-bit: unsigned 0..15, 128 bytes a group: elements 8b .. 8b + 7 in the 32 bytes from 32b,
+ *          units 4b (low nibbles of bytes 0-15), 4b + 1 (low, 16-31), 4b + 2 (high, 0-15),
+ *          4b + 3 (high, 16-31): element e = 8b + 4 nibble + 2 half + (e & 1).
+ *   Scales and zeros: float16 [tiles, K / 32, 8] (zero may be absent: 0).
+ * So one SIMD register multiplies a unit by x's pair for 8 outputs at once, and a group's
+ * float scaling is one multiply-add for 8 outputs (kernels/_qmatmul_tiles.h).
  *
  * Each output is a function of its own row of x and its own row of w, computed in one fixed
  * order: the result of a row does not depend on the batch it is in, nor on the threads.
- * Output rows split over `threads` threads of a pool kept between calls (kernels/_pool.h).
- * Paths: AVX2 where the CPU has AVX2, FMA and F16C, portable C elsewhere; `simd` 0 forces
- * the portable one. Runs without the GIL. */
+ * Tiles split over `threads` threads (kernels/_pool.h). Paths: AVX-512 VNNI (vpdpwssd on
+ * 256-bit registers) where the CPU has it and simd is 2, AVX2 + FMA + F16C (madd) for simd 1
+ * or 2, portable C (simd 0). Runs without the GIL. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
@@ -34,8 +40,10 @@
 #include "_pool.h"
 
 #define GROUP 32
+#define TILE 8
+#define TILE_GROUP_BYTES(bits) ((bits) == 4 ? TILE * GROUP / 2 : TILE * GROUP)
 #define MAX_THREADS POOL_MAX
-#define MIN_N_PER_THREAD 64
+#define MIN_TILES_PER_THREAD 8
 
 static float f16_to_f32(uint16_t h) {
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
@@ -62,20 +70,18 @@ static float f16_to_f32(uint16_t h) {
 }
 
 typedef struct {
-    /* x as integer groups: xq [M, K] (int8 or int16), dx [M, G] (its step), xs [M, G]
-     * (dx * sum xq) */
-    const void *xq;
-    int xbits;
+    /* x as integer groups: xq [M, K] int16, dx [M, G] (its step), xs [M, G] (dx * sum xq) */
+    const int16_t *xq;
     const float *dx, *xs;
     const uint8_t *codes;
     const uint16_t *scale, *zero;
     int bits;
-    Py_ssize_t m, k, n, n0, n1;
+    Py_ssize_t m, k, n, t0, t1;     /* [t0, t1): this job's tiles */
     float *out;
 } job_t;
 
 /* ---- the activations, quantized ------------------------------------------------------- */
-static void quantize_rows(const float *x, Py_ssize_t m, Py_ssize_t k, int xbits, void *xq,
+static void quantize_rows(const float *x, Py_ssize_t m, Py_ssize_t k, int xbits, int16_t *xq,
                           float *dx, float *xs) {
     const Py_ssize_t groups = k / GROUP;
     const float top = xbits == 8 ? 127.f : 32767.f;
@@ -91,10 +97,7 @@ static void quantize_rows(const float *x, Py_ssize_t m, Py_ssize_t k, int xbits,
             for (int i = 0; i < GROUP; i++) {
                 long c = lrintf(v[i] * inv);
                 c = c > (long)top ? (long)top : c < -(long)top ? -(long)top : c;
-                if (xbits == 8)
-                    ((int8_t *)xq)[at + i] = (int8_t)c;
-                else
-                    ((int16_t *)xq)[at + i] = (int16_t)c;
+                xq[at + i] = (int16_t)c;
                 sum += (int)c;
             }
             dx[r * groups + g] = d;
@@ -102,44 +105,66 @@ static void quantize_rows(const float *x, Py_ssize_t m, Py_ssize_t k, int xbits,
         }
 }
 
-static inline int32_t x_at(const job_t *j, Py_ssize_t i) {
-    return j->xbits == 8 ? ((const int8_t *)j->xq)[i] : ((const int16_t *)j->xq)[i];
+/* x's element pair at p as one int32 (to broadcast) */
+static inline int32_t pair_at(const int16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
 /* ---- portable --------------------------------------------------------------------------- */
-static void run_portable(const job_t *j) {
-    const Py_ssize_t groups = j->k / GROUP;
-    const Py_ssize_t row_bytes = j->bits == 4 ? j->k / 2 : j->k;
-    int8_t w[GROUP];
-    for (Py_ssize_t n = j->n0; n < j->n1; n++) {
-        const uint8_t *c = j->codes + n * row_bytes;
-        for (Py_ssize_t r = 0; r < j->m; r++) {
-            float acc = 0.f, zacc = 0.f;
-            for (Py_ssize_t g = 0; g < groups; g++) {
-                if (j->bits == 4) {
-                    const uint8_t *b = c + g * (GROUP / 2);
-                    for (int i = 0; i < GROUP / 2; i++) {
-                        w[i] = (int8_t)(b[i] & 0x0f);
-                        w[i + GROUP / 2] = (int8_t)(b[i] >> 4);
-                    }
-                } else {
-                    memcpy(w, c + g * GROUP, GROUP);
-                }
-                const Py_ssize_t at = r * j->k + g * GROUP;
-                int32_t dot = 0;
-                for (int i = 0; i < GROUP; i++)
-                    dot += (int32_t)w[i] * x_at(j, at + i);
-                const float s = f16_to_f32(j->scale[n * groups + g]);
-                acc += s * j->dx[r * groups + g] * (float)dot;
-                if (j->zero)
-                    zacc += f16_to_f32(j->zero[n * groups + g]) * j->xs[r * groups + g];
-            }
-            j->out[r * j->n + n] = acc + zacc;
-        }
-    }
+/* the code of element e of row i in a tile's group c (the layout above) */
+static inline int code_at(const uint8_t *c, int bits, int i, int e) {
+    if (bits == 8)
+        return ((const int8_t *)c)[(e >> 1) * 16 + 2 * i + (e & 1)];
+    const uint8_t byte = c[(e >> 3) * 32 + ((e >> 1) & 1) * 16 + 2 * i + (e & 1)];
+    return (e >> 2) & 1 ? byte >> 4 : byte & 0x0f;
 }
 
-#include "_qmatmul_avx2.h"
+static void run_portable(const job_t *j) {
+    const Py_ssize_t groups = j->k / GROUP, gb = TILE_GROUP_BYTES(j->bits);
+    for (Py_ssize_t t = j->t0; t < j->t1; t++)
+        for (Py_ssize_t r = 0; r < j->m; r++) {
+            float acc[TILE] = {0.f};
+            for (Py_ssize_t g = 0; g < groups; g++) {
+                const uint8_t *c = j->codes + (t * groups + g) * gb;
+                const int16_t *x = j->xq + r * j->k + g * GROUP;
+                const Py_ssize_t at = (t * groups + g) * TILE;
+                for (int i = 0; i < TILE; i++) {
+                    int32_t dot = 0;
+                    for (int e = 0; e < GROUP; e++)
+                        dot += code_at(c, j->bits, i, e) * (int32_t)x[e];
+                    acc[i] += f16_to_f32(j->scale[at + i]) * j->dx[r * groups + g] * (float)dot;
+                    if (j->zero)
+                        acc[i] += f16_to_f32(j->zero[at + i]) * j->xs[r * groups + g];
+                }
+            }
+            for (int i = 0; i < TILE && t * TILE + i < j->n; i++)
+                j->out[r * j->n + t * TILE + i] = acc[i];
+        }
+}
+
+/* ---- SIMD paths (kernels/_qmatmul_tiles.h) ------------------------------------------------ */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_AVX2_PATH 1
+
+#define TILES(name) name##_avx2
+#define TILES_TARGET __attribute__((target("avx2,fma,f16c")))
+#define PAIR_DOT(acc, w, x) _mm256_add_epi32((acc), _mm256_madd_epi16((w), (x)))
+#include "_qmatmul_tiles.h"
+#undef TILES
+#undef TILES_TARGET
+#undef PAIR_DOT
+
+#define TILES(name) name##_vnni
+#define TILES_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#define PAIR_DOT(acc, w, x) _mm256_dpwssd_epi32((acc), (w), (x))
+#include "_qmatmul_tiles.h"
+#undef TILES
+#undef TILES_TARGET
+#undef PAIR_DOT
+#endif
 
 typedef void (*run_fn)(const job_t *);
 
@@ -153,12 +178,13 @@ static void run_task(void *arg) {
     t->fn(&t->job);
 }
 
-/* output rows split into `threads` tasks over the pool, task 0 on the calling thread */
+/* tiles split into `threads` tasks over the pool, task 0 on the calling thread */
 static void run_parallel(run_fn fn, const job_t *base, int threads) {
+    const Py_ssize_t tiles = base->t1 - base->t0;
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
-    if (threads > base->n / MIN_N_PER_THREAD)
-        threads = (int)(base->n / MIN_N_PER_THREAD);
+    if (threads > tiles / MIN_TILES_PER_THREAD)
+        threads = (int)(tiles / MIN_TILES_PER_THREAD);
     if (threads < 2) {
         fn(base);
         return;
@@ -168,8 +194,8 @@ static void run_parallel(run_fn fn, const job_t *base, int threads) {
     for (int t = 0; t < threads; t++) {
         tasks[t].fn = fn;
         tasks[t].job = *base;
-        tasks[t].job.n0 = base->n * t / threads;
-        tasks[t].job.n1 = base->n * (t + 1) / threads;
+        tasks[t].job.t0 = base->t0 + tiles * t / threads;
+        tasks[t].job.t1 = base->t0 + tiles * (t + 1) / threads;
         args[t] = &tasks[t];
     }
     pool_run(run_task, args, threads);
@@ -183,22 +209,26 @@ static int qmm_run(const float *x, Py_ssize_t m, Py_ssize_t k, const uint8_t *co
                    float *out, int simd, int threads, int xbits) {
     if (m == 0 || n == 0)
         return 0;
-    const Py_ssize_t groups = k / GROUP;
-    const size_t x_bytes = ((size_t)(m * k * (xbits / 8)) + 31) & ~(size_t)31;
+    const Py_ssize_t groups = k / GROUP, tiles = (n + TILE - 1) / TILE;
+    const size_t x_bytes = ((size_t)(m * k) * sizeof(int16_t) + 31) & ~(size_t)31;
     char *scratch = malloc(x_bytes + 2 * m * groups * sizeof(float));
     if (!scratch)
         return -1;
+    int16_t *xq = (int16_t *)scratch;
     float *dx = (float *)(scratch + x_bytes), *xs = dx + m * groups;
-    job_t job = {scratch, xbits, dx, xs, codes, scale, zero, bits, m, k, n, 0, n, out};
+    job_t job = {xq, dx, xs, codes, scale, zero, bits, m, k, n, 0, tiles, out};
     run_fn fn = run_portable;
 #ifdef HAVE_AVX2_PATH
     if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
         fn = run_avx2;
+    if (simd >= 2 && fn == run_avx2 && __builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        fn = run_vnni;
 #else
     (void)simd;
 #endif
-    quantize_rows(x, m, k, xbits, scratch, dx, xs);
+    quantize_rows(x, m, k, xbits, xq, dx, xs);
     run_parallel(fn, &job, threads);
     free(scratch);
     return 0;
@@ -230,11 +260,13 @@ static PyMethodDef methods[] = {
     POOL_OPENMP_METHOD,
     {"qmm", qmm, METH_VARARGS,
      "qmm(x, M, K, codes, scale, zero, N, bits, out[, simd, threads, xbits]): out[M, N] float32 = "
-     "x[M, K] float32 @ w.T for w [N, K] in `bits`-bit codes (4: two a byte, GGUF's order "
-     "within a group of 32; 8: signed bytes) with float16 scale and zero [N, K / 32] (zero 0: "
-     "none); addresses of contiguous buffers. xbits: x rounded per group of 32 to 16-bit "
-     "integers (~1e-3 of the float result) or 8-bit ones (llama.cpp's, fewer instructions). simd: 1 AVX2 where the CPU has it, 0 the "
-     "portable path; threads: output rows split over this many threads; without the GIL"},
+     "x[M, K] float32 @ w.T for w [N, K] in `bits`-bit codes (4: unsigned, two a byte; 8: "
+     "signed bytes) with float16 scales and zeros (zero 0: none), in the tiles of 8 output "
+     "rows this module's source lays out (kernels/packed_linear.py writes them); addresses of "
+     "contiguous buffers. xbits: x rounded per group of 32 to 16-bit steps (~1e-3 of the float "
+     "result) or 8-bit ones (llama.cpp's rounding). simd: 2 AVX-512 VNNI where the CPU has it, "
+     "else as 1: AVX2 where the CPU has it; 0 the portable path; threads: tiles split over this "
+     "many threads; without the GIL"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from kernels import packed_linear
 from kernels.decode_plan import TablePlan
 from kernels.layer_ops import MAX_DIM, LayerOps
 
@@ -185,7 +186,8 @@ class DecodeLayers:
                 int(pool.dtype == torch.bfloat16), pool.shape[0], table[4],
                 torch.get_num_threads(), x.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(),
                 pool.data_ptr(), kv.tok_off.data_ptr(), table[0], table[1],
-                self.scratch.data_ptr(), 1, words.shape[0], table[2], kv.tok_slots.data_ptr(),
+                self.scratch.data_ptr(), packed_linear.QMM_SIMD, words.shape[0], table[2],
+                kv.tok_slots.data_ptr(),
                 table[3], table[5], 0 if kv.sparse is None else kv.sparse.words.data_ptr(),
                 0 if lora is None else lora.words.data_ptr()]
         if len(step) != _layer.STEP_WORDS:      # (_layer.c's S_* words, in their order)

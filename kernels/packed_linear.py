@@ -42,6 +42,9 @@ NATIVE = {"native": {4: "q4", 8: "q8"}, "native-torch": {4: "int4", 8: "int8"}}
 DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUP = 32
 _INT4_TILE_N = 16           # int4pack tiles N by 16 on the CPU
+_OUR_TILE = 8               # kernels/_qmatmul.c's tiles of output rows
+QMM_SIMD = 2                # our kernel's path: 2 the best the CPU has (AVX-512 VNNI, AVX2),
+                            # 1 AVX2 at most, 0 portable (A/B and tests)
 
 
 @dataclass(frozen=True)
@@ -129,7 +132,7 @@ class PackedWeight:
         out = torch.empty(m, n)
         _qmatmul.qmm(xf.data_ptr(), m, k, codes.data_ptr(), scale.data_ptr(),
                      0 if zero is None else zero.data_ptr(), n, BITS[self.fmt], out.data_ptr(),
-                     1, torch.get_num_threads(), self.xbits)
+                     QMM_SIMD, torch.get_num_threads(), self.xbits)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
 
     # ---- construction --------------------------------------------------------------------
@@ -195,16 +198,28 @@ def quantize_int8(w: torch.Tensor) -> GroupQuant:
 
 
 def _our_layout(q: GroupQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """kernels/_qmatmul.c's buffers: codes (4-bit: byte j of a group holds elements j and
-    j + 16, GGUF's order), float16 scale and zero (None where every zero is 0)."""
+    """kernels/_qmatmul.c's buffers, in its tiles of 8 output rows (its header lays them out;
+    N padded with zero rows): codes (4-bit: two a byte), float16 scale and zero (None where
+    every zero is 0)."""
     n, k = q.shape
-    if q.bits == 4:
-        c = q.codes.view(n, k // GROUP, 2, GROUP // 2).to(torch.uint8)
-        codes = (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(n, k // 2)
-    else:
-        codes = q.codes.to(torch.int8)
-    zero = None if not q.zero.any() else q.zero.half().contiguous()
-    return codes.contiguous(), q.scale.half().contiguous(), zero
+    groups, tiles = k // GROUP, -(-n // _OUR_TILE)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:          # [tiles * 8, ...], padded with zeros
+        return F.pad(t, (0, 0, 0, tiles * _OUR_TILE - n))
+
+    if q.bits == 4:     # element 8b + 4 nibble + 2 half + e2 -> byte [b, half, row, e2]
+        c = rows(q.codes.to(torch.uint8)).view(tiles, _OUR_TILE, groups, 4, 2, 2, 2)
+        c = c.permute(0, 2, 3, 5, 1, 6, 4)              # tile, group, b, half, row, e2, nibble
+        codes = c[..., 0] | (c[..., 1] << 4)
+    else:               # element 2p + e2 -> byte [p, row, e2]
+        codes = rows(q.codes.to(torch.int8)).view(tiles, _OUR_TILE, groups, GROUP // 2, 2)
+        codes = codes.permute(0, 2, 3, 1, 4)
+
+    def per_tile(v: torch.Tensor) -> torch.Tensor:      # [N, groups] -> [tiles, groups, 8]
+        return rows(v).view(tiles, _OUR_TILE, groups).permute(0, 2, 1).half().contiguous()
+
+    zero = None if not q.zero.any() else per_tile(q.zero)
+    return codes.contiguous().view(-1), per_tile(q.scale), zero
 
 
 class Linear:

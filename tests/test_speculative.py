@@ -244,9 +244,12 @@ def test_outputs_equal_decoding_without_drafts(prompt_ids, resident):
     for (toks, lps), (want, want_lps) in list(zip(spec, base))[:len(params) if exact else 1]:
         assert toks == want
         assert len(lps) == len(want_lps)
+    # bf16 activations (a CPU with AVX512_BF16) round each layer's rows by the step's shape:
+    # 0.05-0.15 apart measured on the AMD EPYC with it, against < 1e-2 in float32
+    tol = 2e-3 if exact else 1e-2 if engine.weight_plan.dtype == "fp32" else 0.3
     for got, want in zip(spec[0][1], base[0][1]):       # the greedy row's logprobs
         assert got[0].token_id == want[0].token_id
-        assert abs(got[0].logprob - want[0].logprob) < (2e-3 if exact else 1e-2)
+        assert abs(got[0].logprob - want[0].logprob) < tol
         if exact:       # (elsewhere the alternatives' order may part at a near-tie)
             assert [t.token_id for t in got[1]] == [t.token_id for t in want[1]]
     assert stats.drafts > 5 and stats.accepted_tokens >= 10, stats
