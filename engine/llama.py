@@ -35,6 +35,19 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _param(dim, dtype=dtype, device=device)
         self.eps = eps
+        self._f32: tuple[int, RMSNorm] | None = None     # (weight version, float32 copy)
+
+    def float32(self) -> RMSNorm:
+        """This norm with a float32 weight: itself where it has one, else a copy made once
+        per weight version (a bf16 model's decode rows run float32 in the C layers)."""
+        if self.weight.dtype == torch.float32:
+            return self
+        version = self.weight._version
+        if self._f32 is None or self._f32[0] != version:
+            norm = RMSNorm(self.weight.shape[0], self.eps, torch.float32, self.weight.device)
+            norm.weight.copy_(self.weight)
+            self._f32 = (version, norm)
+        return self._f32[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, dim] -> [T, dim]; float32 statistics as in HF."""
@@ -81,6 +94,13 @@ class DecoderLayer(nn.Module):
             setattr(self, name, make_linear(getattr(self, f"{name}_proj"),
                                             getattr(self, f"{name}_bias"), quant.get(name),
                                             fmt, prefill_rows))
+
+    def decode_norms(self) -> tuple[torch.Tensor | None, ...]:
+        """The norm weights in float32 for the C decode layers (kernels/decode_layer.py):
+        input, post-attention, and Qwen3's q and k head norms (None without)."""
+        return (self.input_layernorm.float32().weight,
+                self.post_attention_layernorm.float32().weight,
+                *(None if n is None else n.float32().weight for n in (self.q_norm, self.k_norm)))
 
     def predict_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """This layer's queries [n, H, D] computed from x [n, hidden] (another layer's input:
@@ -243,7 +263,11 @@ class LlamaForCausalLM(nn.Module):
         ahead = getattr(kv, "lookahead_rows", None)
         if ahead is not None:
             ahead_rope = (rope[0][ahead], rope[1][ahead])
-        layers = None if ahead is not None else self._decode_layers(x, rope, kv, lora)
+        layers = None if ahead is not None else self._decode_layers(x, positions, rope, kv,
+                                                                    lora)
+        norm = self.norm
+        if layers is not None:          # float32 rows (a copy where the model's dtype is not)
+            x, norm = layers.x, self.norm.float32()
         for i, layer in enumerate(self.layers):
             if layers is not None:      # the layer in C, x updated in place
                 layers.run(i, layer.input_layernorm.eps, layer.scale)
@@ -251,17 +275,19 @@ class LlamaForCausalLM(nn.Module):
             if ahead is not None and i + 1 < len(self.layers):
                 kv.lookahead(i + 1, self.layers[i + 1].predict_q(x[ahead], *ahead_rope))
             x = layer(x, rope, kv, lora)
-        logits = (self.head(self.norm(x[logits_indices])).float()            # [S, vocab]
+        logits = (self.head(norm(x[logits_indices])).float()                 # [S, vocab]
                   if logits_indices.numel() else x.new_zeros(0, self.config.vocab_size,
                                                              dtype=torch.float32))
         if hidden_indices is None:
             return logits
-        return logits, self.norm(x[hidden_indices])
+        return logits, norm(x[hidden_indices])
 
-    def _decode_layers(self, x: torch.Tensor, rope, kv, lora=None) -> DecodeLayers | None:
+    def _decode_layers(self, x: torch.Tensor, positions: torch.Tensor, rope, kv,
+                       lora=None) -> DecodeLayers | None:
         """The step's layers as C calls (kernels/decode_layer.py), where the KV store, the
         weights and the step's LoRA adapters (engine/lora.py LoraBatch) allow it (else None:
-        op by op)."""
+        op by op). They run float32 rows: a bf16 model's (bf16 activations for prefill, on a
+        CPU with AVX512_BF16) are copied to float32, with float32 RoPE and norms."""
         table = getattr(kv, "layer_table", None)
         if table is None or not FusedLayers.enabled or getattr(kv, "keeps_inputs", False):
             return None
@@ -273,6 +299,8 @@ class LlamaForCausalLM(nn.Module):
         if lora is not None and lora_words is None:
             return None
         cfg = self.config
+        if x.dtype != torch.float32:
+            x, rope = x.float(), self.rope.cos_sin(positions, torch.float32)
         return DecodeLayers.build(self._decode_words[0], x, rope,
                                   table(cfg.num_attention_heads // cfg.num_key_value_heads),
                                   (cfg.hidden_size, cfg.num_attention_heads,

@@ -6,8 +6,9 @@ was most of the step (~10 of 24 ms at 1K tokens, AMD EPYC without AVX-512). Wher
 allows it, the model runs each layer as one call instead: the same C ops (our 4/8-bit
 matmul, the C norm, RoPE, K/V write and SiLU x up, the C table attention), so the same bits.
 
-It serves a step when: the model's activations are float32, every layer's matmuls have our
-4- or 8-bit decode form and no bias, the layer ops are on, and the KV store's resident decode
+It serves a step when: the rows are float32 (a bf16 model, whose prefill runs bf16, hands
+its decode rows over as float32 copies), every layer's matmuls have our 4- or 8-bit decode
+form and no bias, the layer ops are on, and the KV store's resident decode
 path (kvstore/resident.py) takes the step (`KVTable`). A layer is one call: over the step's
 dense table, or in sparse layers selecting its pages and attending to them (`SparseWords`);
 on steps the KV store does not lay out for that (dense and sparse rows mixed) sparse
@@ -135,19 +136,17 @@ class KVTable:
 def layer_words(layers) -> tuple[torch.Tensor, int] | None:
     """(int64 [L, LAYER_WORDS] the layers' norm weights and decode matmuls (addresses, bits),
     the fewest rows a step multiplies by the dense weights instead), or None where a layer
-    has a weight this path does not run (a bias, a form other than our 4/8-bit one, norms
-    not float32)."""
+    has a weight this path does not run (a bias, a form other than our 4/8-bit one). The
+    layers' `decode_norms()` give float32 norm weights (copies a bf16 model keeps alive)."""
     if _layer is None:
         return None
     rows, limit = [], 1 << 62
     for layer in layers:
-        heads = [getattr(layer, name, None) for name in ("q_norm", "k_norm")]  # Qwen3's
-        norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                 *(n.weight for n in heads if n is not None))
-        if any(w.dtype != torch.float32 or not w.is_contiguous() for w in norms):
+        norms = layer.decode_norms()        # input, post-attention, Qwen3's q / k heads
+        if any(w is not None and (w.dtype != torch.float32 or not w.is_contiguous())
+               for w in norms):
             return None
-        words = [w.data_ptr() for w in norms[:2]] + [
-            0 if n is None else n.weight.data_ptr() for n in heads] + [
+        words = [0 if w is None else w.data_ptr() for w in norms] + [
             int(getattr(layer, "rope", True))]
         for name in ("qkv", "o", "gate_up", "down"):
             linear = getattr(layer, name)

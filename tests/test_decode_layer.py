@@ -78,24 +78,30 @@ def same(a: dict, b: dict) -> None:
                                    torch.tensor([lp for _, lp in b[rid]]), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "auto"])
+@pytest.mark.parametrize("dtype", ["fp32", "auto", "bf16"])
 def test_one_call_layers_decode_as_the_layers_do(smollm2_dir, runs, dtype):
     # three sequences of awkward lengths (partial last pages; one crosses a page boundary
-    # while decoding); fp32: a float32 KV pool; auto: bf16 KV, float32 activations where this
-    # CPU multiplies float32 faster (else bf16 ones, which this path does not take)
+    # while decoding); fp32: a float32 KV pool; auto: bf16 KV and this CPU's activations
     prompts = prompts_of(3, 37)
     ref, _ = decode(smollm2_dir, prompts, False, dtype=dtype)
     assert not runs
     got, engine = decode(smollm2_dir, prompts, True, dtype=dtype)
-    same(got, ref)
+    assert len(runs) >= 20 * engine.runner.model.config.num_hidden_layers
     if engine.weight_plan.dtype == "fp32":
-        assert len(runs) >= 20 * engine.runner.model.config.num_hidden_layers
+        same(got, ref)
+        return
+    # bf16 activations: the C layers decode float32 copies of the rows, where the layers op
+    # by op round every op to bf16: the same first token (the prefill's), then close
+    for rid in ref:
+        (t0, lp0), *rest = got[rid]
+        assert (t0, lp0) == ref[rid][0]
+        agree = [abs(a[1] - b[1]) for a, b in zip(rest, ref[rid][1:]) if a[0] == b[0]]
+        assert len(agree) >= len(rest) // 2 and max(agree) < 0.5, (rid, agree)
 
 
 def test_not_taken_where_it_does_not_serve(smollm2_dir, runs):
     prompts = prompts_of(2, 40)
     decode(smollm2_dir, prompts, True, steps=4, weights="fp32")    # dense decode weights
-    decode(smollm2_dir, prompts, True, steps=4, dtype="bf16")
     assert not runs
 
 
