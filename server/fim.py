@@ -68,19 +68,50 @@ def require_fim(tokenizer: Tokenizer, param: str) -> FimTokens:
     return fim
 
 
+@dataclass(frozen=True)
+class FimFit:
+    """llama.cpp's fit of an /infill prompt to the context: the prefix's last 3/4 of a batch
+    of tokens, the suffix's first 1/4 (less two markers and the cursor line), and of the repo
+    context the last tokens that leave the context a batch and twice the tokens to write.
+    The batch is llama.cpp's default (2048 tokens), or half a smaller context."""
+    n_ctx: int
+    n_predict: int                  # -1: as many as fit
+    n_batch: int = 2048
+
+    def trim(self, pre: list[int], n_cursor: int, suf: list[int], context: list[int]
+             ) -> tuple[list[int], list[int], list[int]]:
+        """(prefix with the cursor line: its last tokens, suffix: its first, context: its
+        last) within the budget."""
+        batch = min(self.n_batch, self.n_ctx // 2)
+        take_pre = min(len(pre) - n_cursor, 3 * (batch // 4)) + n_cursor
+        take_suf = min(len(suf), max(0, batch // 4 - (2 + n_cursor)))
+        # (NOTE: 4 more than llama.cpp's budget: BOS and the three markers, so the prompt
+        # always leaves room for the tokens to write)
+        room = self.n_ctx - batch - 2 * max(self.n_predict, 1) - 4
+        take_ctx = min(len(context), max(0, room))
+        return pre[len(pre) - take_pre:], suf[:take_suf], context[len(context) - take_ctx:]
+
+
 def fim_prompt_ids(tokenizer: Tokenizer, fim: FimTokens, prefix: str, suffix: str,
-                   extra: list[tuple[str, str]] = ()) -> list[int]:
-    """The prompt (PSM order) whose completion is the text between `prefix` and `suffix`;
-    `extra`: (file name, text) pairs of repo context, before the rest."""
+                   extra: list[tuple[str, str]] = (), fit: FimFit | None = None,
+                   cursor: str = "") -> tuple[list[int], bool]:
+    """(the prompt (PSM order) whose completion is the text between `prefix` + `cursor` and
+    `suffix`, whether `fit` cut it); `extra`: (file name, text) pairs of repo context, before
+    the rest; `cursor`: the cursor line's start, which `fit` keeps whole."""
     def enc(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
     head = tokenizer.encode("", add_special_tokens=True)       # BOS where the model has one
-    if fim.repo is not None:
-        head += [fim.repo] + enc(f"{REPO_NAME}\n")
+    context = [fim.repo] + enc(f"{REPO_NAME}\n") if fim.repo is not None else []
     for name, text in extra:
-        head += ([fim.separator] + enc(f"{name}\n") if fim.separator is not None
-                 else enc(SNIPPET)) + enc(text)
+        context += ([fim.separator] + enc(f"{name}\n") if fim.separator is not None
+                    else enc(SNIPPET)) + enc(text)
     if fim.separator is not None:
-        head += [fim.separator] + enc("filename\n")             # the file being edited
-    return head + [fim.prefix] + enc(prefix) + [fim.suffix] + enc(suffix) + [fim.middle]
+        context += [fim.separator] + enc("filename\n")          # the file being edited
+    pre, suf = enc(prefix + cursor), enc(suffix)
+    cut = False
+    if fit is not None:
+        sizes = len(pre), len(suf), len(context)
+        pre, suf, context = fit.trim(pre, len(enc(cursor)) if cursor else 0, suf, context)
+        cut = (len(pre), len(suf), len(context)) != sizes
+    return head + context + [fim.prefix] + pre + [fim.suffix] + suf + [fim.middle], cut

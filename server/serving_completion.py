@@ -57,7 +57,7 @@ def _infill(request: CompletionRequest, tokenizer: Tokenizer
                               "completion).", param="prompt")
     if request.echo:
         raise invalid_request("echo is not supported with a suffix.", param="echo")
-    ids = fim_prompt_ids(tokenizer, fim, request.prompt, request.suffix)
+    ids, _ = fim_prompt_ids(tokenizer, fim, request.prompt, request.suffix)
     stops = [*(request.stop_token_ids or ()), *fim.ends]
     return request.model_copy(update={"stop_token_ids": stops}), [ids]
 

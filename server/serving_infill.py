@@ -12,7 +12,9 @@ llama.vim's cache warm-ups ask). llama.cpp's two stops for editors apply as ther
 line is cut after its indentation), `t_max_predict_ms` at the end of a line once that long
 has passed since the first token (`stop_type` "limit" either way). The fields that tune
 llama.cpp's own slots and timing (`cache_prompt`, `id_slot`, `samplers`, `t_max_prompt_ms`,
-`n_probs`, `response_fields`) are accepted and ignored (docs/api-other.md).
+`n_probs`, `response_fields`) are accepted and ignored (docs/api-other.md). A prompt over the
+context is cut as llama.cpp cuts it (server/fim.py `FimFit`: the prefix's end, the suffix's
+start, the repo context's end), `truncated` true in the answer.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from pydantic import Field, StrictInt, model_validator
 from starlette.responses import Response
 
 from server.errors import invalid_request
-from server.fim import fim_prompt_ids, require_fim
+from server.fim import FimFit, fim_prompt_ids, require_fim
 from server.disconnect import run_until_disconnected
 from server.generation import ChoiceResult, Generation
 from server.protocol import CompletionRequest, MaxTokens, Text
@@ -86,15 +88,17 @@ class InfillServing(OpenAIServing):
         tokenizer = self.ctx.require_ready()
         if (request.n or 1) != 1:
             raise invalid_request("/infill writes one completion (n 1).", param="n")
-        prefix = request.input_prefix + request.prompt
         extra = [(c.filename, c.text) for c in request.input_extra]
-        self.check_prompt_text([prefix + request.input_suffix + "".join(t for _, t in extra)],
-                               "input_prefix")
+        self.check_prompt_text([request.input_prefix + request.prompt + request.input_suffix
+                                + "".join(t for _, t in extra)], "input_prefix", truncated=True)
         fim = require_fim(tokenizer, "input_prefix")
         grammar = await anyio.to_thread.run_sync(grammar_for, request)
         check_constrained(grammar, request)
-        ids = await anyio.to_thread.run_sync(fim_prompt_ids, tokenizer, fim, prefix,
-                                             request.input_suffix, extra)
+        fit = FimFit(self.ctx.max_model_len, -1 if request.max_tokens is None
+                     else request.max_tokens)
+        ids, truncated = await anyio.to_thread.run_sync(
+            fim_prompt_ids, tokenizer, fim, request.input_prefix, request.input_suffix, extra,
+            fit, request.prompt)
         request = request.model_copy(update={
             "stop_token_ids": [*(request.stop_token_ids or ()), *fim.ends]})
         generation = self.generation(request, [ids], self.request_ids(raw, "infill-")[1],
@@ -102,14 +106,14 @@ class InfillServing(OpenAIServing):
         model = self.ctx.model_name(request.model)
         stops = lambda: EditorStops(request.n_indent, request.t_max_predict_ms)  # noqa: E731
         if request.stream:
-            return await self.respond(raw, generation, stream=True,
-                                      events=lambda: self._chunks(generation, model, stops()),
-                                      build=None)
+            return await self.respond(
+                raw, generation, stream=True, build=None,
+                events=lambda: self._chunks(generation, model, stops(), truncated))
         return await self.answered(run_until_disconnected(
-            raw, self._whole(generation, model, stops())))
+            raw, self._whole(generation, model, stops(), truncated)))
 
-    async def _whole(self, generation: Generation, model: str,
-                     stops: EditorStops) -> Response:
+    async def _whole(self, generation: Generation, model: str, stops: EditorStops,
+                     truncated: bool) -> Response:
         result = ChoiceResult(index=0)
         try:
             await generation.start()
@@ -117,15 +121,15 @@ class InfillServing(OpenAIServing):
                 result.text += text
         finally:
             await generation.close()            # a middle the stops ended: its request too
-        return json_response(_answer(generation, model, result))
+        return json_response(_answer(generation, model, result, truncated))
 
-    async def _chunks(self, generation: Generation, model: str,
-                      stops: EditorStops) -> AsyncIterator[dict]:
+    async def _chunks(self, generation: Generation, model: str, stops: EditorStops,
+                      truncated: bool) -> AsyncIterator[dict]:
         result = ChoiceResult(index=0)
         async for text, _ in _deltas(generation, stops, result):
             if text:
                 yield {"index": 0, "content": text, "stop": False}
-        yield _answer(generation, model, result).model_dump()
+        yield _answer(generation, model, result, truncated).model_dump()
 
 
 class EditorStops:
@@ -177,11 +181,12 @@ async def _deltas(generation: Generation, stops: EditorStops,
         yield text, False
 
 
-def _answer(generation: Generation, model: str, result: ChoiceResult) -> InfillResponse:
+def _answer(generation: Generation, model: str, result: ChoiceResult,
+            truncated: bool) -> InfillResponse:
     usage = generation.usage()
     kind = {"stop": "word" if result.stop_string else "eos", "length": "limit"}
     return InfillResponse(
-        content=result.text, stop=True, model=model,
+        content=result.text, stop=True, model=model, truncated=truncated,
         tokens_predicted=usage.completion_tokens, tokens_evaluated=usage.prompt_tokens,
         tokens_cached=usage.prompt_tokens_details.cached_tokens,
         stop_type=kind.get(result.finish_reason, "none"),

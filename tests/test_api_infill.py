@@ -98,6 +98,19 @@ def test_llama_vscodes_stops_end_the_middle(server):
     assert "".join(c["content"] for c in chunks) == "\n" and chunks[-1]["stop_type"] == "limit"
 
 
+def test_a_prefix_over_the_context_is_cut_as_llama_cpp_cuts_it(server):
+    """~10K tokens of prefix against an 8192-token context: not a 400 but the prefix's last
+    3/4 of a 2048-token batch (1536 tokens, the cursor line after them), `truncated`."""
+    long = "x = 1\n" * 2500
+    assert count(server, long + BODY["input_prefix"]) > 8192
+    got = infill(server, input_prefix=long + BODY["input_prefix"], n_predict=2)
+    header = 1 + count(server, "myproject\n") + 1 + count(server, "filename\n")
+    assert got["truncated"] is True
+    assert got["tokens_evaluated"] == header + 3 + 1536 + count(server, BODY["prompt"]) \
+        + count(server, SUFFIX)
+    assert infill(server)["truncated"] is False
+
+
 def test_bad_infill_requests_are_400(server):
     for body, param in (({"n": 2}, "n"), ({"suffix": "x"}, "suffix"),
                         ({"n_predict": -2}, "n_predict"), ({"n_indent": -1}, "n_indent")):

@@ -9,7 +9,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from server.errors import APIError
-from server.fim import FimTokens, fim_prompt_ids, fim_tokens, require_fim
+from server.fim import FimFit, FimTokens, fim_prompt_ids, fim_tokens, require_fim
 from server.tokenizer import Tokenizer
 from tests.fim_helpers import fim_model_folder
 
@@ -27,12 +27,33 @@ def test_psm_layout_and_codellamas_end_token():
     pre, suf, mid, eot = (tok.token_id(s) for s in ("<PRE>", "<SUF>", "<MID>", "<EOT>"))
     fim = fim_tokens(tok)
     assert fim == FimTokens(pre, suf, mid, None, None, (eot,))
-    ids = fim_prompt_ids(tok, fim, "a b", "c")
-    assert ids == [pre, 1, 2, suf, 3, mid]
+    ids, cut = fim_prompt_ids(tok, fim, "a b", "c")
+    assert ids == [pre, 1, 2, suf, 3, mid] and not cut
     # no file separators: each chunk after a snippet line, before the prefix marker
     snippet = tok.encode("\n\n--- snippet ---\n\n", add_special_tokens=False)
-    assert fim_prompt_ids(tok, fim, "a", "c", [("f.py", "x y")]) == [
+    assert fim_prompt_ids(tok, fim, "a", "c", [("f.py", "x y")])[0] == [
         *snippet, 4, 5, pre, 1, suf, 3, mid]
+
+
+def test_a_prompt_over_the_context_is_cut_as_llama_cpp_cuts_it():
+    """The prefix keeps its end (the cursor line whole), the suffix its start, the snippets
+    their end; the batch is half of a small context: prefix 3/4 of it, suffix 1/4 less two
+    markers and the cursor line; the rest of the context, less twice the tokens to write,
+    holds snippets."""
+    tok = word_tokenizer(["<PRE>", "<SUF>", "<MID>"])
+    pre, suf, mid = (tok.token_id(s) for s in ("<PRE>", "<SUF>", "<MID>"))
+    fim = fim_tokens(tok)
+    snippet = tok.encode("\n\n--- snippet ---\n\n", add_special_tokens=False)
+    prefix, cursor, suffix = " ".join(["a"] * 30 + ["b"] * 10), " x", " ".join(["c"] * 20)
+    extra = [("f.py", " ".join(["y"] * 40))]
+    fit = FimFit(n_ctx=64, n_predict=4)         # batch 32: prefix 24, suffix 8 - 2 - 1
+    ids, cut = fim_prompt_ids(tok, fim, prefix, suffix, extra, fit, cursor)
+    room = 64 - 32 - 2 * 4 - 4                  # 20 tokens of context
+    assert cut and ids == [*([*snippet, *[5] * 40][-room:]), pre, *[1] * 14, *[2] * 10, 4,
+                           suf, *[3] * 5, mid]
+    assert len(ids) + 4 <= 64                   # the tokens to write still fit
+    whole, cut = fim_prompt_ids(tok, fim, "a b", "c", extra, FimFit(4096, 16), " x")
+    assert not cut and whole == fim_prompt_ids(tok, fim, "a b x", "c", extra)[0]
 
 
 def test_repo_context_between_file_separators(smollm2_dir, tmp_path):
@@ -44,11 +65,11 @@ def test_repo_context_between_file_separators(smollm2_dir, tmp_path):
         ids["<fim_prefix>"], ids["<fim_suffix>"], ids["<fim_middle>"], ids["<reponame>"],
         ids["<file_sep>"])
     assert set(fim.ends) == {ids["<fim_pad>"], ids["<file_sep>"], ids["<reponame>"]}
-    got = fim_prompt_ids(tok, fim, "def f():\n", "\n\nf()", [("util.py", "X = 1")])
+    got, _ = fim_prompt_ids(tok, fim, "def f():\n", "\n\nf()", [("util.py", "X = 1")])
     text = tok.decode(got, skip_special_tokens=False)
     assert text == ("<reponame>myproject\n<file_sep>util.py\nX = 1<file_sep>filename\n"
                     "<fim_prefix>def f():\n<fim_suffix>\n\nf()<fim_middle>")
-    bare = tok.decode(fim_prompt_ids(tok, fim, "a", "b"), skip_special_tokens=False)
+    bare = tok.decode(fim_prompt_ids(tok, fim, "a", "b")[0], skip_special_tokens=False)
     assert bare == ("<reponame>myproject\n<file_sep>filename\n<fim_prefix>a<fim_suffix>b"
                     "<fim_middle>")                             # as llama.cpp lays it out
 
