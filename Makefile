@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml setup.py kvstore/tiers/_pageio.c kvstore/tiers/_pageio_
 		kvstore/_evict.c kernels/_decode.c kernels/_layerops.c kernels/_select.c \
 		kernels/_rows.h kernels/_attend_rows.h kernels/_qmatmul.c kernels/_pool.h \
 		kernels/_select_score.h kernels/_decode_selected.h kernels/_layer.c kernels/_api.h \
-		kernels/_qmatmul_avx2.h kernels/_select_top.h Makefile
+		kernels/_qmatmul_tiles.h kernels/_select_top.h Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build
