@@ -35,18 +35,27 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = _param(dim, dtype=dtype, device=device)
         self.eps = eps
-        self._f32: tuple[int, RMSNorm] | None = None     # (weight version, float32 copy)
+        self._f32: list | None = None       # [weight version, float32 copy]
 
     def float32(self) -> RMSNorm:
-        """This norm with a float32 weight: itself where it has one, else a copy made once
-        per weight version (a bf16 model's decode rows run float32 in the C layers)."""
+        """This norm with a float32 weight: itself where it has one, else a copy, refreshed in
+        place when the weight changed in place (a bf16 model's decode rows run float32 in the
+        C layers, whose step words hold the copy's address: it is never replaced)."""
         if self.weight.dtype == torch.float32:
             return self
-        version = self.weight._version
-        if self._f32 is None or self._f32[0] != version:
+        try:
+            version = self.weight._version
+        except RuntimeError:            # an inference tensor: no in-place changes to see
+            version = None
+        if self._f32 is None:
             norm = RMSNorm(self.weight.shape[0], self.eps, torch.float32, self.weight.device)
-            norm.weight.copy_(self.weight)
-            self._f32 = (version, norm)
+            with torch.no_grad():
+                norm.weight.copy_(self.weight)
+            self._f32 = [version, norm]
+        elif version != self._f32[0]:
+            with torch.no_grad():
+                self._f32[1].weight.copy_(self.weight)
+            self._f32[0] = version
         return self._f32[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ engine/llama.py's DecoderLayer runs ~15 torch and C calls a layer, each with Pyt
 it; at one decode row a call's own work is a few microseconds, so on a slow core the Python
 was most of the step (~10 of 24 ms at 1K tokens, AMD EPYC without AVX-512). Where a step
 allows it, the model runs each layer as one call instead: the same C ops (our 4/8-bit
-matmul, the C norm, RoPE, K/V write and SiLU x up, the C table attention), so the same bits.
+matmul, the C norm, RoPE, K/V write and SiLU x up, the C table attention), so the same bits
+in float32. (A bf16 model's rows run float32 here and bf16 where its layers run op by op: a
+row's result then depends on the path its step takes.)
 
 It serves a step when: the rows are float32 (a bf16 model, whose prefill runs bf16, hands
 its decode rows over as float32 copies), every layer's matmuls have our 4- or 8-bit decode

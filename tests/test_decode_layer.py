@@ -99,6 +99,22 @@ def test_one_call_layers_decode_as_the_layers_do(smollm2_dir, runs, dtype):
         assert len(agree) >= len(rest) // 2 and max(agree) < 0.5, (rid, agree)
 
 
+def test_a_bf16_norms_float32_copy_keeps_its_address():
+    """The C layers' words hold the float32 copy's address: a changed weight refreshes the
+    copy in place, never a new tensor (the old one freed under the words)."""
+    from engine.llama import RMSNorm
+    norm = RMSNorm(8, 1e-6, torch.bfloat16, "cpu")
+    with torch.no_grad():
+        norm.weight.fill_(2)
+    copy = norm.float32()
+    address = copy.weight.data_ptr()
+    assert copy.weight.dtype == torch.float32 and torch.equal(copy.weight, torch.full((8,), 2.))
+    with torch.no_grad():
+        norm.weight.fill_(3)
+    again = norm.float32()
+    assert again.weight.data_ptr() == address and torch.equal(again.weight, torch.full((8,), 3.))
+
+
 def test_not_taken_where_it_does_not_serve(smollm2_dir, runs):
     prompts = prompts_of(2, 40)
     decode(smollm2_dir, prompts, True, steps=4, weights="fp32")    # dense decode weights
