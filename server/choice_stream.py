@@ -65,6 +65,7 @@ class ChoiceStream:
         self._arrival = time.monotonic()
         self._last_token_time: float | None = None
         self._first_token_time: float | None = None
+        self._prompt_start: float | None = None     # when the engine first scheduled it
         self._prompt_counted = False
         self.started = False
         self.finished = False
@@ -176,12 +177,21 @@ class ChoiceStream:
             return
         if self._last_token_time is None:
             self._first_token_time = now
+            self._prompt_start = out.first_scheduled_time or self._arrival_of(out)
             self._metrics.time_to_first_token.observe(max(0.0, now - self._arrival_of(out)))
         else:
             self._metrics.inter_token_latency.observe(now - self._last_token_time)
         self._last_token_time = now
         self.num_output_tokens += count
         self._metrics.count_generated(count)
+
+    def timings(self) -> tuple[float, float]:
+        """(seconds from the prompt's first scheduling to the first token, from the first
+        token to the last): llama.cpp's prompt and generation times (0 before a token)."""
+        if self._first_token_time is None or self._prompt_start is None:
+            return 0.0, 0.0
+        return (max(0.0, self._first_token_time - self._prompt_start),
+                self._last_token_time - self._first_token_time)
 
     def _arrival_of(self, out: RequestOutput | None) -> float:
         # NOTE: the engine stamps arrival with time.monotonic() in this process, when its

@@ -2,7 +2,7 @@
 llama.vim): the text between `input_prefix` (+ `prompt`, the cursor line's start) and
 `input_suffix`, with `input_extra` files as repo context (server/fim.py), answered in llama.cpp's
 own shape (`content`, `stop`, `stop_type`, token counts), streamed as `data:` chunks whose last
-has `stop: true`.
+has `stop: true` (with llama.cpp's `timings`).
 
 The request is a text completion underneath (server/protocol.py's CompletionRequest: the same
 sampling fields, llama.cpp's samplers among them, and checks); `n_predict` is its max_tokens
@@ -66,6 +66,31 @@ class InfillRequest(CompletionRequest):
         return self
 
 
+class InfillTimings(_Wire):
+    """llama.cpp's `timings` (llama.vscode shows them): the prompt tokens computed (not
+    cached) and the tokens written, their milliseconds and rates."""
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    prompt_per_token_ms: float = 0.0
+    prompt_per_second: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    predicted_per_token_ms: float = 0.0
+    predicted_per_second: float = 0.0
+
+    @classmethod
+    def of(cls, cached: int, prompt: int, predicted: int, seconds: tuple[float, float]
+           ) -> InfillTimings:
+        (p_ms, g_ms) = (1e3 * s for s in seconds)
+        return cls(cache_n=cached, prompt_n=prompt, prompt_ms=p_ms,
+                   prompt_per_token_ms=p_ms / prompt if prompt else 0.0,
+                   prompt_per_second=1e3 * prompt / p_ms if p_ms else 0.0,
+                   predicted_n=predicted, predicted_ms=g_ms,
+                   predicted_per_token_ms=g_ms / predicted if predicted else 0.0,
+                   predicted_per_second=1e3 * predicted / g_ms if g_ms else 0.0)
+
+
 class InfillResponse(_Wire):
     """llama.cpp's /completion answer (the fields editors read)."""
     index: int = 0
@@ -78,6 +103,7 @@ class InfillResponse(_Wire):
     truncated: bool = False
     stop_type: str = "none"               # eos | word | limit (none: not stopped yet)
     stopping_word: str = ""
+    timings: InfillTimings | None = None
 
 
 class InfillServing(OpenAIServing):
@@ -185,8 +211,11 @@ def _answer(generation: Generation, model: str, result: ChoiceResult,
             truncated: bool) -> InfillResponse:
     usage = generation.usage()
     kind = {"stop": "word" if result.stop_string else "eos", "length": "limit"}
+    cached = usage.prompt_tokens_details.cached_tokens
+    timings = InfillTimings.of(cached, usage.prompt_tokens - cached, usage.completion_tokens,
+                               generation.streams[0].timings())
     return InfillResponse(
-        content=result.text, stop=True, model=model, truncated=truncated,
+        content=result.text, stop=True, model=model, truncated=truncated, timings=timings,
         tokens_predicted=usage.completion_tokens, tokens_evaluated=usage.prompt_tokens,
         tokens_cached=usage.prompt_tokens_details.cached_tokens,
         stop_type=kind.get(result.finish_reason, "none"),

@@ -42,6 +42,13 @@ def test_infill_answers_in_llama_cpps_shape(server):
     assert got["stop"] is True and got["model"] == "coder" and isinstance(got["content"], str)
     assert 1 <= got["tokens_predicted"] <= 12
     assert got["stop_type"] in ("eos", "limit")
+    t = got["timings"]                              # llama.cpp's, which llama.vscode shows
+    assert t["predicted_n"] == got["tokens_predicted"] and t["prompt_ms"] > 0
+    assert t["prompt_n"] + t["cache_n"] == got["tokens_evaluated"]
+    assert t["cache_n"] == got["tokens_cached"]
+    if t["predicted_n"] > 1:
+        assert t["predicted_per_second"] == pytest.approx(
+            1e3 * t["predicted_n"] / t["predicted_ms"])
     # the prompt: the three markers around the prefix (with the cursor line) and the suffix
     # (and the repo's header, as llama.cpp writes it: the model has <reponame>, <file_sep>)
     header = 1 + count(server, "myproject\n") + 1 + count(server, "filename\n")
@@ -61,6 +68,7 @@ def test_streamed_chunks_end_with_the_stop_chunk_and_no_done(server):
     assert all(c["stop"] is False for c in chunks[:-1]) and chunks[-1]["stop"] is True
     assert "".join(c["content"] for c in chunks) == whole["content"]
     assert chunks[-1]["tokens_predicted"] == whole["tokens_predicted"]
+    assert chunks[-1]["timings"]["predicted_n"] == whole["tokens_predicted"]
 
 
 def test_openai_suffix_is_the_same_prompt(server):
