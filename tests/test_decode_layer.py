@@ -102,7 +102,7 @@ def test_one_call_layers_decode_as_the_layers_do(smollm2_dir, runs, dtype):
 def test_a_bf16_norms_float32_copy_keeps_its_address():
     """The C layers' words hold the float32 copy's address: a changed weight refreshes the
     copy in place, never a new tensor (the old one freed under the words)."""
-    from engine.llama import RMSNorm
+    from engine.norm import RMSNorm
     norm = RMSNorm(8, 1e-6, torch.bfloat16, "cpu")
     with torch.no_grad():
         norm.weight.fill_(2)
