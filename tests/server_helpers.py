@@ -43,14 +43,8 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="strata-server-", suffix=".log")[1])
         extra = shlex.split(os.environ.get("STRATA_TEST_SERVER_ARGS", ""))
-        # NOTE: float32 activations unless a test asks: the API tests compare one answer
-        # reached two ways (a cached prefix against a recomputed one, several tokens a step
-        # against one) or a greedy text's words, and bf16, which --dtype auto picks on a CPU
-        # with AVX512_BF16, rounds by a step's shape: on the AMD EPYC with it, "0" and "9"
-        # came 0.02 apart and "Elara" turned "Elena". (On the other CPUs auto is float32.)
-        dtype = [] if "--dtype" in (*extra, *args) else ["--dtype", "fp32"]
         command = [sys.executable, "-m", "server", "serve", "--port", str(self.port),
-                   *dtype, *extra, *args]
+                   *extra, *args]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **(env or {})})

@@ -26,6 +26,15 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
 
 
 @pytest.fixture(scope="module")
+def server():
+    # NOTE: float32 activations: with bf16 (--dtype auto on a CPU with AVX512_BF16) the
+    # bundled model stands at near ties these answers cross (docs/perf-notes.md, 2026-11-29)
+    from tests.server_helpers import running_server
+    with running_server("--dtype", "fp32") as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
 def anth(server_url):
     return anthropic.Anthropic(base_url=server_url, api_key="unused", max_retries=0,
                                timeout=300)

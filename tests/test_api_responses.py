@@ -28,7 +28,10 @@ GREEDY = dict(model=MODEL, temperature=0.0)
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server("--max-model-len", str(CONTEXT), "--reasoning-parser", "qwen3") as s:
+    # NOTE: float32 activations: with bf16 (--dtype auto on a CPU with AVX512_BF16) the
+    # bundled model stands at near ties these answers cross (docs/perf-notes.md, 2026-11-29)
+    with running_server("--max-model-len", str(CONTEXT), "--reasoning-parser", "qwen3",
+                        "--dtype", "fp32") as s:
         yield s
 
 
