@@ -270,10 +270,12 @@ class LlamaForCausalLM(nn.Module):
         if lora is not None and lora_words is None:
             return None
         cfg = self.config
+        kv_table = table(cfg.num_attention_heads // cfg.num_key_value_heads)
+        if kv_table is None or x.shape[0] >= self._decode_words[0][1]:
+            return None                 # (before a bf16 prefill chunk is copied for nothing)
         if x.dtype != torch.float32:
             x, rope = x.float(), self.rope.cos_sin(positions, torch.float32)
-        return DecodeLayers.build(self._decode_words[0], x, rope,
-                                  table(cfg.num_attention_heads // cfg.num_key_value_heads),
+        return DecodeLayers.build(self._decode_words[0], x, rope, kv_table,
                                   (cfg.hidden_size, cfg.num_attention_heads,
                                    cfg.num_key_value_heads, cfg.head_dim,
                                    cfg.intermediate_size), lora_words)
