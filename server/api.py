@@ -37,7 +37,9 @@ from server.scoring import (RerankRequest, RerankResponse, ScoreRequest, ScoreRe
 from server.serving import json_response
 from server.serving_chat import ChatServing
 from server.serving_completion import CompletionServing
-from server.serving_infill import InfillRequest, InfillResponse, InfillServing
+from server.llamacpp_native import NativeRequest, NativeResponse
+from server.serving_infill import InfillRequest, InfillServing
+from server.serving_native import NativeCompletionServing
 from server.serving_messages import MessageBody, MessagesServing, TokenCount
 from server.serving_responses import MAX_LISTED_ITEMS, ResponsesServing
 from server.serving_tokens import (DetokenizeRequest, DetokenizeResponse, RenderResponse,
@@ -141,8 +143,9 @@ def build_app(engine: EngineClient, tokenizer: TokenizerSource, *, served_model_
 def _generation_routes(v1: APIRouter, root: APIRouter, ctx: ServerContext,
                        embedding_pooling: str) -> None:
     """Chat, completions, messages, embeddings, vLLM's score and rerank (also at the root,
-    rerank under /v2 too: Cohere's path), and llama.cpp's /infill."""
+    rerank under /v2 too: Cohere's path), and llama.cpp's /infill and /completion."""
     chat, completions, infill = ChatServing(ctx), CompletionServing(ctx), InfillServing(ctx)
+    native = NativeCompletionServing(ctx)
     messages = MessagesServing(ctx)
     embeddings = EmbeddingServing(ctx, embedding_pooling)
     scoring = ScoreServing(embeddings)
@@ -155,9 +158,17 @@ def _generation_routes(v1: APIRouter, root: APIRouter, ctx: ServerContext,
     async def create_completion(request: CompletionRequest, raw: Request) -> Response:
         return await completions.create(request, raw)
 
-    @root.post("/infill", responses=_generate_doc(InfillResponse))
+    @root.post("/infill", responses=_generate_doc(NativeResponse))
     async def create_infill(request: InfillRequest, raw: Request) -> Response:
         return await infill.create(request, raw)
+
+    async def create_native_completion(request: NativeRequest, raw: Request) -> Response:
+        return await native.create(request, raw)
+
+    for path in ("/completion", "/completions"):         # llama.cpp's route and its alias
+        root.add_api_route(path, create_native_completion, methods=["POST"],
+                           responses=_generate_doc(NativeResponse | list[NativeResponse]),
+                           operation_id=f"create_native_{path.strip('/')}")
 
     @v1.post("/messages", responses=_generate_doc(MessageBody, _anthropic(_GENERATE_ERRORS)))
     async def create_message(request: MessagesRequest, raw: Request) -> Response:

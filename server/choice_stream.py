@@ -70,6 +70,7 @@ class ChoiceStream:
         self.started = False
         self.finished = False
         self.num_output_tokens = 0
+        self.output_token_ids: list[int] = []   # those counted (llama.cpp's return_tokens)
         self.num_cached_tokens = 0          # prompt tokens the prefix cache held
         self.embedding: tuple[float, ...] | None = None    # an embedding request's
         self.prompt_logprobs: Logprobs | None = None    # with the first output, when asked
@@ -175,6 +176,7 @@ class ChoiceStream:
             self._metrics.count_prompt(out.num_prompt_tokens or len(self.spec.prompt_token_ids))
         if not count:
             return
+        self.output_token_ids.extend(out.new_token_ids[:count])
         if self._last_token_time is None:
             self._first_token_time = now
             self._prompt_start = out.first_scheduled_time or self._arrival_of(out)

@@ -93,7 +93,7 @@ def pushes(stops, pieces):
 
 
 def test_n_indent_ends_the_middle_at_a_less_indented_line():
-    from server.serving_infill import EditorStops
+    from server.llamacpp_native import EditorStops
     body = ["x = 1", "\n", "    ", "y = 2\n", "  ", "z", " = 3\n"]
     assert pushes(EditorStops(4, 0), body) == ("x = 1\n    y = 2\n  ", True)
     # the first line is never checked; a blank line is a line with no indentation
@@ -104,7 +104,7 @@ def test_n_indent_ends_the_middle_at_a_less_indented_line():
 
 
 def test_t_max_predict_ms_ends_it_after_a_newline_once_late():
-    from server.serving_infill import EditorStops
+    from server.llamacpp_native import EditorStops
     now = [0.0]
     stops = EditorStops(0, 100, clock=lambda: now[0])
     assert stops.push("a") == ("a", False)
