@@ -59,7 +59,12 @@ _GENERATE_ERRORS = {**_V1_ERRORS,
                     413: {**_ERROR, "description": "Request body over --max-request-bytes"},
                     429: {**_ERROR, "description": "Queue full: retry after Retry-After"},
                     500: {**_ERROR, "description": "The request failed in the engine"}}
-_STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
+# each server-sent event: its `data` line (a JSON text, or [DONE]) and, on routes with named
+# events (Responses, Messages), its `event` name
+_STREAM = {"text/event-stream": {"schema": {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"},
+                   "id": {"type": "string"}, "retry": {"type": "integer"}}}}}
 # the routes that answer no generation (tokens, counts, adapters)
 _ERRORS = {**_V1_ERRORS, 400: _GENERATE_ERRORS[400], 404: _GENERATE_ERRORS[404]}
 

@@ -10,7 +10,8 @@ llama.cpp's two stops for editors apply as there (`EditorStops`): `n_indent` end
 where a line starts less indented than that, `t_max_predict_ms` at the end of a line once that
 long has passed since the first token (`stop_type` "limit" either way). The fields that tune
 llama.cpp's own slots and timing (`cache_prompt`, `id_slot`, `samplers`, `t_max_prompt_ms`,
-`response_fields`, `post_sampling_probs`) are accepted and ignored (docs/api-other.md).
+`response_fields`) are accepted and ignored (docs/api-other.md); `grammar` and `json_schema`
+are guided_grammar and guided_json, `seed` -1 a random one, as in llama.cpp.
 
 Answers: `content`, `stop`, `stop_type` (eos | word | limit), token counts and llama.cpp's
 `timings`; streamed as `data:` chunks of `content` whose last has `stop: true` and the rest.
@@ -20,11 +21,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, AsyncIterator, Callable
 
+from typing import Any
+
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
 from server.generation import ChoiceResult, Generation
-from server.protocol import MAX_CHAT_TOP_LOGPROBS, CompletionRequest, MaxTokens
-from server.protocol_tools import Unsupported, _Wire
+from server.protocol import MAX_CHAT_TOP_LOGPROBS, CompletionRequest, MaxTokens, Text
+from server.protocol_tools import OnlyFalse, Unsupported, _Wire
+
+RANDOM_SEEDS = (-1, 0xFFFFFFFF)     # llama.cpp's "a random seed" (LLAMA_DEFAULT_SEED)
 
 
 class NativeRequest(CompletionRequest):
@@ -34,11 +39,23 @@ class NativeRequest(CompletionRequest):
     t_max_predict_ms: Annotated[StrictInt, Field(ge=0)] = 0
     n_probs: Annotated[StrictInt, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] = 0
     return_tokens: StrictBool = False
+    grammar: Text | None = None           # llama.cpp's GBNF: guided_grammar
+    json_schema: dict[str, Any] | None = None       # guided_json
+    post_sampling_probs: OnlyFalse = None     # probabilities after the samplers: not kept
     echo: Unsupported = None              # not in llama.cpp's answer; n_probs is its
     logprobs: Unsupported = None          # log-probabilities
+    prompt_logprobs: Unsupported = None
+    suffix: Unsupported = None            # /infill's input_suffix
 
     @model_validator(mode="after")
-    def _n_predict_is_max_tokens(self):
+    def _llama_cpp_names(self):
+        if self.grammar is not None or self.json_schema is not None:
+            if self.guided_fields():
+                raise ValueError("grammar and json_schema replace the guided_* fields and "
+                                 "response_format; send one")
+            self.guided_grammar, self.guided_json = self.grammar, self.json_schema
+        if self.seed in RANDOM_SEEDS:
+            self.seed = None
         if self.n_predict is not None and self.n_predict >= 0:
             # 0 (llama.vim warms its cache so): the prompt and the one token sampled after it
             self.max_tokens = max(self.n_predict, 1)
@@ -137,22 +154,6 @@ class EditorStops:
             self._line = at + 1
         late = self._max_s and "\n" in text and self._clock() - self._start > self._max_s
         return text, bool(late)
-
-
-async def _deltas(generation: Generation, stops: EditorStops,
-                  result: ChoiceResult) -> AsyncIterator[tuple[str, bool]]:
-    """The middle's text as it comes, (text, ended by a stop), recording in `result` how it
-    ended; a stop ends the iteration (the caller closes the generation)."""
-    async for delta in generation.deltas():
-        text, stopped = stops.push(delta.text)
-        if stopped:
-            result.finish_reason, result.stop_string = "length", None
-            await generation.end("length")
-            yield text, True
-            return
-        result.finish_reason = delta.finish_reason or result.finish_reason
-        result.stop_string = delta.stop_string or result.stop_string
-        yield text, False
 
 
 async def native_deltas(generation: Generation, stops: EditorStops,

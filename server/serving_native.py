@@ -106,12 +106,13 @@ class NativeCompletionServing(NativeServing):
             self.check_admissible(len(texts))
             self.check_prompt_text(texts, "prompt",
                                    truncated=request.truncate_prompt_tokens is not None)
+        if request.stream and not isinstance(request.prompt, str) and request.prompt \
+                and not isinstance(request.prompt[0], int) and len(request.prompt) > 1:
+            raise invalid_request("Streaming answers one prompt at a time; send the prompts "
+                                  "separately or without stream.", param="prompt")
         grammar = await anyio.to_thread.run_sync(grammar_for, request)
         check_constrained(grammar, request)
         prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt, tokenizer)
-        if request.stream and len(prompts) > 1:
-            raise invalid_request("Streaming answers one prompt at a time; send the prompts "
-                                  "separately or without stream.", param="prompt")
         self.check_admissible(len(prompts))
         base = self.request_ids(raw, "cmpl-")[1]
         generations = [self.generation(request, [ids], f"{base}-p{i}", "prompt", grammar)
@@ -130,9 +131,11 @@ class NativeCompletionServing(NativeServing):
         try:
             answers = await asyncio.gather(*tasks)
         finally:
+            # one failed (or the client left): the others end too, each closing its own
+            # generation as it unwinds; wait for them before answering
             for task in tasks:
                 task.cancel()
-            for g in generations:               # those a failure left unstarted
-                await g.close()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
         body = json.dumps([a.model_dump(exclude_none=True) for a in answers])
         return Response(content=body, media_type="application/json")
