@@ -101,8 +101,13 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._added_ids = frozenset(backend.get_added_tokens_decoder())
         decoder = json.loads(backend.to_str()).get("decoder") or {}
-        self._byte_level = decoder.get("type") == "ByteLevel" or any(
-            d.get("type") == "ByteLevel" for d in decoder.get("decoders", []))
+        parts = [decoder, *decoder.get("decoders", [])]
+        self._byte_level = any(d.get("type") == "ByteLevel" for d in parts)
+        # SentencePiece's pieces (Llama 2, Mistral, Gemma): "▁" for a space, <0xNN> for
+        # a byte the vocabulary lacks
+        self._metaspace = any(d.get("type") == "Metaspace" or (
+            d.get("type") == "Replace" and (d.get("pattern") or {}).get("String") == "▁")
+            for d in parts)
         # the longest token in bytes (a byte-level piece has one character a byte; added tokens
         # and other vocabularies count their UTF-8, an overestimate at worst): `min_tokens`
         # is a lower bound
@@ -141,12 +146,15 @@ class Tokenizer:
         return self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
-        """One token as text (partial UTF-8 sequences show as U+FFFD), special tokens kept;
-        cached (logprobs responses ask for the same tokens again and again)."""
+        """One token as text (partial UTF-8 sequences show as U+FFFD), special tokens kept,
+        a SentencePiece piece's leading space too (decoding it alone drops it); cached
+        (logprobs responses ask for the same tokens again and again)."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self._backend.decode([token_id],
-                                                                      skip_special_tokens=False)
+            raw = self._piece_bytes(token_id)
+            text = raw.decode("utf-8", "replace") if raw is not None else \
+                self._backend.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
         return text
 
     def token_id(self, text: str) -> int | None:
@@ -155,12 +163,28 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The exact UTF-8 bytes of one token (OpenAI logprobs `bytes`)."""
-        piece = self._backend.id_to_token(token_id)
-        if piece is not None and self._byte_level and token_id not in self._added_ids:
+        raw = self._piece_bytes(token_id)
+        if raw is None and self._byte_level and token_id not in self._added_ids:
+            piece = self._backend.id_to_token(token_id)
             table = _byte_decoder()
-            if all(ch in table for ch in piece):
+            if piece is not None and all(ch in table for ch in piece):
                 return [table[ch] for ch in piece]
-        return list(self.token_text(token_id).encode("utf-8"))
+        return list(raw if raw is not None else self.token_text(token_id).encode("utf-8"))
+
+    def _piece_bytes(self, token_id: int) -> bytes | None:
+        """A SentencePiece vocabulary's token as its bytes (None for other vocabularies and
+        added tokens): <0xNN> is that byte, "▁" a space."""
+        if not self._metaspace or token_id in self._added_ids:
+            return None
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return piece.replace("▁", " ").encode("utf-8")
 
     # ------------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,

@@ -1,4 +1,4 @@
-"""Tokenizer (tokenizers + jinja2, no torch): chat template, token bytes, and a torch-free server."""
+"""Tokenizer (tokenizers + jinja2, no torch): chat template, token bytes, a torch-free server."""
 from __future__ import annotations
 
 import subprocess
@@ -132,3 +132,34 @@ def test_a_requests_template_renders_that_request_alone(tokenizer):
     assert tokenizer.apply_chat_template(hi).startswith("<|im_start|>system")
     with pytest.raises(TemplateError, match="not valid Jinja"):
         tokenizer.apply_chat_template(hi, chat_template="{{ messages[0 }}")
+
+
+def _sentencepiece_tokenizer() -> Tokenizer:
+    """A Llama-2-style vocabulary built here: BPE over "\u2581"-marked words with byte
+    fallback, and the decoder that drops the first leading space."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
+              "\u2581", "P", "a", "r", "i", "s", "\u2581P", "ar", "is", "\u2581Par", "\u2581Paris"]
+    merges = [("\u2581", "P"), ("a", "r"), ("i", "s"), ("\u2581P", "ar"), ("\u2581Par", "is")]
+    backend = HFTokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, merges,
+                                     unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581",
+                                                     prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens(["<s>", "</s>"])
+    return Tokenizer(backend)
+
+
+def test_sentencepiece_tokens_keep_their_space_and_bytes():
+    tok = _sentencepiece_tokenizer()
+    ids = tok.encode("Paris é", add_special_tokens=False)
+    assert tok.decode(ids) == "Paris é"
+    # each token alone: its space kept ("\u2581Paris" is " Paris", as llama.cpp and OpenAI
+    # show it; decoding it alone strips it), a fallback byte as that byte
+    assert [tok.token_text(i) for i in ids][:2] == [" Paris", " "]
+    assert bytes(b for i in ids for b in tok.token_bytes(i)).decode() == " Paris é"
+    e_bytes = [tok.token_bytes(i) for i in ids[2:]]
+    assert e_bytes == [[0xC3], [0xA9]]                      # é's two fallback bytes
+    assert tok.token_text(ids[2]) == "\ufffd"               # half a character
+    assert tok.token_text(2) == "</s>" and tok.token_bytes(2) == list(b"</s>")
