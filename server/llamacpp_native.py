@@ -110,7 +110,7 @@ class NativeResponse(_Wire):
     return_tokens, `completion_probabilities` with n_probs."""
     index: int = 0
     content: str
-    tokens: list[int] | None = None
+    tokens: list[int] = []                # the written ids with return_tokens, as llama.cpp
     stop: bool
     model: str
     tokens_predicted: int = 0
@@ -182,7 +182,7 @@ def native_answer(generation: Generation, model: str, result: ChoiceResult, trun
     prompt, written = len(stream.spec.prompt_token_ids), stream.num_output_tokens
     kind = {"stop": "word" if result.stop_string else "eos", "length": "limit"}
     return NativeResponse(
-        index=index, content=result.text, tokens=tokens, stop=True, model=model,
+        index=index, content=result.text, tokens=tokens or [], stop=True, model=model,
         truncated=truncated, tokens_predicted=written, tokens_evaluated=prompt,
         tokens_cached=cached, stop_type=kind.get(result.finish_reason, "none"),
         stopping_word=result.stop_string or "", completion_probabilities=probs,
