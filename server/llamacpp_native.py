@@ -30,6 +30,7 @@ from server.protocol import MAX_CHAT_TOP_LOGPROBS, CompletionRequest, MaxTokens,
 from server.protocol_tools import OnlyFalse, Unsupported, _Wire
 
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)     # llama.cpp's "a random seed" (LLAMA_DEFAULT_SEED)
+MAX_STOPS = 64                      # stop strings (OpenAI's 4 is /v1's; llama.cpp has none)
 
 
 class NativeRequest(CompletionRequest):
@@ -39,6 +40,7 @@ class NativeRequest(CompletionRequest):
     t_max_predict_ms: Annotated[StrictInt, Field(ge=0)] = 0
     n_probs: Annotated[StrictInt, Field(ge=0, le=MAX_CHAT_TOP_LOGPROBS)] = 0
     return_tokens: StrictBool = False
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOPS)] | None = None
     grammar: Text | None = None           # llama.cpp's GBNF: guided_grammar
     json_schema: dict[str, Any] | None = None       # guided_json
     post_sampling_probs: OnlyFalse = None     # probabilities after the samplers: not kept

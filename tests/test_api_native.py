@@ -105,6 +105,14 @@ def test_llama_cpps_grammar_and_json_schema_constrain_the_text(server):
     assert json.loads(got["content"]) in ("red", "blue")
 
 
+def test_more_stop_strings_than_openais_four(server):
+    whole = complete(server)["content"]
+    cut = whole.strip().split()[0]
+    got = complete(server, stop=["zq1", "zq2", "zq3", "zq4", "zq5", cut])
+    assert got["stop_type"] == "word" and got["stopping_word"] == cut
+    assert got["content"] == whole[:whole.index(cut)]
+
+
 def test_n_predict_zero_writes_one_token(server):
     got = complete(server, n_predict=0)
     assert got["tokens_predicted"] == 1
