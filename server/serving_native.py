@@ -119,14 +119,16 @@ class NativeCompletionServing(NativeServing):
                        for i, ids in enumerate(prompts)]
         model = self.ctx.model_name(request.model)
         if len(generations) == 1:
-            return await self.native(raw, request, generations[0], model, False)
+            return await self.native(raw, request, generations[0], model,
+                                     _cut(generations[0], prompts[0]))
+        cuts = [_cut(g, ids) for g, ids in zip(generations, prompts)]
         return await self.answered(run_until_disconnected(raw, self._all(
-            request, generations, model)))
+            request, generations, model, cuts)))
 
     async def _all(self, request: NativeRequest, generations: list[Generation],
-                   model: str) -> Response:
+                   model: str, cuts: list[bool]) -> Response:
         """Several prompts at once: a JSON array of their answers, in the prompts' order."""
-        tasks = [asyncio.ensure_future(self.whole(request, g, model, False, i))
+        tasks = [asyncio.ensure_future(self.whole(request, g, model, cuts[i], i))
                  for i, g in enumerate(generations)]
         try:
             answers = await asyncio.gather(*tasks)
@@ -139,3 +141,8 @@ class NativeCompletionServing(NativeServing):
                 await asyncio.gather(*tasks, return_exceptions=True)
         body = json.dumps([a.model_dump(exclude_none=True) for a in answers])
         return Response(content=body, media_type="application/json")
+
+
+def _cut(generation: Generation, prompt: list[int]) -> bool:
+    """Whether truncate_prompt_tokens cut the prompt (llama.cpp's `truncated`)."""
+    return len(generation.streams[0].spec.prompt_token_ids) < len(prompt)

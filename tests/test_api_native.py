@@ -113,6 +113,12 @@ def test_more_stop_strings_than_openais_four(server):
     assert got["content"] == whole[:whole.index(cut)]
 
 
+def test_a_prompt_cut_by_truncate_prompt_tokens_says_truncated(server):
+    assert complete(server)["truncated"] is False
+    got = complete(server, truncate_prompt_tokens=2)
+    assert got["truncated"] is True and got["tokens_evaluated"] == 2
+
+
 def test_n_predict_zero_writes_one_token(server):
     got = complete(server, n_predict=0)
     assert got["tokens_predicted"] == 1
