@@ -19,9 +19,7 @@ Answers: `content`, `stop`, `stop_type` (eos | word | limit), token counts and l
 from __future__ import annotations
 
 import time
-from typing import Annotated, AsyncIterator, Callable
-
-from typing import Any
+from typing import Annotated, Any, AsyncIterator, Callable, Sequence
 
 from pydantic import Field, StrictBool, StrictInt, model_validator
 
@@ -175,7 +173,7 @@ async def native_deltas(generation: Generation, stops: EditorStops,
 
 
 def native_answer(generation: Generation, model: str, result: ChoiceResult, truncated: bool,
-                  probs: list[TokenProbs] | None = None, tokens: list[int] | None = None,
+                  probs: list[TokenProbs] | None = None, tokens: Sequence[int] = (),
                   index: int = 0) -> NativeResponse:
     """The last (or only) answer of a one-stream generation, in llama.cpp's shape; `index`:
     its prompt's in the request."""
@@ -184,7 +182,7 @@ def native_answer(generation: Generation, model: str, result: ChoiceResult, trun
     prompt, written = len(stream.spec.prompt_token_ids), stream.num_output_tokens
     kind = {"stop": "word" if result.stop_string else "eos", "length": "limit"}
     return NativeResponse(
-        index=index, content=result.text, tokens=tokens or [], stop=True, model=model,
+        index=index, content=result.text, tokens=list(tokens), stop=True, model=model,
         truncated=truncated, tokens_predicted=written, tokens_evaluated=prompt,
         tokens_cached=cached, stop_type=kind.get(result.finish_reason, "none"),
         stopping_word=result.stop_string or "", completion_probabilities=probs,

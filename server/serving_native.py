@@ -85,8 +85,7 @@ class NativeServing(OpenAIServing):
               stream: bool = False):
         # streamed, each chunk carried its own tokens' probabilities already
         probs = self.probs(entries) if request.n_probs and not stream else None
-        tokens = list(generation.streams[0].output_token_ids) if request.return_tokens \
-            else None
+        tokens = list(generation.streams[0].output_token_ids) if request.return_tokens else []
         return native_answer(generation, model, result, truncated, probs, tokens, index)
 
     @staticmethod
@@ -101,19 +100,20 @@ class NativeCompletionServing(NativeServing):
         if (request.n or 1) != 1:
             raise invalid_request("/completion writes one completion a prompt (n 1).",
                                   param="n")
-        texts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
-        if texts and isinstance(texts[0], str):
-            self.check_admissible(len(texts))
-            self.check_prompt_text(texts, "prompt",
-                                   truncated=request.truncate_prompt_tokens is not None)
-        if request.stream and not isinstance(request.prompt, str) and request.prompt \
-                and not isinstance(request.prompt[0], int) and len(request.prompt) > 1:
+        prompt = request.prompt
+        # one text or one id list, else a list of them (prompt_token_ids reads it so)
+        batch = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) \
+            else prompt
+        if request.stream and len(batch) > 1:
             raise invalid_request("Streaming answers one prompt at a time; send the prompts "
                                   "separately or without stream.", param="prompt")
+        self.check_admissible(len(batch))
+        if batch and isinstance(batch[0], str):
+            self.check_prompt_text(batch, "prompt",
+                                   truncated=request.truncate_prompt_tokens is not None)
         grammar = await anyio.to_thread.run_sync(grammar_for, request)
         check_constrained(grammar, request)
-        prompts = await anyio.to_thread.run_sync(prompt_token_ids, request.prompt, tokenizer)
-        self.check_admissible(len(prompts))
+        prompts = await anyio.to_thread.run_sync(prompt_token_ids, prompt, tokenizer)
         base = self.request_ids(raw, "cmpl-")[1]
         generations = [self.generation(request, [ids], f"{base}-p{i}", "prompt", grammar)
                        for i, ids in enumerate(prompts)]
