@@ -181,11 +181,6 @@ class LlamaForCausalLM(nn.Module):
                  device: torch.device | str = "cpu", max_model_len: int | None = None):
         super().__init__()
         max_len = max_model_len or config.served_positions
-        if config.sliding_window is not None and config.sliding_window < max_len:
-            raise ValueError(
-                f"{config.architecture} uses sliding-window attention ({config.sliding_window} "
-                f"tokens) but Strata attends to the full context; serve it with "
-                f"--max-model-len <= {config.sliding_window}")
         self.config = config
         self.dtype = dtype
         self.max_model_len = max_len

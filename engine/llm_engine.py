@@ -40,11 +40,6 @@ class LLMEngine:
         self.model_folder = ensure_hf_folder(args.model, args.resolved_cache_dir)
         cfg = ModelConfig.from_hf(self.model_folder, args.config_overrides())
         self.max_model_len = args.max_model_len or cfg.served_positions
-        if not args.max_model_len and cfg.sliding_window is not None \
-                and cfg.served_positions < cfg.positions:
-            logger.warning("%s attends within a %d-token sliding window; serving up to %d "
-                           "tokens, where full attention equals it", cfg.architecture,
-                           cfg.sliding_window, cfg.served_positions)
         if self.max_model_len > cfg.positions:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"{cfg.positions} positions (a rope_scaling in --hf-overrides "

@@ -40,6 +40,17 @@ class ModelConfig:
     nope_layers: tuple[int, ...] = ()     # layers without RoPE (SmolLM3's NoPE layers)
     rotary_dim: int = 0                   # leading dims of a head that RoPE rotates (Phi-4's
                                           # partial rotary); 0: all of head_dim
+    sliding_layers: tuple[int, ...] | None = None   # the layers sliding_window applies to
+                                                    # (None: every layer)
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window: the keys a query at position p attends to are those in
+        (p - window, p] (None: the whole context)."""
+        layers = range(self.num_hidden_layers)
+        if self.sliding_layers is None:
+            return tuple(self.sliding_window for _ in layers)
+        return tuple(self.sliding_window if i in self.sliding_layers else None for i in layers)
 
     @property
     def rope_dims(self) -> int:
@@ -61,14 +72,12 @@ class ModelConfig:
 
     @property
     def served_positions(self) -> int:
-        """The default served length: the model's positions, or its sliding window where that
-        is shorter (Strata attends to the whole context, which is the windowed attention only
-        up to the window). Dynamic NTK serves max_position_embeddings unless a longer
-        --max-model-len asks (engine/rope.py fixes its base at the served length, which
-        equals transformers' only up to max_position_embeddings)."""
+        """The default served length: the model's positions. Dynamic NTK serves
+        max_position_embeddings unless a longer --max-model-len asks (engine/rope.py fixes its
+        base at the served length, which equals transformers' only up to
+        max_position_embeddings)."""
         dynamic = (self.rope_scaling or {}).get("rope_type") == "dynamic"
-        positions = self.max_position_embeddings if dynamic else self.positions
-        return min(positions, self.sliding_window or 1 << 62)
+        return self.max_position_embeddings if dynamic else self.positions
 
     @property
     def group_size(self) -> int:
@@ -135,6 +144,9 @@ class ModelConfig:
             eos_token_ids=_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
             bos_token_id=cfg.get("bos_token_id", gen.get("bos_token_id")),
             sliding_window=_sliding_window(cfg, is_qwen2 or is_qwen3, is_mistral or is_phi3),
+            sliding_layers=_sliding_layers(cfg, is_qwen2 or is_qwen3,
+                                           _nope_layers(cfg) if arch == "SmolLM3ForCausalLM"
+                                           else None),
             dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
             qk_norm=is_qwen3,
             nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else (),
@@ -241,6 +253,22 @@ def _nope_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:
         every = int(cfg.get("no_rope_layer_interval", 4))
         flags = [int((i + 1) % every != 0) for i in range(layers)]
     return tuple(i for i, rope in enumerate(flags) if not rope)
+
+
+def _sliding_layers(cfg: Mapping[str, Any], is_qwen: bool,
+                    nope: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """The layers the sliding window applies to, as transformers reads them: the config's
+    `layer_types` where it lists them; else SmolLM3's layers without RoPE (`nope`), Qwen's
+    from max_window_layers on, or every layer."""
+    layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(i for i, t in enumerate(types[:layers]) if t == "sliding_attention")
+    if nope is not None:
+        return nope
+    if is_qwen:
+        return tuple(range(int(cfg.get("max_window_layers", 28)), layers))
+    return None
 
 
 def _sliding_window(cfg: Mapping[str, Any], is_qwen: bool, always: bool) -> int | None:

@@ -47,9 +47,10 @@ class LayerStages:
         return self.step.reused(keys)
 
     def dense_keys(self, idx: list[int]) -> torch.Tensor:
-        """Keys of every page of the sequences `idx`."""
+        """Keys of the pages of the sequences `idx` a dense attention reads (every page,
+        unless the layer's sliding window cuts them)."""
         st, base = self.step, self.layer * self.step.tiers.max_pages
-        return torch.cat([base + st.page_tensors[i] for i in idx]) if idx \
+        return torch.cat([base + st.attended_pages(self.layer, i) for i in idx]) if idx \
             else torch.empty(0, **_I64)
 
     def union_keys(self, idx: list[int], sel: SelectedPages) -> torch.Tensor:

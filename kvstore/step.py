@@ -16,13 +16,14 @@ import torch
 from kernels.page_summary import summarize_pages
 from kernels.layer_ops import summarize_slots, write_kv
 from kernels.page_table import PageTable
+from kernels.window_attention import first_window_page
 from kvstore.config import KVStoreConfig
 from kvstore.fetcher import Fetcher
 from kvstore.requests import RequestTable
 from kvstore.resident import ResidentDecode
 from kvstore.selection import PageSelection
 from kvstore.stages import LayerPart, LayerStages, weak_slots
-from kvstore.step_attention import attend_dense, attend_sparse, dense_batch
+from kvstore.step_attention import attend_dense, attend_sparse, attend_window, dense_batch
 from kvstore.stats import KVStats
 from kvstore.tierset import TierSet
 from kvstore.write_back import write_back
@@ -64,6 +65,7 @@ class StepParts:
     stats: KVStats
     dense_attention: object           # kernels.attention backend
     sparse_attention: object          # kernels.sparse_attention decode
+    windows: tuple[int | None, ...] = ()    # each layer's sliding window (None: full context)
 
 
 class StepKV:
@@ -125,6 +127,12 @@ class StepKV:
         # prefills ending this step whose observation window ranks their pages (SnapKV)
         self.observe_idx = [i for i, s in enumerate(seqs) if s.observe and s.q_len > 1] \
             if cfg.sparse_budget > 0 and cfg.obs_window > 0 else []
+        # layers whose sliding window cuts some sequence's context this step: every sequence
+        # attends there over the pages from its window on (kernels/window_attention.py)
+        longest = max((s.kv_len for s in seqs), default=0)
+        self.cut = {layer: w for layer, w in enumerate(parts.windows)
+                    if w is not None and longest > w}
+        self._first_pages: dict[int, list[int]] = {}      # by window: each sequence's
         self.pipe = parts.pipeline
         self.pipe.begin_step(len(self.sparse_idx), all(s.q_len == 1 for s in seqs))
         self._q_pred: dict[int, torch.Tensor] = {}
@@ -139,7 +147,8 @@ class StepKV:
             st.dense_fallbacks["fits_budget"] += L * sum(
                 s.decodes and not sp for s, sp in zip(seqs, sparse))
             st.dense_fallbacks["dense_layer"] += min(cfg.dense_layers, L) * len(self.sparse_idx)
-        self.resident = ResidentDecode.plan(self)     # None: the general path below
+        # None: the general path below (which alone attends within windows)
+        self.resident = None if self.cut else ResidentDecode.plan(self)
 
     def summarize(self, layer: int, t_slots: torch.Tensor) -> None:
         """The pages being written (in device slots t_slots [U]) into their requests' page
@@ -189,7 +198,7 @@ class StepKV:
         """The model's guess of layer `layer`'s queries [B_sparse, H, D] (layer `layer`'s
         q projection applied to the previous layer's input): prefetched while the previous
         layer computes."""
-        if layer >= self.cfg.dense_layers and layer < self.tiers.num_layers:
+        if self.cfg.dense_layers <= layer < self.tiers.num_layers and layer not in self.cut:
             self._q_pred[layer] = q_pred
 
     def layer_table(self, group: int):
@@ -229,7 +238,7 @@ class StepKV:
 
         # 2-3. select, resolve, fetch: dense sequences need every page, sparse decodes their
         # top pages; micro-batched and overlapped unless the pipeline is sequential
-        sparse = layer >= cfg.dense_layers
+        sparse = layer >= cfg.dense_layers and layer not in self.cut
         dense_idx = self.dense_idx if sparse else list(range(len(self.seqs)))
         sparse_idx = self.sparse_idx if sparse else []
         stages = LayerStages(self, layer, q)
@@ -265,7 +274,9 @@ class StepKV:
         """The attention of `part`'s sequences over its device slots into their rows of out
         (`early`: a sparse part's first half only, see step_attention.attend_sparse), timed."""
         t0 = time.perf_counter()
-        if part.sel is None:
+        if part.sel is None and layer in self.cut:
+            attend_window(self, layer, q, out, part.idx, part.slots, scale)
+        elif part.sel is None:
             attend_dense(self, layer, q, out, part.idx, part.slots,
                          layer >= self.cfg.dense_layers, scale)
         else:
@@ -282,6 +293,22 @@ class StepKV:
         self.stats.observe_lookahead(hit, exact.numel())
 
     # ------------------------------------------------------------------------------------
+    def attended_pages(self, layer: int, i: int) -> torch.Tensor:
+        """The page ids of sequence i a dense attention of `layer` reads: every page, or from
+        the page of its window's first key on where the layer's window cuts the step."""
+        window = self.cut.get(layer)
+        if window is None:
+            return self.page_tensors[i]
+        return self.page_tensors[i][self.first_pages(window)[i]:]
+
+    def first_pages(self, window: int) -> list[int]:
+        """Each sequence's page holding the first key its first query attends to."""
+        first = self._first_pages.get(window)
+        if first is None:
+            first = self._first_pages[window] = [
+                first_window_page(s.start_pos, window, self.cfg.page_size) for s in self.seqs]
+        return first
+
     def query_rows(self, idx: list[int]) -> torch.Tensor | slice:
         """The rows of q (and of the attention output) of the sequences idx: a slice where
         they are consecutive (decode micro-batches), else an index tensor (cached per idx)."""

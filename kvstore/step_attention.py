@@ -2,7 +2,8 @@
 
 `StepKV.compute` hands each part the pipeline finishes here: dense sequences (prefills,
 contexts within the budget, dense layers) through the C decode kernel or the dense backend,
-with the observation window of prefills that end this step (SnapKV's prior); sparse decodes
+with the observation window of prefills that end this step (SnapKV's prior); the layers whose
+sliding window cuts a sequence's context, over the window's pages; sparse decodes
 over the pages they selected, per (sequence, KV head) rows, split into the pages the last
 step selected too and the others (`early`: the first half while the others are fetched).
 Functions of the step: they read its public state (sequences, tables, tiers) and write their
@@ -16,6 +17,7 @@ from kernels.attention import AttentionBatch
 from kernels.page_prior import window_page_mass
 from kernels.page_table import PageTable, selected_head_table
 from kernels.sparse_attention import NativeSparseDecode
+from kernels.window_attention import WindowSeq, window_attention
 from kvstore.stages import LayerPart
 
 _I64 = dict(dtype=torch.int64)
@@ -41,6 +43,20 @@ def attend_dense(step, layer: int, q: torch.Tensor, out: torch.Tensor, idx: list
                                                   scale)
     if sparse and step.observe_idx:
         _observe_window(step, layer, q, idx, slots, scale)
+
+
+def attend_window(step, layer: int, q: torch.Tensor, out: torch.Tensor, idx: list[int],
+                  slots: torch.Tensor, scale: float) -> None:
+    """The sequences idx in a layer whose sliding window cuts the step's context: each over
+    its pages from its window on (`slots`: their device slots, sequence after sequence)."""
+    window = step.cut[layer]
+    first, seqs, at = step.first_pages(window), [], 0
+    for i in idx:
+        s, n = step.seqs[i], step.n_pages[i] - first[i]
+        seqs.append(WindowSeq(slots[at:at + n], first[i], s.start_pos, s.q_len))
+        at += n
+    rows = step.query_rows(idx)
+    out[rows] = window_attention(q[rows], step.tiers.pool, seqs, window, scale)
 
 
 def attend_sparse(step, q: torch.Tensor, out: torch.Tensor, part: LayerPart, scale: float,

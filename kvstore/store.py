@@ -59,11 +59,13 @@ class TieredKVStore:
     def __init__(self, cfg: KVStoreConfig, num_layers: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", model_id: str = "",
                  projection: LowRankProjection | None = None, hidden_size: int = 0,
-                 kv_from_inputs: KVFromInputs | None = None):
+                 kv_from_inputs: KVFromInputs | None = None,
+                 windows: tuple[int | None, ...] = ()):
         """model_id: what else shapes the KV bytes (the weights, the activation dtype): part
         of the prefix cache's namespace, so another model's pages never hit; projection: the
         keys' low-rank basis (--selector lowrank); hidden_size, kv_from_inputs: the model's
-        width and K/V projection, for KV recompute (--kv-recompute)."""
+        width and K/V projection, for KV recompute (--kv-recompute); windows: each layer's
+        sliding window (None, or () for every layer: attends to the whole context)."""
         self.cfg = cfg
         self.num_layers = num_layers
         self.page_shape = PageShape(cfg.page_size, num_kv_heads, head_dim, dtype)
@@ -104,7 +106,8 @@ class TieredKVStore:
         self.sparse_attention = make_sparse_decode(device)
         self._parts = StepParts(cfg, self._tiers, self._fetcher, self._requests,
                                 self._selection, self.pipeline, self.stats,
-                                make_attention_backend(device), self.sparse_attention)
+                                make_attention_backend(device), self.sparse_attention,
+                                tuple(windows))
         self._placement = make_placement(cfg.placement)
         self._prefix = None
         if cfg.prefix_cache:

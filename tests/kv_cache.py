@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import torch
 
+from kernels.window_attention import WindowSeq, first_window_page, window_attention
+
 
 class DenseStep:
     """One step over a KVCache: every sequence attends to all of its pages (dense, in memory).
     The model calls `attend` once per layer (the same seam as kvstore.step.StepKV)."""
 
-    def __init__(self, cache: "KVCache", batch, backend, num_heads: int, q_dtype: torch.dtype):
-        self.cache, self.batch, self.backend = cache, batch, backend
+    def __init__(self, cache: "KVCache", batch, backend, num_heads: int, q_dtype: torch.dtype,
+                 windows: tuple[int | None, ...] = ()):
+        """windows: each layer's sliding window (kernels/window_attention.py; None: none)."""
+        self.cache, self.batch, self.backend, self.windows = cache, batch, backend, windows
         backend.plan(batch, num_heads, cache.num_kv_heads, cache.head_dim, q_dtype, cache.dtype,
                      cache.head_dim ** -0.5)
 
@@ -28,7 +32,20 @@ class DenseStep:
                scale: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; writes k/v at batch.slot_mapping first."""
         self.cache.write(layer, self.batch.slot_mapping, k, v)
+        window = self.windows[layer] if layer < len(self.windows) else None
+        if window is not None:
+            return window_attention(q, self.cache.layer(layer), self._window_seqs(window),
+                                    window, scale)
         return self.backend.forward(q, self.cache.layer(layer), self.batch, scale)
+
+    def _window_seqs(self, window: int) -> list[WindowSeq]:
+        table, qo, seqs = self.batch.page_table, self.batch.qo_indptr.tolist(), []
+        for i in range(self.batch.batch_size):
+            q_len = qo[i + 1] - qo[i]
+            start = table.kv_len(i) - q_len
+            first = first_window_page(start, window, table.page_size)
+            seqs.append(WindowSeq(table.pages(i)[first:], first, start, q_len))
+        return seqs
 
 
 class KVCache:

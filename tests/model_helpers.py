@@ -41,7 +41,7 @@ def step(model, cache, work: list[tuple[PagedSequence, int]], all_logits: bool =
         rows += range(first, first + n) if all_logits else [first + n - 1]
     batch = AttentionBatch.build(pages, kv_lens, q_lens, cache.page_size)
     kv = DenseStep(cache, batch, TorchPagedAttention(), model.config.num_attention_heads,
-                   model.dtype)
+                   model.dtype, model.config.layer_windows)
     logits = model(torch.tensor(ids), torch.tensor(pos), kv, torch.tensor(rows))
     out, at = [], 0
     for seq, n in work:

@@ -45,6 +45,7 @@ def test_qwen2_has_qkv_bias_and_ignores_disabled_sliding_window():
     c = ModelConfig.from_hf(dict(BASE, architectures=["Qwen2ForCausalLM"], sliding_window=4096,
                                  use_sliding_window=False))
     assert c.attention_bias and not c.o_proj_bias and c.sliding_window is None
+    assert c.layer_windows == (None, None)
 
 
 def test_qwen3_norms_each_q_and_k_head_and_has_no_qkv_bias_by_default():
@@ -68,6 +69,21 @@ def test_smollm3_nope_layers_listed_or_every_fourth():
 def test_mistral_sliding_window():
     c = ModelConfig.from_hf(dict(BASE, architectures=["MistralForCausalLM"], sliding_window=4096))
     assert c.sliding_window == 4096 and not c.attention_bias
+    assert c.layer_windows == (4096, 4096) and c.served_positions == 256
+
+
+def test_the_layers_a_sliding_window_applies_to():
+    # Qwen2: the layers from max_window_layers on (transformers' default layer_types)
+    qwen = dict(BASE, architectures=["Qwen2ForCausalLM"], num_hidden_layers=4, sliding_window=64,
+                use_sliding_window=True, max_window_layers=2)
+    assert ModelConfig.from_hf(qwen).layer_windows == (None, None, 64, 64)
+    # the config's own layer_types win
+    listed = dict(qwen, layer_types=["sliding_attention", "full_attention"] * 2)
+    assert ModelConfig.from_hf(listed).layer_windows == (64, None, 64, None)
+    # SmolLM3: its layers without RoPE
+    smol = dict(BASE, model_type="smollm3", architectures=None, num_hidden_layers=4,
+                sliding_window=64, use_sliding_window=True)
+    assert ModelConfig.from_hf(smol).layer_windows == (None, None, None, 64)
 
 
 def test_phi3_longrope_named_su_keeps_its_pretraining_length_and_window():
@@ -80,7 +96,9 @@ def test_phi3_longrope_named_su_keeps_its_pretraining_length_and_window():
     assert c.sliding_window == 2047 and c.served_positions == 256   # the window is longer
     short = ModelConfig.from_hf(dict(BASE, model_type="phi3", architectures=None,
                                      sliding_window=100))
-    assert short.served_positions == 100 and c.rope_dims == 16 and not c.attention_bias
+    # served past the window (attended within it)
+    assert short.served_positions == 256 and short.layer_windows == (100, 100)
+    assert c.rope_dims == 16 and not c.attention_bias
 
 
 def test_partial_rotary_read_from_either_place_and_only_for_phi3():

@@ -34,6 +34,11 @@ CASES = {
     "qwen3_biases_tied": ("qwen3", {"attention_bias": True, "tie_word_embeddings": True}),
     "smollm3": ("smollm3", {"no_rope_layers": [1, 0], "pad_token_id": 0}),   # layer 1: NoPE
     "mistral": ("mistral", {"sliding_window": None}),
+    # a sliding window shorter than the prompts (7 tokens: not a whole number of pages)
+    "mistral_window": ("mistral", {"sliding_window": 7}),
+    # Qwen2's: only the layers from max_window_layers on
+    "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 6,
+                               "max_window_layers": 1}),
     "phi3": ("phi3", PHI3),
     # LongRoPE, short factors: the served length (the config's 128) is within the pretraining
     # length, so no attention factor either
@@ -108,13 +113,6 @@ def test_logits_only_for_requested_rows(pair):
     torch.testing.assert_close(last[0], _hf_logits(hf, tokens)[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_mistral_sliding_window_shorter_than_served_length_is_refused(tmp_path):
-    save_tiny_hf("mistral", {"sliding_window": 16}, tmp_path)
-    with pytest.raises(ValueError, match="sliding-window"):
-        load_model(tmp_path, dtype=torch.float32, max_model_len=64)
-    load_model(tmp_path, dtype=torch.float32, max_model_len=16)   # within the window: fine
-
-
 def test_sharded_checkpoint_loads_through_its_index(tmp_path):
     hf = save_tiny_hf("llama", {}, tmp_path / "one")
     hf.save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
@@ -168,14 +166,50 @@ def test_gguf_names_of_the_qk_norms():
     assert hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
 
 
-def test_a_sliding_window_caps_the_default_served_length(tmp_path):
-    # Phi-3-mini-4k's shape: a window shorter than the positions; full attention equals it
-    # only within the window, so that is the default length, and a longer one is refused
+@pytest.mark.parametrize("extra", [{"sparse_budget": 32, "sparse_threshold": 32},
+                                   {"kv_disk_gb": 0.01}])
+def test_the_engine_serves_past_a_sliding_window_as_transformers_generates(tmp_path, extra):
+    """Phi-3-mini-4k's shape: a window (20 tokens, not whole pages) shorter than the served
+    length, which is the model's positions. Through the KV store (chunked prefill, decodes
+    past the window; with sparse decode configured, or with the disk tier as the backing
+    store), greedy tokens equal transformers' generate."""
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
+    from tests.engine_helpers import run_scored
 
-    save_tiny_hf("phi3", dict(PHI3, sliding_window=48), tmp_path)
-    kw = dict(model=str(tmp_path), dtype="fp32", weights="fp32", kv_device_gb=0.01)
-    assert LLMEngine(EngineArgs(**kw)).max_model_len == 48
-    with pytest.raises(ValueError, match="sliding-window"):
-        LLMEngine(EngineArgs(**kw, max_model_len=64))
+    hf = save_tiny_hf("phi3", dict(PHI3, sliding_window=20), tmp_path / "model")
+    engine = LLMEngine(EngineArgs(model=str(tmp_path / "model"), dtype="fp32", weights="fp32",
+                                  page_size=16, kv_device_gb=0.01, max_num_batched_tokens=32,
+                                  prefix_cache="off", kv_disk_path=tmp_path / "kv", **extra))
+    assert engine.max_model_len == 128
+    prompts, steps = _prompts(5, lengths=(41, 17, 70)), 12
+    got, _ = run_scored(engine, prompts, steps)
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            assert got[f"r{i}"] == out[0, len(p):].tolist()
+
+
+def test_a_windowed_layer_reads_only_its_window_from_disk(tmp_path):
+    """Every full page forced out to disk: decodes past a 20-token window read at most the
+    window's full pages of each layer a step (2), where full attention reads them all (6; the
+    page being written stays on the device)."""
+    from engine.args import EngineArgs
+    from engine.llm_engine import LLMEngine
+    from tests.engine_helpers import run_scored
+
+    reads = {}
+    for window in (None, 20):
+        folder = tmp_path / f"model-{window}"
+        save_tiny_hf("phi3", dict(PHI3, sliding_window=window), folder)
+        engine = LLMEngine(EngineArgs(model=str(folder), dtype="fp32", weights="fp32",
+                                      page_size=16, kv_device_gb=0.01, kv_disk_gb=0.01,
+                                      kv_disk_path=tmp_path / f"kv-{window}",
+                                      kv_force_tier="disk", prefix_cache="off"))
+        run_scored(engine, _prompts(6, lengths=(100,)), 1)         # the prompt alone
+        before = engine.store.stats.snapshot().hits.get("disk", 0)
+        run_scored(engine, _prompts(6, lengths=(100,)), 9)          # and 8 decodes
+        reads[window] = engine.store.stats.snapshot().hits.get("disk", 0) - before
+    # per layer (2) and decode (8)
+    assert reads[None] >= 2 * 8 * 6 and 0 < reads[20] <= 2 * 8 * 2, reads

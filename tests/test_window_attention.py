@@ -1,0 +1,54 @@
+"""Sliding-window attention over pages (kernels/window_attention.py) against a dense masked
+reference: GQA, pages in shuffled slots, windows that start inside a page, prefill chunks
+longer than a query block, decodes and chunks in one call."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.window_attention import WindowSeq, first_window_page, window_attention
+
+PS, KVH, GROUP, D = 4, 2, 3, 8
+
+
+def _reference(q, k, v, start, window, scale):
+    """q [t, H, D] at positions start.., k/v [kv_len, KVH, D]: the masked dense attention."""
+    pos_q = torch.arange(start, start + q.shape[0])
+    pos_k = torch.arange(k.shape[0])
+    allowed = (pos_k[None] <= pos_q[:, None]) & (pos_k[None] > pos_q[:, None] - window)
+    kk, vv = (x.repeat_interleave(GROUP, dim=1).transpose(0, 1) for x in (k, v))
+    scores = torch.einsum("thd,hkd->htk", q, kk) * scale
+    scores = scores.masked_fill(~allowed[None], float("-inf"))
+    return torch.einsum("htk,hkd->thd", scores.softmax(-1), vv)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 300])
+def test_window_attention_equals_the_masked_reference(window):
+    g = torch.Generator().manual_seed(window)
+    # (kv_len, q_len): a decode, a chunk ending mid-page, a prompt longer than a query block
+    shapes = [(23, 1), (30, 9), (610, 610)]
+    slots_free = torch.randperm(400, generator=g)
+    pool = torch.randn(400, 2, KVH, PS, D, generator=g)
+    seqs, qs, refs, at = [], [], [], 0
+    for kv_len, q_len in shapes:
+        n = -(-kv_len // PS)
+        slots = slots_free[at:at + n]
+        at += n
+        k = pool[slots, 0].transpose(0, 1).reshape(KVH, n * PS, D)[:, :kv_len].transpose(0, 1)
+        v = pool[slots, 1].transpose(0, 1).reshape(KVH, n * PS, D)[:, :kv_len].transpose(0, 1)
+        start = kv_len - q_len
+        q = torch.randn(q_len, KVH * GROUP, D, generator=g)
+        first = first_window_page(start, window, PS)
+        seqs.append(WindowSeq(slots[first:], first, start, q_len))
+        qs.append(q)
+        refs.append(_reference(q, k, v, start, window, 0.3))
+    got = window_attention(torch.cat(qs), pool, seqs, window, 0.3)
+    torch.testing.assert_close(got, torch.cat(refs), atol=1e-5, rtol=1e-5)
+
+
+def test_the_first_page_is_the_window_s():
+    assert first_window_page(0, 7, 4) == 0
+    assert first_window_page(10, 7, 4) == 1        # keys from position 4 on
+    assert first_window_page(11, 7, 4) == 1        # from 5
+    assert first_window_page(12, 7, 4) == 1        # from 6
+    assert first_window_page(14, 7, 4) == 2        # from 8
