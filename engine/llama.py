@@ -1,5 +1,5 @@
-"""The Llama-family forward (Llama, SmolLM2/3, Qwen2, Qwen3, Mistral, Phi-3) over a paged KV
-cache.
+"""The Llama-family forward (Llama, SmolLM2/3, Qwen2, Qwen3, Mistral, Phi-3; Gemma 3 with the
+layers of engine/gemma.py) over a paged KV cache.
 
 One step runs T tokens of B sequences, flattened: every projection sees all T tokens at once
 ([T, hidden]); only attention knows about sequences, through the step's KV access object
@@ -10,15 +10,15 @@ rotary's q and k rows are reordered at load (engine/rope.py `rotary_order`).
 """
 from __future__ import annotations
 
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_config import ModelConfig, matmul_rows, projection_rows
+from engine.llama_weights import LlamaWeights
+from engine.model_config import ModelConfig
 from engine.norm import RMSNorm
-from engine.rope import RotaryEmbedding, rotary_order
+from engine.rope import RotaryEmbedding
 from kernels import layer_ops
 from kernels.decode_layer import DecodeLayers, FusedLayers, layer_words
 from kernels.packed_linear import BITS, DENSE, NATIVE, GroupQuant, Linear, PackedWeight
@@ -39,7 +39,7 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, d)
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
-        self.scale = d ** -0.5
+        self.scale = cfg.attention_scale
         p = dict(dtype=dtype, device=device)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
@@ -112,9 +112,20 @@ class DecoderLayer(nn.Module):
                 lora=None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; rope = (cos, sin) [T, 1, head_dim] of the step;
         lora: the step's adapter rows (engine/lora.py LoraBatch), each matmul's delta added."""
-        t, d = x.shape[0], self.head_dim
         native = layer_ops.supports(x)      # the small ops in C (kernels/layer_ops.py)
-        xn = self.input_layernorm(x)
+        h = self.attention(self.input_layernorm(x), rope, kv, lora, native)
+        norm = self.post_attention_layernorm
+        if native:          # h += x (the residual stream, in the new tensor), and its norm
+            normed = layer_ops.rms_norm(h, norm.weight, norm.eps, residual=x)
+        else:
+            h = x + h
+            normed = norm(h)
+        return h + self.mlp(normed, lora, native)
+
+    def attention(self, xn: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv,
+                  lora, native: bool) -> torch.Tensor:
+        """The attention block's output [T, hidden] (o_proj's) of the normed inputs xn."""
+        t, d = xn.shape[0], self.head_dim
         qkv = self.qkv(xn)                                                   # [T, q+2kv]
         if lora is not None:
             qkv = lora.apply(self.index, "qkv", xn, qkv)
@@ -136,13 +147,10 @@ class DecoderLayer(nn.Module):
         else:
             o = kv.attend(self.index, q, k, v, self.scale)                   # [T, H, D]
         o = o.reshape(t, self.q_size)
-        h = self.o(o) if lora is None else lora.apply(self.index, "o", o, self.o(o))
-        norm = self.post_attention_layernorm
-        if native:          # h += x (the residual stream, in the new tensor), and its norm
-            normed = layer_ops.rms_norm(h, norm.weight, norm.eps, residual=x)
-        else:
-            h = x + h
-            normed = norm(h)
+        return self.o(o) if lora is None else lora.apply(self.index, "o", o, self.o(o))
+
+    def mlp(self, normed: torch.Tensor, lora, native: bool) -> torch.Tensor:
+        """The MLP's output [T, hidden] of its normed inputs (SiLU-gated)."""
         gate_up = self.gate_up(normed)
         if lora is not None:
             gate_up = lora.apply(self.index, "gate_up", normed, gate_up)
@@ -150,9 +158,8 @@ class DecoderLayer(nn.Module):
         if act is None:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        if lora is not None:
-            return h + lora.apply(self.index, "down", act, self.down(act))
-        return h + self.down(act)
+        return self.down(act) if lora is None else lora.apply(self.index, "down", act,
+                                                               self.down(act))
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,
@@ -174,7 +181,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQua
     return Linear(packed, bias, prefill=dense, prefill_rows=prefill_rows)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(LlamaWeights, nn.Module):
     """Our Llama-family model. Build with `engine.model_loader.load_model`."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.bfloat16,
@@ -186,7 +193,10 @@ class LlamaForCausalLM(nn.Module):
         self.max_model_len = max_len
         p = dict(dtype=dtype, device=device)
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, **p)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device)
+        layer = DecoderLayer
+        if config.gemma:
+            from engine.gemma import GemmaDecoderLayer as layer
+        self.layers = nn.ModuleList(layer(config, i, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
@@ -194,6 +204,12 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(config.head_dim, max_len, config.rope_theta,
                                     config.rope_scaling, config.max_position_embeddings,
                                     config.rope_dims).to(device)
+        # Gemma 3: the windowed layers' RoPE (its own base, no scaling)
+        self.rope_local = None if config.local_rope_theta is None else RotaryEmbedding(
+            config.head_dim, max_len, config.local_rope_theta, None,
+            config.max_position_embeddings, config.rope_dims).to(device)
+        self.local_layers = frozenset() if self.rope_local is None else frozenset(
+            i for i, w in enumerate(config.layer_windows) if w is not None)
         self._quant: dict[tuple[int, str], GroupQuant] = {}    # the file's codes, by layer
         self.pack(None)
 
@@ -223,12 +239,17 @@ class LlamaForCausalLM(nn.Module):
         (prompt logprobs: `self.head` runs on them in blocks, not all at once).
         lora: the step's adapter rows (engine/lora.py; None: the base model alone)."""
         x = F.embedding(input_ids, self.embed_tokens)                        # [T, hidden]
+        if self.config.gemma:           # times sqrt(hidden), in the model's dtype
+            x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         rope = self.rope.cos_sin(positions, self.dtype)                      # [T, 1, head_dim]
+        ropes = {False: rope, True: None if self.rope_local is None
+                 else self.rope_local.cos_sin(positions, self.dtype)}
         # layer-ahead prefetch: the KV store wants layer i+1's queries guessed from layer i's
         # input, for the rows it decodes sparsely (None: no prediction)
         ahead = getattr(kv, "lookahead_rows", None)
         if ahead is not None:
-            ahead_rope = (rope[0][ahead], rope[1][ahead])
+            ahead_ropes = {k: None if r is None else (r[0][ahead], r[1][ahead])
+                           for k, r in ropes.items()}
         layers = None if ahead is not None else self._decode_layers(x, positions, rope, kv,
                                                                     lora)
         norm = self.norm
@@ -239,14 +260,22 @@ class LlamaForCausalLM(nn.Module):
                 layers.run(i, layer.input_layernorm.eps, layer.scale)
                 continue
             if ahead is not None and i + 1 < len(self.layers):
-                kv.lookahead(i + 1, self.layers[i + 1].predict_q(x[ahead], *ahead_rope))
-            x = layer(x, rope, kv, lora)
-        logits = (self.head(norm(x[logits_indices])).float()                 # [S, vocab]
+                kv.lookahead(i + 1, self.layers[i + 1].predict_q(
+                    x[ahead], *ahead_ropes[i + 1 in self.local_layers]))
+            x = layer(x, ropes[i in self.local_layers], kv, lora)
+        logits = (self.logits(norm(x[logits_indices]))                       # [S, vocab]
                   if logits_indices.numel() else x.new_zeros(0, self.config.vocab_size,
                                                              dtype=torch.float32))
         if hidden_indices is None:
             return logits
         return logits, norm(x[hidden_indices])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [n, vocab] of normed final hidden states [n, hidden] (soft-capped
+        where the config says: cap * tanh(logits / cap))."""
+        logits = self.head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def _decode_layers(self, x: torch.Tensor, positions: torch.Tensor, rope, kv,
                        lora=None) -> DecodeLayers | None:
@@ -255,7 +284,8 @@ class LlamaForCausalLM(nn.Module):
         op by op). They run float32 rows: a bf16 model's (bf16 activations for prefill, on a
         CPU with AVX512_BF16) are copied to float32, with float32 RoPE and norms."""
         table = getattr(kv, "layer_table", None)
-        if table is None or not FusedLayers.enabled or getattr(kv, "keeps_inputs", False):
+        if table is None or not FusedLayers.enabled or self.config.gemma \
+                or getattr(kv, "keeps_inputs", False):      # (the C layers: Llama's block)
             return None
         if self._decode_words is None:      # the layers' decode weights, once (`pack` resets)
             self._decode_words = (layer_words(self.layers),)
@@ -280,106 +310,6 @@ class LlamaForCausalLM(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K, V [n, KVH, D] of tokens at `positions` [n] from their normed
         inputs xn [n, hidden] (what the KV store's recompute calls)."""
-        cos, sin = self.rope.cos_sin(positions.to(self.rope.cos.device), self.dtype)
+        rope = self.rope_local if layer in self.local_layers else self.rope
+        cos, sin = rope.cos_sin(positions.to(rope.cos.device), self.dtype)
         return self.layers[layer].kv_from_inputs(xn, cos, sin)
-
-    # ---- weights ---------------------------------------------------------------------------
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GroupQuant]]) -> None:
-        """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...) into the fused
-        parameters; raises if a parameter was left unfilled or a name is unknown. A
-        GroupQuant (a GGUF file's blocks) fills its parameter dequantized and keeps its codes
-        for `pack`."""
-        cfg = self.config
-        fused = projection_rows(cfg)
-        filled: dict[int, int] = {}
-        parts: dict[tuple[int, str], dict[int, GroupQuant]] = {}
-
-        def put(param: torch.Tensor | None, tensor, name: str, start=0, size=None, key=None):
-            if param is None:
-                raise ValueError(f"checkpoint has {name} but the config says it has no such "
-                                 "parameter (check attention_bias / mlp_bias)")
-            dst = param if size is None else param.narrow(0, start, size)
-            if isinstance(tensor, GroupQuant):
-                if key is not None:
-                    parts.setdefault(key, {})[start] = tensor
-                tensor = tensor.dequantize()
-            if tuple(dst.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                                 f"model expects {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
-            filled[id(param)] = filled.get(id(param), 0) + dst.numel()
-
-        for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            if name == "model.embed_tokens.weight":
-                put(self.embed_tokens, tensor, name,
-                    key=(-1, "head") if self.lm_head is None else None)
-            elif name == "lm_head.weight":
-                if self.lm_head is not None:   # tied checkpoints may still carry a copy
-                    put(self.lm_head, tensor, name, key=(-1, "head"))
-            elif name == "model.norm.weight":
-                put(self.norm.weight, tensor, name)
-            elif name.startswith("model.layers."):
-                idx, rest = name[len("model.layers."):].split(".", 1)
-                layer = self.layers[int(idx)]
-                module, kind = rest.rsplit(".", 1)           # e.g. self_attn.q_proj, weight
-                leaf = module.split(".")[-1]
-                if leaf in ("input_layernorm", "post_attention_layernorm"):
-                    put(getattr(layer, leaf).weight, tensor, name)
-                elif leaf in ("q_norm", "k_norm"):
-                    norm = getattr(layer, leaf)
-                    put(None if norm is None else norm.weight, tensor, name)
-                elif leaf in fused:
-                    group, start, size = fused[leaf]
-                    attr = f"{group}_proj" if kind == "weight" else f"{group}_bias"
-                    put(getattr(layer, attr), tensor, name, start, size,
-                        key=(int(idx), group) if kind == "weight" else None)
-                else:
-                    raise ValueError(f"unexpected checkpoint tensor {name}")
-            else:
-                raise ValueError(f"unexpected checkpoint tensor {name}")
-        missing = [n for n, p in self.named_parameters() if filled.get(id(p), 0) != p.numel()]
-        if missing:
-            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
-                             + (" ..." if len(missing) > 8 else ""))
-        # a fused weight keeps the file's codes only when all its parts (or the whole, as
-        # Phi-3's files have it) came quantized alike
-        rows = {k: v for k, v in matmul_rows(cfg).items() if k in ("qkv", "gate_up")}
-
-        def whole(key, p) -> bool:
-            return len({g.bits for g in p.values()}) == 1 and (
-                key[1] not in rows or sum(g.shape[0] for g in p.values()) == rows[key[1]])
-        self._quant = {key: GroupQuant.cat([p[s] for s in sorted(p)])
-                       for key, p in parts.items() if whole(key, p)}
-        if cfg.rope_dims != cfg.head_dim:
-            self._reorder_rotary()
-
-    def qkv_rows(self) -> torch.Tensor | None:
-        """The order of the fused q/k/v rows against the checkpoint's (a partial rotary's
-        q and k heads in `rotary_order`), or None where they are as in the checkpoint."""
-        cfg = self.config
-        if cfg.rope_dims == cfg.head_dim:
-            return None
-        d, order = cfg.head_dim, rotary_order(cfg.head_dim, cfg.rope_dims)
-        heads = cfg.num_attention_heads + cfg.num_key_value_heads
-        return torch.cat([h * d + order for h in range(heads)]
-                         + [torch.arange(heads * d, (heads + cfg.num_key_value_heads) * d)])
-
-    def _reorder_rotary(self) -> None:
-        """Put each q and k head's dims in `rotary_order` (a partial rotary served as a full
-        one): the fused weight's rows, its bias, the head norms, and the file's codes."""
-        cfg = self.config
-        order, rows = rotary_order(cfg.head_dim, cfg.rope_dims), self.qkv_rows()
-        for i, layer in enumerate(self.layers):
-            with torch.no_grad():
-                layer.qkv_proj.copy_(layer.qkv_proj[rows])
-                if layer.qkv_bias is not None:
-                    layer.qkv_bias.copy_(layer.qkv_bias[rows])
-                for norm in (layer.q_norm, layer.k_norm):
-                    if norm is not None:
-                        norm.weight.copy_(norm.weight[order])
-            if (i, "qkv") in self._quant:
-                self._quant[(i, "qkv")] = self._quant[(i, "qkv")].permute_rows(rows)

@@ -1,6 +1,7 @@
 """What the engine needs to know about a Llama-family checkpoint, read from its HF config.json."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -8,10 +9,21 @@ from pathlib import Path
 from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM")
+                           "MistralForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
+                           "Gemma3ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
-                       "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                       "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                       "gemma3_text": "Gemma3ForCausalLM"}
+# Gemma3TextConfig's defaults, which transformers leaves out of a config.json it writes
+_GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                    "num_hidden_layers": 26, "num_attention_heads": 8,
+                    "num_key_value_heads": 4, "head_dim": 256,
+                    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6,
+                    "tie_word_embeddings": True, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh",
+                    "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
+                    "eos_token_id": 1, "bos_token_id": 2}
 
 
 @dataclass(frozen=True)
@@ -42,6 +54,17 @@ class ModelConfig:
                                           # partial rotary); 0: all of head_dim
     sliding_layers: tuple[int, ...] | None = None   # the layers sliding_window applies to
                                                     # (None: every layer)
+    # Gemma 3's block (engine/gemma.py): norms of weight 1 + w, the attention's and the MLP's
+    # outputs normed before their residual adds, embeddings times sqrt(hidden), GELU (tanh)
+    gemma: bool = False
+    query_pre_attn_scalar: float | None = None   # attention scale its ** -0.5 (None: head_dim)
+    local_rope_theta: float | None = None   # the windowed layers' RoPE base (default type);
+                                            # None: theirs is the others'
+    final_logit_softcapping: float | None = None    # logits = cap * tanh(logits / cap)
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -63,7 +86,8 @@ class ModelConfig:
         linear, dynamic or YaRN rope_scaling's factor as vLLM scales it (YaRN: the original
         positions times the factor; LongRoPE and Llama 3 configs give the scaled length)."""
         s = self.rope_scaling or {}
-        if s.get("rope_type") not in ("linear", "dynamic", "yarn") or not s.get("factor"):
+        if self.gemma or s.get("rope_type") not in ("linear", "dynamic", "yarn") \
+                or not s.get("factor"):     # (Gemma 3's positions are the scaled ones)
             return self.max_position_embeddings
         base = self.max_position_embeddings
         if s["rope_type"] == "yarn":
@@ -107,6 +131,8 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch or cfg.get('model_type')!r}: "
                              f"Strata runs {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if arch == "Gemma3ForCausalLM":
+            return cls._parse_gemma3({**_GEMMA3_DEFAULTS, **cfg}, gen)
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -152,6 +178,44 @@ class ModelConfig:
             nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else (),
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         )
+
+
+    @classmethod
+    def _parse_gemma3(cls, cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> "ModelConfig":
+        """Gemma 3's text model: the Llama fields plus its block, windowed layers every
+        `sliding_window_pattern` but the last of each (or its `layer_types`), and a RoPE per
+        layer type (transformers 5 keeps them in rope_parameters by type)."""
+        if cfg.get("attn_logit_softcapping") or cfg.get("use_bidirectional_attention"):
+            raise ValueError("Gemma 3 configs with attn_logit_softcapping or bidirectional "
+                             "attention are not supported")
+        if cfg.get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"Gemma 3 activation {cfg.get('hidden_activation')!r}: "
+                             "Strata runs gelu_pytorch_tanh")
+        layers = int(cfg["num_hidden_layers"])
+        types = cfg.get("layer_types")
+        if not types:
+            every = int(cfg.get("sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % every else "full_attention"
+                     for i in range(layers)]
+        params = cfg.get("rope_parameters") or {}
+        full, local = params.get("full_attention"), params.get("sliding_attention")
+        if full is not None:                # transformers 5: by layer type
+            cfg = {**cfg, "rope_parameters": full}
+        theta, scaling = _rope(cfg, False)
+        local_theta = float((local or {}).get("rope_theta", cfg["rope_local_base_freq"]))
+        if (local or {}).get("rope_type", "default") != "default":
+            raise ValueError("Gemma 3's windowed layers take the default RoPE")
+        llama = cls._parse({**cfg, "architectures": ["LlamaForCausalLM"], "layer_types": types,
+                            "rope_theta": theta, "rope_scaling": scaling,
+                            "rope_parameters": None}, gen)
+        return dataclasses.replace(
+            llama, architecture="Gemma3ForCausalLM", gemma=True, qk_norm=True,
+            sliding_window=int(cfg["sliding_window"]),
+            sliding_layers=_sliding_layers({"num_hidden_layers": layers,
+                                            "layer_types": types}, False, None),
+            query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
+            local_rope_theta=local_theta,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"))
 
 
 def rope_identity(cfg: ModelConfig, overrides: Mapping[str, Any], served_len: int) -> str:

@@ -211,7 +211,7 @@ class ModelRunner:
         targets = torch.tensor([requests[rid].prompt_token_ids[p] for rid, p in at])
         k = max(requests[rid].sampling_params.prompt_logprobs for rid, _ in at)
         for a in range(0, len(at), PROMPT_ROWS_AT_ONCE):
-            logits = self.model.head(hidden[a:a + PROMPT_ROWS_AT_ONCE]).float()
+            logits = self.model.logits(hidden[a:a + PROMPT_ROWS_AT_ONCE])
             rows = prompt_logprobs(logits, targets[a:a + PROMPT_ROWS_AT_ONCE], k)
             for (rid, p), (tok, top) in zip(at[a:a + PROMPT_ROWS_AT_ONCE], rows):
                 self._prompt_logprobs[rid][p] = (tok, top[:requests[rid].sampling_params

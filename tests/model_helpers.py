@@ -99,27 +99,33 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def save_tiny_hf(kind: str, extra: dict, folder) -> torch.nn.Module:
     """A tiny random transformers checkpoint of `kind` (llama, qwen2, qwen3, smollm3, mistral,
-    phi3) in `folder` (float32; weights big enough that mistakes show in the logits) -> the HF
-    model."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
-                              Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                              Qwen3Config, Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
+    phi3, gemma3) in `folder` (float32; weights big enough that mistakes show in the logits)
+    -> the HF model."""
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                              LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+                              Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                              Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
 
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM),
                           "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                           "qwen3": (Qwen3Config, Qwen3ForCausalLM),
                           "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
                           "mistral": (MistralConfig, MistralForCausalLM),
-                          "phi3": (Phi3Config, Phi3ForCausalLM)}[kind]
+                          "phi3": (Phi3Config, Phi3ForCausalLM),
+                          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[kind]
     kwargs = dict(TINY, **extra)
-    if "rope_scaling" in kwargs:
+    if "rope_scaling" in kwargs and kind == "gemma3":   # the full-attention layers'
+        kwargs["rope_parameters"] = {
+            "full_attention": dict(kwargs.pop("rope_scaling"), rope_theta=1e6),
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    elif "rope_scaling" in kwargs:
         kwargs["rope_parameters"] = dict(kwargs.pop("rope_scaling"), rope_theta=10000.0)
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**kwargs)).float().eval()
     with torch.no_grad():   # weights big enough that mistakes show in the logits
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
+            if name.endswith("norm.weight"):       # (Gemma's scale by 1 + w)
+                p.copy_((kind != "gemma3") + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0, 0.15)
     model.save_pretrained(folder)

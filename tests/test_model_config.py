@@ -114,3 +114,29 @@ def test_partial_rotary_read_from_either_place_and_only_for_phi3():
     with pytest.raises(ValueError, match="even"):
         ModelConfig.from_hf(dict(BASE, architectures=["Phi3ForCausalLM"],
                                  partial_rotary_factor=0.5625))   # 9 of 16 dims
+
+
+def test_gemma3_as_transformers_4_and_5_write_it():
+    # Gemma-3-4B's config.json as the hub has it (transformers 4: the defaults left out)
+    old = dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=12, hidden_size=2560,
+               num_attention_heads=8, num_key_value_heads=4, sliding_window=1024,
+               rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window_pattern=6,
+               rope_local_base_freq=10000.0, final_logit_softcapping=None)
+    c = ModelConfig.from_hf(old)
+    assert c.gemma and c.qk_norm and c.tie_word_embeddings and c.head_dim == 256
+    assert c.attention_scale == 256 ** -0.5 and c.rms_norm_eps == 1e-6
+    assert c.rope_theta == 1e6 and c.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert c.local_rope_theta == 10000.0 and c.positions == 131072      # already scaled
+    assert c.layer_windows == (1024,) * 5 + (None,) + (1024,) * 5 + (None,)
+    # transformers 5: a RoPE per layer type, the layer types listed
+    new = dict(old, model_type="gemma3_text", architectures=None, rope_scaling=None,
+               layer_types=["sliding_attention", "full_attention"] * 6,
+               rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                   "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default",
+                                                      "rope_theta": 10000.0}})
+    c5 = ModelConfig.from_hf(new)
+    assert c5.rope_scaling == c.rope_scaling and c5.rope_theta == 1e6
+    assert c5.layer_windows == (1024, None) * 6 and c5.local_rope_theta == 10000.0
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        ModelConfig.from_hf(dict(old, attn_logit_softcapping=50.0))

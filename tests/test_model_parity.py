@@ -10,6 +10,7 @@ from tests.kv_cache import make_kv_cache
 
 PAGE_SIZE = 4
 PHI3 = {"pad_token_id": 0}
+GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 7, "pad_token_id": 0}
 
 
 def longrope(n: int) -> dict:
@@ -40,6 +41,12 @@ CASES = {
     "qwen2_window": ("qwen2", {"use_sliding_window": True, "sliding_window": 6,
                                "max_window_layers": 1}),
     "phi3": ("phi3", PHI3),
+    # Gemma 3: its block, a query scale apart from head_dim, a windowed layer (its own RoPE
+    # base) and a full one (linear scaling); the default 5:1 pattern over 6 layers
+    "gemma3": ("gemma3", dict(GEMMA3, layer_types=["sliding_attention", "full_attention"],
+                              rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "gemma3_pattern": ("gemma3", dict(GEMMA3, num_hidden_layers=6,
+                                      final_logit_softcapping=3.0)),
     # LongRoPE, short factors: the served length (the config's 128) is within the pretraining
     # length, so no attention factor either
     "phi3_longrope_short": ("phi3", dict(PHI3, original_max_position_embeddings=128,
@@ -129,12 +136,14 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path):
 @pytest.mark.parametrize("kind, extra", [("qwen3", {"head_dim": 32}),
                                          ("smollm3", {"no_rope_layers": [1, 0],
                                                       "pad_token_id": 0}),
-                                         ("phi3", CASES["phi3_partial_tied"][1])])
+                                         ("phi3", CASES["phi3_partial_tied"][1]),
+                                         CASES["gemma3"]])
 def test_the_engine_serves_newer_families_as_transformers_generates(tmp_path, weights, kind,
                                                                     extra):
     """A tiny Qwen3 (per-head q/k norms, head_dim apart from hidden / heads), SmolLM3 (a
-    layer without RoPE) or Phi-4-mini-shaped Phi-3 (partial rotary, LongRoPE past its
-    pretraining length) through the whole engine: paged KV store, chunked prefill, the
+    layer without RoPE), Phi-4-mini-shaped Phi-3 (partial rotary, LongRoPE past its
+    pretraining length) or Gemma 3 (its block, a window shorter than the prompts) through the
+    whole engine: paged KV store, chunked prefill, the
     resident decode path; greedy tokens equal transformers' generate (int8 decode weights: up
     to the first near-tie)."""
     from engine.args import EngineArgs

@@ -1,0 +1,120 @@
+"""Loading a checkpoint into the Llama-family model (engine/llama.py's LlamaForCausalLM, which
+takes these methods): HF-named tensors into the fused parameters, a GGUF file's codes kept for
+the packed decode weights, a partial rotary's rows reordered, Gemma's norms folded."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from engine.model_config import matmul_rows, projection_rows
+from engine.rope import rotary_order
+from kernels.packed_linear import GroupQuant
+
+# a layer's norms over the hidden state (Gemma 3 has all four; engine/gemma.py)
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+          "post_feedforward_layernorm")
+
+
+class LlamaWeights:
+    """The weight loading of LlamaForCausalLM (a mixin: its parameters are the model's)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GroupQuant]]) -> None:
+        """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...) into the fused
+        parameters; raises if a parameter was left unfilled or a name is unknown. A
+        GroupQuant (a GGUF file's blocks) fills its parameter dequantized and keeps its codes
+        for `pack`."""
+        cfg = self.config
+        fused = projection_rows(cfg)
+        filled: dict[int, int] = {}
+        parts: dict[tuple[int, str], dict[int, GroupQuant]] = {}
+
+        def put(param: torch.Tensor | None, tensor, name: str, start=0, size=None, key=None):
+            if param is None:
+                raise ValueError(f"checkpoint has {name} but the config says it has no such "
+                                 "parameter (check attention_bias / mlp_bias)")
+            dst = param if size is None else param.narrow(0, start, size)
+            if isinstance(tensor, GroupQuant):
+                if key is not None:
+                    parts.setdefault(key, {})[start] = tensor
+                tensor = tensor.dequantize()
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                 f"model expects {tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor)
+            filled[id(param)] = filled.get(id(param), 0) + dst.numel()
+
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            if name == "model.embed_tokens.weight":
+                put(self.embed_tokens, tensor, name,
+                    key=(-1, "head") if self.lm_head is None else None)
+            elif name == "lm_head.weight":
+                if self.lm_head is not None:   # tied checkpoints may still carry a copy
+                    put(self.lm_head, tensor, name, key=(-1, "head"))
+            elif name == "model.norm.weight":
+                put(self.norm.weight, tensor, name)
+            elif name.startswith("model.layers."):
+                idx, rest = name[len("model.layers."):].split(".", 1)
+                layer = self.layers[int(idx)]
+                module, kind = rest.rsplit(".", 1)           # e.g. self_attn.q_proj, weight
+                leaf = module.split(".")[-1]
+                if leaf in _NORMS or leaf in ("q_norm", "k_norm"):
+                    norm = getattr(layer, leaf, None)       # (None: not this family's)
+                    put(None if norm is None else norm.weight, tensor, name)
+                elif leaf in fused:
+                    group, start, size = fused[leaf]
+                    attr = f"{group}_proj" if kind == "weight" else f"{group}_bias"
+                    put(getattr(layer, attr), tensor, name, start, size,
+                        key=(int(idx), group) if kind == "weight" else None)
+                else:
+                    raise ValueError(f"unexpected checkpoint tensor {name}")
+            else:
+                raise ValueError(f"unexpected checkpoint tensor {name}")
+        missing = [n for n, p in self.named_parameters() if filled.get(id(p), 0) != p.numel()]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+        # a fused weight keeps the file's codes only when all its parts (or the whole, as
+        # Phi-3's files have it) came quantized alike
+        rows = {k: v for k, v in matmul_rows(cfg).items() if k in ("qkv", "gate_up")}
+
+        def whole(key, p) -> bool:
+            return len({g.bits for g in p.values()}) == 1 and (
+                key[1] not in rows or sum(g.shape[0] for g in p.values()) == rows[key[1]])
+        self._quant = {key: GroupQuant.cat([p[s] for s in sorted(p)])
+                       for key, p in parts.items() if whole(key, p)}
+        if cfg.rope_dims != cfg.head_dim:
+            self._reorder_rotary()
+        if cfg.gemma:
+            from engine.gemma import fold_norms
+            fold_norms(self)
+
+    def qkv_rows(self) -> torch.Tensor | None:
+        """The order of the fused q/k/v rows against the checkpoint's (a partial rotary's
+        q and k heads in `rotary_order`), or None where they are as in the checkpoint."""
+        cfg = self.config
+        if cfg.rope_dims == cfg.head_dim:
+            return None
+        d, order = cfg.head_dim, rotary_order(cfg.head_dim, cfg.rope_dims)
+        heads = cfg.num_attention_heads + cfg.num_key_value_heads
+        return torch.cat([h * d + order for h in range(heads)]
+                         + [torch.arange(heads * d, (heads + cfg.num_key_value_heads) * d)])
+
+    def _reorder_rotary(self) -> None:
+        """Put each q and k head's dims in `rotary_order` (a partial rotary served as a full
+        one): the fused weight's rows, its bias, the head norms, and the file's codes."""
+        cfg = self.config
+        order, rows = rotary_order(cfg.head_dim, cfg.rope_dims), self.qkv_rows()
+        for i, layer in enumerate(self.layers):
+            with torch.no_grad():
+                layer.qkv_proj.copy_(layer.qkv_proj[rows])
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias.copy_(layer.qkv_bias[rows])
+                for norm in (layer.q_norm, layer.k_norm):
+                    if norm is not None:
+                        norm.weight.copy_(norm.weight[order])
+            if (i, "qkv") in self._quant:
+                self._quant[(i, "qkv")] = self._quant[(i, "qkv")].permute_rows(rows)
