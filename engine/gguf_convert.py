@@ -108,7 +108,7 @@ def _convert(src: Path, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from engine.gguf_weights import open_gguf, phi3_config
+    from engine.gguf_weights import gemma3_config, open_gguf, phi3_config
     arch = open_gguf(src).architecture      # (a file that is no GGUF fails here, clearly)
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -131,8 +131,9 @@ def _convert(src: Path, dest: Path) -> None:
             tok.chat_template = CHATML_TEMPLATE
         logger.info("[3/4] writing safetensors")
         model.save_pretrained(tmp)
-        if arch == "phi3":      # what transformers' reader drops (engine/gguf_weights.py)
-            _update_config(tmp / "config.json", phi3_config(src))
+        if arch in ("phi3", "gemma3"):      # what transformers' reader drops
+            fields = phi3_config(src) if arch == "phi3" else gemma3_config(src)
+            _update_config(tmp / "config.json", fields)
         tok.save_pretrained(tmp)
         gen = GenerationConfig(bos_token_id=model.config.bos_token_id,
                                eos_token_id=list(eos_ids),

@@ -34,6 +34,10 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
+# Gemma 3's four norms a layer (llama.cpp's ffn_norm is its MLP's input norm)
+_GEMMA3_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                 "ffn_norm": "pre_feedforward_layernorm",
+                 "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -130,15 +134,16 @@ class GGUFFile:
         return struct.unpack_from(fmt, self._raw, self._take(struct.calcsize(fmt)))[0]
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "") -> str | None:
     """The HF checkpoint name of a GGUF tensor name (None for tensors the model does not use,
-    such as rope_freqs)."""
+    such as rope_freqs) in a file of `architecture` (general.architecture)."""
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part not in _LAYER_NAMES:
+        names = {**_LAYER_NAMES, **_GEMMA3_NAMES} if architecture == "gemma3" else _LAYER_NAMES
+        if part not in names:
             return None
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     stem, _, kind = gguf_name.rpartition(".")
     return f"{_TOP_NAMES[stem]}.{kind}" if stem in _TOP_NAMES else None
 
@@ -198,7 +203,7 @@ def iter_gguf_weights(path: Path, config: ModelConfig
     from gguf.quants import dequantize
     file = open_gguf(path)
     for t in file.tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, file.architecture)
         if name is None:
             continue
         if t.kind in _BLOCK_BYTES:
@@ -210,6 +215,8 @@ def iter_gguf_weights(path: Path, config: ModelConfig
         else:
             value = torch.from_numpy(dequantize(np.asarray(t.data), GGMLQuantizationType[t.kind])
                                      .astype(np.float32).reshape(t.shape))
+        if file.architecture == "gemma3" and name.endswith("norm.weight"):
+            value = value - 1           # llama.cpp's converter stores Gemma's norms as 1 + w
         if file.architecture == "phi3" and name.endswith(".mlp.up_proj.weight"):
             name = name.replace(".up_proj.", ".gate_up_proj.")     # [gate | up] in one
         if file.architecture == "llama" and (".q_proj." in name or ".k_proj." in name):
@@ -244,3 +251,20 @@ def phi3_config(path: Path) -> dict:
         out["original_max_position_embeddings"] = orig
     out["rope_parameters"] = rope
     return out
+
+
+def gemma3_config(path: Path) -> dict:
+    """The HF config fields of a Gemma 3 GGUF that transformers' reader drops: the full
+    attention layers' RoPE scaling (linear x8 on the 4B and larger), and the attention scale,
+    which llama.cpp derives as it does (hidden / heads on the 27B's 62 layers, else
+    head_dim)."""
+    f = open_gguf(path).fields
+    heads, hidden = int(f["gemma3.attention.head_count"]), int(f["gemma3.embedding_length"])
+    head_dim = int(f.get("gemma3.attention.key_length", hidden // heads))
+    full: dict = {"rope_type": "default", "rope_theta": float(f.get("gemma3.rope.freq_base",
+                                                                    1e6))}
+    if f.get("gemma3.rope.scaling.type") == "linear":
+        full.update(rope_type="linear", factor=float(f["gemma3.rope.scaling.factor"]))
+    big = int(f["gemma3.block_count"]) == 62
+    return {"rope_parameters": {"full_attention": full},
+            "query_pre_attn_scalar": hidden // heads if big else head_dim}
