@@ -4,7 +4,6 @@ logits as the transformers checkpoint it was made from: transformers' GGUF reade
 scaling, which the conversion gives back."""
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from engine.gguf_convert import bundled_gguf_path, ensure_hf_folder
