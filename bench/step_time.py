@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sparse", action="store_true")
     ap.add_argument("--warm", type=int, default=40)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--model", default=None,
+                    help="an HF folder (bench/random_model.py makes one of another shape); "
+                         "default: the bundled model")
     args = ap.parse_args(argv)
     use_checkout_cache()                # this checkout's converted model, whichever code runs
     root = str(Path(args.checkout).resolve())
@@ -40,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     os.chdir(root)
     kv = dict(kv_device_gb=0.5, kv_host_gb=1, kv_disk_gb=8, sparse_budget=1024) \
         if args.sparse else dict(kv_device_gb=4.0)
+    if args.model:
+        kv["model"] = args.model
     engine, ids = decoding_engine(args.context, args.batch, args.warm + args.steps, **kv)
     for _ in range(args.warm):
         engine.step()
@@ -52,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         raise RuntimeError("a request finished inside the timed steps: they were not all "
                            f"{args.batch} rows")
     split = engine.core_split.decided() if getattr(engine, "core_split", None) else None
-    print(json.dumps({"checkout": root, "context": args.context, "batch": args.batch,
+    print(json.dumps({"checkout": root, "model": args.model or "bundled",
+                      "context": args.context, "batch": args.batch,
                       "sparse": args.sparse, "ms": round(1e3 * statistics.median(walls), 2),
                       "core_split": None if split is None else
                       {str(k): list(v) for k, v in split.items()}}))

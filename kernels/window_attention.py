@@ -38,13 +38,47 @@ def first_window_page(start_pos: int, window: int, page_size: int) -> int:
 
 def window_attention(q: torch.Tensor, pool: torch.Tensor, seqs: Sequence[WindowSeq],
                      window: int, scale: float) -> torch.Tensor:
-    """q [T, H, D] (the sequences' rows, in order) over pool [S, 2, KVH, ps, D] -> [T, H, D]."""
+    """q [T, H, D] (the sequences' rows, in order) over pool [S, 2, KVH, ps, D] -> [T, H, D].
+    Decodes (one row) are computed together, the other sequences one by one."""
     out = torch.empty_like(q)
-    at = 0
+    at, decodes, rows = 0, [], []
     for s in seqs:
-        out[at:at + s.q_len] = _sequence(q[at:at + s.q_len], pool, s, window, scale)
+        if s.q_len == 1:
+            decodes.append(s)
+            rows.append(at)
+        else:
+            out[at:at + s.q_len] = _sequence(q[at:at + s.q_len], pool, s, window, scale)
         at += s.q_len
+    if decodes:
+        rows = torch.tensor(rows, device=q.device)
+        out[rows] = _decodes(q[rows], pool, decodes, window, scale)
     return out
+
+
+def _decodes(q: torch.Tensor, pool: torch.Tensor, seqs: list[WindowSeq], window: int,
+             scale: float) -> torch.Tensor:
+    """One row a sequence, q [B, H, D]: their pages gathered at once (padded to the most)."""
+    b, heads, d = q.shape
+    _, _, kvh, ps, _ = pool.shape
+    n = max(s.slots.numel() for s in seqs)
+    slots = torch.zeros(b, n, dtype=torch.int64, device=q.device)
+    for i, s in enumerate(seqs):
+        slots[i, :s.slots.numel()] = s.slots
+    kv = pool[slots]                                         # [B, n, 2, KVH, ps, D]
+    k = kv[:, :, 0].transpose(1, 2).reshape(b, kvh, n * ps, d).float()
+    v = kv[:, :, 1].transpose(1, 2).reshape(b, kvh, n * ps, d).float()
+    base = torch.tensor([s.first_page * ps for s in seqs], device=q.device)
+    pos = torch.tensor([s.start_pos for s in seqs], device=q.device)
+    count = torch.tensor([s.slots.numel() * ps for s in seqs], device=q.device)
+    col = torch.arange(n * ps, device=q.device)
+    pos_k = base[:, None] + col[None]                        # [B, n * ps]
+    allowed = (pos_k <= pos[:, None]) & (pos_k > pos[:, None] - window) \
+        & (col[None] < count[:, None])
+    qg = q.float().reshape(b, kvh, heads // kvh, d)          # [B, KVH, group, D]
+    scores = torch.matmul(qg, k.transpose(2, 3)) * scale     # [B, KVH, group, n * ps]
+    scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+    o = torch.matmul(torch.softmax(scores, dim=-1), v)       # [B, KVH, group, D]
+    return o.reshape(b, heads, d).to(q.dtype)
 
 
 def _sequence(q: torch.Tensor, pool: torch.Tensor, s: WindowSeq, window: int,

@@ -25,10 +25,11 @@ def _reference(q, k, v, start, window, scale):
 @pytest.mark.parametrize("window", [1, 5, 8, 300])
 def test_window_attention_equals_the_masked_reference(window):
     g = torch.Generator().manual_seed(window)
-    # (kv_len, q_len): a decode, a chunk ending mid-page, a prompt longer than a query block
-    shapes = [(23, 1), (30, 9), (610, 610)]
-    slots_free = torch.randperm(400, generator=g)
-    pool = torch.randn(400, 2, KVH, PS, D, generator=g)
+    # (kv_len, q_len): decodes (computed together: one at a page's start, one long), a chunk
+    # ending mid-page, a prompt longer than a query block
+    shapes = [(23, 1), (30, 9), (610, 610), (5, 1), (401, 1)]
+    slots_free = torch.randperm(500, generator=g)
+    pool = torch.randn(500, 2, KVH, PS, D, generator=g)
     seqs, qs, refs, at = [], [], [], 0
     for kv_len, q_len in shapes:
         n = -(-kv_len // PS)
