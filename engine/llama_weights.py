@@ -46,7 +46,8 @@ class LlamaWeights:
             filled[id(param)] = filled.get(id(param), 0) + dst.numel()
 
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq"):
+            name = self._language_name(name)
+            if name is None or name.endswith("rotary_emb.inv_freq"):
                 continue
             if name == "model.embed_tokens.weight":
                 put(self.embed_tokens, tensor, name,
@@ -91,6 +92,18 @@ class LlamaWeights:
         if cfg.gemma:
             from engine.gemma import fold_norms
             fold_norms(self)
+
+    def _language_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as the language model's (a vision-language checkpoint's
+        `language_model.model.*` or `model.language_model.*`), or None for the parts a
+        text-only serving leaves (its vision tower and projector)."""
+        if not self.config.multimodal:
+            return name
+        for prefix in ("language_model.model.", "model.language_model."):
+            if name.startswith(prefix):
+                return "model." + name[len(prefix):]
+        return "lm_head.weight" if name in ("language_model.lm_head.weight",
+                                            "lm_head.weight") else None
 
     def qkv_rows(self) -> torch.Tensor | None:
         """The order of the fused q/k/v rows against the checkpoint's (a partial rotary's

@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                        "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
@@ -61,6 +61,9 @@ class ModelConfig:
     local_rope_theta: float | None = None   # the windowed layers' RoPE base (default type);
                                             # None: theirs is the others'
     final_logit_softcapping: float | None = None    # logits = cap * tanh(logits / cap)
+    # a vision-language checkpoint (Gemma 3 4B and larger) served text-only: its language
+    # model's weights are read, the vision tower's and projector's left (llama_weights.py)
+    multimodal: bool = False
 
     @property
     def attention_scale(self) -> float:
@@ -133,6 +136,12 @@ class ModelConfig:
                              f"Strata runs {', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch == "Gemma3ForCausalLM":
             return cls._parse_gemma3({**_GEMMA3_DEFAULTS, **cfg}, gen)
+        if arch == "Gemma3ForConditionalGeneration":
+            text = {k: cfg[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
+                    if k in cfg}
+            text.update(cfg.get("text_config") or {}, architectures=["Gemma3ForCausalLM"])
+            return dataclasses.replace(cls._parse_gemma3({**_GEMMA3_DEFAULTS, **text}, gen),
+                                       multimodal=True)
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:

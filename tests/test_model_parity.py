@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.model_loader import load_model
-from tests.model_helpers import PagedSequence, page_pool, save_tiny_hf, step
+from tests.model_helpers import TINY, PagedSequence, page_pool, save_tiny_hf, step
 from tests.kv_cache import make_kv_cache
 
 PAGE_SIZE = 4
@@ -222,3 +222,32 @@ def test_a_windowed_layer_reads_only_its_window_from_disk(tmp_path):
         reads[window] = engine.store.stats.snapshot().hits.get("disk", 0) - before
     # per layer (2) and decode (8)
     assert reads[None] >= 2 * 8 * 6 and 0 < reads[20] <= 2 * 8 * 2, reads
+
+
+def test_a_gemma3_vision_language_checkpoint_serves_its_language_model(tmp_path):
+    """Gemma 3 4B and larger come as Gemma3ForConditionalGeneration (a vision tower beside the
+    language model, the text config nested): served text-only, its logits of a text prompt
+    equal transformers' whole model's."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    from engine.model_config import ModelConfig
+
+    text = dict(TINY, **GEMMA3, layer_types=["sliding_attention", "full_attention"])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    hf = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=255,
+        boi_token_index=253, eoi_token_index=254)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(0.1 * torch.randn_like(p) if name.endswith("norm.weight")
+                    else 0.15 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    cfg = ModelConfig.from_hf(tmp_path)
+    assert cfg.multimodal and cfg.gemma and cfg.layer_windows == (7, None)
+    ours = load_model(tmp_path, cfg, dtype=torch.float32)
+    tokens = _prompts(7)[0]
+    (got,) = step(ours, make_kv_cache(ours, 16, PAGE_SIZE),
+                  [(PagedSequence(tokens, page_pool(16)), len(tokens))])
+    torch.testing.assert_close(got, _hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
