@@ -125,6 +125,10 @@ class ModelConfig:
             gen_file = folder / "generation_config.json"
             if gen_file.is_file():
                 gen = json.loads(gen_file.read_text())
+        if (cfg.get("architectures") or [None])[0] == "Gemma3ForConditionalGeneration":
+            # the overrides are the language model's (its config nested in text_config)
+            return cls._parse({**cfg, "text_config": _overridden(cfg.get("text_config") or {},
+                                                                 overrides or {})}, gen)
         return cls._parse(_overridden(cfg, overrides or {}), gen)
 
     @classmethod
@@ -265,7 +269,12 @@ def _overridden(cfg: dict, overrides: Mapping[str, Any]) -> dict:
     cfg = {**cfg, **overrides}
     params = cfg.get("rope_parameters")
     if "rope_theta" in overrides and isinstance(params, dict):
-        cfg["rope_parameters"] = {**params, "rope_theta": overrides["rope_theta"]}
+        if "full_attention" in params:      # Gemma 3's, by layer type: the global layers'
+            params = {**params, "full_attention": {**params["full_attention"],
+                                                   "rope_theta": overrides["rope_theta"]}}
+            cfg["rope_parameters"] = params
+        else:
+            cfg["rope_parameters"] = {**params, "rope_theta": overrides["rope_theta"]}
     if "rope_parameters" in overrides and "rope_scaling" not in overrides:
         cfg.pop("rope_scaling", None)
     return cfg

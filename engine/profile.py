@@ -27,13 +27,13 @@ def measure(model, texts: list[list[int]], kv_cfg, options: list[int], window: i
     cfg = model.config
     pages = [kv_cfg.pages(o) for o in options]
     total = torch.zeros(cfg.num_hidden_layers, cfg.num_key_value_heads, len(options))
-    scale = cfg.head_dim ** -0.5
+    scale = cfg.attention_scale
 
     def on_layer(layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
         total[layer] += recall_curves(q, k, kv_cfg.page_size, kv_cfg.sink_pages,
                                       kv_cfg.local_pages, pages, window, scale, selector)
 
-    seam = CaptureKV(on_layer)
+    seam = CaptureKV(on_layer, cfg.layer_windows)
     for ids in tqdm(texts, desc="profiling", unit="text"):
         model(torch.tensor(ids, dtype=torch.int64), torch.arange(len(ids)), seam,
               torch.tensor([len(ids) - 1]))

@@ -102,8 +102,10 @@ class ReuseAhead:
         exact = torch.cat([p.keys for p in sparse]) if sparse else None
         if exact is not None:
             self.reused[layer] = exact
+        elif layer in step.cut:     # a layer whose window cuts attends no selection
+            self.reused.pop(layer, None)
         target = layer + self.layers
-        last = self.reused.get(target)
+        last = None if target in step.cut else self.reused.get(target)
         if last is None and exact is None:
             return
         # the next layer's resolves on the engine thread find this many slots free: 1.5x the

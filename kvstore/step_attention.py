@@ -57,6 +57,8 @@ def attend_window(step, layer: int, q: torch.Tensor, out: torch.Tensor, idx: lis
         at += n
     rows = step.query_rows(idx)
     out[rows] = window_attention(q[rows], step.tiers.pool, seqs, window, scale)
+    if step.observe_idx and layer >= step.cfg.dense_layers:    # (sparse once not cut)
+        _observe_window(step, layer, q, idx, slots, scale, first)
 
 
 def attend_sparse(step, q: torch.Tensor, out: torch.Tensor, part: LayerPart, scale: float,
@@ -116,22 +118,26 @@ def _c_kernel(step, qr: torch.Tensor, group: int) -> NativeSparseDecode | None:
 
 
 def _observe_window(step, layer: int, q: torch.Tensor, dense_idx: list[int],
-                    slots: torch.Tensor, scale: float) -> None:
+                    slots: torch.Tensor, scale: float, firsts: list[int] | None = None) -> None:
     """Prefills ending this step: the attention mass of their last obs_window queries over
-    each page (all on device now) becomes the pages' prior for sparse decode."""
+    each page (all on device now) becomes the pages' prior for sparse decode. firsts: each
+    sequence's first page in `slots` (a layer whose window cuts: the pages before it keep no
+    prior)."""
     cfg = step.cfg
     pool = step.tiers.pool
     group = q.shape[1] // step.tiers.page_shape.num_kv_heads
     at = 0
     for i in dense_idx:
-        n = step.n_pages[i]
+        first = 0 if firsts is None else firsts[i]
+        n = step.n_pages[i] - first
         if i in step.observe_idx:
             s = step.seqs[i]
             w = min(cfg.obs_window, s.q_len)
             mass = window_page_mass(q[step.qo[i + 1] - w:step.qo[i + 1]],
-                                    pool[slots[at:at + n].long(), 0], s.kv_len, scale, group,
+                                    pool[slots[at:at + n].long(), 0],
+                                    s.kv_len - first * cfg.page_size, scale, group,
                                     cfg.obs_reduce)
-            step.parts.requests[s.request_id].prior[layer, :n] = mass
+            step.parts.requests[s.request_id].prior[layer, first:first + n] = mass
         at += n
 
 

@@ -65,8 +65,9 @@ def _write_gemma3_gguf(hf, path) -> None:
 
 
 def test_a_gemma3_gguf_loads_with_its_norms_and_rope_scaling(tmp_path):
-    hf = save_tiny_hf("gemma3", {"vocab_size": 49152, "num_hidden_layers": 6, "head_dim": 16,
-                                 "query_pre_attn_scalar": 16, "sliding_window": 7,
+    # head_dim 8 apart from hidden / heads (16): the scale llama.cpp derives is head_dim's
+    hf = save_tiny_hf("gemma3", {"vocab_size": 49152, "num_hidden_layers": 6, "head_dim": 8,
+                                 "query_pre_attn_scalar": 8, "sliding_window": 7,
                                  "pad_token_id": 0,
                                  "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
                       tmp_path / "hf")
@@ -75,7 +76,7 @@ def test_a_gemma3_gguf_loads_with_its_norms_and_rope_scaling(tmp_path):
     folder = ensure_hf_folder(str(path), tmp_path / "cache")
     cfg = ModelConfig.from_hf(folder)
     assert cfg.gemma and cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
-    assert cfg.layer_windows == (7,) * 5 + (None,) and cfg.attention_scale == 16 ** -0.5
+    assert cfg.layer_windows == (7,) * 5 + (None,) and cfg.attention_scale == 8 ** -0.5
     ours = load_model(folder, cfg, dtype=torch.float32, gguf=path)
     tokens = torch.randint(3, 49152, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     (got,) = step(ours, make_kv_cache(ours, 16, 4), [(PagedSequence(tokens, page_pool(16)),

@@ -128,15 +128,26 @@ def test_gemma3_as_transformers_4_and_5_write_it():
     assert c.rope_theta == 1e6 and c.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert c.local_rope_theta == 10000.0 and c.positions == 131072      # already scaled
     assert c.layer_windows == (1024,) * 5 + (None,) + (1024,) * 5 + (None,)
-    # transformers 5: a RoPE per layer type, the layer types listed
+    # transformers 5: a RoPE per layer type, the layer types listed (values apart from the
+    # defaults, a 27B-like attention scale)
     new = dict(old, model_type="gemma3_text", architectures=None, rope_scaling=None,
-               layer_types=["sliding_attention", "full_attention"] * 6,
+               layer_types=["sliding_attention", "full_attention"] * 6, head_dim=128,
+               query_pre_attn_scalar=168,
                rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
-                                                   "rope_theta": 1e6},
+                                                   "rope_theta": 5e5},
                                 "sliding_attention": {"rope_type": "default",
-                                                      "rope_theta": 10000.0}})
+                                                      "rope_theta": 20000.0}})
     c5 = ModelConfig.from_hf(new)
-    assert c5.rope_scaling == c.rope_scaling and c5.rope_theta == 1e6
-    assert c5.layer_windows == (1024, None) * 6 and c5.local_rope_theta == 10000.0
+    assert c5.rope_scaling == c.rope_scaling and c5.rope_theta == 5e5
+    assert c5.layer_windows == (1024, None) * 6 and c5.local_rope_theta == 20000.0
+    assert c5.attention_scale == 168 ** -0.5
+    # --hf-overrides: rope_theta is the global layers'; a vision-language checkpoint's
+    # overrides are its language model's
+    assert ModelConfig.from_hf(new, {"rope_theta": 2e6}).rope_theta == 2e6
+    vl = dict(architectures=["Gemma3ForConditionalGeneration"], text_config=dict(
+        new, architectures=None), vision_config={}, eos_token_id=[1, 106])
+    cv = ModelConfig.from_hf(vl, {"rope_theta": 2e6, "sliding_window": 512})
+    assert cv.multimodal and cv.rope_theta == 2e6 and cv.layer_windows[0] == 512
+    assert cv.eos_token_ids == (1, 106)
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         ModelConfig.from_hf(dict(old, attn_logit_softcapping=50.0))

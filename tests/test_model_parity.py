@@ -175,29 +175,46 @@ def test_gguf_names_of_the_qk_norms():
     assert hf_name("blk.0.attn_k_norm.weight") == "model.layers.0.self_attn.k_norm.weight"
 
 
-@pytest.mark.parametrize("extra", [{"sparse_budget": 32, "sparse_threshold": 32},
-                                   {"kv_disk_gb": 0.01}])
-def test_the_engine_serves_past_a_sliding_window_as_transformers_generates(tmp_path, extra):
-    """Phi-3-mini-4k's shape: a window (20 tokens, not whole pages) shorter than the served
-    length, which is the model's positions. Through the KV store (chunked prefill, decodes
-    past the window; with sparse decode configured, or with the disk tier as the backing
-    store), greedy tokens equal transformers' generate."""
+@pytest.mark.parametrize("extra", [
+    {},
+    # sparse decode past 80 tokens (the 70-token prompt's last decodes), whose 5-page budget
+    # and the partial last page cover the context: the selection path, exact; the full layers
+    # select while the windowed ones attend their window
+    {"sparse_budget": 80, "sparse_threshold": 80, "dense_layers": 0},
+    {"sparse_budget": 80, "sparse_threshold": 80, "dense_layers": 0, "pipeline": "sfc",
+     "micro_batch": 1},
+    {"kv_disk_gb": 0.01}])          # the disk tier as the backing store
+@pytest.mark.parametrize("kind, model", [
+    # Phi-3-mini-4k's shape: every layer windowed (20 tokens: not whole pages)
+    ("phi3", dict(PHI3, sliding_window=20)),
+    # Gemma 3's: a windowed layer and a full one
+    ("gemma3", dict(GEMMA3, sliding_window=20,
+                    layer_types=["sliding_attention", "full_attention"]))])
+def test_the_engine_serves_past_a_sliding_window_as_transformers_generates(tmp_path, kind,
+                                                                           model, extra):
+    """A window shorter than the served length, which is the model's positions: through the
+    KV store (chunked prefill; decodes within the window, then past it, where a step with
+    any sequence past it attends the window's pages), greedy tokens equal transformers'
+    generate. The short prompt alone first: steps the window never cuts (the resident path)."""
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
     from tests.engine_helpers import run_scored
 
-    hf = save_tiny_hf("phi3", dict(PHI3, sliding_window=20), tmp_path / "model")
+    hf = save_tiny_hf(kind, model, tmp_path / "model")
     engine = LLMEngine(EngineArgs(model=str(tmp_path / "model"), dtype="fp32", weights="fp32",
                                   page_size=16, kv_device_gb=0.01, max_num_batched_tokens=32,
                                   prefix_cache="off", kv_disk_path=tmp_path / "kv", **extra))
     assert engine.max_model_len == 128
-    prompts, steps = _prompts(5, lengths=(41, 17, 70)), 12
-    got, _ = run_scored(engine, prompts, steps)
-    with torch.no_grad():
-        for i, p in enumerate(prompts):
-            out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-            assert got[f"r{i}"] == out[0, len(p):].tolist()
+    for prompts, steps in ((_prompts(5, lengths=(9,)), 6), (_prompts(5, lengths=(41, 17, 70)),
+                                                             12)):
+        got, _ = run_scored(engine, prompts, steps)
+        with torch.no_grad():
+            for i, p in enumerate(prompts):
+                out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+                assert got[f"r{i}"] == out[0, len(p):].tolist()
+    if kind == "gemma3" and "sparse_budget" in extra:       # its full layer selected
+        assert engine.store.stats.snapshot().selected_count > 0
 
 
 def test_a_windowed_layer_reads_only_its_window_from_disk(tmp_path):

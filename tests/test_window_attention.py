@@ -53,3 +53,13 @@ def test_the_first_page_is_the_window_s():
     assert first_window_page(11, 7, 4) == 1        # from 5
     assert first_window_page(12, 7, 4) == 1        # from 6
     assert first_window_page(14, 7, 4) == 2        # from 8
+
+
+def test_the_calibration_seam_attends_within_the_window():
+    """kvstore/lowrank.py's causal attention (profile, calibrate) with a window."""
+    from kvstore.lowrank import causal_attention
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(30, KVH * GROUP, D, generator=g)
+    k, v = torch.randn(30, KVH, D, generator=g), torch.randn(30, KVH, D, generator=g)
+    torch.testing.assert_close(causal_attention(q, k, v, 0.3, window=6),
+                               _reference(q, k, v, 0, 6, 0.3), atol=1e-5, rtol=1e-5)
