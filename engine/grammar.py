@@ -50,11 +50,14 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
     if spec.kind == "lark":
         # NOTE: GBNF (llama.cpp's, and what vLLM's guided_grammar takes with xgrammar: a
         # `root ::= ...` rule) is converted; Lark (a `start:` rule) is taken as it is
-        from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+        from llguidance.gbnf_to_lark import any_to_lark
+        # NOTE: the converter raises bare Exceptions too (an empty grammar: "No 'root' rule
+        # found"), which were 500s
         try:
-            return LLMatcher.grammar_from_lark(any_to_lark(spec.source))
-        except GbnfToLarkError as exc:
+            lark = any_to_lark(spec.source)
+        except Exception as exc:    # noqa: BLE001
             raise GrammarError(f"the GBNF grammar does not parse: {exc}") from None
+        return LLMatcher.grammar_from_lark(lark)
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 

@@ -81,6 +81,8 @@ def test_a_token_outside_the_grammar_is_refused(table, tokenizer):
     GrammarSpec("regex", "[a-z"),
     GrammarSpec("lark", "start: undefined_rule"),
     GrammarSpec("lark", "root ::= ("),
+    GrammarSpec("lark", ""),                # (the converter's bare "No 'root' rule found")
+    GrammarSpec("lark", "expr ::= \"a\""),
 ])
 def test_invalid_grammars_are_refused(spec):
     with pytest.raises(GrammarError):

@@ -1,0 +1,57 @@
+"""A Gemma 3-shaped model (tiny, random: windowed and full layers) served end to end: the
+OpenAI SDK's streamed chat, and greedy tokens past the window equal to transformers'."""
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import pytest
+import torch
+
+from tests.model_helpers import save_tiny_hf
+from tests.server_helpers import REQUEST_TIMEOUT_S, openai_client, running_server
+
+pytestmark = pytest.mark.slow
+
+MODEL = {"vocab_size": 49152, "num_hidden_layers": 3, "head_dim": 16, "sliding_window": 16,
+         "query_pre_attn_scalar": 24, "pad_token_id": 0, "max_position_embeddings": 512,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]}
+
+
+@pytest.fixture(scope="module")
+def served(smollm2_dir, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma")
+    hf = save_tiny_hf("gemma3", MODEL, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2_dir / name).is_file():              # the bundled model's vocabulary
+            shutil.copy(smollm2_dir / name, folder / name)
+    with running_server("--model", str(folder), "--served-model-name", "gemma",
+                        "--dtype", "fp32", "--weights", "fp32") as s:
+        yield s, hf
+
+
+def test_streamed_chat_past_the_window(served):
+    server, _ = served
+    client = openai_client(server.url)
+    stream = client.chat.completions.create(
+        model="gemma", max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        messages=[{"role": "user", "content": "Tell me about disks. " * 10}])
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens > MODEL["sliding_window"]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == "length"
+
+
+def test_greedy_tokens_equal_transformers_past_the_window(served):
+    server, hf = served
+    prompt = torch.randint(3, 49152, (60,), generator=torch.Generator().manual_seed(0)).tolist()
+    r = httpx.post(server.url + "/completion", timeout=REQUEST_TIMEOUT_S, json={
+        "prompt": prompt, "n_predict": 12, "temperature": 0.0, "ignore_eos": True,
+        "return_tokens": True})
+    assert r.status_code == 200, r.text
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert r.json()["tokens"] == want
