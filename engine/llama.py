@@ -10,7 +10,6 @@ rotary's q and k rows are reordered at load (engine/rope.py `rotary_order`).
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -50,7 +50,7 @@ def load_model(path: str | Path, config: ModelConfig | None = None,
 
     config: ModelConfig.from_hf(path) when not given.
     max_model_len: longest sequence to serve (default: the config's max_position_embeddings);
-    it sizes the RoPE tables and is checked against a sliding window.
+    it sizes the RoPE tables.
     decode_format: a kernels.packed_linear format for steps of fewer than `prefill_rows`
     rows (None: the dense `dtype` weights for every step).
     """
