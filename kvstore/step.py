@@ -132,7 +132,7 @@ class StepKV:
         longest = max((s.kv_len for s in seqs), default=0)
         self.cut = {layer: w for layer, w in enumerate(parts.windows)
                     if w is not None and longest > w}
-        self._first_pages: dict[int, list[int]] = {}      # by window: each sequence's
+        self._first_pages: dict[int, list[int]] = {}      # `first_pages`, by window
         self.pipe = parts.pipeline
         self.pipe.begin_step(len(self.sparse_idx), all(s.q_len == 1 for s in seqs))
         self._q_pred: dict[int, torch.Tensor] = {}
