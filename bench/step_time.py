@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default=None,
                     help="an HF folder (bench/random_model.py makes one of another shape); "
                          "default: the bundled model")
+    ap.add_argument("--weights", default=None, help="--weights (default: the server's, auto)")
     args = ap.parse_args(argv)
     use_checkout_cache()                # this checkout's converted model, whichever code runs
     root = str(Path(args.checkout).resolve())
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.sparse else dict(kv_device_gb=4.0)
     if args.model:
         kv["model"] = args.model
+    if args.weights:
+        kv["weights"] = args.weights
     engine, ids = decoding_engine(args.context, args.batch, args.warm + args.steps, **kv)
     for _ in range(args.warm):
         engine.step()
@@ -58,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
                            f"{args.batch} rows")
     split = engine.core_split.decided() if getattr(engine, "core_split", None) else None
     print(json.dumps({"checkout": root, "model": args.model or "bundled",
+                      "weights": args.weights or "auto",
                       "context": args.context, "batch": args.batch,
                       "sparse": args.sparse, "ms": round(1e3 * statistics.median(walls), 2),
                       "core_split": None if split is None else
