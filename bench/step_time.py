@@ -42,13 +42,10 @@ def main(argv: list[str] | None = None) -> None:
     root = str(Path(args.checkout).resolve())
     sys.path.insert(0, root)            # the engine's code from `--checkout` (bench's is loaded)
     os.chdir(root)
-    kv = dict(kv_device_gb=0.5, kv_host_gb=1, kv_disk_gb=8, sparse_budget=1024) \
+    kw = dict(kv_device_gb=0.5, kv_host_gb=1, kv_disk_gb=8, sparse_budget=1024) \
         if args.sparse else dict(kv_device_gb=4.0)
-    if args.model:
-        kv["model"] = args.model
-    if args.weights:
-        kv["weights"] = args.weights
-    engine, ids = decoding_engine(args.context, args.batch, args.warm + args.steps, **kv)
+    kw.update({k: v for k, v in (("model", args.model), ("weights", args.weights)) if v})
+    engine, ids = decoding_engine(args.context, args.batch, args.warm + args.steps, **kw)
     for _ in range(args.warm):
         engine.step()
     walls = []

@@ -20,11 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.llama import DecoderLayer
+from engine.llama_weights import LAYER_NORMS
 from engine.model_config import ModelConfig
 from engine.norm import RMSNorm
-
-_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-          "post_feedforward_layernorm", "q_norm", "k_norm")
 
 
 class GemmaDecoderLayer(DecoderLayer):
@@ -54,7 +52,7 @@ class GemmaDecoderLayer(DecoderLayer):
 
     def norm_weights(self) -> list[torch.Tensor]:
         """The weights of the layer's RMSNorms (`fold_norms`)."""
-        norms = (getattr(self, name) for name in _NORMS)
+        norms = (getattr(self, name) for name in LAYER_NORMS)
         return [n.weight for n in norms if n is not None]
 
 

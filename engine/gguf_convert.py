@@ -131,9 +131,9 @@ def _convert(src: Path, dest: Path) -> None:
             tok.chat_template = CHATML_TEMPLATE
         logger.info("[3/4] writing safetensors")
         model.save_pretrained(tmp)
-        if arch in ("phi3", "gemma3"):      # what transformers' reader drops
-            fields = phi3_config(src) if arch == "phi3" else gemma3_config(src)
-            _update_config(tmp / "config.json", fields)
+        dropped = {"phi3": phi3_config, "gemma3": gemma3_config}.get(arch)
+        if dropped is not None:             # what transformers' reader drops
+            _update_config(tmp / "config.json", dropped(src))
         tok.save_pretrained(tmp)
         gen = GenerationConfig(bos_token_id=model.config.bos_token_id,
                                eos_token_id=list(eos_ids),

@@ -11,9 +11,10 @@ from engine.model_config import matmul_rows, projection_rows
 from engine.rope import rotary_order
 from kernels.packed_linear import GroupQuant
 
-# a layer's norms over the hidden state (Gemma 3 has all four; engine/gemma.py)
-_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-          "post_feedforward_layernorm")
+# a layer's norms: over the hidden state (Gemma 3 has all four; engine/gemma.py), and over
+# each q and k head (Qwen3's, Gemma 3's)
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm", "q_norm", "k_norm")
 
 
 class LlamaWeights:
@@ -62,7 +63,7 @@ class LlamaWeights:
                 layer = self.layers[int(idx)]
                 module, kind = rest.rsplit(".", 1)           # e.g. self_attn.q_proj, weight
                 leaf = module.split(".")[-1]
-                if leaf in _NORMS or leaf in ("q_norm", "k_norm"):
+                if leaf in LAYER_NORMS:
                     norm = getattr(layer, leaf, None)       # (None: not this family's)
                     put(None if norm is None else norm.weight, tensor, name)
                 elif leaf in fused:

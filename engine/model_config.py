@@ -10,7 +10,7 @@ from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
-                           "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+                           "Gemma3ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                        "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
@@ -125,11 +125,9 @@ class ModelConfig:
             gen_file = folder / "generation_config.json"
             if gen_file.is_file():
                 gen = json.loads(gen_file.read_text())
-        if (cfg.get("architectures") or [None])[0] == "Gemma3ForConditionalGeneration":
-            # the overrides are the language model's (its config nested in text_config)
-            return cls._parse({**cfg, "text_config": _overridden(cfg.get("text_config") or {},
-                                                                 overrides or {})}, gen)
-        return cls._parse(_overridden(cfg, overrides or {}), gen)
+        cfg, multimodal = _language_model(cfg)
+        parsed = cls._parse(_overridden(cfg, overrides or {}), gen)
+        return dataclasses.replace(parsed, multimodal=True) if multimodal else parsed
 
     @classmethod
     def _parse(cls, cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> "ModelConfig":
@@ -140,12 +138,6 @@ class ModelConfig:
                              f"Strata runs {', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch == "Gemma3ForCausalLM":
             return cls._parse_gemma3({**_GEMMA3_DEFAULTS, **cfg}, gen)
-        if arch == "Gemma3ForConditionalGeneration":
-            text = {k: cfg[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
-                    if k in cfg}
-            text.update(cfg.get("text_config") or {}, architectures=["Gemma3ForCausalLM"])
-            return dataclasses.replace(cls._parse_gemma3({**_GEMMA3_DEFAULTS, **text}, gen),
-                                       multimodal=True)
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -192,7 +184,6 @@ class ModelConfig:
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         )
 
-
     @classmethod
     def _parse_gemma3(cls, cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> "ModelConfig":
         """Gemma 3's text model: the Llama fields plus its block, windowed layers every
@@ -223,9 +214,7 @@ class ModelConfig:
                             "rope_parameters": None}, gen)
         return dataclasses.replace(
             llama, architecture="Gemma3ForCausalLM", gemma=True, qk_norm=True,
-            sliding_window=int(cfg["sliding_window"]),
-            sliding_layers=_sliding_layers({"num_hidden_layers": layers,
-                                            "layer_types": types}, False, None),
+            sliding_window=int(cfg["sliding_window"]),     # (the layers: `types`)
             query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
             local_rope_theta=local_theta,
             final_logit_softcapping=cfg.get("final_logit_softcapping"))
@@ -335,6 +324,18 @@ def _nope_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:
         every = int(cfg.get("no_rope_layer_interval", 4))
         flags = [int((i + 1) % every != 0) for i in range(layers)]
     return tuple(i for i, rope in enumerate(flags) if not rope)
+
+
+def _language_model(cfg: dict) -> tuple[dict, bool]:
+    """A vision-language checkpoint's language model config (Gemma 3 4B and larger: its
+    text_config, with the top level's token ids), and whether it was one; other configs as
+    they are. --hf-overrides then apply to the language model."""
+    if (cfg.get("architectures") or [None])[0] != "Gemma3ForConditionalGeneration":
+        return cfg, False
+    text = {k: cfg[k] for k in ("eos_token_id", "bos_token_id", "tie_word_embeddings")
+            if k in cfg}
+    text.update(cfg.get("text_config") or {}, architectures=["Gemma3ForCausalLM"])
+    return text, True
 
 
 def _sliding_layers(cfg: Mapping[str, Any], is_qwen: bool,

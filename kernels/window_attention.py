@@ -36,6 +36,12 @@ def first_window_page(start_pos: int, window: int, page_size: int) -> int:
     return max(0, start_pos - window + 1) // page_size
 
 
+def window_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int) -> torch.Tensor:
+    """Which keys (positions pos_k) each query (pos_q) attends to, broadcast: the causal keys
+    within its window."""
+    return (pos_k <= pos_q) & (pos_k > pos_q - window)
+
+
 def window_attention(q: torch.Tensor, pool: torch.Tensor, seqs: Sequence[WindowSeq],
                      window: int, scale: float) -> torch.Tensor:
     """q [T, H, D] (the sequences' rows, in order) over pool [S, 2, KVH, ps, D] -> [T, H, D].
@@ -60,10 +66,8 @@ def _decodes(q: torch.Tensor, pool: torch.Tensor, seqs: list[WindowSeq], window:
     """One row a sequence, q [B, H, D]: their pages gathered at once (padded to the most)."""
     b, heads, d = q.shape
     _, _, kvh, ps, _ = pool.shape
-    n = max(s.slots.numel() for s in seqs)
-    slots = torch.zeros(b, n, dtype=torch.int64, device=q.device)
-    for i, s in enumerate(seqs):
-        slots[i, :s.slots.numel()] = s.slots
+    slots = torch.nn.utils.rnn.pad_sequence([s.slots.long() for s in seqs], batch_first=True)
+    n = slots.shape[1]
     kv = pool[slots]                                         # [B, n, 2, KVH, ps, D]
     k = kv[:, :, 0].transpose(1, 2).reshape(b, kvh, n * ps, d).float()
     v = kv[:, :, 1].transpose(1, 2).reshape(b, kvh, n * ps, d).float()
@@ -72,8 +76,7 @@ def _decodes(q: torch.Tensor, pool: torch.Tensor, seqs: list[WindowSeq], window:
     count = torch.tensor([s.slots.numel() * ps for s in seqs], device=q.device)
     col = torch.arange(n * ps, device=q.device)
     pos_k = base[:, None] + col[None]                        # [B, n * ps]
-    allowed = (pos_k <= pos[:, None]) & (pos_k > pos[:, None] - window) \
-        & (col[None] < count[:, None])
+    allowed = window_mask(pos[:, None], pos_k, window) & (col[None] < count[:, None])
     qg = q.float().reshape(b, kvh, heads // kvh, d)          # [B, KVH, group, D]
     scores = torch.matmul(qg, k.transpose(2, 3)) * scale     # [B, KVH, group, n * ps]
     scores.masked_fill_(~allowed[:, None, None], float("-inf"))
@@ -99,7 +102,7 @@ def _sequence(q: torch.Tensor, pool: torch.Tensor, s: WindowSeq, window: int,
         hi = s.start_pos + b1 - base                         # past its last key
         pos_q = torch.arange(p0, s.start_pos + b1, device=q.device)
         pos_k = torch.arange(base + lo, base + hi, device=q.device)
-        allowed = (pos_k[None] <= pos_q[:, None]) & (pos_k[None] > pos_q[:, None] - window)
+        allowed = window_mask(pos_q[:, None], pos_k[None], window)
         # [KVH, group * rows, D]: a KV head's query heads, row after row within each head
         qb = q[b0:b1].float().reshape(b1 - b0, kvh, group, d).permute(1, 2, 0, 3)
         qb = qb.reshape(kvh, group * (b1 - b0), d)

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels.window_attention import window_mask
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_RANK = 16
@@ -125,7 +127,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     mask = None
     if causal and window is not None and q.shape[0] > window:
         pos = torch.arange(q.shape[0], device=q.device)
-        mask = (pos[None] <= pos[:, None]) & (pos[None] > pos[:, None] - window)
+        mask = window_mask(pos[:, None], pos[None], window)
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.repeat_interleave(group, 1).transpose(0, 1)[None],
         v.repeat_interleave(group, 1).transpose(0, 1)[None], attn_mask=mask,
