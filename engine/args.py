@@ -144,6 +144,11 @@ class EngineArgs:
                                 "pages of earlier prompts (a document or conversation resent "
                                 "is prefilled once); kept across restarts on the disk tier",
                                 ("on", "off"), group="kv")
+    swa_full: bool = setting(_KV.swa_full, "keep every layer's KV of the whole context "
+                             "(llama.cpp's --swa-full); by default a sliding-window layer's "
+                             "pages before its window leave the KV memory once no request "
+                             "reads them (when the device tier is the backing store)",
+                             group="kv")
     sparse_budget: int = setting(_KV.sparse_budget, "KV tokens attended per request, layer "
                                  "and KV head in decode (0: dense attention)", group="sparse")
     sparse_threshold: int = setting(_KV.sparse_threshold, "a decode attends sparsely once its "
@@ -278,7 +283,8 @@ class EngineArgs:
             tier_codec=self.kv_tier_codec, tier_codec_group=self.kv_tier_codec_group,
             tier_codec_share=str(self.kv_tier_codec_share),
             recompute=self.kv_recompute,
-            prefix_cache=self.prefix_cache == "on")
+            prefix_cache=self.prefix_cache == "on", swa_full=self.swa_full,
+            max_step_tokens=self.max_num_batched_tokens)
 
     def torch_threads(self) -> tuple[int, int]:
         """Torch threads of (steps with prompt tokens, decode-only steps). Prefill is bound by

@@ -72,6 +72,10 @@ class KVStoreConfig:
                                          # 0: calibrate
     prefix_cache: bool = True            # --prefix-cache: reuse the KV of full pages of earlier
                                          # prompts
+    swa_full: bool = False               # --swa-full: keep a sliding-window layer's pages before
+                                         # its window (kvstore/window_trim.py)
+    max_step_tokens: int = 2048          # --max-num-batched-tokens: the pages a windowed layer
+                                         # holds at most (a window and a step's)
     force_tier: str = "none"             # --kv-force-tier: after every step, evict down to this
                                          # tier (tests, diagnostics)
     tier_codec: str = "none"             # --kv-tier-codec: pages on disk as 8- or 4-bit codes

@@ -46,6 +46,10 @@ class PageAllocator:
         """Pages the prefix cache holds and no request does (it can let them go at once)."""
         return self._cache_only
 
+    def capacity_tokens(self) -> int:
+        """The most tokens one request can hold."""
+        return self._num_pages * self.page_size
+
     def pages_for_tokens(self, num_tokens: int) -> int:
         """Pages that hold num_tokens tokens (ceil division)."""
         return -(-num_tokens // self.page_size)
@@ -146,6 +150,16 @@ class PageAllocator:
     def holders(self, page_ids: set[int]) -> list[str]:
         """The requests that hold any of `page_ids`."""
         return [rid for rid, pages in self._owned.items() if page_ids.intersection(pages)]
+
+    def holders_at(self, index: int, page_id: int) -> list[str]:
+        """The requests that hold the page at `index` of their pages (where prefix sharing
+        puts it in every holder)."""
+        return [rid for rid, pages in self._owned.items()
+                if len(pages) > index and pages[index] == page_id]
+
+    def cache_only(self) -> list[int]:
+        """The pages only the prefix cache holds."""
+        return [p for p in self._held if self._refs[p] == 1]
 
     def pages(self, request_id: str) -> tuple[int, ...]:
         return tuple(self._owned.get(request_id, ()))

@@ -34,6 +34,7 @@ from kvstore.prefix_cache import CachedPage, PrefixCache
 from kvstore.requests import RequestTable
 from kvstore.tiers.errors import TierError
 from kvstore.tierset import TierSet
+from kvstore.window_trim import WindowTrim
 
 logger = logging.getLogger(__name__)
 
@@ -42,12 +43,14 @@ _VERIFY_BATCH = 32          # restored pages read back per batch (all layers)
 
 class PrefixReuse:
     def __init__(self, cfg: KVStoreConfig, cache: PrefixCache, allocator: PageAllocator,
-                 tiers: TierSet, requests: RequestTable):
+                 tiers: TierSet, requests: RequestTable, trim: WindowTrim | None = None):
+        """trim: the sliding-window layers' dropped pages, when the store drops them."""
         self.cfg = cfg
         self.cache = cache
         self._allocator = allocator
         self._tiers = tiers
         self._requests = requests
+        self._trim = trim
         self._sparse = cfg.sparse_budget > 0
         self.min_new = max(1, cfg.obs_window) if self._sparse and cfg.obs_window else 1
         self._backed = tiers.backing is not tiers.device_tier
@@ -102,6 +105,8 @@ class PrefixReuse:
         them), safe in the backing tier, and checked if restored from disk."""
         if self._sparse:
             found = _cut(found, [e.summaries is not None for e in found])
+        if self._trim is not None:      # the window before the first new query is whole
+            found = found[:self._trim.usable([e.page_id for e in found])]
         if self._backed and found:
             clean = self._clean(found)
             if not all(clean):          # writes still in flight (a prompt just computed)
@@ -157,6 +162,9 @@ class PrefixReuse:
         chain = []
         for j, (key, pid) in enumerate(zip(keys, pages[:n])):
             entry = self.cache.find(key)
+            if entry is not None and self._fresher(entry.page_id, pid):
+                self.forget([entry.page_id])        # the windowed layers it lost are back
+                entry = None
             if entry is None and not self._allocator.held(pid):
                 summ = rkv.summaries[:, j].clone() if self._sparse else None
                 entry = CachedPage(key, pid, j, summ)
@@ -167,6 +175,12 @@ class PrefixReuse:
             if entry is not None:
                 chain.append(entry)
         self.cache.touch(chain)
+
+    def _fresher(self, cached: int, page_id: int) -> bool:
+        """The request's page holds the windowed layers the cached one of the same tokens
+        lost (kvstore/window_trim.py)."""
+        return (self._trim is not None and cached != page_id and self._trim.trimmed(cached)
+                and not self._trim.trimmed(page_id) and not self._allocator.held(page_id))
 
     def persist(self) -> None:
         """Index the cached pages whose bytes are now on disk (so a restart finds them)."""
@@ -220,6 +234,8 @@ class PrefixReuse:
             self.cache.remove(p)
         gone = self._allocator.unhold(page_ids)
         self._tiers.drop(gone)
+        if self._trim is not None:
+            self._trim.gone(gone)
         return gone
 
     def clear(self) -> int:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvstore.tiers.disk_layout import DiskLayout
 from kvstore.tiers.segment_log import KEY_BYTES
 
 
@@ -28,6 +29,23 @@ def namespace_key(**parts) -> bytes:
     """The digest every chain starts from: sorted name=value pairs of what shapes the bytes."""
     text = "|".join(f"{k}={parts[k]}" for k in sorted(parts))
     return hashlib.blake2b(text.encode(), digest_size=KEY_BYTES).digest()
+
+
+def store_namespace(model_id: str, shape, num_layers: int, codec, coded: list[int],
+                    projection) -> bytes:
+    """A KV store's namespace: the model (`model_id`: its weights and activation dtype), the
+    page shape (kvstore/tiers/base.PageShape), the disk layout, the disk tier's codec and the
+    layers it codes, and the low-rank projection cached summaries are made with (None:
+    summaries of the keys themselves)."""
+    extra = {}
+    if coded:                   # pages of another codec or layer share never hit
+        extra["codec"] = codec.name if len(coded) == num_layers \
+            else f"{codec.name} layers {coded}"
+    if projection is not None:  # cached pages carry projected summaries
+        extra["summaries"] = f"lowrank-{projection.digest}"
+    return namespace_key(model=model_id, kv_dtype=str(shape.dtype), page_size=shape.page_size,
+                         layers=num_layers, kv_heads=shape.num_kv_heads,
+                         head_dim=shape.head_dim, layout=DiskLayout.version, **extra)
 
 
 @dataclass

@@ -27,6 +27,21 @@ class RequestKV:
     prefilled: bool = False                  # placement applied after the prompt was computed
     centroids: CentroidIndex | None = None   # --selector centroid: built by the first selection
 
+    @classmethod
+    def new(cls, request_id: str, handle: int, cap: int, num_layers: int, shape,
+            summary_dim: int, sparse: bool, observe: bool) -> RequestKV:
+        """A request's state for `cap` pages of `shape` (kvstore/tiers/base.PageShape): the
+        summaries (sparse decode) and the prior (its observation window) zeroed."""
+        # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper
+        # bound. Only sparse decode reads them. Zeros: a partial page's row is scored (never
+        # selected by it) before it fills
+        summaries = torch.zeros(num_layers, cap if sparse else 0, shape.num_kv_heads, 3,
+                                summary_dim, dtype=shape.dtype)
+        prior = torch.full((num_layers, cap, shape.num_kv_heads), -float("inf")) \
+            if sparse and observe else None
+        return cls(request_id, handle, cap, summaries, prior=prior,
+                   centroids=CentroidIndex(cap))
+
 
 class RequestTable:
     """request id -> RequestKV, with handles that are never reused."""

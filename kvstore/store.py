@@ -32,7 +32,7 @@ from kvstore.pipeline import Pipeline
 from kvstore.fetcher import Fetcher
 from kvstore.placement import make_placement
 from kvstore.prefix import PrefixReuse
-from kvstore.prefix_cache import PrefixCache, namespace_key
+from kvstore.prefix_cache import PrefixCache, store_namespace
 from kvstore.recompute import KVFromInputs
 from kvstore.requests import RequestKV, RequestTable
 from kvstore.selection import PageSelection
@@ -43,8 +43,8 @@ from kvstore.centroids import CentroidIndex
 from kvstore.lowrank import LowRankProjection
 from kvstore.backing import backing_geometry
 from kvstore.tiers.codec import PageCodec
-from kvstore.tiers.disk_layout import DiskLayout
 from kvstore.tierset import TierSet
+from kvstore.window_trim import WindowTrim, id_space, trims_windows
 
 __all__ = ["KVFull", "KVNeverFits", "RequestKVError", "TieredKVStore"]
 
@@ -79,18 +79,16 @@ class TieredKVStore:
                                                   codec, device, hidden_size, kv_from_inputs)
         cfg.check_plan(num_layers, num_kv_heads)
         self.stats = KVStats()
+        whole_pages, trims = max_pages, trims_windows(cfg, budgets, windows)
+        if trims:       # more page ids than whole pages: windowed layers hold fewer
+            max_pages = id_space(windows, whole_pages)
         self._allocator = PageAllocator(max_pages, cfg.page_size)
+        self._trim = WindowTrim(windows, cfg.page_size, whole_pages, self._allocator) \
+            if trims else None
         self._selection = PageSelection(cfg, max_pages * num_layers, self.stats, head_dim,
                                         projection)
-        extra = {}
-        if coded:                   # pages of another codec or layer share never hit
-            extra["codec"] = codec.name if len(coded) == num_layers \
-                else f"{codec.name} layers {coded}"
-        if self._selection.projected:           # cached pages carry projected summaries
-            extra["summaries"] = f"lowrank-{projection.digest}"
-        namespace = namespace_key(model=model_id, kv_dtype=str(dtype), page_size=cfg.page_size,
-                                  layers=num_layers, kv_heads=num_kv_heads, head_dim=head_dim,
-                                  layout=DiskLayout.version, **extra)
+        namespace = store_namespace(model_id, self.page_shape, num_layers, codec, coded,
+                                    projection if self._selection.projected else None)
         self._tiers = TierSet(cfg, self.page_shape, num_layers, max_pages, device, self.stats,
                               owners=self._allocator.holders, namespace=namespace, codec=codec,
                               summary_dim=self._selection.summary_dim,
@@ -112,12 +110,15 @@ class TieredKVStore:
         self._prefix = None
         if cfg.prefix_cache:
             self._prefix = PrefixReuse(cfg, PrefixCache(namespace, cfg.page_size),
-                                       self._allocator, self._tiers, self._requests)
+                                       self._allocator, self._tiers, self._requests,
+                                       self._trim)
             self._prefix.restore()
-        logger.info("KV store: %s; backing tier %s holds %d pages x %d layers",
+        logger.info("KV store: %s; backing tier %s holds %d pages x %d layers%s",
                     ", ".join(f"{name} {cap / 2**20:.0f} MiB"
                               for name, (_, cap) in self._tiers.usage().items()),
-                    cfg.backing, max_pages, num_layers)
+                    cfg.backing, whole_pages, num_layers,
+                    f" (sliding-window layers keep their window: up to {max_pages} page ids)"
+                    if trims else "")
 
     @property
     def tiers(self) -> TierSet:
@@ -152,12 +153,15 @@ class TieredKVStore:
 
     # ---------------------------------------------------------------- request lifecycle
     def capacity_tokens(self) -> int:
-        return self.max_pages * self.cfg.page_size
+        """The longest request the backing tier holds (prompt and output)."""
+        if self._trim is None:
+            return self.max_pages * self.cfg.page_size
+        return self._trim.capacity_pages(self.cfg.max_step_tokens) * self.cfg.page_size
 
     def add_request(self, request_id: str, max_total_tokens: int) -> None:
         """Reserve backing room for prompt + max_tokens. Raises KVNeverFits or KVFull."""
         cap = self.cfg.pages(max_total_tokens)
-        if cap > self.max_pages:
+        if max_total_tokens > self.capacity_tokens():
             raise KVNeverFits(f"request needs KV for {max_total_tokens} tokens but the "
                               f"{self.cfg.backing} tier holds {self.capacity_tokens()}; raise "
                               f"--kv-{self.cfg.backing}-gb or lower max_tokens")
@@ -165,18 +169,10 @@ class TieredKVStore:
             raise ValueError(f"request id {request_id!r} is already in the KV store")
         handle = self._requests.new_handle()
         register_on_disk(self._tiers, self._prefix, handle, cap)
-        shape, cfg = self.page_shape, self.cfg
-        # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper
-        # bound. Only sparse decode reads them.
-        rows = cap if cfg.sparse_budget > 0 else 0
-        # zeros: a partial page's row is scored (never selected by it) before it fills
-        summaries = torch.zeros(self.num_layers, rows, shape.num_kv_heads, 3,
-                                self._selection.summary_dim, dtype=shape.dtype)
-        prior = None
-        if cfg.sparse_budget > 0 and cfg.obs_window > 0:
-            prior = torch.full((self.num_layers, cap, shape.num_kv_heads), -float("inf"))
-        self._requests.add(RequestKV(request_id, handle, cap, summaries, prior=prior,
-                                     centroids=CentroidIndex(cap)))
+        cfg = self.cfg
+        self._requests.add(RequestKV.new(request_id, handle, cap, self.num_layers,
+                                         self.page_shape, self._selection.summary_dim,
+                                         cfg.sparse_budget > 0, cfg.obs_window > 0))
 
     def release(self, request_id: str) -> None:
         """The request ended: its pages leave every tier, its disk file goes once its writes
@@ -197,16 +193,20 @@ class TieredKVStore:
 
     @property
     def num_pages(self) -> int:
-        return self._allocator.num_pages
+        """Pages of every layer the backing tier holds."""
+        return self._allocator.num_pages if self._trim is None else self._trim.whole_pages
 
     @property
     def num_free_pages(self) -> int:
         """Free pages, and cached ones no request holds (they make room on demand)."""
-        return self._allocator.num_free_pages + self._allocator.num_cache_only
+        free = self._allocator.num_free_pages + self._allocator.num_cache_only
+        return free if self._trim is None else self._trim.free_pages(free)
 
     @property
     def num_used_pages(self) -> int:
         """Pages requests hold (cached pages only the prefix cache holds are not counted)."""
+        if self._trim is not None:
+            return self._trim.used_pages()
         return self._allocator.num_used_pages - self._allocator.num_cache_only
 
     @property
@@ -225,14 +225,23 @@ class TieredKVStore:
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's pages (all or nothing); cached pages nobody uses make room."""
+        if self._trim is not None:
+            self._tiers.drop_layers(self._trim.advance(request_id,
+                                                       self._allocator.pages(request_id)))
         before = len(self._allocator.pages(request_id))
-        short = self._allocator.pages_needed(request_id, num_tokens) \
-            - self._allocator.num_free_pages
+        need = self._allocator.pages_needed(request_id, num_tokens)
+        short = need - self._allocator.num_free_pages
         if short > 0 and self._prefix is not None:
             self._prefix.reclaim(short)
+        if self._trim is not None and not self._trim.make_room(
+                need, self._tiers.drop_layers,
+                self._prefix.reclaim if self._prefix is not None else None):
+            return False
         if not self._allocator.allocate(request_id, num_tokens):
             return False
         pages = self._allocator.pages(request_id)
+        if self._trim is not None and len(pages) > before:
+            self._trim.added(pages[before:], before)
         rkv = self._requests.get(request_id)
         disk = self._tiers.disk_tier
         if disk is not None and rkv is not None and len(pages) > before:
@@ -268,6 +277,8 @@ class TieredKVStore:
         if self._prefix is not None:
             self._prefix.persist()
             self._prefix.count_tiers(max_age_s=0.0)
+        if self._trim is not None:
+            self._trim.count(self._allocator.cache_only, max_age_s=0.0)
 
     def prefix_pages(self) -> dict[str, int]:
         """Cached pages per tier (recounted at most once a second, at the end of a step)."""
@@ -305,6 +316,9 @@ class TieredKVStore:
         gone = self._allocator.release(request_id)
         # NOTE: no stage thread runs between steps (end_step and abort_step drain them)
         self._tiers.drop(gone)
+        if self._trim is not None:
+            self._trim.gone(gone)
+            self._trim.ended(request_id)
         self._tiers.retire_writes(request_id, then)
         return len(gone)
 
@@ -325,6 +339,9 @@ class TieredKVStore:
         self.pipeline.drain()
         step.end()
         self.pipeline.end_step()
+        if self._trim is not None:      # NOTE: their pages left behind go at `allocate`
+            self._trim.after_step([s for s in step.seqs if s.request_id in self._requests],
+                                  self._allocator.cache_only)
         self._selection.end_step(step.now, step.selected)
         for rid in prefilled:
             rkv = self._requests.get(rid)

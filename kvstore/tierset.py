@@ -232,6 +232,16 @@ class TierSet:
             self.disk_tier.unbind(ids)
         self.clean[keys] = False
 
+    def drop_layers(self, drops) -> None:
+        """[(page ids, layers)]: those layers of those pages leave every tier (a sliding
+        window's pages nobody reads again: kvstore/window_trim.py; no backing writes, as the
+        device tier is the backing store there)."""
+        for page_ids, layers in drops:
+            keys = self.keys_of(torch.tensor(page_ids, dtype=torch.int64), layers)
+            for tier in self._tiers:
+                tier.delete(keys)
+            self.clean[keys] = False
+
     def lost(self, keys: torch.Tensor, message: str) -> RequestKVError:
         """Map the keys of lost pages to the requests that hold them (the pages are kept for
         `take_lost`: nobody may reuse them, e.g. from the prefix cache)."""

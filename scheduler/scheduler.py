@@ -139,11 +139,11 @@ class Scheduler:
                 f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({p.max_new_tokens}) = "
                 f"{total} exceeds the maximum context length of {self.config.max_model_len} "
                 "tokens")
-        pages = self.allocator.pages_for_tokens(total)
-        if pages > self.allocator.num_pages:
+        if total > self.allocator.capacity_tokens():
             raise RequestTooLarge(
-                f"prompt + max_tokens = {total} tokens needs {pages} KV pages but the pool has "
-                f"{self.allocator.num_pages}; lower max_tokens or raise the KV memory budget")
+                f"prompt + max_tokens = {total} tokens but the KV pool holds "
+                f"{self.allocator.capacity_tokens()}; lower max_tokens or raise the KV memory "
+                "budget")
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already queued")
         if p.priority and self.config.policy != "priority":

@@ -118,7 +118,7 @@ def test_request_that_can_never_fit_raises_value_error():
     s = make_scheduler(num_pages=4, page_size=4, max_model_len=64)
     with pytest.raises(ValueError, match="context length"):
         s.add_request(make_request(60, max_tokens=5))
-    with pytest.raises(ValueError, match="KV pages"):
+    with pytest.raises(ValueError, match="KV pool holds 16"):
         s.add_request(make_request(10, max_tokens=7))     # 17 tokens > 4 pages of 4
     s.add_request(make_request(10, max_tokens=6))         # exactly 16 tokens fits
     with pytest.raises(ValueError):
