@@ -287,6 +287,9 @@ class PrefixReuse:
         ids = torch.tensor(self._cached_ids(), dtype=torch.int64)
         counts = {}
         for tier in self._tiers:
+            if self._trim is not None:      # the device tier alone, windowed layers in part
+                counts[tier.name] = int(ids.numel())
+                continue
             if not ids.numel():
                 counts[tier.name] = 0
                 continue

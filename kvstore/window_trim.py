@@ -142,7 +142,8 @@ class WindowTrim:
         now = time.monotonic()
         if now - self._counted_at >= max_age_s:
             self._counted_at = now
-            self.evictable_slots = self.cost(cache_only()) + self.retained_slots()
+            only = cache_only()
+            self.evictable_slots = self.cost(only) + self.retained_slots(set(only))
 
     def added(self, page_ids, first_index: int) -> None:
         """Fresh pages, the request's from index `first_index` on, take all their slots."""
@@ -223,8 +224,9 @@ class WindowTrim:
             freed += int(self._sizes[g])
         return drops
 
-    def retained_slots(self) -> int:
-        return sum(int(self._sizes[g]) for _, g in self._retained)
+    def retained_slots(self, besides: set[int] = frozenset()) -> int:
+        """Slots the retained windowed layers take (of pages not in `besides`)."""
+        return sum(int(self._sizes[g]) for p, g in self._retained if p not in besides)
 
     def _trim(self, page_ids: list[int], g: int) -> list[int]:
         self._trimmed[g, page_ids] = True

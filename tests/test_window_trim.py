@@ -162,8 +162,12 @@ def test_prefix_reuse_with_trimmed_pages_gives_transformers_tokens(gemma):
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == _generate(hf, p, 60), i
     assert engine.scheduler.prefix_hit_tokens == 2 * 32      # the later two reuse the first's
-    used, _ = engine.store.tier_usage()["device"]
-    assert used < engine.store.num_cached_pages * 4 * 4096   # some cached pages lost layers
+    store = engine.store
+    used, _ = store.tier_usage()["device"]
+    assert used < store.num_cached_pages * 4 * 4096         # some cached pages lost layers
+    store.refresh_stats()           # the metrics: cached pages all on the device, none used
+    assert store.prefix_pages() == {"device": store.num_cached_pages}
+    assert store.num_used_pages == 0 and store.num_free_pages == store.num_pages
 
     def hits(prompt, steps):
         before = engine.scheduler.prefix_hit_tokens
