@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, Field, StrictBool, StrictInt,
+from pydantic import (AfterValidator, ConfigDict, Field, StrictBool, StrictInt,
                       field_validator, model_validator)
 
 # NOTE: the base models live in protocol_tools.py (imported here, not the other way round)
@@ -155,6 +155,34 @@ def _check_top_logprobs(value: int | None, logprobs: bool | None) -> int | None:
     return value
 
 
+Choices = Annotated[list[Text] | None, Field(min_length=1, max_length=MAX_GUIDED_CHOICES)]
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` (its guided_* fields' successor since v0.12): exactly one
+    constraint (json, regex, choice, grammar, json_object) and its options."""
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_schema: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: Choices = None
+    grammar: Text | None = None
+    json_object: Flag = None
+    # JSON objects closed where the schema leaves additionalProperties out
+    disable_additional_properties: Flag = None
+    disable_fallback: Flag = None           # one backend (llguidance): no fallback to turn off
+    disable_any_whitespace: Flag = None     # our JSON has no free whitespace either way
+    structural_tag: Unsupported = None
+    whitespace_pattern: Unsupported = None
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        given = [name for name in ("json_schema", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object")
+        return self
+
+
 class _Constrained(_Request):
     """What every generation request shares: structured outputs (OpenAI and vLLM's guided_*),
     logit_bias, and the output-changing fields Strata refuses rather than ignores."""
@@ -166,9 +194,9 @@ class _Constrained(_Request):
     min_p: Annotated[float | None, Field(ge=0.0, le=1.0)] = None
     guided_json: dict[str, Any] | Text | None = None
     guided_regex: Text | None = None
-    guided_choice: Annotated[list[Text] | None, Field(min_length=1,
-                                                      max_length=MAX_GUIDED_CHOICES)] = None
+    guided_choice: Choices = None
     guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
     guided_decoding_backend: Text | None = None     # ours is llguidance, whatever is asked
     # vLLM's token-level controls: only these tokens may be sampled; token sequences the
     # output never ends with; keep the last k prompt tokens (-1: as many as leave room for
@@ -190,7 +218,6 @@ class _Constrained(_Request):
     use_beam_search: OnlyFalse = None
     length_penalty: Unsupported = None
     spaces_between_special_tokens: OnlyTrue = None
-    structured_outputs: Unsupported = None
     # llama.cpp's samplers (its /v1 routes take them): engine/sampler_llamacpp.py
     repeat_penalty: Annotated[float | None, Field(gt=0.0, le=10.0)] = None
     repeat_last_n: Annotated[StrictInt | None, Field(ge=-1)] = None
@@ -231,7 +258,7 @@ class _Constrained(_Request):
     def guided_fields(self) -> dict[str, Any]:
         """The structured-output fields given (not None), by name."""
         return {k: v for k in ("response_format", "guided_json", "guided_regex",
-                                "guided_choice", "guided_grammar")
+                                "guided_choice", "guided_grammar", "structured_outputs")
                 if (v := getattr(self, k)) is not None}
 
 

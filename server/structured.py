@@ -1,5 +1,6 @@
-"""Structured outputs: from a request's response_format (or vLLM's guided_* fields) to the
-engine's GrammarSpec, checked here so that a bad schema is a 400 before anything runs."""
+"""Structured outputs: from a request's response_format (or vLLM's structured_outputs and its
+older guided_* fields) to the engine's GrammarSpec, checked here so that a bad schema is a 400
+before anything runs."""
 from __future__ import annotations
 
 import json
@@ -22,8 +23,10 @@ def checked(spec: GrammarSpec, param: str) -> GrammarSpec:
     return spec
 
 
-def schema_spec(schema: Any, param: str) -> GrammarSpec:
-    """A JSON Schema (an object, or JSON text of one) as a checked GrammarSpec."""
+def schema_spec(schema: Any, param: str, closed: bool = False) -> GrammarSpec:
+    """A JSON Schema (an object, or JSON text of one) as a checked GrammarSpec; `closed`: its
+    objects that leave additionalProperties out get none (vLLM's
+    disable_additional_properties)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -31,7 +34,29 @@ def schema_spec(schema: Any, param: str) -> GrammarSpec:
             raise invalid_request(f"Invalid '{param}': not valid JSON.", param=param) from None
     if not isinstance(schema, dict):
         raise invalid_request(f"Invalid '{param}': a JSON Schema is an object.", param=param)
+    if closed:
+        schema = _closed(schema)
     return checked(GrammarSpec("json_schema", json.dumps(schema)), param)
+
+
+def _closed(node: Any) -> Any:
+    """The schema with `additionalProperties: false` in every object schema that has
+    properties and does not say."""
+    if isinstance(node, list):
+        return [_closed(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _closed(v) for k, v in node.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def choice_spec(choices: list[str], param: str) -> GrammarSpec:
+    """The output is one of `choices`, as written."""
+    # NOTE: JSON string escapes are Lark's: any choice is one literal
+    alternatives = " | ".join(json.dumps(choice) for choice in choices)
+    return checked(GrammarSpec("lark", f"start: {alternatives}"), param)
 
 
 def grammar_for(request) -> GrammarSpec | None:
@@ -47,15 +72,30 @@ def grammar_for(request) -> GrammarSpec | None:
     (name, value), = fields.items()
     if name == "response_format":
         return _response_format(value)
+    if name == "structured_outputs":
+        return _structured_outputs(value)
     if name == "guided_json":
         return schema_spec(value, name)
     if name == "guided_regex":
         return checked(GrammarSpec("regex", value), name)
     if name == "guided_choice":
-        # NOTE: JSON string escapes are Lark's: any choice is one literal
-        alternatives = " | ".join(json.dumps(choice) for choice in value)
-        return checked(GrammarSpec("lark", f"start: {alternatives}"), name)
+        return choice_spec(value, name)
     return checked(GrammarSpec("lark", value), name)
+
+
+def _structured_outputs(value) -> GrammarSpec:
+    """vLLM's structured_outputs (server.protocol.StructuredOutputs: one constraint)."""
+    param = "structured_outputs"
+    if value.json_schema is not None:
+        return schema_spec(value.json_schema, f"{param}.json",
+                           closed=bool(value.disable_additional_properties))
+    if value.regex is not None:
+        return checked(GrammarSpec("regex", value.regex), f"{param}.regex")
+    if value.choice is not None:
+        return choice_spec(value.choice, f"{param}.choice")
+    if value.grammar is not None:
+        return checked(GrammarSpec("lark", value.grammar), f"{param}.grammar")
+    return GrammarSpec("json_object")
 
 
 def _response_format(value) -> GrammarSpec:

@@ -87,6 +87,32 @@ def test_json_object_mode_and_guided_fields(client):
     assert len(r.choices[0].text) == 4 and r.choices[0].text.isdigit()
 
 
+def test_vllm_structured_outputs(client):
+    """vLLM's structured_outputs (what replaced guided_* in its v0.12): choice, regex, a JSON
+    schema closed by disable_additional_properties, json_object; on both routes."""
+    def chat(so, **kw):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, temperature=1.0, seed=4,
+                                           extra_body={"structured_outputs": so},
+                                           **{"max_tokens": 40, **kw})
+        return r.choices[0]
+
+    assert chat({"choice": ["sunny", "rainy"]}, max_tokens=10).message.content in ("sunny",
+                                                                                 "rainy")
+    r = client.completions.create(model=MODEL, prompt="Order number:", max_tokens=10,
+                                  extra_body={"structured_outputs": {"regex": "[0-9]{4}"}})
+    assert len(r.choices[0].text) == 4 and r.choices[0].text.isdigit()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"]}
+    closed = dict(schema, additionalProperties=False)
+    choice = chat({"json": schema, "disable_additional_properties": True}, max_tokens=60)
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), closed)
+    choice = chat({"json_object": True, "disable_any_whitespace": True}, max_tokens=60)
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content), dict)
+
+
 def _call_round_trip(client, stream: bool):
     kw = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
               parallel_tool_calls=False, max_tokens=80, temperature=0.0)
@@ -182,6 +208,12 @@ def test_tokenize_detokenize_and_echo(client, http):
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"guided_regex": "[a-z"}, "guided_regex"),
+    ({"structured_outputs": {"regex": "[a-z"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json": {"type": "strnig"}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a"}, "guided_choice": ["a"]}, "structured_outputs"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
