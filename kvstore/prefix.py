@@ -81,6 +81,8 @@ class PrefixReuse:
             return 0
         rkv = self._requests[request_id]
         self._allocator.share(request_id, [e.page_id for e in found])
+        if self._trim is not None:      # its first query: the pages before its window may go
+            self._trim.moved(request_id, len(found) * ps)
         if self._sparse:
             n = len(found)
             rkv.summaries[:, :n] = torch.stack([e.summaries for e in found], dim=1)

@@ -219,7 +219,6 @@ class WindowTrim:
                 break
             if self._needed(p, g, int(self._index[p])):
                 continue
-            del self._retained[(p, g)]
             drops.append((self._trim([p], g), self.groups[g][1]))
             freed += int(self._sizes[g])
         return drops
@@ -229,8 +228,11 @@ class WindowTrim:
         return sum(int(self._sizes[g]) for p, g in self._retained if p not in besides)
 
     def _trim(self, page_ids: list[int], g: int) -> list[int]:
+        """The pages (not trimmed in group g yet) lose its layers' slots."""
         self._trimmed[g, page_ids] = True
         self.used_slots -= int(self._sizes[g]) * len(page_ids)
+        for p in page_ids:      # (retained while cached; the cache may have let it go since)
+            self._retained.pop((p, g), None)
         return page_ids
 
     def _needed(self, page_id: int, g: int, index: int) -> bool:

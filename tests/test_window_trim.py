@@ -77,6 +77,25 @@ def test_cached_pages_are_retained_until_slots_run_short():
     assert trim.retained_slots() == 0 and trim.used_slots == 18 - 3 * 2
 
 
+def test_a_page_the_cache_let_go_is_trimmed_once():
+    """b moves past a shared cached page (retained), the cache lets it go, a moves past it
+    too (trimmed now): nothing is counted twice, every slot comes back."""
+    alloc, trim = _trim()
+    pages = _grow(alloc, trim, "a", 96)
+    alloc.hold(pages[:1])
+    alloc.share("b", pages[:2])
+    trim.moved("a", 96)
+    assert _advance(trim, "b", 64, pages[:2]) == []          # page 0: retained (cached)
+    assert trim.retained_slots() == 2
+    trim.gone(alloc.unhold(pages[:1]))                       # a and b still hold it
+    assert _advance(trim, "a", 96, pages) == [([pages[0]], (1, 2))]    # b is past 1: stop
+    assert trim.retained_slots() == 0 and trim.reclaim(10) == []
+    for rid in ("a", "b"):
+        trim.gone(alloc.release(rid))
+        trim.ended(rid)
+    assert trim.used_slots == 0
+
+
 def test_a_cached_prefix_is_usable_where_its_last_window_is_whole():
     alloc, trim = _trim()
     pages = _grow(alloc, trim, "a", 96)
@@ -165,8 +184,7 @@ def test_prefix_reuse_with_trimmed_pages_gives_transformers_tokens(gemma):
     store = engine.store
     used, _ = store.tier_usage()["device"]
     assert used < store.num_cached_pages * 4 * 4096         # some cached pages lost layers
-    store.refresh_stats()           # the metrics: cached pages all on the device, none used
-    assert store.prefix_pages() == {"device": store.num_cached_pages}
+    store.refresh_stats()           # the metrics: no page in use, all free or cached only
     assert store.num_used_pages == 0 and store.num_free_pages == store.num_pages
 
     def hits(prompt, steps):
@@ -181,3 +199,35 @@ def test_prefix_reuse_with_trimmed_pages_gives_transformers_tokens(gemma):
     assert hits(part, 10) == 80              # now cached whole
     turn = prompts[0] + got["r0"] + _prompt(9, 7)
     assert hits(turn, 10) == 96              # every full page of the first request
+
+
+def test_a_resent_conversation_as_long_as_the_capacity_is_served(tmp_path):
+    """Turn 2 resends turn 1's prompt and answer and asks more, up to the capacity exactly:
+    the cached pages it starts with keep their windowed layers only while it may read them, so
+    its pages fit (a shared page counted as read from position 0 would never let them);
+    greedy tokens are transformers'."""
+    from scheduler.sampling_params import SamplingParams
+
+    hf = save_tiny_hf("gemma3", dict(GEMMA3, max_position_embeddings=512), tmp_path)
+    # 4 layers x 11 whole pages: (P + 24 <= 44 slots with 64-token steps): 20 pages, 320 tokens
+    engine = _engine(tmp_path, kv_device_gb=11 * 4 * 4096 / 2**30, max_num_batched_tokens=64)
+    assert engine.store.capacity_tokens() == 320
+
+    def run(prompt, steps):
+        engine.add_request("r", prompt, SamplingParams(max_tokens=steps, temperature=0.0,
+                                                       ignore_eos=True))
+        out = []
+        for _ in range(4 * steps):          # bounded: a request that never fits would spin
+            for o in engine.step():
+                assert o.finish_reason != "error", o.error
+                out.extend(o.new_token_ids)
+            if not engine.has_unfinished():
+                break
+        assert not engine.has_unfinished() and out == _generate(hf, prompt, steps)
+        return out
+
+    first = _prompt(11, 64)
+    answer = run(first, 176)                               # 240 tokens
+    before = engine.scheduler.prefix_hit_tokens
+    run(first + answer + _prompt(12, 64), 16)              # 304 + 16 = 320
+    assert engine.scheduler.prefix_hit_tokens - before >= 224
