@@ -1,4 +1,5 @@
-"""Gemma 3's decoder layer, run by the Llama-family forward (engine/llama.py).
+"""Gemma 3's decoder layer (and Gemma 2's: the same without the q/k head norms), run by the
+Llama-family forward (engine/llama.py).
 
 What differs from a Llama layer (transformers' `Gemma3DecoderLayer`):
 - four norms: the attention's output and the MLP's are normed before their residual adds
@@ -12,7 +13,8 @@ What differs from a Llama layer (transformers' `Gemma3DecoderLayer`):
   its scaling).
 The model (engine/llama.py, which builds these layers where the config says `gemma`) scales
 the embeddings by sqrt(hidden), picks each layer's RoPE, and soft-caps the logits where the
-config says. Op by op: the C decode layers run the Llama block only.
+config says. Op by op: the C decode layers run the Llama block only. Gemma 2 soft-caps every
+attention score too, which the KV store's window attention alone does (kvstore/step.py).
 """
 from __future__ import annotations
 

@@ -108,7 +108,7 @@ def _convert(src: Path, dest: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from engine.gguf_weights import gemma3_config, open_gguf, phi3_config
+    from engine.gguf_weights import gemma2_config, gemma3_config, open_gguf, phi3_config
     arch = open_gguf(src).architecture      # (a file that is no GGUF fails here, clearly)
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +131,8 @@ def _convert(src: Path, dest: Path) -> None:
             tok.chat_template = CHATML_TEMPLATE
         logger.info("[3/4] writing safetensors")
         model.save_pretrained(tmp)
-        dropped = {"phi3": phi3_config, "gemma3": gemma3_config}.get(arch)
+        dropped = {"phi3": phi3_config, "gemma2": gemma2_config,
+                   "gemma3": gemma3_config}.get(arch)
         if dropped is not None:             # what transformers' reader drops
             _update_config(tmp / "config.json", dropped(src))
         tok.save_pretrained(tmp)

@@ -35,9 +35,10 @@ _LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "attn_qkv": "self_attn.qkv_proj",
 }
 # Gemma 3's four norms a layer (llama.cpp's ffn_norm is its MLP's input norm)
-_GEMMA3_NAMES = {"post_attention_norm": "post_attention_layernorm",
-                 "ffn_norm": "pre_feedforward_layernorm",
-                 "post_ffw_norm": "post_feedforward_layernorm"}
+GEMMA_ARCHS = ("gemma2", "gemma3")
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
@@ -140,7 +141,7 @@ def hf_name(gguf_name: str, architecture: str = "") -> str | None:
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        names = {**_LAYER_NAMES, **_GEMMA3_NAMES} if architecture == "gemma3" else _LAYER_NAMES
+        names = {**_LAYER_NAMES, **_GEMMA_NAMES} if architecture in GEMMA_ARCHS else _LAYER_NAMES
         if part not in names:
             return None
         return f"model.layers.{layer}.{names[part]}.{kind}"
@@ -215,7 +216,7 @@ def iter_gguf_weights(path: Path, config: ModelConfig
         else:
             value = torch.from_numpy(dequantize(np.asarray(t.data), GGMLQuantizationType[t.kind])
                                      .astype(np.float32).reshape(t.shape))
-        if file.architecture == "gemma3" and name.endswith("norm.weight"):
+        if file.architecture in GEMMA_ARCHS and name.endswith("norm.weight"):
             value = value - 1           # llama.cpp's converter stores Gemma's norms as 1 + w
         if file.architecture == "phi3" and name.endswith(".mlp.up_proj.weight"):
             name = name.replace(".up_proj.", ".gate_up_proj.")     # [gate | up] in one
@@ -251,6 +252,19 @@ def phi3_config(path: Path) -> dict:
         out["original_max_position_embeddings"] = orig
     out["rope_parameters"] = rope
     return out
+
+
+def gemma2_config(path: Path) -> dict:
+    """The HF config fields of a Gemma 2 GGUF that transformers' reader drops: the soft-caps
+    and the attention scale, which llama.cpp derives as it does (hidden / heads on the 27B's
+    46 layers, else head_dim)."""
+    f = open_gguf(path).fields
+    heads, hidden = int(f["gemma2.attention.head_count"]), int(f["gemma2.embedding_length"])
+    head_dim = int(f.get("gemma2.attention.key_length", hidden // heads))
+    big = int(f["gemma2.block_count"]) == 46
+    caps = {name: float(f[f"gemma2.{name}"]) for name in
+            ("attn_logit_softcapping", "final_logit_softcapping") if f"gemma2.{name}" in f}
+    return {"query_pre_attn_scalar": hidden // heads if big else head_dim, **caps}
 
 
 def gemma3_config(path: Path) -> dict:

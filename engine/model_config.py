@@ -10,11 +10,11 @@ from typing import Any, Mapping
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
-                           "Gemma3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                        "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                       "gemma3_text": "Gemma3ForCausalLM"}
+                       "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # Gemma3TextConfig's defaults, which transformers leaves out of a config.json it writes
 _GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
                     "num_hidden_layers": 26, "num_attention_heads": 8,
@@ -24,6 +24,10 @@ _GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_siz
                     "sliding_window": 4096, "hidden_activation": "gelu_pytorch_tanh",
                     "rope_theta": 1e6, "rope_local_base_freq": 10000.0,
                     "eos_token_id": 1, "bos_token_id": 2}
+# Gemma2Config's (a transformers 4 checkpoint's config.json lists no layer_types)
+_GEMMA2_DEFAULTS = {**_GEMMA3_DEFAULTS, "vocab_size": 256000, "max_position_embeddings": 8192,
+                    "rope_theta": 10000.0, "final_logit_softcapping": 30.0,
+                    "attn_logit_softcapping": 50.0}
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class ModelConfig:
     local_rope_theta: float | None = None   # the windowed layers' RoPE base (default type);
                                             # None: theirs is the others'
     final_logit_softcapping: float | None = None    # logits = cap * tanh(logits / cap)
+    # Gemma 2's: every attention score so (kernels/window_attention.py attends them all)
+    attn_logit_softcapping: float | None = None
     # a vision-language checkpoint (Gemma 3 4B and larger) served text-only: its language
     # model's weights are read, the vision tower's and projector's left (llama_weights.py)
     multimodal: bool = False
@@ -138,6 +144,8 @@ class ModelConfig:
                              f"Strata runs {', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch == "Gemma3ForCausalLM":
             return cls._parse_gemma3({**_GEMMA3_DEFAULTS, **cfg}, gen)
+        if arch == "Gemma2ForCausalLM":
+            return cls._parse_gemma2({**_GEMMA2_DEFAULTS, **cfg}, gen)
         heads = int(cfg["num_attention_heads"])
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         if heads % kv_heads:
@@ -192,9 +200,7 @@ class ModelConfig:
         if cfg.get("attn_logit_softcapping") or cfg.get("use_bidirectional_attention"):
             raise ValueError("Gemma 3 configs with attn_logit_softcapping or bidirectional "
                              "attention are not supported")
-        if cfg.get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise ValueError(f"Gemma 3 activation {cfg.get('hidden_activation')!r}: "
-                             "Strata runs gelu_pytorch_tanh")
+        _check_gemma(cfg, "Gemma 3")
         layers = int(cfg["num_hidden_layers"])
         types = cfg.get("layer_types")
         if not types:
@@ -218,6 +224,32 @@ class ModelConfig:
             query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
             local_rope_theta=local_theta,
             final_logit_softcapping=cfg.get("final_logit_softcapping"))
+
+
+    @classmethod
+    def _parse_gemma2(cls, cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> "ModelConfig":
+        """Gemma 2: Gemma 3's block without the q/k head norms, every other layer windowed
+        (the first of each pair), one RoPE, and every attention score soft-capped."""
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError("Gemma 2 configs with bidirectional attention are not supported")
+        _check_gemma(cfg, "Gemma 2")
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 else "full_attention"
+            for i in range(int(cfg["num_hidden_layers"]))]
+        llama = cls._parse({**cfg, "architectures": ["LlamaForCausalLM"], "layer_types": types},
+                           gen)
+        return dataclasses.replace(
+            llama, architecture="Gemma2ForCausalLM", gemma=True,
+            sliding_window=int(cfg["sliding_window"]),
+            query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            attn_logit_softcapping=cfg.get("attn_logit_softcapping"))
+
+
+def _check_gemma(cfg: Mapping[str, Any], name: str) -> None:
+    if cfg.get("hidden_activation") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"{name} activation {cfg.get('hidden_activation')!r}: "
+                         "Strata runs gelu_pytorch_tanh")
 
 
 def rope_identity(cfg: ModelConfig, overrides: Mapping[str, Any], served_len: int) -> str:

@@ -82,7 +82,8 @@ class ModelRunner:
                                    model_id=f"{model_id}|act={plan.dtype}",
                                    projection=projection, hidden_size=config.hidden_size,
                                    kv_from_inputs=self._recompute_fn(plan, kv),
-                                   windows=config.layer_windows)
+                                   windows=config.layer_windows,
+                                   softcap=config.attn_logit_softcapping)
         self.page_size = kv.page_size
         self.sampling = RequestSampling(folder / "tokenizer.json", config.vocab_size,
                                         tuple(config.eos_token_ids))

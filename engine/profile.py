@@ -33,7 +33,7 @@ def measure(model, texts: list[list[int]], kv_cfg, options: list[int], window: i
         total[layer] += recall_curves(q, k, kv_cfg.page_size, kv_cfg.sink_pages,
                                       kv_cfg.local_pages, pages, window, scale, selector)
 
-    seam = CaptureKV(on_layer, cfg.layer_windows)
+    seam = CaptureKV(on_layer, cfg.layer_windows, cfg.attn_logit_softcapping)
     for ids in tqdm(texts, desc="profiling", unit="text"):
         model(torch.tensor(ids, dtype=torch.int64), torch.arange(len(ids)), seam,
               torch.tensor([len(ids) - 1]))

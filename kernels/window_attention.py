@@ -9,6 +9,10 @@ tokens of that first page before the window are masked. Torch, float32 scores, q
 blocks (a prefill chunk's scores stay [heads, block, window + block]). Used for the layers and
 steps where the window cuts a sequence's context (kvstore/step.py); within the window it
 equals causal attention, which the other kernels compute.
+
+`softcap` (Gemma 2's attn_logit_softcapping) caps every score as cap * tanh(score / cap)
+before the softmax, which no other kernel does: a model with one attends every layer here,
+the full ones with the window FULL (causal).
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Sequence
 import torch
 
 _BLOCK = 256                    # query rows a block
+FULL = 1 << 40                  # a window past any context: causal attention
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,7 @@ def window_mask(pos_q: torch.Tensor, pos_k: torch.Tensor, window: int) -> torch.
 
 
 def window_attention(q: torch.Tensor, pool: torch.Tensor, seqs: Sequence[WindowSeq],
-                     window: int, scale: float) -> torch.Tensor:
+                     window: int, scale: float, softcap: float | None = None) -> torch.Tensor:
     """q [T, H, D] (the sequences' rows, in order) over pool [S, 2, KVH, ps, D] -> [T, H, D].
     Decodes (one row) are computed together, the other sequences one by one."""
     out = torch.empty_like(q)
@@ -53,16 +58,21 @@ def window_attention(q: torch.Tensor, pool: torch.Tensor, seqs: Sequence[WindowS
             decodes.append(s)
             rows.append(at)
         else:
-            out[at:at + s.q_len] = _sequence(q[at:at + s.q_len], pool, s, window, scale)
+            out[at:at + s.q_len] = _sequence(q[at:at + s.q_len], pool, s, window, scale,
+                                             softcap)
         at += s.q_len
     if decodes:
         rows = torch.tensor(rows, device=q.device)
-        out[rows] = _decodes(q[rows], pool, decodes, window, scale)
+        out[rows] = _decodes(q[rows], pool, decodes, window, scale, softcap)
     return out
 
 
+def _capped(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+
+
 def _decodes(q: torch.Tensor, pool: torch.Tensor, seqs: list[WindowSeq], window: int,
-             scale: float) -> torch.Tensor:
+             scale: float, softcap: float | None) -> torch.Tensor:
     """One row a sequence, q [B, H, D]: their pages gathered at once (padded to the most)."""
     b, heads, d = q.shape
     _, _, kvh, ps, _ = pool.shape
@@ -78,14 +88,14 @@ def _decodes(q: torch.Tensor, pool: torch.Tensor, seqs: list[WindowSeq], window:
     pos_k = base[:, None] + col[None]                        # [B, n * ps]
     allowed = window_mask(pos[:, None], pos_k, window) & (col[None] < count[:, None])
     qg = q.float().reshape(b, kvh, heads // kvh, d)          # [B, KVH, group, D]
-    scores = torch.matmul(qg, k.transpose(2, 3)) * scale     # [B, KVH, group, n * ps]
+    scores = _capped(torch.matmul(qg, k.transpose(2, 3)) * scale, softcap)  # [B, KVH, g, n ps]
     scores.masked_fill_(~allowed[:, None, None], float("-inf"))
     o = torch.matmul(torch.softmax(scores, dim=-1), v)       # [B, KVH, group, D]
     return o.reshape(b, heads, d).to(q.dtype)
 
 
 def _sequence(q: torch.Tensor, pool: torch.Tensor, s: WindowSeq, window: int,
-              scale: float) -> torch.Tensor:
+              scale: float, softcap: float | None) -> torch.Tensor:
     t, heads, d = q.shape
     kv = pool[s.slots.long()]                              # [n, 2, KVH, ps, D]
     n, _, kvh, ps, _ = kv.shape
@@ -106,7 +116,7 @@ def _sequence(q: torch.Tensor, pool: torch.Tensor, s: WindowSeq, window: int,
         # [KVH, group * rows, D]: a KV head's query heads, row after row within each head
         qb = q[b0:b1].float().reshape(b1 - b0, kvh, group, d).permute(1, 2, 0, 3)
         qb = qb.reshape(kvh, group * (b1 - b0), d)
-        scores = torch.bmm(qb, k[:, lo:hi].transpose(1, 2)) * scale
+        scores = _capped(torch.bmm(qb, k[:, lo:hi].transpose(1, 2)) * scale, softcap)
         scores.masked_fill_(~allowed.repeat(group, 1), float("-inf"))
         o = torch.bmm(torch.softmax(scores, dim=-1), v[:, lo:hi])   # [KVH, group * rows, D]
         out[b0:b1] = o.reshape(kvh, group, b1 - b0, d).permute(2, 0, 1, 3).reshape(

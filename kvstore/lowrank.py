@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.window_attention import window_mask
+from kernels.window_attention import FULL, WindowSeq, window_attention, window_mask
 
 logger = logging.getLogger(__name__)
 
@@ -103,17 +103,21 @@ class LowRankProjection:
 class CaptureKV:
     """The model's KV seam for one sequence of T tokens at positions 0..T-1: causal attention
     over the step's own K/V (within each layer's sliding window, `windows`), each layer's
-    queries [T, H, D] and keys [T, KVH, D] handed to `on_layer`."""
+    queries [T, H, D] and keys [T, KVH, D] handed to `on_layer`; `softcap`: the scores'
+    (Gemma 2's)."""
 
     def __init__(self, on_layer: Callable[[int, torch.Tensor, torch.Tensor], None],
-                 windows: tuple[int | None, ...] = ()):
+                 windows: tuple[int | None, ...] = (), softcap: float | None = None):
         self.on_layer = on_layer
         self.windows = windows
+        self.softcap = softcap
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
         self.on_layer(layer, q, k)
         window = self.windows[layer] if layer < len(self.windows) else None
+        if self.softcap is not None:
+            return _capped_attention(q, k, v, scale, window, self.softcap)
         return causal_attention(q, k, v, scale, window=window)
 
 
@@ -133,6 +137,16 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
         v.repeat_interleave(group, 1).transpose(0, 1)[None], attn_mask=mask,
         is_causal=causal and mask is None, scale=scale)
     return o[0].transpose(0, 1)
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      window: int | None, softcap: float) -> torch.Tensor:
+    """Causal attention whose scores are capped at softcap * tanh(score / softcap): the
+    sequence as one page of window_attention's."""
+    t, kvh, d = k.shape
+    pool = torch.stack((k, v)).transpose(1, 2)[None]        # [1, 2, KVH, T, D]
+    seq = WindowSeq(torch.zeros(1, dtype=torch.int64), 0, 0, t)
+    return window_attention(q, pool, [seq], window or FULL, scale, softcap)
 
 
 @dataclass(frozen=True)
@@ -163,7 +177,7 @@ def collect(model, texts: Iterable[list[int]],
         qf = q.double().view(q.shape[0], kvh, -1, d).permute(1, 0, 2, 3).reshape(kvh, -1, d)
         gq[layer] += qf.transpose(1, 2) @ qf
 
-    kv = CaptureKV(on_layer, model.config.layer_windows)
+    kv = CaptureKV(on_layer, model.config.layer_windows, model.config.attn_logit_softcapping)
     done = 0
     for ids in seqs:
         model(torch.tensor(ids, dtype=torch.int64), torch.arange(len(ids)), kv,

@@ -16,7 +16,7 @@ import torch
 from kernels.page_summary import summarize_pages
 from kernels.layer_ops import summarize_slots, write_kv
 from kernels.page_table import PageTable
-from kernels.window_attention import first_window_page
+from kernels.window_attention import FULL, first_window_page
 from kvstore.config import KVStoreConfig
 from kvstore.fetcher import Fetcher
 from kvstore.requests import RequestTable
@@ -66,6 +66,8 @@ class StepParts:
     dense_attention: object           # kernels.attention backend
     sparse_attention: object          # kernels.sparse_attention decode
     windows: tuple[int | None, ...] = ()    # each layer's sliding window (None: full context)
+    softcap: float | None = None            # the attention scores' cap (Gemma 2): every layer
+                                            # attends as `cut`, in window_attention
 
 
 class StepKV:
@@ -132,6 +134,9 @@ class StepKV:
         longest = max((s.kv_len for s in seqs), default=0)
         self.cut = {layer: w for layer, w in enumerate(parts.windows)
                     if w is not None and longest > w}
+        if parts.softcap is not None:     # and every layer of a soft-capped model, always
+            self.cut = {layer: self.cut.get(layer, FULL)
+                        for layer in range(self.tiers.num_layers)}
         self._first_pages: dict[int, list[int]] = {}      # `first_pages`, by window
         self.pipe = parts.pipeline
         self.pipe.begin_step(len(self.sparse_idx), all(s.q_len == 1 for s in seqs))

@@ -56,7 +56,8 @@ def attend_window(step, layer: int, q: torch.Tensor, out: torch.Tensor, idx: lis
         seqs.append(WindowSeq(slots[at:at + n], first[i], s.start_pos, s.q_len))
         at += n
     rows = step.query_rows(idx)
-    out[rows] = window_attention(q[rows], step.tiers.pool, seqs, window, scale)
+    out[rows] = window_attention(q[rows], step.tiers.pool, seqs, window, scale,
+                                 step.parts.softcap)
     if step.observe_idx and layer >= step.cfg.dense_layers:    # (sparse once not cut)
         _observe_window(step, layer, q, idx, slots, scale, first)
 

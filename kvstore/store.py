@@ -60,12 +60,13 @@ class TieredKVStore:
                  dtype: torch.dtype, device: torch.device | str = "cpu", model_id: str = "",
                  projection: LowRankProjection | None = None, hidden_size: int = 0,
                  kv_from_inputs: KVFromInputs | None = None,
-                 windows: tuple[int | None, ...] = ()):
+                 windows: tuple[int | None, ...] = (), softcap: float | None = None):
         """model_id: what else shapes the KV bytes (the weights, the activation dtype): part
         of the prefix cache's namespace, so another model's pages never hit; projection: the
         keys' low-rank basis (--selector lowrank); hidden_size, kv_from_inputs: the model's
         width and K/V projection, for KV recompute (--kv-recompute); windows: each layer's
-        sliding window (None, or () for every layer: attends to the whole context)."""
+        sliding window (None, or () for every layer: attends to the whole context); softcap:
+        the attention scores' (Gemma 2's attn_logit_softcapping)."""
         self.cfg = cfg
         self.num_layers = num_layers
         self.page_shape = PageShape(cfg.page_size, num_kv_heads, head_dim, dtype)
@@ -105,7 +106,7 @@ class TieredKVStore:
         self._parts = StepParts(cfg, self._tiers, self._fetcher, self._requests,
                                 self._selection, self.pipeline, self.stats,
                                 make_attention_backend(device), self.sparse_attention,
-                                tuple(windows))
+                                tuple(windows), softcap)
         self._placement = make_placement(cfg.placement)
         self._prefix = None
         if cfg.prefix_cache:

@@ -54,6 +54,21 @@ def run_scored(engine: LLMEngine, prompts, steps: int):
     return got, margins
 
 
+def run_logprobs(engine: LLMEngine, prompts, steps: int):
+    """As `run`, with each greedy token's logprob: (request id -> tokens, -> logprobs)."""
+    ids = [f"r{i}" for i in range(len(prompts))]
+    got, lps = {rid: [] for rid in ids}, {rid: [] for rid in ids}
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, SamplingParams(max_tokens=steps, temperature=0.0,
+                                                  ignore_eos=True, logprobs=1))
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.finish_reason != "error", out.error
+            got[out.request_id].extend(out.new_token_ids)
+            lps[out.request_id].extend(chosen.logprob for chosen, _ in out.new_logprobs)
+    return got, lps
+
+
 def assert_same_greedy(got: dict, ref: dict, margins: dict, tie: float = 0.2) -> None:
     """Two runs of the same requests through different float paths (kernels that round
     differently) give the same greedy tokens up to the first near-tie: where they differ, the

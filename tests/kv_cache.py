@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.window_attention import WindowSeq, first_window_page, window_attention
+from kernels.window_attention import FULL, WindowSeq, first_window_page, window_attention
 
 
 class DenseStep:
@@ -22,9 +22,11 @@ class DenseStep:
     The model calls `attend` once per layer (the same seam as kvstore.step.StepKV)."""
 
     def __init__(self, cache: "KVCache", batch, backend, num_heads: int, q_dtype: torch.dtype,
-                 windows: tuple[int | None, ...] = ()):
-        """windows: each layer's sliding window (kernels/window_attention.py; None: none)."""
+                 windows: tuple[int | None, ...] = (), softcap: float | None = None):
+        """windows: each layer's sliding window (kernels/window_attention.py; None: none);
+        softcap: the scores' cap (Gemma 2), which window_attention alone applies."""
         self.cache, self.batch, self.backend, self.windows = cache, batch, backend, windows
+        self.softcap = softcap
         backend.plan(batch, num_heads, cache.num_kv_heads, cache.head_dim, q_dtype, cache.dtype,
                      cache.head_dim ** -0.5)
 
@@ -33,9 +35,11 @@ class DenseStep:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]; writes k/v at batch.slot_mapping first."""
         self.cache.write(layer, self.batch.slot_mapping, k, v)
         window = self.windows[layer] if layer < len(self.windows) else None
+        if self.softcap is not None:
+            window = window or FULL
         if window is not None:
             return window_attention(q, self.cache.layer(layer), self._window_seqs(window),
-                                    window, scale)
+                                    window, scale, self.softcap)
         return self.backend.forward(q, self.cache.layer(layer), self.batch, scale)
 
     def _window_seqs(self, window: int) -> list[WindowSeq]:

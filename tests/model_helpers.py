@@ -41,7 +41,8 @@ def step(model, cache, work: list[tuple[PagedSequence, int]], all_logits: bool =
         rows += range(first, first + n) if all_logits else [first + n - 1]
     batch = AttentionBatch.build(pages, kv_lens, q_lens, cache.page_size)
     kv = DenseStep(cache, batch, TorchPagedAttention(), model.config.num_attention_heads,
-                   model.dtype, model.config.layer_windows)
+                   model.dtype, model.config.layer_windows,
+                   model.config.attn_logit_softcapping)
     logits = model(torch.tensor(ids), torch.tensor(pos), kv, torch.tensor(rows))
     out, at = [], 0
     for seq, n in work:
@@ -99,9 +100,10 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def save_tiny_hf(kind: str, extra: dict, folder) -> torch.nn.Module:
     """A tiny random transformers checkpoint of `kind` (llama, qwen2, qwen3, smollm3, mistral,
-    phi3, gemma3) in `folder` (float32; weights big enough that mistakes show in the logits)
+    phi3, gemma2, gemma3) in `folder` (float32; weights big enough that mistakes show in the logits)
     -> the HF model."""
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                              Gemma3TextConfig, LlamaConfig,
                               LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
                               Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
                               Qwen3ForCausalLM, SmolLM3Config, SmolLM3ForCausalLM)
@@ -112,6 +114,7 @@ def save_tiny_hf(kind: str, extra: dict, folder) -> torch.nn.Module:
                           "smollm3": (SmolLM3Config, SmolLM3ForCausalLM),
                           "mistral": (MistralConfig, MistralForCausalLM),
                           "phi3": (Phi3Config, Phi3ForCausalLM),
+                          "gemma2": (Gemma2Config, Gemma2ForCausalLM),
                           "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[kind]
     kwargs = dict(TINY, **extra)
     if "rope_scaling" in kwargs and kind == "gemma3":   # the full-attention layers'
@@ -125,7 +128,7 @@ def save_tiny_hf(kind: str, extra: dict, folder) -> torch.nn.Module:
     with torch.no_grad():   # weights big enough that mistakes show in the logits
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):       # (Gemma's scale by 1 + w)
-                p.copy_((kind != "gemma3") + 0.1 * torch.randn_like(p))
+                p.copy_((not kind.startswith("gemma")) + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0, 0.15)
     model.save_pretrained(folder)

@@ -116,6 +116,29 @@ def test_partial_rotary_read_from_either_place_and_only_for_phi3():
                                  partial_rotary_factor=0.5625))   # 9 of 16 dims
 
 
+def test_gemma2_as_its_checkpoints_write_it():
+    # Gemma-2-9B-it's config.json as the hub has it (transformers 4: no layer_types)
+    old = dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2", hidden_size=3584,
+               intermediate_size=14336, num_hidden_layers=42, num_attention_heads=16,
+               num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+               attn_logit_softcapping=50.0, final_logit_softcapping=30.0, sliding_window=4096,
+               hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh",
+               cache_implementation="hybrid", rope_theta=10000.0, vocab_size=256000)
+    c = ModelConfig.from_hf(old)
+    assert c.gemma and not c.qk_norm and c.tie_word_embeddings
+    assert (c.attn_logit_softcapping, c.final_logit_softcapping) == (50.0, 30.0)
+    assert c.attention_scale == 256 ** -0.5 and c.rope_theta == 10000.0
+    assert c.local_rope_theta is None and c.positions == 8192
+    assert c.layer_windows == (4096, None) * 21          # the first of each pair windowed
+    # the 27B's attention scale, transformers 5's listed layer types
+    new = dict(old, query_pre_attn_scalar=144, architectures=None,
+               layer_types=["full_attention", "sliding_attention"] * 21)
+    c5 = ModelConfig.from_hf(new)
+    assert c5.attention_scale == 144 ** -0.5 and c5.layer_windows == (None, 4096) * 21
+    with pytest.raises(ValueError, match="activation"):
+        ModelConfig.from_hf(dict(old, hidden_activation="gelu"))
+
+
 def test_gemma3_as_transformers_4_and_5_write_it():
     # Gemma-3-4B's config.json as the hub has it (transformers 4: the defaults left out)
     old = dict(architectures=["Gemma3ForCausalLM"], num_hidden_layers=12, hidden_size=2560,

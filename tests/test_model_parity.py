@@ -47,6 +47,10 @@ CASES = {
                               rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "gemma3_pattern": ("gemma3", dict(GEMMA3, num_hidden_layers=6,
                                       final_logit_softcapping=3.0)),
+    # Gemma 2: every attention score soft-capped (at 2: the random scores reach past it), the
+    # logits too, a windowed layer then a full one (its default pattern)
+    "gemma2": ("gemma2", dict(GEMMA3, attn_logit_softcapping=2.0,
+                              final_logit_softcapping=3.0)),
     # LongRoPE, short factors: the served length (the config's 128) is within the pretraining
     # length, so no attention factor either
     "phi3_longrope_short": ("phi3", dict(PHI3, original_max_position_embeddings=128,
@@ -137,7 +141,7 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path):
                                          ("smollm3", {"no_rope_layers": [1, 0],
                                                       "pad_token_id": 0}),
                                          ("phi3", CASES["phi3_partial_tied"][1]),
-                                         CASES["gemma3"]])
+                                         CASES["gemma3"], CASES["gemma2"]])
 def test_the_engine_serves_newer_families_as_transformers_generates(tmp_path, weights, kind,
                                                                     extra):
     """A tiny Qwen3 (per-head q/k norms, head_dim apart from hidden / heads), SmolLM3 (a
@@ -177,9 +181,9 @@ def test_gguf_names_of_the_qk_norms():
 
 @pytest.mark.parametrize("extra", [
     {},
-    # sparse decode past 80 tokens (the 70-token prompt's last decodes), whose 5-page budget
-    # and the partial last page cover the context: the selection path, exact; the full layers
-    # select while the windowed ones attend their window
+    # sparse decode past 80 tokens (the 70-token prompt's last decode, whose 5-page budget
+    # leaves one of its 6 pages out: the greedy tokens stay, the logprobs move); the full
+    # layers select while the windowed ones attend their window
     {"sparse_budget": 80, "sparse_threshold": 80, "dense_layers": 0},
     {"sparse_budget": 80, "sparse_threshold": 80, "dense_layers": 0, "pipeline": "sfc",
      "micro_batch": 1},
@@ -189,7 +193,8 @@ def test_gguf_names_of_the_qk_norms():
     ("phi3", dict(PHI3, sliding_window=20)),
     # Gemma 3's: a windowed layer and a full one
     ("gemma3", dict(GEMMA3, sliding_window=20,
-                    layer_types=["sliding_attention", "full_attention"]))])
+                    layer_types=["sliding_attention", "full_attention"])),
+    ("gemma2", dict(GEMMA3, sliding_window=20, attn_logit_softcapping=2.0))])
 def test_the_engine_serves_past_a_sliding_window_as_transformers_generates(tmp_path, kind,
                                                                            model, extra):
     """A window shorter than the served length, which is the model's positions: through the
@@ -198,7 +203,7 @@ def test_the_engine_serves_past_a_sliding_window_as_transformers_generates(tmp_p
     generate. The short prompt alone first: steps the window never cuts (the resident path)."""
     from engine.args import EngineArgs
     from engine.llm_engine import LLMEngine
-    from tests.engine_helpers import run_scored
+    from tests.engine_helpers import run_logprobs
 
     hf = save_tiny_hf(kind, model, tmp_path / "model")
     engine = LLMEngine(EngineArgs(model=str(tmp_path / "model"), dtype="fp32", weights="fp32",
@@ -207,12 +212,19 @@ def test_the_engine_serves_past_a_sliding_window_as_transformers_generates(tmp_p
     assert engine.max_model_len == 128
     for prompts, steps in ((_prompts(5, lengths=(9,)), 6), (_prompts(5, lengths=(41, 17, 70)),
                                                              12)):
-        got, _ = run_scored(engine, prompts, steps)
+        got, logprobs = run_logprobs(engine, prompts, steps)
         with torch.no_grad():
             for i, p in enumerate(prompts):
                 out = hf.generate(torch.tensor([p]), max_new_tokens=steps, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)
                 assert got[f"r{i}"] == out[0, len(p):].tolist()
+                if "sparse_budget" in extra:
+                    continue
+                # and each token's logprob, as transformers scores the whole text
+                ref = torch.log_softmax(_hf_logits(hf, out[0, :-1].tolist()), -1)
+                ref = ref[len(p) - 1:].gather(1, out[0, len(p):, None])[:, 0]
+                torch.testing.assert_close(torch.tensor(logprobs[f"r{i}"]), ref,
+                                           atol=2e-4, rtol=0)
     if kind == "gemma3" and "sparse_budget" in extra:       # its full layer selected
         assert engine.store.stats.snapshot().selected_count > 0
 
