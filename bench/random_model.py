@@ -26,6 +26,12 @@ SHAPES = {
         max_position_embeddings=32768, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
         rope_theta=1e6, rope_local_base_freq=10000.0, bos_token_id=2, eos_token_id=1,
         pad_token_id=0)),
+    "gemma2-2b": ("gemma2", dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, sliding_window=4096,
+        max_position_embeddings=8192, query_pre_attn_scalar=256, rms_norm_eps=1e-6,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rope_theta=10000.0,
+        bos_token_id=2, eos_token_id=1, pad_token_id=0)),
     "llama-1b": ("llama", dict(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
@@ -36,12 +42,13 @@ SHAPES = {
 def write(shape: str, out: Path) -> Path:
     """The checkpoint and the bundled model's tokenizer files in `out`."""
     import torch
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
-                              LlamaForCausalLM)
+    from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
+                              Gemma3TextConfig, LlamaConfig, LlamaForCausalLM)
     from engine.gguf_convert import default_cache_dir, ensure_hf_folder
 
     family, fields = SHAPES[shape]
-    cfg_cls, model_cls = {"gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+    cfg_cls, model_cls = {"gemma2": (Gemma2Config, Gemma2ForCausalLM),
+                          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
                           "llama": (LlamaConfig, LlamaForCausalLM)}[family]
     torch.manual_seed(0)
     model = model_cls(cfg_cls(**fields)).to(torch.bfloat16).eval()
