@@ -6,7 +6,8 @@ What differs from a Llama layer (transformers' `Gemma3DecoderLayer`):
   (`post_attention_layernorm`, `post_feedforward_layernorm`), the MLP's input by
   `pre_feedforward_layernorm`;
 - every RMSNorm (these, the q and k head norms, the final one) scales by 1 + w: the weights
-  are stored as w, and `fold_norms` adds the 1 once at load, so the norms run as Llama's;
+  are stored as w, and `fold_norms` adds the 1 once at load, in float32 (engine/norm.py
+  `GemmaRMSNorm` multiplies before rounding to the activations' dtype, as transformers);
 - the MLP is GELU (tanh approximation) gated;
 - the attention scale is query_pre_attn_scalar ** -0.5;
 - the windowed layers (five of six) take their own RoPE base, the others the config's (with
@@ -24,15 +25,15 @@ import torch.nn.functional as F
 from engine.llama import DecoderLayer
 from engine.llama_weights import LAYER_NORMS
 from engine.model_config import ModelConfig
-from engine.norm import RMSNorm
+from engine.norm import GemmaRMSNorm
 
 
 class GemmaDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, device):
         super().__init__(cfg, index, dtype, device)
         h = cfg.hidden_size
-        self.pre_feedforward_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.post_feedforward_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, cfg.rms_norm_eps, dtype, device)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv,
                 lora=None) -> torch.Tensor:
@@ -60,7 +61,7 @@ class GemmaDecoderLayer(DecoderLayer):
 
 def fold_norms(model) -> None:
     """Every RMSNorm weight w of a loaded Gemma model (engine/llama.py's) becomes 1 + w, in
-    float32 before the model's dtype, as transformers computes `1.0 + weight.float()`."""
+    float32 (GemmaRMSNorm's weights are), as transformers computes `1.0 + weight.float()`."""
     weights = [w for layer in model.layers for w in layer.norm_weights()]
     with torch.no_grad():
         for w in weights + [model.norm.weight]:

@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.llama_weights import LlamaWeights
 from engine.model_config import ModelConfig
-from engine.norm import RMSNorm
+from engine.norm import GemmaRMSNorm, RMSNorm
 from engine.rope import RotaryEmbedding
 from kernels import layer_ops
 from kernels.decode_layer import DecodeLayers, FusedLayers, layer_words
@@ -40,8 +40,9 @@ class DecoderLayer(nn.Module):
         self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
         self.scale = cfg.attention_scale
         p = dict(dtype=dtype, device=device)
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, device)
+        norm = GemmaRMSNorm if cfg.gemma else RMSNorm
+        self.input_layernorm = norm(h, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = norm(h, cfg.rms_norm_eps, dtype, device)
         self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h, **p)        # [q|k|v, hidden]
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, **p) if cfg.attention_bias else None
         self.o_proj = _param(h, self.q_size, **p)
@@ -51,8 +52,8 @@ class DecoderLayer(nn.Module):
         self.down_proj = _param(h, cfg.intermediate_size, **p)
         self.down_bias = _param(h, **p) if cfg.mlp_bias else None
         # Qwen3: each q and k head RMS-normed (over head_dim) before RoPE
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.q_norm = norm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = norm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.rope = index not in cfg.nope_layers        # SmolLM3: some layers have no RoPE
         self.pack({}, None, 0)
 
@@ -197,7 +198,8 @@ class LlamaForCausalLM(LlamaWeights, nn.Module):
             from engine.gemma import GemmaDecoderLayer as layer
         self.layers = nn.ModuleList(layer(config, i, dtype, device)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.norm = (GemmaRMSNorm if config.gemma else RMSNorm)(
+            config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
                         else _param(config.vocab_size, config.hidden_size, **p))
         self.rope = RotaryEmbedding(config.head_dim, max_len, config.rope_theta,

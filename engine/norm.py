@@ -46,3 +46,17 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (transformers' Gemma2/3RMSNorm): the weight (1 + w, folded at load:
+    engine/gemma.py) kept in float32 and multiplied before the one rounding to the activations'
+    dtype, where Llama's multiplies the rounded activations."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device):
+        super().__init__(dim, eps, torch.float32, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+                * self.weight).to(x.dtype)

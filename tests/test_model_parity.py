@@ -253,6 +253,24 @@ def test_a_windowed_layer_reads_only_its_window_from_disk(tmp_path):
     assert reads[None] >= 2 * 8 * 6 and 0 < reads[20] <= 2 * 8 * 2, reads
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemma_norms_round_once_as_transformers(dtype):
+    """Gemma's RMSNorm multiplies by 1 + w in float32 and rounds once (a Llama norm multiplies
+    the rounded activations): on bf16 activations too, transformers' bits exactly."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from engine.norm import GemmaRMSNorm
+    g = torch.Generator().manual_seed(0)
+    hf = Gemma3RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(0.3 * torch.randn(64, generator=g))
+        ours = GemmaRMSNorm(64, 1e-6, dtype, "cpu")
+        ours.weight.copy_(1.0 + hf.weight.float())
+    x = (3 * torch.randn(7, 64, generator=g)).to(dtype)
+    assert ours.weight.dtype == torch.float32
+    assert torch.equal(ours(x), hf(x))
+
+
 def test_a_gemma3_vision_language_checkpoint_serves_its_language_model(tmp_path):
     """Gemma 3 4B and larger come as Gemma3ForConditionalGeneration (a vision tower beside the
     language model, the text config nested): served text-only, its logits of a text prompt
