@@ -1,8 +1,11 @@
 """A Gemma 3-shaped model (tiny, random: windowed and full layers) served end to end: the
-OpenAI SDK's streamed chat, and greedy tokens past the window equal to transformers'."""
+OpenAI SDK's streamed chat, and greedy tokens past the window equal to transformers'; in a KV
+pool that holds them only without the windowed layers' old pages, requests at once."""
 from __future__ import annotations
 
+import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -19,12 +22,18 @@ MODEL = {"vocab_size": 49152, "num_hidden_layers": 3, "head_dim": 16, "sliding_w
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_dir, tmp_path_factory):
+def checkpoint(smollm2_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma")
     hf = save_tiny_hf("gemma3", MODEL, folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (smollm2_dir / name).is_file():              # the bundled model's vocabulary
             shutil.copy(smollm2_dir / name, folder / name)
+    return folder, hf
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint):
+    folder, hf = checkpoint
     with running_server("--model", str(folder), "--served-model-name", "gemma",
                         "--dtype", "fp32", "--weights", "fp32") as s:
         yield s, hf
@@ -55,3 +64,37 @@ def test_greedy_tokens_equal_transformers_past_the_window(served):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     assert r.json()["tokens"] == want
+
+
+def _generate(hf, prompt: list[int], steps: int) -> list[int]:
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def test_requests_at_once_in_a_pool_that_holds_them_only_windowed(checkpoint):
+    """17 whole pages (3 layers of 16 tokens, 4 KiB a layer) hold 272 tokens; without the
+    windowed layers' old pages one request holds 592 (64-token steps): three of 340 tokens
+    (each more than the whole pages hold) run at once or in turns (preempted, recomputed),
+    and each one's greedy tokens are transformers'."""
+    folder, hf = checkpoint
+    gb = f"{17 * 3 * 4096 / 2**30:.10f}"
+    with running_server("--model", str(folder), "--served-model-name", "gemma", "--dtype",
+                        "fp32", "--weights", "fp32", "--kv-device-gb", gb,
+                        "--max-num-batched-tokens", "64") as server:
+        prompts = [torch.randint(3, 49152, (300,), generator=torch.Generator().manual_seed(i))
+                   .tolist() for i in range(3)]
+
+        def complete(prompt):
+            r = httpx.post(server.url + "/completion", timeout=REQUEST_TIMEOUT_S, json={
+                "prompt": prompt, "n_predict": 40, "temperature": 0.0, "ignore_eos": True,
+                "return_tokens": True})
+            assert r.status_code == 200, r.text
+            return r.json()["tokens"]
+
+        with ThreadPoolExecutor(3) as pool:
+            got = list(pool.map(complete, prompts))
+        metrics = httpx.get(server.url + "/metrics", timeout=REQUEST_TIMEOUT_S).text
+    assert re.search(r"^strata_kv_pages_total 17(\.0)?$", metrics, re.M), metrics[:2000]
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == _generate(hf, prompt, 40)
