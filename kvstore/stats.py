@@ -36,6 +36,7 @@ class KVStats:
     stage_count: Counter = field(default_factory=Counter)      # stage -> observations
     lookahead_hits: int = 0      # exact-selected pages the layer-ahead prediction had fetched
     lookahead_exact: int = 0     # exact-selected pages in layers with a prediction
+    window_dropped: int = 0      # sliding-window layer-pages dropped (kvstore/window_trim.py)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def observe_stage(self, stage: str, seconds: float, stall: float = 0.0) -> None:
@@ -77,6 +78,10 @@ class KVStats:
             self.lookahead_hits += predicted_hits
             self.lookahead_exact += exact
 
+    def add_window_dropped(self, n: int) -> None:
+        with self._lock:
+            self.window_dropped += n
+
     def add_transfer(self, src: str, dst: str, nbytes: int) -> None:
         with self._lock:
             self.transfer_bytes[(src, dst)] += nbytes
@@ -90,7 +95,8 @@ class KVStats:
                                    {st: tuple(b) for st, b in self.stage_buckets.items()},
                                    dict(self.stage_busy), dict(self.stage_stall),
                                    dict(self.stage_count), self.lookahead_hits,
-                                   self.lookahead_exact, dict(self.recomputed))
+                                   self.lookahead_exact, dict(self.recomputed),
+                                   self.window_dropped)
 
 
 @dataclass(frozen=True)
@@ -111,3 +117,4 @@ class KVStatsSnapshot:
     lookahead_hits: int = 0
     lookahead_exact: int = 0
     recomputed: dict = field(default_factory=dict)     # tier -> pages rebuilt from inputs
+    window_dropped: int = 0                            # sliding-window layer-pages dropped

@@ -241,6 +241,7 @@ class TierSet:
             for tier in self._tiers:
                 tier.delete(keys)
             self.clean[keys] = False
+            self.stats.add_window_dropped(keys.numel())
 
     def lost(self, keys: torch.Tensor, message: str) -> RequestKVError:
         """Map the keys of lost pages to the requests that hold them (the pages are kept for

@@ -74,6 +74,9 @@ def kv_families(stats):
         for tier in TIERS:
             fam.add_metric([tier], values.get(tier, 0))
         yield fam
+    yield CounterMetricFamily("strata_kv_window_dropped_pages", "Layer-pages of sliding-window "
+                              "layers dropped from the KV store once no request reads them.",
+                              value=kv.window_dropped)
     fb = CounterMetricFamily("strata_dense_fallback", "Request-layer steps run dense in sparse "
                              "mode, by reason.", labels=["reason"])
     for reason in ("prefill", "fits_budget", "dense_layer"):

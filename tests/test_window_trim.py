@@ -159,10 +159,13 @@ def test_a_context_past_the_whole_pages_is_served_as_transformers_generates(gemm
     assert full.store.capacity_tokens() == 96
     with pytest.raises(KVNeverFits):
         run_scored(full, [prompt], 30)
-    engine = _engine(folder)
+    engine = _engine(folder, prefix_cache="off")
     assert engine.store.capacity_tokens() == 144       # 4P - 3 (P - 5) <= 24 slots: P = 9
     got, _ = run_scored(engine, [prompt], 30)
     assert got["r0"] == _generate(hf, prompt, 30)
+    # (strata_kv_window_dropped_pages): before the last step, whose query is at 118, the
+    # pages before key 99 (the window's first), less one of slack, go: 0-4, in 3 layers
+    assert engine.store.stats.snapshot().window_dropped == 5 * 3
 
 
 def test_prefix_reuse_with_trimmed_pages_gives_transformers_tokens(gemma):
