@@ -37,11 +37,11 @@ def run(engine: LLMEngine, prompts, steps: int, ids=None):
     return drive(engine, ids)
 
 
-def run_scored(engine: LLMEngine, prompts, steps: int):
-    """As `run`, with each greedy token's margin over the runner-up (its logprob minus the
-    second best's): (request id -> tokens, request id -> margins)."""
+def _run_logprobs(engine: LLMEngine, prompts, steps: int):
+    """As `run`, with each greedy token's logprob entries (the token's, the top two):
+    (request id -> tokens, request id -> entries)."""
     ids = [f"r{i}" for i in range(len(prompts))]
-    got, margins = {rid: [] for rid in ids}, {rid: [] for rid in ids}
+    got, entries = {rid: [] for rid in ids}, {rid: [] for rid in ids}
     for rid, p in zip(ids, prompts):
         engine.add_request(rid, p, SamplingParams(max_tokens=steps, temperature=0.0,
                                                   ignore_eos=True, logprobs=2))
@@ -49,24 +49,22 @@ def run_scored(engine: LLMEngine, prompts, steps: int):
         for out in engine.step():
             assert out.finish_reason != "error", out.error
             got[out.request_id].extend(out.new_token_ids)
-            margins[out.request_id].extend(top[0].logprob - top[1].logprob
-                                           for _, top in out.new_logprobs)
-    return got, margins
+            entries[out.request_id].extend(out.new_logprobs)
+    return got, entries
+
+
+def run_scored(engine: LLMEngine, prompts, steps: int):
+    """As `run`, with each greedy token's margin over the runner-up (its logprob minus the
+    second best's): (request id -> tokens, request id -> margins)."""
+    got, entries = _run_logprobs(engine, prompts, steps)
+    return got, {rid: [top[0].logprob - top[1].logprob for _, top in e]
+                 for rid, e in entries.items()}
 
 
 def run_logprobs(engine: LLMEngine, prompts, steps: int):
     """As `run`, with each greedy token's logprob: (request id -> tokens, -> logprobs)."""
-    ids = [f"r{i}" for i in range(len(prompts))]
-    got, lps = {rid: [] for rid in ids}, {rid: [] for rid in ids}
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, SamplingParams(max_tokens=steps, temperature=0.0,
-                                                  ignore_eos=True, logprobs=1))
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.finish_reason != "error", out.error
-            got[out.request_id].extend(out.new_token_ids)
-            lps[out.request_id].extend(chosen.logprob for chosen, _ in out.new_logprobs)
-    return got, lps
+    got, entries = _run_logprobs(engine, prompts, steps)
+    return got, {rid: [chosen.logprob for chosen, _ in e] for rid, e in entries.items()}
 
 
 def assert_same_greedy(got: dict, ref: dict, margins: dict, tie: float = 0.2) -> None:
