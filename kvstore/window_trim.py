@@ -11,7 +11,9 @@ Capacity is counted in layer-pages ("slots") of the backing tier: a page costs o
 layer it still holds. There are more page ids than slots over the layers (`id_space`), so a
 request's pages can outnumber what whole pages would fit.
 - A page's windowed layers (a group: the layers of one window length) are dropped once the
-  page is dead there for every request that holds it (`advance`, after each step).
+  page is dead there for every request that holds it: each step records where its requests'
+  next queries are (`after_step`), and a request's dead pages go before it grows next
+  (`advance`, from the store's `allocate`).
 - A page the prefix cache holds keeps them (it is retained) until slots run short
   (`reclaim`), so a later prompt with the same prefix can still start after it, as vLLM keeps
   a freed block cached until its memory is taken.
