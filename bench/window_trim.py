@@ -4,14 +4,14 @@ against --swa-full (every layer's whole context kept), on a Gemma-3-1B-shaped ch
     .venv/bin/python bench/window_trim.py        # bench/results/window_trim.json and .png
     .venv/bin/python bench/window_trim.py --replot bench/results/window_trim.json
 
-In process, each variant in turn: one request of --context prompt tokens and --decode more
-(greedy, random weights from bench/random_model.py: only bytes and times mean anything); after
-every step the device tier's KV bytes. Reports the longest request --kv-device-gb holds, the
-peak KV bytes, the prefill's seconds and the median decode step.
+In process, one engine a variant: one request of --context prompt tokens and --decode more
+(greedy, random weights from bench/random_model.py: only bytes and times mean anything), the
+prompts one after the other, then the decode steps alternating; after every step the device
+tier's KV bytes. Reports the longest request --kv-device-gb holds, the peak KV bytes, the
+prefill's seconds and the median decode step.
 """
 from __future__ import annotations
 
-import gc
 import statistics
 import sys
 import time
@@ -26,45 +26,78 @@ VARIANTS = {"swa-full": True, "trim": False}      # name -> --swa-full
 MODEL = Path("/tmp/strata-bench/gemma3-1b")
 
 
-def run_variant(model: Path, swa_full: bool, args) -> dict:
-    import torch
+class Variant:
+    """One engine (--swa-full or not) serving one request, its KV bytes after every step."""
 
-    from engine.args import EngineArgs
-    from engine.llm_engine import LLMEngine
-    from scheduler.sampling_params import SamplingParams
+    def __init__(self, model: Path, swa_full: bool, args):
+        import torch
 
-    engine = LLMEngine(EngineArgs(model=str(model), kv_device_gb=args.kv_device_gb,
-                                  swa_full=swa_full, prefix_cache="off"))
-    store = engine.store
-    ids = torch.randint(3, 49152, (args.context,),
-                        generator=torch.Generator().manual_seed(0)).tolist()
-    engine.add_request("r", ids, SamplingParams(max_tokens=args.decode, temperature=0.0,
-                                                ignore_eos=True))
-    series, decode_ms, t0 = [], [], time.perf_counter()
-    prefill_s = None
-    while engine.has_unfinished():
+        from engine.args import EngineArgs
+        from engine.llm_engine import LLMEngine
+        from scheduler.sampling_params import SamplingParams
+
+        self.engine = LLMEngine(EngineArgs(model=str(model), kv_device_gb=args.kv_device_gb,
+                                           swa_full=swa_full, prefix_cache="off"))
+        ids = torch.randint(3, 49152, (args.context,),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+        self.engine.add_request("r", ids, SamplingParams(max_tokens=args.decode,
+                                                         temperature=0.0, ignore_eos=True))
+        self.series, self.decode_ms, self.prefill_s = [], [], None
+
+    def step(self) -> bool:
+        """One step (timed as a decode once the prompt is in); True when it gave a token."""
         t = time.perf_counter()
-        outs = engine.step()
-        req = engine.scheduler.get_request("r")
-        if req is not None:         # (its pages are gone once it ended)
-            series.append([req.num_computed_tokens, store.tier_usage()["device"][0]])
-        if prefill_s is None and any(o.new_token_ids for o in outs):
-            prefill_s = time.perf_counter() - t0
-        elif prefill_s is not None:
-            decode_ms.append(1e3 * (time.perf_counter() - t))
-        print(f"  {series[-1][0]:>6} tokens: {series[-1][1] / 2**20:8.1f} MiB", end="\r",
-              file=sys.stderr)
+        outs = self.engine.step()
+        if self.prefill_s is not None:
+            self.decode_ms.append(1e3 * (time.perf_counter() - t))
+        req = self.engine.scheduler.get_request("r")
+        if req is not None:             # (its pages are gone once it ended)
+            self.series.append([req.num_computed_tokens,
+                                self.engine.store.tier_usage()["device"][0]])
+            print(f"  {self.series[-1][0]:>6} tokens: {self.series[-1][1] / 2**20:8.1f} MiB",
+                  end="\r", file=sys.stderr)
+        return any(o.new_token_ids for o in outs)
+
+    @property
+    def running(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def prefill(self) -> None:
+        t0 = time.perf_counter()
+        while not self.step():
+            pass
+        self.prefill_s = time.perf_counter() - t0
+        print(file=sys.stderr)
+
+    def row(self) -> dict:
+        store = self.engine.store
+        return {"capacity_tokens": store.capacity_tokens(),
+                "peak_kv_bytes": max(b for _, b in self.series),
+                "kv_bytes_per_token_all_layers": store.page_shape.nbytes * store.num_layers
+                // store.page_size,
+                "prefill_s": round(self.prefill_s, 2),
+                "decode_ms": round(statistics.median(self.decode_ms), 1)
+                if self.decode_ms else None,
+                "series": self.series}
+
+
+def run(model: Path, args) -> dict:
+    """Each variant's prompt in turn, then their decode steps alternating (the order flipped
+    every step), so the two decode columns share the machine's moment."""
+    variants = {}
+    for name, swa_full in VARIANTS.items():
+        print(f"{name}:", file=sys.stderr)
+        variants[name] = Variant(model, swa_full, args)
+        variants[name].prefill()
+    turn = 0
+    while any(v.running for v in variants.values()):
+        order = list(variants.values())
+        for v in (order if turn % 2 == 0 else order[::-1]):
+            if v.running:
+                v.step()
+        turn += 1
     print(file=sys.stderr)
-    row = {"capacity_tokens": store.capacity_tokens(),
-           "peak_kv_bytes": max(b for _, b in series),
-           "kv_bytes_per_token_all_layers": store.page_shape.nbytes * store.num_layers
-           // store.page_size,
-           "prefill_s": round(prefill_s, 2),
-           "decode_ms": round(statistics.median(decode_ms), 1) if decode_ms else None,
-           "series": series}
-    del engine, store
-    gc.collect()
-    return row
+    return {name: v.row() for name, v in variants.items()}
 
 
 def plot(rep: dict, path: Path) -> None:
@@ -111,9 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     rep = {"model": "random Gemma-3-1B shape" if args.model is None else str(model),
            "context": args.context, "decode": args.decode, "kv_device_gb": args.kv_device_gb,
            "machine": machine(), "variants": {}}
-    for name, swa_full in VARIANTS.items():
-        print(f"{name}:", file=sys.stderr)
-        rep["variants"][name] = run_variant(model, swa_full, args)
+    rep["variants"] = run(model, args)
     out = write_json(args.out or RESULTS / "window_trim.json", rep)
     plot(rep, out.with_suffix(".png"))
     print(f"{cpu_line(rep['machine'])}; {rep['model']}, {args.context} + {args.decode} tokens, "
