@@ -31,6 +31,7 @@ CHATML_TEMPLATE = (
     " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+CONVERSION = 2          # bumped when a converted folder's contents change (2: Gemma 2's fields)
 
 
 def bundled_gguf_path() -> Path:
@@ -100,7 +101,9 @@ def model_fingerprint(folder: Path, gguf: Path | None, extra: str = "") -> str:
 
 def _source_key(src: Path) -> str:
     st = src.stat()
-    ident = f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    # NOTE: the conversion's version too: a folder converted by an older one (without a
+    # family's config fix-ups) is converted again
+    ident = f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|conversion {CONVERSION}"
     return hashlib.sha256(ident.encode()).hexdigest()[:12]
 
 

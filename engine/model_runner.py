@@ -79,7 +79,8 @@ class ModelRunner:
                              config.head_dim)
         self.store = TieredKVStore(kv, config.num_hidden_layers, config.num_key_value_heads,
                                    config.head_dim, DENSE[plan.kv_dtype], self.device,
-                                   model_id=f"{model_id}|act={plan.dtype}",
+                                   model_id=f"{model_id}|act={plan.dtype}"
+                                   + ("|gemma-norm-f32" if config.gemma else ""),
                                    projection=projection, hidden_size=config.hidden_size,
                                    kv_from_inputs=self._recompute_fn(plan, kv),
                                    windows=config.layer_windows,

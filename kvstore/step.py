@@ -122,8 +122,9 @@ class StepKV:
         # [seqs, max pages] page ids, padded with 0 (for vectorized lookups of selected pages)
         self.page_mat = torch.nn.utils.rnn.pad_sequence(self.page_tensors, batch_first=True) \
             if seqs else torch.empty(0, 0, **_I64)
-        sparse = [cfg.sparse_budget > 0 and s.q_len == 1 and n > cfg.sparse_from_pages
-                  for s, n in zip(seqs, self.n_pages)]
+        # (a soft-capped model attends every layer in window_attention: never sparse)
+        sparse = [cfg.sparse_budget > 0 and parts.softcap is None and s.q_len == 1
+                  and n > cfg.sparse_from_pages for s, n in zip(seqs, self.n_pages)]
         self.sparse_idx = [i for i, sp in enumerate(sparse) if sp]
         self.dense_idx = [i for i, sp in enumerate(sparse) if not sp]
         # prefills ending this step whose observation window ranks their pages (SnapKV)

@@ -79,6 +79,9 @@ class TieredKVStore:
         coded, plan, max_pages = backing_geometry(cfg, self.page_shape, num_layers, budgets,
                                                   codec, device, hidden_size, kv_from_inputs)
         cfg.check_plan(num_layers, num_kv_heads)
+        if softcap is not None and cfg.sparse_budget > 0:
+            logger.warning("--sparse-budget: this model soft-caps its attention scores, which "
+                           "only the window attention does; its decodes attend densely")
         self.stats = KVStats()
         whole_pages, trims = max_pages, trims_windows(cfg, budgets, windows)
         if trims:       # more page ids than whole pages: windowed layers hold fewer

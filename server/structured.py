@@ -34,20 +34,24 @@ def schema_spec(schema: Any, param: str, closed: bool = False) -> GrammarSpec:
             raise invalid_request(f"Invalid '{param}': not valid JSON.", param=param) from None
     if not isinstance(schema, dict):
         raise invalid_request(f"Invalid '{param}': a JSON Schema is an object.", param=param)
-    if closed:
-        schema = _closed(schema)
-    return checked(GrammarSpec("json_schema", json.dumps(schema)), param)
+    try:
+        text = json.dumps(_closed(schema) if closed else schema)
+    except RecursionError:
+        raise invalid_request(f"Invalid '{param}': the schema nests too deep.",
+                              param=param) from None
+    return checked(GrammarSpec("json_schema", text), param)
 
 
 def _closed(node: Any) -> Any:
     """The schema with `additionalProperties: false` in every object schema that has
-    properties and does not say."""
+    properties (or patternProperties) and does not say, as vLLM closes them."""
     if isinstance(node, list):
         return [_closed(n) for n in node]
     if not isinstance(node, dict):
         return node
     out = {k: _closed(v) for k, v in node.items()}
-    if "properties" in out and "additionalProperties" not in out:
+    if ("properties" in out or "patternProperties" in out) \
+            and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 

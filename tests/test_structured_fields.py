@@ -45,6 +45,20 @@ def test_disable_additional_properties_closes_the_open_objects():
     assert closed["properties"]["a"] == {"type": "integer"}         # not an object: as is
 
 
+def test_disable_additional_properties_closes_pattern_objects_and_refuses_deep_ones():
+    patterned = {"type": "object", "patternProperties": {"^x_": {"type": "integer"}}}
+    closed = json.loads(_grammar(structured_outputs={
+        "json": patterned, "disable_additional_properties": True}).source)
+    assert closed["additionalProperties"] is False          # as vLLM closes them
+    deep: dict = {"type": "integer"}
+    for _ in range(2000):
+        deep = {"type": "array", "items": deep}
+    for fields in ({"structured_outputs": {"json": deep, "disable_additional_properties": True}},
+                   {"structured_outputs": {"json": deep}}, {"guided_json": deep}):
+        with pytest.raises(APIError, match="nests too deep"):        # a 400, not a 500
+            _grammar(**fields)
+
+
 @pytest.mark.parametrize("so", [{}, {"choice": ["a"], "regex": "a"}, {"json_object": False},
                                 {"regex": "a", "structural_tag": "{}"},
                                 {"regex": "a", "whitespace_pattern": " "},
