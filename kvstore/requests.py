@@ -30,8 +30,8 @@ class RequestKV:
     @classmethod
     def new(cls, request_id: str, handle: int, cap: int, num_layers: int, shape,
             summary_dim: int, sparse: bool, observe: bool) -> RequestKV:
-        """A request's state for `cap` pages of `shape` (kvstore/tiers/base.PageShape): the
-        summaries (sparse decode) and the prior (its observation window) zeroed."""
+        """A request's state for `cap` pages of `shape` (kvstore/tiers/base.PageShape): its
+        summaries zeroed (sparse decode), its prior (the observation window's) none yet."""
         # NOTE: in the KV dtype; min rounded down and max up, so Quest's bound stays an upper
         # bound. Only sparse decode reads them. Zeros: a partial page's row is scored (never
         # selected by it) before it fills
