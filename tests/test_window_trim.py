@@ -234,3 +234,22 @@ def test_a_resent_conversation_as_long_as_the_capacity_is_served(tmp_path):
     before = engine.scheduler.prefix_hit_tokens
     run(first + answer + _prompt(12, 64), 16)              # 304 + 16 = 320
     assert engine.scheduler.prefix_hit_tokens - before >= 224
+
+
+def test_drafts_past_the_window_keep_the_pages_they_may_roll_back_to(gemma):
+    """N-gram drafts (--speculative-config, every draft) on a repeating prompt past the window:
+    a step's rejected drafts roll the request back, so its pages go only up to where its next
+    token is sure (a page dropped for a draft's position would be read again); the greedy
+    tokens are transformers', some drafts kept and some not."""
+    from tests.engine_helpers import run_logprobs
+
+    folder, hf = gemma
+    spec = ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, '
+            '"prompt_lookup_min": 2, "draft_p_min": 0}')
+    engine = _engine(folder, kv_device_gb=0.01, speculative_config=spec, prefix_cache="off")
+    prompt = _prompt(21, 12) * 6                    # 72 tokens, a 12-token phrase repeated
+    got, _ = run_logprobs(engine, [prompt], 40)
+    assert got["r0"] == _generate(hf, prompt, 40)
+    stats = engine.spec
+    assert 0 < stats.accepted_tokens < stats.draft_tokens, stats
+    assert engine.store.stats.snapshot().window_dropped > 0
