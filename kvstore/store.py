@@ -27,7 +27,6 @@ from kernels.backends import make_attention_backend, make_sparse_decode
 from kvstore.config import KVStoreConfig
 from kvstore.disk_room import register_on_disk
 from kvstore.errors import KVFull, KVNeverFits, RequestKVError
-from kvstore.page_allocator import PageAllocator
 from kvstore.pipeline import Pipeline
 from kvstore.fetcher import Fetcher
 from kvstore.placement import make_placement
@@ -44,7 +43,7 @@ from kvstore.lowrank import LowRankProjection
 from kvstore.backing import backing_geometry
 from kvstore.tiers.codec import PageCodec
 from kvstore.tierset import TierSet
-from kvstore.window_trim import WindowTrim, id_space, trims_windows
+from kvstore.window_trim import make_allocator
 
 __all__ = ["KVFull", "KVNeverFits", "RequestKVError", "TieredKVStore"]
 
@@ -83,12 +82,9 @@ class TieredKVStore:
             logger.warning("--sparse-budget: this model soft-caps its attention scores, which "
                            "only the window attention does; its decodes attend densely")
         self.stats = KVStats()
-        whole_pages, trims = max_pages, trims_windows(cfg, budgets, windows)
-        if trims:       # more page ids than whole pages: windowed layers hold fewer
-            max_pages = id_space(windows, whole_pages)
-        self._allocator = PageAllocator(max_pages, cfg.page_size)
-        self._trim = WindowTrim(windows, cfg.page_size, whole_pages, self._allocator) \
-            if trims else None
+        whole_pages = max_pages
+        self._allocator, self._trim = make_allocator(cfg, budgets, windows, whole_pages)
+        max_pages = self._allocator.num_pages   # (more than whole where windows trim)
         self._selection = PageSelection(cfg, max_pages * num_layers, self.stats, head_dim,
                                         projection)
         namespace = store_namespace(model_id, self.page_shape, num_layers, codec, coded,
@@ -122,7 +118,7 @@ class TieredKVStore:
                               for name, (_, cap) in self._tiers.usage().items()),
                     cfg.backing, whole_pages, num_layers,
                     f" (sliding-window layers keep their window: up to {max_pages} page ids)"
-                    if trims else "")
+                    if self._trim is not None else "")
 
     @property
     def tiers(self) -> TierSet:

@@ -58,6 +58,16 @@ def trims_windows(cfg, budgets: dict, windows) -> bool:
             and not budgets["host"] and not budgets["disk"])
 
 
+def make_allocator(cfg, budgets: dict, windows, whole_pages: int
+                   ) -> tuple[PageAllocator, WindowTrim | None]:
+    """A KV store's page allocator for a backing tier of `whole_pages` pages of every layer,
+    and its window trimming where that applies (more page ids then: `id_space`)."""
+    if not trims_windows(cfg, budgets, windows):
+        return PageAllocator(whole_pages, cfg.page_size), None
+    allocator = PageAllocator(id_space(windows, whole_pages), cfg.page_size)
+    return allocator, WindowTrim(windows, cfg.page_size, whole_pages, allocator)
+
+
 def dead_pages(start: int, window: int, page_size: int) -> int:
     """Leading pages no query from position `start` on reads in a layer of `window`."""
     return max(0, start - window + 1) // page_size
