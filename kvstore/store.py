@@ -156,7 +156,7 @@ class TieredKVStore:
         """The longest request the backing tier holds (prompt and output)."""
         if self._trim is None:
             return self.max_pages * self.cfg.page_size
-        return self._trim.capacity_pages(self.cfg.max_step_tokens) * self.cfg.page_size
+        return self._trim.capacity * self.cfg.page_size
 
     def add_request(self, request_id: str, max_total_tokens: int) -> None:
         """Reserve backing room for prompt + max_tokens. Raises KVNeverFits or KVFull."""
@@ -225,7 +225,7 @@ class TieredKVStore:
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's pages (all or nothing); cached pages nobody uses make room."""
-        if self._trim is not None:
+        if self._trim is not None and self._trim.due(request_id):
             self._tiers.drop_layers(self._trim.advance(request_id,
                                                        self._allocator.pages(request_id)))
         before = len(self._allocator.pages(request_id))

@@ -65,7 +65,8 @@ def make_allocator(cfg, budgets: dict, windows, whole_pages: int
     if not trims_windows(cfg, budgets, windows):
         return PageAllocator(whole_pages, cfg.page_size), None
     allocator = PageAllocator(id_space(windows, whole_pages), cfg.page_size)
-    return allocator, WindowTrim(windows, cfg.page_size, whole_pages, allocator)
+    return allocator, WindowTrim(windows, cfg.page_size, whole_pages, allocator,
+                                 cfg.max_step_tokens)
 
 
 def dead_pages(start: int, window: int, page_size: int) -> int:
@@ -74,7 +75,10 @@ def dead_pages(start: int, window: int, page_size: int) -> int:
 
 
 class WindowTrim:
-    def __init__(self, windows, page_size: int, whole_pages: int, allocator: PageAllocator):
+    def __init__(self, windows, page_size: int, whole_pages: int, allocator: PageAllocator,
+                 step_tokens: int = 2048):
+        """step_tokens: the most a step computes of one request (--max-num-batched-tokens),
+        which `capacity` allows for."""
         self.groups = window_groups(windows)
         self.num_layers = len(windows)
         self.page_size = page_size
@@ -91,6 +95,7 @@ class WindowTrim:
         self._retained: OrderedDict[tuple[int, int], None] = OrderedDict()   # (page, group)
         self.evictable_slots = 0        # slots of cached pages no request holds, as counted
         self._counted_at = -1e9
+        self.capacity = self.capacity_pages(step_tokens)    # the longest request, in pages
 
     # ------------------------------------------------------------------ slots
     @property
@@ -194,6 +199,14 @@ class WindowTrim:
         for s in seqs:      # NOTE: a decode's drafts may be rejected: from its next token on
             self.moved(s.request_id, s.start_pos + s.q_len - s.drafts)
         self.count(cache_only)
+
+    def due(self, request_id: str) -> bool:
+        """The request's frontier passed pages not settled yet (`advance` has work)."""
+        start, done = self._start.get(request_id), self._done.get(request_id)
+        if start is None:
+            return False
+        return done is None or any(d < self._frontier(start, w)
+                                   for d, (w, _) in zip(done, self.groups))
 
     def advance(self, request_id: str, pages) -> Drops:
         """Before the request grows: its pages dead in every holder's window go (retained
