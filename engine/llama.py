@@ -25,7 +25,7 @@ from kernels.packed_linear import BITS, DENSE, NATIVE, GroupQuant, Linear, Packe
 _WEIGHTS = ("qkv", "o", "gate_up", "down")      # a layer's matmuls: <name>_proj, <name>_bias
 
 
-def _param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     # NOTE: uninitialised on purpose: load_weights fills every parameter (and checks it did).
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -43,28 +43,42 @@ class DecoderLayer(nn.Module):
         norm = GemmaRMSNorm if cfg.gemma else RMSNorm
         self.input_layernorm = norm(h, cfg.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = norm(h, cfg.rms_norm_eps, dtype, device)
-        self.qkv_proj = _param(self.q_size + 2 * self.kv_size, h, **p)        # [q|k|v, hidden]
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, **p) if cfg.attention_bias else None
-        self.o_proj = _param(h, self.q_size, **p)
-        self.o_bias = _param(h, **p) if cfg.o_proj_bias else None
-        self.gate_up_proj = _param(2 * cfg.intermediate_size, h, **p)         # [gate|up, hidden]
-        self.gate_up_bias = _param(2 * cfg.intermediate_size, **p) if cfg.mlp_bias else None
-        self.down_proj = _param(h, cfg.intermediate_size, **p)
-        self.down_bias = _param(h, **p) if cfg.mlp_bias else None
+        qkv = self.q_size + 2 * self.kv_size
+        self.qkv_proj = empty_param(qkv, h, **p)                            # [q|k|v, hidden]
+        self.qkv_bias = empty_param(qkv, **p) if cfg.attention_bias else None
+        self.o_proj = empty_param(h, self.q_size, **p)
+        self.o_bias = empty_param(h, **p) if cfg.o_proj_bias else None
+        self._mlp_params(cfg, p)
         # Qwen3: each q and k head RMS-normed (over head_dim) before RoPE
         self.q_norm = norm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.k_norm = norm(d, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
         self.rope = index not in cfg.nope_layers        # SmolLM3: some layers have no RoPE
         self.pack({}, None, 0)
 
+    MATMULS = _WEIGHTS          # the layer's matmuls `pack` builds (an MoE layer's differ)
+
+    def _mlp_params(self, cfg: ModelConfig, p: dict) -> None:
+        """The MLP's parameters (engine/moe.py's layer has experts instead)."""
+        h = cfg.hidden_size
+        inter = cfg.intermediate_size
+        self.gate_up_proj = empty_param(2 * inter, h, **p)                  # [gate|up, hidden]
+        self.gate_up_bias = empty_param(2 * inter, **p) if cfg.mlp_bias else None
+        self.down_proj = empty_param(h, inter, **p)
+        self.down_bias = empty_param(h, **p) if cfg.mlp_bias else None
+
     def pack(self, quant: dict[str, GroupQuant], fmt: str | None, prefill_rows: int) -> None:
         """Build the layer's matmuls: each weight in `fmt` for steps of fewer than
         `prefill_rows` rows (from the file's own codes where `quant` has them), and as the
         dense parameter for longer steps (fmt None: the dense parameter only)."""
-        for name in _WEIGHTS:
+        for name in self.MATMULS:
             setattr(self, name, make_linear(getattr(self, f"{name}_proj"),
                                             getattr(self, f"{name}_bias"), quant.get(name),
                                             fmt, prefill_rows))
+
+    def routed_weight(self, name: str) -> tuple[torch.Tensor, nn.Parameter] | None:
+        """Where an MoE layer's checkpoint tensor `name` (past `model.layers.N.`) lands: the
+        slice of a parameter, and the parameter (engine/moe.py); None here."""
+        return None
 
     def decode_norms(self) -> tuple[torch.Tensor | None, ...]:
         """The norm weights in float32 for the C decode layers (kernels/decode_layer.py):
@@ -154,12 +168,18 @@ class DecoderLayer(nn.Module):
         gate_up = self.gate_up(normed)
         if lora is not None:
             gate_up = lora.apply(self.index, "gate_up", normed, gate_up)
-        act = layer_ops.silu_mul(gate_up) if native else None       # (float32 only)
-        if act is None:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+        act = silu_mul(gate_up, native)
         return self.down(act) if lora is None else lora.apply(self.index, "down", act,
                                                                self.down(act))
+
+
+def silu_mul(gate_up: torch.Tensor, native: bool) -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2I] = [gate | up] (the C op where `native` allows)."""
+    act = layer_ops.silu_mul(gate_up) if native else None       # (float32 only)
+    if act is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+    return act
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,
@@ -181,6 +201,17 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQua
     return Linear(packed, bias, prefill=dense, prefill_rows=prefill_rows)
 
 
+def _layer_class(cfg: ModelConfig, index: int) -> type[DecoderLayer]:
+    """Layer `index`'s class: Gemma's block, an MoE model's routed layer, or Llama's."""
+    if cfg.gemma:
+        from engine.gemma import GemmaDecoderLayer
+        return GemmaDecoderLayer
+    if cfg.moe is not None and cfg.moe.routed(index):
+        from engine.moe import MoeDecoderLayer
+        return MoeDecoderLayer
+    return DecoderLayer
+
+
 class LlamaForCausalLM(LlamaWeights, nn.Module):
     """Our Llama-family model. Build with `engine.model_loader.load_model`."""
 
@@ -192,16 +223,13 @@ class LlamaForCausalLM(LlamaWeights, nn.Module):
         self.dtype = dtype
         self.max_model_len = max_len
         p = dict(dtype=dtype, device=device)
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, **p)
-        layer = DecoderLayer
-        if config.gemma:
-            from engine.gemma import GemmaDecoderLayer as layer
-        self.layers = nn.ModuleList(layer(config, i, dtype, device)
+        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, **p)
+        self.layers = nn.ModuleList(_layer_class(config, i)(config, i, dtype, device)
                                     for i in range(config.num_hidden_layers))
         self.norm = (GemmaRMSNorm if config.gemma else RMSNorm)(
             config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = (None if config.tie_word_embeddings
-                        else _param(config.vocab_size, config.hidden_size, **p))
+                        else empty_param(config.vocab_size, config.hidden_size, **p))
         self.rope = RotaryEmbedding(config.head_dim, max_len, config.rope_theta,
                                     config.rope_scaling, config.max_position_embeddings,
                                     config.rope_dims).to(device)
@@ -286,7 +314,7 @@ class LlamaForCausalLM(LlamaWeights, nn.Module):
         CPU with AVX512_BF16) are copied to float32, with float32 RoPE and norms."""
         table = getattr(kv, "layer_table", None)
         if table is None or not FusedLayers.enabled or self.config.gemma \
-                or getattr(kv, "keeps_inputs", False):      # (the C layers: Llama's block)
+                or self.config.moe or getattr(kv, "keeps_inputs", False):   # (Llama's block)
             return None
         if self._decode_words is None:      # the layers' decode weights, once (`pack` resets)
             self._decode_words = (layer_words(self.layers),)

@@ -30,7 +30,9 @@ class LlamaWeights:
         filled: dict[int, int] = {}
         parts: dict[tuple[int, str], dict[int, GroupQuant]] = {}
 
-        def put(param: torch.Tensor | None, tensor, name: str, start=0, size=None, key=None):
+        def put(param: torch.Tensor | None, tensor, name: str, start=0, size=None, key=None,
+                owner: torch.Tensor | None = None):
+            # (owner: the parameter `param` is a slice of, whose elements are counted)
             if param is None:
                 raise ValueError(f"checkpoint has {name} but the config says it has no such "
                                  "parameter (check attention_bias / mlp_bias)")
@@ -44,7 +46,8 @@ class LlamaWeights:
                                  f"model expects {tuple(dst.shape)}")
             with torch.no_grad():
                 dst.copy_(tensor)
-            filled[id(param)] = filled.get(id(param), 0) + dst.numel()
+            counted = id(param if owner is None else owner)
+            filled[counted] = filled.get(counted, 0) + dst.numel()
 
         for name, tensor in weights:
             name = self._language_name(name)
@@ -63,7 +66,12 @@ class LlamaWeights:
                 layer = self.layers[int(idx)]
                 module, kind = rest.rsplit(".", 1)           # e.g. self_attn.q_proj, weight
                 leaf = module.split(".")[-1]
-                if leaf in LAYER_NORMS:
+                routed = layer.routed_weight(rest)          # (an MoE layer's router, experts)
+                if routed is not None:
+                    if isinstance(tensor, GroupQuant):
+                        raise ValueError(f"{name}: quantized experts are not served")
+                    put(routed[0], tensor, name, owner=routed[1])
+                elif leaf in LAYER_NORMS:
                     norm = getattr(layer, leaf, None)       # (None: not this family's)
                     put(None if norm is None else norm.weight, tensor, name)
                 elif leaf in fused:

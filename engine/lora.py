@@ -96,6 +96,9 @@ class LoraAdapter:
                                  "this model with both lora_A and lora_B")
             a, b = ab["A"].float(), ab["B"].float()
             fused, start, size = parts[module]
+            if fused in ("gate_up", "down") and cfg.moe is not None and cfg.moe.routed(layer):
+                raise ValueError(f"LoRA {name}: layer {layer} {module}: that layer's MLP is "
+                                 "routed to experts here (adapters on experts are not served)")
             size = out_rows[fused] if size is None else size
             if a.shape[0] != b.shape[1] or b.shape[0] != size:
                 raise ValueError(f"LoRA {name}: layer {layer} {module} has shapes A "

@@ -8,13 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from engine.moe_config import MOE_BASE, MOE_MODEL_TYPES, MoeSpec, parse_moe
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "SmolLM3ForCausalLM", "Phi3ForCausalLM",
-                           "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+                           "Gemma2ForCausalLM", "Gemma3ForCausalLM", *MOE_BASE)
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM",
                        "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                       "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                       "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                       **MOE_MODEL_TYPES}
 # Gemma3TextConfig's defaults, which transformers leaves out of a config.json it writes
 _GEMMA3_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
                     "num_hidden_layers": 26, "num_attention_heads": 8,
@@ -70,6 +73,7 @@ class ModelConfig:
     # a vision-language checkpoint (Gemma 3 4B and larger) served text-only: its language
     # model's weights are read, the vision tower's and projector's left (llama_weights.py)
     multimodal: bool = False
+    moe: MoeSpec | None = None          # the routed experts of an MoE model (engine/moe.py)
 
     @property
     def attention_scale(self) -> float:
@@ -154,13 +158,13 @@ class ModelConfig:
         head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
         is_phi3 = arch == "Phi3ForCausalLM"
         rope_theta, rope_scaling = _rope(cfg, is_phi3)
-        is_qwen2 = arch == "Qwen2ForCausalLM"
-        is_qwen3 = arch == "Qwen3ForCausalLM"
-        is_mistral = arch == "MistralForCausalLM"
+        family = MOE_BASE.get(arch, arch)       # (an MoE model's attention is its family's)
+        is_qwen2, is_qwen3 = family == "Qwen2ForCausalLM", family == "Qwen3ForCausalLM"
+        is_mistral = family == "MistralForCausalLM"
         attention_bias = True if is_qwen2 else (False if is_mistral
                                                 else bool(cfg.get("attention_bias", False)))
         llama_like = arch in ("LlamaForCausalLM", "SmolLM3ForCausalLM")
-        o_bias = attention_bias if llama_like or arch == "Qwen3ForCausalLM" else False
+        o_bias = attention_bias if llama_like or is_qwen3 else False
         mlp_bias = bool(cfg.get("mlp_bias", False)) if llama_like else False
         rotary_dim = _rotary_dim(cfg, head_dim, is_phi3)
         return cls(
@@ -190,7 +194,7 @@ class ModelConfig:
             qk_norm=is_qwen3,
             nope_layers=_nope_layers(cfg) if arch == "SmolLM3ForCausalLM" else (),
             rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
-        )
+            moe=parse_moe(cfg, arch))
 
     @classmethod
     def _parse_gemma3(cls, cfg: Mapping[str, Any], gen: Mapping[str, Any]) -> "ModelConfig":
@@ -339,12 +343,8 @@ def _rotary_dim(cfg: Mapping[str, Any], head_dim: int, is_phi3: bool) -> int:
 
 
 def _ids(*values: Any) -> tuple[int, ...]:
-    out: list[int] = []
-    for v in values:
-        for i in ([v] if isinstance(v, int) else list(v or [])):
-            if int(i) not in out:
-                out.append(int(i))
-    return tuple(out)
+    flat = [int(i) for v in values for i in ([v] if isinstance(v, int) else list(v or []))]
+    return tuple(dict.fromkeys(flat))           # (each once, in order)
 
 
 def _nope_layers(cfg: Mapping[str, Any]) -> tuple[int, ...]:

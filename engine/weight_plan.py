@@ -61,10 +61,12 @@ class WeightPlan:
 
 
 def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """[out, in] of one decoder layer's matmuls (fused q|k|v, o, gate|up, down)."""
+    """[out, in] of one decoder layer's matmuls (fused q|k|v, o, gate|up, down; an MoE
+    model's: an expert's gate|up and down)."""
     h, d = cfg.hidden_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    return [(q + 2 * kv, h), (h, q), (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+    inter = cfg.intermediate_size if cfg.moe is None else cfg.moe.expert_size
+    return [(q + 2 * kv, h), (h, q), (2 * inter, h), (h, inter)]
 
 
 _PROBES: dict[tuple, float] = {}

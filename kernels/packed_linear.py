@@ -42,6 +42,8 @@ NATIVE = {"native": {4: "q4", 8: "q8"}, "native-torch": {4: "int4", 8: "int8"}}
 DENSE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GROUP = 32
 _INT4_TILE_N = 16           # int4pack tiles N by 16 on the CPU
+_INT8_K = 16                # torch's int8pack CPU kernel reads K in 16s (torch 2.13 crashes
+                            # on K = 40 or 56)
 _OUR_TILE = 8               # kernels/_qmatmul.c's tiles of output rows
 QMM_SIMD = 2                # our kernel's path: 2 the best the CPU has (AVX-512 VNNI, AVX2),
                             # 1 AVX2 at most, 0 portable (A/B and tests)
@@ -138,10 +140,13 @@ class PackedWeight:
     # ---- construction --------------------------------------------------------------------
     @classmethod
     def supports(cls, fmt: str, shape: tuple[int, int]) -> bool:
-        """Can a weight of this shape take this format? (int4 tiles N by 16, K by 32)"""
+        """Can a weight of this shape take this format? (int4 tiles N by 16, K by 32; int8
+        reads K in 16s)"""
         n, k = shape
         if fmt == "int4":
             return n % _INT4_TILE_N == 0 and k % GROUP == 0
+        if fmt == "int8":
+            return k % _INT8_K == 0
         if fmt in OURS:
             return _qmatmul is not None and k % GROUP == 0
         return fmt in FORMATS
@@ -154,6 +159,8 @@ class PackedWeight:
         if fmt in DENSE:
             return cls(fmt, shape, (w.to(DENSE[fmt]).contiguous(),))
         if fmt == "int8":
+            if not cls.supports(fmt, shape):
+                raise ValueError(f"int8 needs K % {_INT8_K} == 0, got {shape[0]} x {shape[1]}")
             wf = w.float()
             scale = wf.abs().amax(1).clamp_min(1e-12) / 127
             codes = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)

@@ -100,8 +100,9 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
 
 def save_tiny_hf(kind: str, extra: dict, folder) -> torch.nn.Module:
     """A tiny random transformers checkpoint of `kind` (llama, qwen2, qwen3, smollm3, mistral,
-    phi3, gemma2, gemma3) in `folder` (float32; weights big enough that mistakes show in the logits)
-    -> the HF model."""
+    phi3, gemma2, gemma3, qwen3_moe, qwen2_moe, mixtral) in `folder` (float32; weights big
+    enough that mistakes show in the logits) -> the HF model."""
+    import transformers as tf
     from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM,
                               Gemma3TextConfig, LlamaConfig,
                               LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
@@ -115,7 +116,10 @@ def save_tiny_hf(kind: str, extra: dict, folder) -> torch.nn.Module:
                           "mistral": (MistralConfig, MistralForCausalLM),
                           "phi3": (Phi3Config, Phi3ForCausalLM),
                           "gemma2": (Gemma2Config, Gemma2ForCausalLM),
-                          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}[kind]
+                          "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+                          "qwen3_moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+                          "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM),
+                          "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM)}[kind]
     kwargs = dict(TINY, **extra)
     if "rope_scaling" in kwargs and kind == "gemma3":   # the full-attention layers'
         kwargs["rope_parameters"] = {

@@ -234,3 +234,26 @@ def test_an_adapter_loads_while_serving_and_unloads_once_unused(tmp_path):
         engine.unload_lora("a")
     with pytest.raises(ValueError, match="no LoRA adapter named 'a'"):
         engine.add_request("again", prompt, SamplingParams(max_tokens=2, lora="a"))
+
+
+def test_an_moe_models_attention_takes_adapters_and_its_experts_refuse_them(tmp_path):
+    """Qwen3-MoE: an adapter of the attention generates what transformers generates with it
+    merged; one on a routed layer's MLP is refused at start-up (its MLP is the experts)."""
+    from safetensors.torch import load_file, save_file
+    from tests.test_model_parity import QWEN3_MOE
+    hf = save_tiny_hf("qwen3_moe", dict(QWEN3_MOE, mlp_only_layers=[1]), tmp_path / "model")
+    prompts = prompts_of(5)
+    attn = {"self_attn": LLAMA_MODULES["self_attn"]}
+    a = write_adapter(hf, tmp_path / "a", attn, r=4, alpha=8, seed=1)
+    want = merged_greedy(hf, a, prompts)
+    assert want != merged_greedy(hf, {}, prompts)
+    engine = engine_for(tmp_path / "model", {"a": tmp_path / "a"}, prefix_cache="off")
+    got, _ = generate(engine, [(f"a{i}", p, "a") for i, p in enumerate(prompts)])
+    assert [got[f"a{i}"] for i in range(len(prompts))] == want
+    tensors = load_file(str(tmp_path / "a" / "adapter_model.safetensors"))
+    prefix = "base_model.model.model.layers.0.mlp.gate_proj"
+    tensors[f"{prefix}.lora_A.weight"] = torch.zeros(4, 64)
+    tensors[f"{prefix}.lora_B.weight"] = torch.zeros(48, 4)
+    save_file(tensors, str(tmp_path / "a" / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="routed to experts"):
+        engine_for(tmp_path / "model", {"a": tmp_path / "a"})

@@ -174,3 +174,45 @@ def test_gemma3_as_transformers_4_and_5_write_it():
     assert cv.eos_token_ids == (1, 106)
     with pytest.raises(ValueError, match="attn_logit_softcapping"):
         ModelConfig.from_hf(dict(old, attn_logit_softcapping=50.0))
+
+
+# Qwen3-30B-A3B's config.json as published (the fields that matter here)
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-06,
+    "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_experts": 128,
+    "num_experts_per_tok": 8, "sliding_window": None, "use_sliding_window": False,
+    "max_window_layers": 48, "tie_word_embeddings": False, "bos_token_id": 151643,
+    "eos_token_id": 151645}
+
+
+def test_moe_configs_as_their_checkpoints_write_them():
+    """Qwen3-MoE (Qwen3's attention, 128 experts, 8 a token), Qwen1.5-MoE (Qwen2's biases, a
+    shared expert, top-k not renormalised, dense layers by decoder_sparse_step and
+    mlp_only_layers), Mixtral (Mistral's, the experts sized by intermediate_size) and
+    transformers 5's name for the expert count."""
+    q = ModelConfig.from_hf(QWEN3_30B_A3B)
+    assert q.architecture == "Qwen3MoeForCausalLM" and q.qk_norm and not q.attention_bias
+    assert (q.moe.num_experts, q.moe.top_k, q.moe.expert_size, q.moe.norm_topk_prob,
+            q.moe.shared_size) == (128, 8, 768, True, 0)
+    assert q.moe.layers == tuple(range(48)) and q.sliding_window is None
+    q2 = ModelConfig.from_hf(dict(BASE, architectures=["Qwen2MoeForCausalLM"],
+                                  num_hidden_layers=6, num_experts=60, num_experts_per_tok=4,
+                                  moe_intermediate_size=1408,
+                                  shared_expert_intermediate_size=5632,
+                                  decoder_sparse_step=2, mlp_only_layers=[3]))
+    assert q2.attention_bias and not q2.qk_norm and not q2.moe.norm_topk_prob
+    assert q2.moe.layers == (1, 5) and q2.moe.shared_size == 5632
+    m = ModelConfig.from_hf(dict(BASE, model_type="mixtral", architectures=None,
+                                 num_local_experts=8, num_experts_per_tok=2,
+                                 intermediate_size=14336, sliding_window=None))
+    assert m.architecture == "MixtralForCausalLM" and not m.attention_bias
+    assert (m.moe.num_experts, m.moe.expert_size, m.moe.norm_topk_prob) == (8, 14336, True)
+    t5 = ModelConfig.from_hf(dict(QWEN3_30B_A3B, num_experts=None, num_local_experts=128))
+    assert t5.moe == q.moe
+    assert ModelConfig.from_hf(BASE).moe is None
+    with pytest.raises(ValueError, match="num_experts_per_tok 9 must be in 1..8"):
+        ModelConfig.from_hf(dict(QWEN3_30B_A3B, num_experts=8, num_experts_per_tok=9))

@@ -10,6 +10,8 @@ from tests.kv_cache import make_kv_cache
 
 PAGE_SIZE = 4
 PHI3 = {"pad_token_id": 0}
+QWEN3_MOE = {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 48, "norm_topk_prob": True}
 GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 24, "sliding_window": 7, "pad_token_id": 0}
 
 
@@ -51,6 +53,14 @@ CASES = {
     # logits too, a windowed layer then a full one (its default pattern)
     "gemma2": ("gemma2", dict(GEMMA3, attn_logit_softcapping=2.0,
                               final_logit_softcapping=3.0)),
+    # MoE: 8 experts, 2 a token, renormalised; layer 1's MLP dense (mlp_only_layers)
+    "qwen3_moe": ("qwen3_moe", dict(QWEN3_MOE, mlp_only_layers=[1])),
+    # Qwen2-MoE's shared expert (sigmoid-gated), top-3 not renormalised, q/k/v biases
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 6, "num_experts_per_tok": 3,
+                                "moe_intermediate_size": 64,
+                                "shared_expert_intermediate_size": 96}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                            "intermediate_size": 48}),
     # LongRoPE, short factors: the served length (the config's 128) is within the pretraining
     # length, so no attention factor either
     "phi3_longrope_short": ("phi3", dict(PHI3, original_max_position_embeddings=128,
@@ -141,7 +151,8 @@ def test_sharded_checkpoint_loads_through_its_index(tmp_path):
                                          ("smollm3", {"no_rope_layers": [1, 0],
                                                       "pad_token_id": 0}),
                                          ("phi3", CASES["phi3_partial_tied"][1]),
-                                         CASES["gemma3"], CASES["gemma2"]])
+                                         CASES["gemma3"], CASES["gemma2"],
+                                         CASES["qwen3_moe"], CASES["qwen2_moe"]])
 def test_the_engine_serves_newer_families_as_transformers_generates(tmp_path, weights, kind,
                                                                     extra):
     """A tiny Qwen3 (per-head q/k norms, head_dim apart from hidden / heads), SmolLM3 (a

@@ -1,0 +1,135 @@
+"""An MoE model's routed decoder layer (Qwen3-MoE, Qwen2-MoE, Mixtral), run by the
+Llama-family forward (engine/llama.py builds it for the layers engine/moe_config.py's
+`MoeSpec.layers` names).
+
+The attention is the dense family's (engine/llama.py `DecoderLayer.attention`); the MLP is
+routed, as transformers' sparse MoE blocks compute it:
+- a router (a [experts, hidden] linear) scores each token; softmax in float32; the top_k
+  experts are kept, their probabilities renormalised to sum to 1 where the config says
+  (`norm_topk_prob`; Mixtral always), then rounded to the activations' dtype;
+- each chosen expert, a SiLU-gated MLP of its own, runs on the tokens routed to it, and its
+  output, times the token's probability for it, is added to the token's row (in the
+  experts' order);
+- Qwen2-MoE adds a shared expert to every token, gated by sigmoid(shared_expert_gate).
+
+The experts are stored as two 3-D parameters ([experts, 2 x expert_size, hidden] gate|up and
+[experts, hidden, expert_size] down, transformers 5's layout); each expert's slices are
+packed into matmuls of their own (`pack`), so a decode step reads only its tokens' experts'
+bytes, in the decode format the weight plan chose, and a prefill chunk's experts pick their
+form by the rows routed to them. Op by op: the C decode layers run the Llama block only.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.llama import DecoderLayer, empty_param, make_linear, silu_mul
+from engine.model_config import ModelConfig
+from kernels.packed_linear import GroupQuant, Linear
+
+# an expert's projection as the checkpoints name it (Qwen's, and Mixtral's w1 / w3 / w2)
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_PART = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+_SHARED = re.compile(r"^mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class MoeDecoderLayer(DecoderLayer):
+    MATMULS = ("qkv", "o")          # (the experts' matmuls are built by `pack` below)
+
+    def _mlp_params(self, cfg: ModelConfig, p: dict) -> None:
+        moe, h = cfg.moe, cfg.hidden_size
+        self.moe = moe
+        self.router = empty_param(moe.num_experts, h, **p)
+        self.experts_gate_up = empty_param(moe.num_experts, 2 * moe.expert_size, h, **p)
+        self.experts_down = empty_param(moe.num_experts, h, moe.expert_size, **p)
+        s = moe.shared_size
+        self.shared_gate_up = empty_param(2 * s, h, **p) if s else None
+        self.shared_down = empty_param(h, s, **p) if s else None
+        self.shared_gate = empty_param(1, h, **p) if s else None
+
+    def pack(self, quant: dict[str, GroupQuant], fmt: str | None, prefill_rows: int) -> None:
+        """The attention's matmuls as a dense layer's, and each expert's gate|up and down
+        (the shared expert's too) as matmuls of their own in `fmt` for short steps."""
+        super().pack(quant, fmt, prefill_rows)
+
+        def linear(weight: torch.Tensor) -> Linear:
+            return make_linear(weight, None, None, fmt, prefill_rows)
+        self.experts = [(linear(self.experts_gate_up[e]), linear(self.experts_down[e]))
+                        for e in range(self.moe.num_experts)]
+        self.shared = None if self.shared_gate is None else (linear(self.shared_gate_up),
+                                                             linear(self.shared_down))
+
+    def routed_weight(self, name: str) -> tuple[torch.Tensor, nn.Parameter] | None:
+        """Where checkpoint tensor `name` (past `model.layers.N.`) lands: the router, an
+        expert's gate / up / down (one expert's, or all of them as transformers 5 fuses
+        them), Qwen2-MoE's shared expert and its gate; None for the attention's tensors."""
+        size = self.moe.expert_size
+        m = _EXPERT.match(name)
+        if m is not None:
+            e, part = int(m.group(1)), _PART[m.group(2)]
+            if e >= self.moe.num_experts:
+                raise ValueError(f"checkpoint has expert {e} but the config says "
+                                 f"{self.moe.num_experts} experts")
+            if part == 2:
+                return self.experts_down[e], self.experts_down
+            return self.experts_gate_up[e].narrow(0, part * size, size), self.experts_gate_up
+        m = _SHARED.match(name)
+        if m is not None and self.shared_gate is not None:
+            if m.group(1) == "down_proj":
+                return self.shared_down, self.shared_down
+            s = self.moe.shared_size
+            start = 0 if m.group(1) == "gate_proj" else s
+            return self.shared_gate_up.narrow(0, start, s), self.shared_gate_up
+        whole = {"mlp.gate.weight": self.router, "block_sparse_moe.gate.weight": self.router,
+                 "mlp.experts.gate_up_proj": self.experts_gate_up,
+                 "mlp.experts.down_proj": self.experts_down,
+                 "mlp.shared_expert_gate.weight": self.shared_gate}.get(name)
+        return None if whole is None else (whole, whole)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's top_k experts [T, k] int64 and their weights [T, k] in x's dtype."""
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        weights, chosen = probs.topk(self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return chosen, weights.to(x.dtype)
+
+    def mlp(self, normed: torch.Tensor, lora, native: bool) -> torch.Tensor:
+        """The routed MLP's output [T, hidden] of its normed inputs (engine/lora.py serves no
+        adapter on a routed layer's MLP)."""
+        chosen, weights = self.route(normed)
+        out = torch.zeros_like(normed)
+        if normed.shape[0] == 1:        # a decode row: its k experts, in the experts' order
+            ids = chosen[0].tolist()
+            for j in sorted(range(len(ids)), key=ids.__getitem__):
+                out += self._expert(self.experts[ids[j]], normed, native) * weights[0, j]
+        else:
+            self._grouped(normed, chosen, weights, out, native)
+        if self.shared is not None:
+            gate = torch.sigmoid(F.linear(normed, self.shared_gate))
+            out = out + gate * self._expert(self.shared, normed, native)
+        return out
+
+    def _grouped(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                 out: torch.Tensor, native: bool) -> None:
+        """out += each row's experts' outputs times their weights, each expert run once on
+        the rows routed to it."""
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)        # (row, slot) pairs by expert
+        rows, w = order // chosen.shape[1], weights.reshape(-1, 1)[order]
+        start = 0
+        for e, n in enumerate(torch.bincount(flat, minlength=len(self.experts)).tolist()):
+            if n:
+                sel = rows[start:start + n]
+                y = self._expert(self.experts[e], x[sel], native) * w[start:start + n]
+                out.index_add_(0, sel, y)
+                start += n
+
+    @staticmethod
+    def _expert(pair: tuple[Linear, Linear], x: torch.Tensor, native: bool) -> torch.Tensor:
+        gate_up, down = pair
+        return down(silu_mul(gate_up(x), native))
