@@ -31,7 +31,8 @@ CHATML_TEMPLATE = (
     " + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-CONVERSION = 2          # bumped when a converted folder's contents change (2: Gemma 2's fields)
+CONVERSION = 3          # bumped when a converted folder's contents change (2: Gemma 2's fields,
+                        # 3: MoE files)
 
 
 def bundled_gguf_path() -> Path:
@@ -109,10 +110,12 @@ def _source_key(src: Path) -> str:
 
 def _convert(src: Path, dest: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    from engine.gguf_moe import is_moe_gguf, moe_fields
     from engine.gguf_weights import gemma2_config, gemma3_config, open_gguf, phi3_config
     arch = open_gguf(src).architecture      # (a file that is no GGUF fails here, clearly)
+    moe = is_moe_gguf(src)
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
@@ -121,25 +124,33 @@ def _convert(src: Path, dest: Path) -> None:
         logger.info("converting %s -> %s (one time, ~20 s)", src, dest)
         logger.info("[1/4] loading tokenizer from GGUF")
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-        logger.info("[2/4] loading and dequantizing weights from GGUF")
-        model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
-                                                     dtype=torch.bfloat16)
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        eos_ids = _eos_ids(tok, model.config)
-        model.config.eos_token_id = eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)
+        if moe:
+            # NOTE: the config alone: serving reads the GGUF's own tensors, and transformers'
+            # dequantized copy of an MoE file (bf16) is ~4x its size
+            logger.info("[2/4] reading the config of a GGUF with experts")
+            config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
+            model = None
+        else:
+            logger.info("[2/4] loading and dequantizing weights from GGUF")
+            model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name,
+                                                         dtype=torch.bfloat16)
+            model.hf_quantizer = None
+            config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        eos_ids = _eos_ids(tok, config)
+        config.eos_token_id = eos_ids[0] if len(eos_ids) == 1 else list(eos_ids)
         if not tok.chat_template and "<|im_start|>" in tok.get_vocab():
             logger.warning("GGUF tokenizer has no chat template; using ChatML")
             tok.chat_template = CHATML_TEMPLATE
-        logger.info("[3/4] writing safetensors")
-        model.save_pretrained(tmp)
-        dropped = {"phi3": phi3_config, "gemma2": gemma2_config,
-                   "gemma3": gemma3_config}.get(arch)
+        logger.info("[3/4] writing %s", "the config" if model is None else "safetensors")
+        (config if model is None else model).save_pretrained(tmp)
+        dropped = moe_fields if moe else {"phi3": phi3_config, "gemma2": gemma2_config,
+                                          "gemma3": gemma3_config}.get(arch)
         if dropped is not None:             # what transformers' reader drops
             _update_config(tmp / "config.json", dropped(src))
         tok.save_pretrained(tmp)
-        gen = GenerationConfig(bos_token_id=model.config.bos_token_id,
+        gen = GenerationConfig(bos_token_id=config.bos_token_id,
                                eos_token_id=list(eos_ids),
                                pad_token_id=tok.pad_token_id)
         gen.save_pretrained(tmp)

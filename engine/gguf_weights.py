@@ -11,7 +11,7 @@ neighbouring dims; HF's pairs halves); the permutation is undone here, on whole 
 codes and block scales move with their rows. Phi-3's fused q/k/v (`attn_qkv`) and gate/up
 (`ffn_up`) load whole; its LongRoPE factors are tensors and its rotary dims and pretraining
 length metadata, which transformers' GGUF reader drops: `phi3_config` gives them back as HF
-config fields.
+config fields. An MoE file's 3-D expert tensors are split by expert (engine/gguf_moe.py).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from engine.gguf_moe import EXPERT_PARTS, MOE_NAMES, expert_count, split_experts
 from engine.model_config import ModelConfig
 from kernels.packed_linear import GROUP, GroupQuant
 
@@ -141,7 +142,8 @@ def hf_name(gguf_name: str, architecture: str = "") -> str | None:
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        names = {**_LAYER_NAMES, **_GEMMA_NAMES} if architecture in GEMMA_ARCHS else _LAYER_NAMES
+        names = {**_LAYER_NAMES, **_GEMMA_NAMES} if architecture in GEMMA_ARCHS \
+            else {**_LAYER_NAMES, **MOE_NAMES}
         if part not in names:
             return None
         return f"model.layers.{layer}.{names[part]}.{kind}"
@@ -165,7 +167,7 @@ def native_format(path: Path) -> str | None:
     """The packed format that runs a GGUF file's matmul weights as stored: int4 for Q4_0 /
     Q4_1 blocks, int8 for Q8_0, None for float files (and types we dequantize)."""
     kinds = {t.kind for t in open_gguf(path).tensors
-             if len(t.shape) == 2 and t.name.startswith("blk.")}
+             if len(t.shape) in (2, 3) and t.name.startswith("blk.")}     # (3: experts)
     if kinds & {"Q4_0", "Q4_1"}:
         return "int4"
     return "int8" if "Q8_0" in kinds else None
@@ -203,9 +205,12 @@ def iter_gguf_weights(path: Path, config: ModelConfig
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
     file = open_gguf(path)
+    experts = expert_count(file.fields, file.architecture)
     for t in file.tensors:
         name = hf_name(t.name, file.architecture)
-        if name is None:
+        block = _BLOCK.match(t.name)
+        part = block.group(2) if block and experts and block.group(2) in EXPERT_PARTS else None
+        if name is None and part is None:
             continue
         if t.kind in _BLOCK_BYTES:
             value: torch.Tensor | GroupQuant = decode_blocks(t.kind, t.data)
@@ -216,6 +221,11 @@ def iter_gguf_weights(path: Path, config: ModelConfig
         else:
             value = torch.from_numpy(dequantize(np.asarray(t.data), GGMLQuantizationType[t.kind])
                                      .astype(np.float32).reshape(t.shape))
+        if part is not None:            # every expert's rows of one projection
+            yield from split_experts(int(block.group(1)), part, value, experts)
+            continue
+        if name.endswith("shared_expert_gate.weight"):
+            value = value.reshape(1, -1)        # (llama.cpp's is a vector)
         if file.architecture in GEMMA_ARCHS and name.endswith("norm.weight"):
             value = value - 1           # llama.cpp's converter stores Gemma's norms as 1 + w
         if file.architecture == "phi3" and name.endswith(".mlp.up_proj.weight"):

@@ -75,9 +75,11 @@ class DecoderLayer(nn.Module):
                                             getattr(self, f"{name}_bias"), quant.get(name),
                                             fmt, prefill_rows))
 
-    def routed_weight(self, name: str) -> tuple[torch.Tensor, nn.Parameter] | None:
+    def routed_weight(self, name: str) -> tuple[torch.Tensor, nn.Parameter, str | None, int
+                                                ] | None:
         """Where an MoE layer's checkpoint tensor `name` (past `model.layers.N.`) lands: the
-        slice of a parameter, and the parameter (engine/moe.py); None here."""
+        slice of a parameter, the parameter, the matmul that keeps a GGUF file's codes of it
+        (None: none does) and its first row there (engine/moe.py); None here."""
         return None
 
     def decode_norms(self) -> tuple[torch.Tensor | None, ...]:

@@ -17,6 +17,16 @@ LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_l
                "post_feedforward_layernorm", "q_norm", "k_norm")
 
 
+def _fused_rows(cfg, matmul: str) -> int | None:
+    """The rows of a matmul fused from several checkpoint tensors (q|k|v, gate|up, an
+    expert's or the shared expert's gate|up), None for the others."""
+    if matmul in ("qkv", "gate_up"):
+        return matmul_rows(cfg)[matmul]
+    if matmul.endswith("gate_up"):              # experts.N.gate_up, shared.gate_up
+        return 2 * (cfg.moe.shared_size if matmul.startswith("shared") else cfg.moe.expert_size)
+    return None
+
+
 class LlamaWeights:
     """The weight loading of LlamaForCausalLM (a mixin: its parameters are the model's)."""
 
@@ -67,10 +77,10 @@ class LlamaWeights:
                 module, kind = rest.rsplit(".", 1)           # e.g. self_attn.q_proj, weight
                 leaf = module.split(".")[-1]
                 routed = layer.routed_weight(rest)          # (an MoE layer's router, experts)
-                if routed is not None:
-                    if isinstance(tensor, GroupQuant):
-                        raise ValueError(f"{name}: quantized experts are not served")
-                    put(routed[0], tensor, name, owner=routed[1])
+                if routed is not None:      # (a slice of `owner`, the file's codes by `matmul`)
+                    dst, owner, matmul, start = routed
+                    put(dst, tensor, name, start, owner=owner,
+                        key=None if matmul is None else (int(idx), matmul))
                 elif leaf in LAYER_NORMS:
                     norm = getattr(layer, leaf, None)       # (None: not this family's)
                     put(None if norm is None else norm.weight, tensor, name)
@@ -89,11 +99,10 @@ class LlamaWeights:
                              + (" ..." if len(missing) > 8 else ""))
         # a fused weight keeps the file's codes only when all its parts (or the whole, as
         # Phi-3's files have it) came quantized alike
-        rows = {k: v for k, v in matmul_rows(cfg).items() if k in ("qkv", "gate_up")}
-
         def whole(key, p) -> bool:
+            rows = _fused_rows(cfg, key[1])
             return len({g.bits for g in p.values()}) == 1 and (
-                key[1] not in rows or sum(g.shape[0] for g in p.values()) == rows[key[1]])
+                rows is None or sum(g.shape[0] for g in p.values()) == rows)
         self._quant = {key: GroupQuant.cat([p[s] for s in sorted(p)])
                        for key, p in parts.items() if whole(key, p)}
         if cfg.rope_dims != cfg.head_dim:

@@ -56,18 +56,20 @@ class MoeDecoderLayer(DecoderLayer):
         (the shared expert's too) as matmuls of their own in `fmt` for short steps."""
         super().pack(quant, fmt, prefill_rows)
 
-        def linear(weight: torch.Tensor) -> Linear:
-            return make_linear(weight, None, None, fmt, prefill_rows)
-        self.experts = [(linear(self.experts_gate_up[e]), linear(self.experts_down[e]))
+        def linear(weight: torch.Tensor, name: str) -> Linear:
+            return make_linear(weight, None, quant.get(name), fmt, prefill_rows)
+        self.experts = [(linear(self.experts_gate_up[e], f"experts.{e}.gate_up"),
+                         linear(self.experts_down[e], f"experts.{e}.down"))
                         for e in range(self.moe.num_experts)]
-        self.shared = None if self.shared_gate is None else (linear(self.shared_gate_up),
-                                                             linear(self.shared_down))
+        self.shared = None if self.shared_gate is None else (
+            linear(self.shared_gate_up, "shared.gate_up"), linear(self.shared_down, "shared.down"))
 
-    def routed_weight(self, name: str) -> tuple[torch.Tensor, nn.Parameter] | None:
+    def routed_weight(self, name: str) -> tuple[torch.Tensor, nn.Parameter, str | None, int
+                                                ] | None:
         """Where checkpoint tensor `name` (past `model.layers.N.`) lands: the router, an
         expert's gate / up / down (one expert's, or all of them as transformers 5 fuses
-        them), Qwen2-MoE's shared expert and its gate; None for the attention's tensors."""
-        size = self.moe.expert_size
+        them), Qwen2-MoE's shared expert and its gate; None for the attention's tensors.
+        (slice, its parameter, the matmul packed from it, the slice's first row there)"""
         m = _EXPERT.match(name)
         if m is not None:
             e, part = int(m.group(1)), _PART[m.group(2)]
@@ -75,20 +77,23 @@ class MoeDecoderLayer(DecoderLayer):
                 raise ValueError(f"checkpoint has expert {e} but the config says "
                                  f"{self.moe.num_experts} experts")
             if part == 2:
-                return self.experts_down[e], self.experts_down
-            return self.experts_gate_up[e].narrow(0, part * size, size), self.experts_gate_up
+                return self.experts_down[e], self.experts_down, f"experts.{e}.down", 0
+            size = self.moe.expert_size
+            return (self.experts_gate_up[e].narrow(0, part * size, size), self.experts_gate_up,
+                    f"experts.{e}.gate_up", part * size)
         m = _SHARED.match(name)
         if m is not None and self.shared_gate is not None:
             if m.group(1) == "down_proj":
-                return self.shared_down, self.shared_down
+                return self.shared_down, self.shared_down, "shared.down", 0
             s = self.moe.shared_size
             start = 0 if m.group(1) == "gate_proj" else s
-            return self.shared_gate_up.narrow(0, start, s), self.shared_gate_up
+            return (self.shared_gate_up.narrow(0, start, s), self.shared_gate_up,
+                    "shared.gate_up", start)
         whole = {"mlp.gate.weight": self.router, "block_sparse_moe.gate.weight": self.router,
                  "mlp.experts.gate_up_proj": self.experts_gate_up,
                  "mlp.experts.down_proj": self.experts_down,
                  "mlp.shared_expert_gate.weight": self.shared_gate}.get(name)
-        return None if whole is None else (whole, whole)
+        return None if whole is None else (whole, whole, None, 0)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top_k experts [T, k] int64 and their weights [T, k] in x's dtype."""

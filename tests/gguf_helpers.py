@@ -19,10 +19,12 @@ TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "o
 
 def write_gguf(hf, path: Path, arch: str, names: dict[str, str],
                metadata: Callable[[object, object], None],
-               value: Callable[[str, np.ndarray], np.ndarray | None] = lambda n, v: v) -> None:
+               value: Callable[[str, np.ndarray], np.ndarray | dict | None] = lambda n, v: v
+               ) -> None:
     """hf's shape and tensors into a GGUF of `arch` at `path`: layer tensors by `names` (the
     HF module -> llama.cpp's name), `metadata(writer, hf config)` adding the architecture's
-    own keys, `value(hf name, array)` the array stored (None: not stored)."""
+    own keys, `value(hf name, array)` the array stored (None: not stored; a dict: tensors
+    stored in its place, {GGUF name: (array, GGML type or None)})."""
     import gguf
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), arch)
@@ -41,13 +43,17 @@ def write_gguf(hf, path: Path, arch: str, names: dict[str, str],
             sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
             w.add_key_value(key, field.contents(), kind, sub)
     for name, p in hf.state_dict().items():
+        array = value(name, p.float().numpy())
+        if isinstance(array, dict):
+            for out, (data, raw) in array.items():
+                w.add_tensor(out, data, raw_dtype=raw)
+            continue
         if name.startswith("model.layers."):
             layer, module = name[len("model.layers."):].split(".", 1)
             module, kind = module.rsplit(".", 1)
             out = f"blk.{layer}.{names[module]}.{kind}"
         else:
             out = TOP[name]
-        array = value(name, p.float().numpy())
         if array is not None:
             w.add_tensor(out, array)
     w.write_header_to_file()
