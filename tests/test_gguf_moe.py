@@ -1,4 +1,5 @@
-"""MoE GGUFs, written as llama.cpp's converter writes them (qwen3moe, qwen2moe: each
+"""MoE GGUFs, written as llama.cpp's converter writes them (qwen3moe, qwen2moe, Mixtral's
+llama files with experts: each
 projection's experts stacked in one 3-D tensor, here in 4- and 8-bit blocks; the router
 `ffn_gate_inp`; Qwen2-MoE's shared expert and its gate as a vector), convert to a config
 alone and load to the logits of the transformers checkpoint they were made from, the
@@ -27,7 +28,10 @@ SIZE = 64                               # an expert's intermediate size (whole 3
 SHAPES = {"qwen3moe": ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 2,
                                      "norm_topk_prob": True, "head_dim": 32}),
           "qwen2moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
-                                     "shared_expert_intermediate_size": 96})}
+                                     "shared_expert_intermediate_size": 96}),
+          # Mixtral's: a llama file with experts (q and k rows permuted as for Llama)
+          "llama": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                "intermediate_size": SIZE})}
 
 
 def _blocks(array: np.ndarray, kind: str):
@@ -66,6 +70,11 @@ def _write(hf, arch: str, path) -> None:
             return {f"blk.{layer}.ffn_down_exps.weight": (raw, t8)}
         if name.endswith("shared_expert_gate.weight"):
             return {f"blk.{layer}.ffn_gate_inp_shexp.weight": (array.reshape(-1), None)}
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            heads = hf.config.num_attention_heads if ".q_proj." in name \
+                else hf.config.num_key_value_heads      # llama.cpp's RoPE row order
+            return array.reshape(heads, 2, -1, array.shape[1]).swapaxes(1, 2).reshape(
+                array.shape)
         return array
 
     def _set(name: str, values: np.ndarray) -> None:
@@ -85,8 +94,8 @@ def test_an_moe_gguf_loads_its_experts_with_their_codes(tmp_path, arch):
     folder = ensure_hf_folder(str(path), tmp_path / "cache")
     assert not list(folder.glob("*.safetensors"))       # the config alone
     cfg = ModelConfig.from_hf(folder)
-    assert cfg.moe.num_experts == extra["num_experts"] and cfg.moe.expert_size == SIZE
-    assert cfg.moe.norm_topk_prob == (arch == "qwen3moe")
+    assert cfg.moe.num_experts == extra.get("num_experts", extra.get("num_local_experts"))
+    assert cfg.moe.expert_size == SIZE and cfg.moe.norm_topk_prob == (arch != "qwen2moe")
     assert cfg.moe.shared_size == extra.get("shared_expert_intermediate_size", 0)
     assert_serves_its_logits(hf, folder, cfg, path)
     # the decode form: each expert's own 4- and 8-bit codes, in our kernels' formats
