@@ -82,6 +82,12 @@ class DecoderLayer(nn.Module):
         (None: none does) and its first row there (engine/moe.py); None here."""
         return None
 
+    def take_codes(self, matmul: str, start: int, codes: GroupQuant,
+                   decode_format: str | None) -> bool:
+        """Whether the layer packs a file's codes of `matmul`'s rows from `start` itself, as
+        they load (an MoE layer's experts: engine/moe.py); not here."""
+        return False
+
     def decode_norms(self) -> tuple[torch.Tensor | None, ...]:
         """The norm weights in float32 for the C decode layers (kernels/decode_layer.py):
         input, post-attention, and Qwen3's q and k head norms (None without)."""
@@ -182,6 +188,17 @@ def silu_mul(gate_up: torch.Tensor, native: bool) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         act = F.silu(gate) * up
     return act
+
+
+def coded_linear(quant: GroupQuant, fmt: str) -> Linear:
+    """A Linear of a file's codes alone, in decode format `fmt` for steps of any rows (no
+    dense form): at their own width where `fmt` is "native" / "native-torch" or that width,
+    else requantized."""
+    if fmt in NATIVE:
+        fmt = NATIVE[fmt][quant.bits]
+    if BITS.get(fmt) == quant.bits:
+        return Linear(PackedWeight.from_quant(quant, fmt))
+    return Linear(PackedWeight.from_dense(quant.dequantize(), fmt))
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,

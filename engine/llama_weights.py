@@ -30,32 +30,36 @@ def _fused_rows(cfg, matmul: str) -> int | None:
 class LlamaWeights:
     """The weight loading of LlamaForCausalLM (a mixin: its parameters are the model's)."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GroupQuant]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GroupQuant]],
+                     decode_format: str | None = None) -> None:
         """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...) into the fused
         parameters; raises if a parameter was left unfilled or a name is unknown. A
         GroupQuant (a GGUF file's blocks) fills its parameter dequantized and keeps its codes
-        for `pack`."""
+        for `pack`; an MoE expert's blocks are packed in `decode_format` as they arrive
+        instead, their dense slice left unfilled (engine/moe.py `take_codes`)."""
         cfg = self.config
         fused = projection_rows(cfg)
         filled: dict[int, int] = {}
         parts: dict[tuple[int, str], dict[int, GroupQuant]] = {}
 
         def put(param: torch.Tensor | None, tensor, name: str, start=0, size=None, key=None,
-                owner: torch.Tensor | None = None):
-            # (owner: the parameter `param` is a slice of, whose elements are counted)
+                owner: torch.Tensor | None = None, packed: bool = False):
+            # owner: the parameter `param` is a slice of, whose elements are counted; packed:
+            # the tensor's codes are packed already and `param` stays unfilled
             if param is None:
                 raise ValueError(f"checkpoint has {name} but the config says it has no such "
                                  "parameter (check attention_bias / mlp_bias)")
             dst = param if size is None else param.narrow(0, start, size)
-            if isinstance(tensor, GroupQuant):
-                if key is not None:
-                    parts.setdefault(key, {})[start] = tensor
-                tensor = tensor.dequantize()
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
                                  f"model expects {tuple(dst.shape)}")
-            with torch.no_grad():
-                dst.copy_(tensor)
+            if not packed:
+                if isinstance(tensor, GroupQuant):
+                    if key is not None:
+                        parts.setdefault(key, {})[start] = tensor
+                    tensor = tensor.dequantize()
+                with torch.no_grad():
+                    dst.copy_(tensor)
             counted = id(param if owner is None else owner)
             filled[counted] = filled.get(counted, 0) + dst.numel()
 
@@ -79,7 +83,9 @@ class LlamaWeights:
                 routed = layer.routed_weight(rest)          # (an MoE layer's router, experts)
                 if routed is not None:      # (a slice of `owner`, the file's codes by `matmul`)
                     dst, owner, matmul, start = routed
-                    put(dst, tensor, name, start, owner=owner,
+                    packed = isinstance(tensor, GroupQuant) and matmul is not None \
+                        and layer.take_codes(matmul, start, tensor, decode_format)
+                    put(dst, tensor, name, start, owner=owner, packed=packed,
                         key=None if matmul is None else (int(idx), matmul))
                 elif leaf in LAYER_NORMS:
                     norm = getattr(layer, leaf, None)       # (None: not this family's)

@@ -60,7 +60,7 @@ def load_model(path: str | Path, config: ModelConfig | None = None,
     model = LlamaForCausalLM(config, dtype=dtype, device=device, max_model_len=max_model_len)
     if gguf is not None:
         from engine.gguf_weights import iter_gguf_weights
-        model.load_weights(iter_gguf_weights(gguf, config))
+        model.load_weights(iter_gguf_weights(gguf, config), decode_format)
     else:
         model.load_weights(iter_safetensors(folder))
     model.pack(decode_format, prefill_rows)

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.llama import DecoderLayer, empty_param, make_linear, silu_mul
+from engine.llama import DecoderLayer, coded_linear, empty_param, make_linear, silu_mul
 from engine.model_config import ModelConfig
-from kernels.packed_linear import GroupQuant, Linear
+from kernels.packed_linear import DENSE, GroupQuant, Linear, quantize_int8
 
 # an expert's projection as the checkpoints name it (Qwen's, and Mixtral's w1 / w3 / w2)
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -43,6 +43,8 @@ class MoeDecoderLayer(DecoderLayer):
     def _mlp_params(self, cfg: ModelConfig, p: dict) -> None:
         moe, h = cfg.moe, cfg.hidden_size
         self.moe = moe
+        self._parts: dict[str, dict[int, GroupQuant]] = {}      # `take_codes`' rows so far
+        self._coded: dict[str, Linear] = {}                     # and what it packed
         self.router = empty_param(moe.num_experts, h, **p)
         self.experts_gate_up = empty_param(moe.num_experts, 2 * moe.expert_size, h, **p)
         self.experts_down = empty_param(moe.num_experts, h, moe.expert_size, **p)
@@ -53,16 +55,40 @@ class MoeDecoderLayer(DecoderLayer):
 
     def pack(self, quant: dict[str, GroupQuant], fmt: str | None, prefill_rows: int) -> None:
         """The attention's matmuls as a dense layer's, and each expert's gate|up and down
-        (the shared expert's too) as matmuls of their own in `fmt` for short steps."""
+        (the shared expert's too) as matmuls of their own in `fmt` for short steps; those
+        packed from a file's codes as they loaded (`take_codes`) as they are."""
         super().pack(quant, fmt, prefill_rows)
 
         def linear(weight: torch.Tensor, name: str) -> Linear:
+            if name in self._coded:
+                return self._coded[name]
             return make_linear(weight, None, quant.get(name), fmt, prefill_rows)
         self.experts = [(linear(self.experts_gate_up[e], f"experts.{e}.gate_up"),
                          linear(self.experts_down[e], f"experts.{e}.down"))
                         for e in range(self.moe.num_experts)]
         self.shared = None if self.shared_gate is None else (
             linear(self.shared_gate_up, "shared.gate_up"), linear(self.shared_down, "shared.down"))
+
+    def take_codes(self, matmul: str, start: int, codes: GroupQuant,
+                   decode_format: str | None) -> bool:
+        """Keep a GGUF file's blocks of an expert's (or the shared expert's) `matmul` rows
+        from `start`, and pack the matmul in `decode_format`, for steps of any rows, once all
+        its rows are here; its dense slice is then never filled (a big MoE file's experts at
+        2 bytes a weight, beside their codes, would not fit). False where the decode form is
+        dense: the caller fills the dense slice."""
+        if decode_format is None or decode_format in DENSE:
+            return False
+        parts = self._parts.setdefault(matmul, {})
+        parts[start] = codes
+        size = self.moe.shared_size if matmul.startswith("shared") else self.moe.expert_size
+        rows = 2 * size if matmul.endswith("gate_up") else self.experts_down.shape[1]
+        if sum(p.shape[0] for p in parts.values()) == rows:
+            del self._parts[matmul]
+            blocks = [parts[s] for s in sorted(parts)]
+            if len({b.bits for b in blocks}) > 1:       # (gate and up of different widths)
+                blocks = [quantize_int8(torch.cat([b.dequantize() for b in blocks]))]
+            self._coded[matmul] = coded_linear(GroupQuant.cat(blocks), decode_format)
+        return True
 
     def routed_weight(self, name: str) -> tuple[torch.Tensor, nn.Parameter, str | None, int
                                                 ] | None:

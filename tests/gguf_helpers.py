@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from bench.gguf_random import copy_tokenizer
 from engine.gguf_convert import bundled_gguf_path
 from engine.model_loader import load_model
 from tests.kv_cache import make_kv_cache
@@ -36,12 +37,7 @@ def write_gguf(hf, path: Path, arch: str, names: dict[str, str],
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     metadata(w, cfg)
-    reader = gguf.GGUFReader(str(bundled_gguf_path()))      # the bundled model's vocabulary
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            kind = field.types[0]
-            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            w.add_key_value(key, field.contents(), kind, sub)
+    copy_tokenizer(w, bundled_gguf_path())                  # the bundled model's vocabulary
     for name, p in hf.state_dict().items():
         array = value(name, p.float().numpy())
         if isinstance(array, dict):

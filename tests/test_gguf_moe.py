@@ -14,7 +14,8 @@ from engine.gguf_convert import ensure_hf_folder
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model
 from tests.gguf_helpers import assert_serves_its_logits, write_gguf
-from tests.model_helpers import save_tiny_hf
+from tests.kv_cache import make_kv_cache
+from tests.model_helpers import PagedSequence, page_pool, save_tiny_hf, step
 
 NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
@@ -24,7 +25,7 @@ NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
          "mlp.shared_expert.up_proj": "ffn_up_shexp",
          "mlp.shared_expert.down_proj": "ffn_down_shexp",
          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
-SIZE = 64                               # an expert's intermediate size (whole 32-blocks)
+SIZE = 96                   # an expert's intermediate size (whole 32-blocks; not hidden's 64)
 SHAPES = {"qwen3moe": ("qwen3_moe", {"num_experts": 6, "num_experts_per_tok": 2,
                                      "norm_topk_prob": True, "head_dim": 32}),
           "qwen2moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
@@ -98,11 +99,21 @@ def test_an_moe_gguf_loads_its_experts_with_their_codes(tmp_path, arch):
     assert cfg.moe.expert_size == SIZE and cfg.moe.norm_topk_prob == (arch != "qwen2moe")
     assert cfg.moe.shared_size == extra.get("shared_expert_intermediate_size", 0)
     assert_serves_its_logits(hf, folder, cfg, path)
-    # the decode form: each expert's own 4- and 8-bit codes, in our kernels' formats
+    # the decode form: each expert's own 4- and 8-bit codes in our kernels' formats, packed
+    # as they load and run for steps of any rows (no dense copy of the experts)
     packed = load_model(folder, cfg, dtype=torch.float32, gguf=path, decode_format="native",
                         prefill_rows=16)
     gate_up, down = packed.layers[0].experts[1]
     assert (gate_up.decode.fmt, down.decode.fmt) == ("q4", "q8")
+    assert gate_up.weight_for(64) is gate_up.decode and down.weight_for(64) is down.decode
     want = hf.model.layers[0].mlp.experts.gate_up_proj[1]
-    x = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(64, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(gate_up(x), x @ want.T, atol=0.05, rtol=0.05)
+    tokens = torch.randint(3, cfg.vocab_size, (40,),
+                           generator=torch.Generator().manual_seed(1)).tolist()
+    (got,) = step(packed, make_kv_cache(packed, 16, 4),
+                  [(PagedSequence(tokens, page_pool(16)), len(tokens))])
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0].float()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+    torch.testing.assert_close(got, ref, atol=0.3, rtol=0.05)
