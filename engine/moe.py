@@ -28,7 +28,8 @@ from torch import nn
 
 from engine.llama import DecoderLayer, coded_linear, empty_param, make_linear, silu_mul
 from engine.model_config import ModelConfig
-from kernels.packed_linear import DENSE, GroupQuant, Linear, quantize_int8
+from kernels.packed_linear import (DENSE, GroupQuant, Linear, expert_table, moe_rows,
+                                   quantize_int8)
 
 # an expert's projection as the checkpoints name it (Qwen's, and Mixtral's w1 / w3 / w2)
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -45,6 +46,7 @@ class MoeDecoderLayer(DecoderLayer):
         self.moe = moe
         self._parts: dict[str, dict[int, GroupQuant]] = {}      # `take_codes`' rows so far
         self._coded: dict[str, Linear] = {}                     # and what it packed
+        self._row_steps = 0         # (`pack` sets it: steps of fewer rows are decode steps)
         self.router = empty_param(moe.num_experts, h, **p)
         self.experts_gate_up = empty_param(moe.num_experts, 2 * moe.expert_size, h, **p)
         self.experts_down = empty_param(moe.num_experts, h, moe.expert_size, **p)
@@ -68,6 +70,10 @@ class MoeDecoderLayer(DecoderLayer):
                         for e in range(self.moe.num_experts)]
         self.shared = None if self.shared_gate is None else (
             linear(self.shared_gate_up, "shared.gate_up"), linear(self.shared_down, "shared.down"))
+        # steps of fewer rows than prefill_rows (decode) run each row in one C call, where
+        # the experts' decode forms are our kernel's
+        self._table = expert_table(self.experts) if fmt is not None else None
+        self._row_steps = prefill_rows
 
     def take_codes(self, matmul: str, start: int, codes: GroupQuant,
                    decode_format: str | None) -> bool:
@@ -122,8 +128,14 @@ class MoeDecoderLayer(DecoderLayer):
         return None if whole is None else (whole, whole, None, 0)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's top_k experts [T, k] int64 and their weights [T, k] in x's dtype."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        """Each row's top_k experts [T, k] int64 and their weights [T, k] in x's dtype (a
+        decode step's rows scored one by one: a GEMM's rounding depends on its rows, and a
+        row's experts must not depend on its batch)."""
+        if x.shape[0] < self._row_steps:
+            logits = torch.cat([F.linear(x[i:i + 1], self.router) for i in range(x.shape[0])])
+        else:
+            logits = F.linear(x, self.router)
+        probs = torch.softmax(logits.float(), dim=-1)
         weights, chosen = probs.topk(self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -133,6 +145,18 @@ class MoeDecoderLayer(DecoderLayer):
         """The routed MLP's output [T, hidden] of its normed inputs (engine/lora.py serves no
         adapter on a routed layer's MLP)."""
         chosen, weights = self.route(normed)
+        if self._table is not None and normed.shape[0] < self._row_steps:
+            out = moe_rows(normed, self._table, chosen, weights, self.moe.expert_size)
+        else:
+            out = self._torch_experts(normed, chosen, weights, native)
+        if self.shared is not None:
+            gate = torch.sigmoid(F.linear(normed, self.shared_gate))
+            out = out + gate * self._expert(self.shared, normed, native)
+        return out
+
+    def _torch_experts(self, normed: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                       native: bool) -> torch.Tensor:
+        """The routed experts' weighted sum [T, hidden], matmul by matmul."""
         out = torch.zeros_like(normed)
         if normed.shape[0] == 1:        # a decode row: its k experts, in the experts' order
             ids = chosen[0].tolist()
@@ -140,9 +164,6 @@ class MoeDecoderLayer(DecoderLayer):
                 out += self._expert(self.experts[ids[j]], normed, native) * weights[0, j]
         else:
             self._grouped(normed, chosen, weights, out, native)
-        if self.shared is not None:
-            gate = torch.sigmoid(F.linear(normed, self.shared_gate))
-            out = out + gate * self._expert(self.shared, normed, native)
         return out
 
     def _grouped(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,

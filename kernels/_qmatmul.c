@@ -256,8 +256,74 @@ static PyObject *qmm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* One row through E experts of an MoE layer, in one call (no Python between the matmuls,
+ * so the pool's threads catch each next one while they spin): for expert e of `table`
+ * (int64 [E, 8]: its gate|up codes, scale, zero, bits, then its down's),
+ *   out[N] += weights[e] * down_e(silu(gate_e(x)) * up_e(x)),   x [K], gate|up [2I, K],
+ * down [N, I], the experts in the table's order. float32 throughout; 0 or -1 (no memory). */
+static int moe_row_run(const float *x, Py_ssize_t k, const int64_t *table, const float *weights,
+                       Py_ssize_t experts, Py_ssize_t inter, Py_ssize_t n, float *out, int simd,
+                       int threads, int xbits) {
+    float *gu = malloc((size_t)(3 * inter + n) * sizeof(float));
+    if (!gu)
+        return -1;
+    float *h = gu + 2 * inter, *y = h + inter;
+    int failed = 0;
+    for (Py_ssize_t e = 0; e < experts && !failed; e++) {
+        const int64_t *r = table + 8 * e;
+        failed = qmm_run(x, 1, k, (const uint8_t *)(uintptr_t)r[0],
+                         (const uint16_t *)(uintptr_t)r[1], (const uint16_t *)(uintptr_t)r[2],
+                         2 * inter, (int)r[3], gu, simd, threads, xbits);
+        if (failed)
+            break;
+        for (Py_ssize_t i = 0; i < inter; i++)
+            h[i] = gu[i] / (1.0f + expf(-gu[i])) * gu[inter + i];
+        failed = qmm_run(h, 1, inter, (const uint8_t *)(uintptr_t)r[4],
+                         (const uint16_t *)(uintptr_t)r[5], (const uint16_t *)(uintptr_t)r[6],
+                         n, (int)r[7], y, simd, threads, xbits);
+        for (Py_ssize_t j = 0; j < n && !failed; j++)
+            out[j] += weights[e] * y[j];
+    }
+    free(gu);
+    return failed;
+}
+
+static PyObject *moe_row(PyObject *self, PyObject *args) {
+    unsigned long long x, table, weights, out;
+    Py_ssize_t k, experts, inter, n;
+    int simd = 1, threads = 1, xbits = 16, failed;
+    if (!PyArg_ParseTuple(args, "KnKKnnnK|iii", &x, &k, &table, &weights, &experts, &inter, &n,
+                          &out, &simd, &threads, &xbits))
+        return NULL;
+    if (k % GROUP || inter % GROUP || experts < 0 || n < 0 || (xbits != 8 && xbits != 16)) {
+        PyErr_Format(PyExc_ValueError, "unsupported: K %zd and I %zd (multiples of %d), "
+                     "%zd experts, N %zd, %d-bit x (8 or 16)", k, inter, GROUP, experts, n,
+                     xbits);
+        return NULL;
+    }
+    const int64_t *t = (const int64_t *)(uintptr_t)table;
+    for (Py_ssize_t e = 0; e < experts; e++)
+        if ((t[8 * e + 3] != 4 && t[8 * e + 3] != 8) || (t[8 * e + 7] != 4 && t[8 * e + 7] != 8)) {
+            PyErr_SetString(PyExc_ValueError, "expert codes must be 4- or 8-bit");
+            return NULL;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    failed = moe_row_run((const float *)(uintptr_t)x, k, t, (const float *)(uintptr_t)weights,
+                         experts, inter, n, (float *)(uintptr_t)out, simd, threads, xbits);
+    Py_END_ALLOW_THREADS
+    if (failed)
+        return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     POOL_OPENMP_METHOD,
+    {"moe_row", moe_row, METH_VARARGS,
+     "moe_row(x, K, table, weights, E, I, N, out[, simd, threads, xbits]): out[N] float32 += "
+     "sum over E experts of weights[e] * down_e(silu(gate_e(x)) * up_e(x)) for one float32 "
+     "row x[K]; table int64 [E, 8]: each expert's gate|up [2I, K] codes, scale, zero "
+     "addresses and bits, then its down's [N, I] (qmm's layout); weights float32 [E]; "
+     "without the GIL"},
     {"qmm", qmm, METH_VARARGS,
      "qmm(x, M, K, codes, scale, zero, N, bits, out[, simd, threads, xbits]): out[M, N] float32 = "
      "x[M, K] float32 @ w.T for w [N, K] in `bits`-bit codes (4: unsigned, two a byte; 8: "

@@ -248,3 +248,40 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.weight_for(x.shape[0]).mm(x)
         return y if self.bias is None else y + self.bias
+
+
+def expert_table(pairs: list[tuple[Linear, Linear]]) -> torch.Tensor | None:
+    """int64 [experts, 8] of an MoE layer's (gate|up, down) matmuls for `moe_rows`: each
+    one's codes, scale and zero addresses and bits, where every decode form is in our
+    kernel's formats (q4 / q8) with one x rounding; else None."""
+    rows, xbits = [], set()
+    for pair in pairs:
+        args = [lin.decode.native_args() for lin in pair]
+        if _qmatmul is None or None in args:
+            return None
+        xbits.update(a[4] for a in args)
+        rows.append([v for a in args for v in a[:4]])
+    if len(xbits) != 1:
+        return None
+    table = torch.tensor(rows, dtype=torch.int64)
+    table.xbits = xbits.pop()           # (the x rounding moe_rows passes on)
+    return table
+
+
+def moe_rows(x: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+             inter: int) -> torch.Tensor:
+    """sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])) for e = ids[t, j], each
+    row in one call of kernels/_qmatmul.c's `moe_row` (float32, the experts in ascending id
+    order: a row's result does not depend on its batch) -> [T, N] in x's dtype."""
+    order = ids.argsort(dim=-1)
+    ids, w = ids.gather(-1, order), weights.float().gather(-1, order).contiguous()
+    tables = table[ids].contiguous()                            # [T, k, 8]
+    xf = x.float().contiguous()
+    t, k = xf.shape
+    out = torch.zeros(t, k)
+    threads = torch.get_num_threads()
+    for i in range(t):
+        _qmatmul.moe_row(xf[i].data_ptr(), k, tables[i].data_ptr(), w[i].data_ptr(),
+                         ids.shape[1], inter, k, out[i].data_ptr(), QMM_SIMD, threads,
+                         table.xbits)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
