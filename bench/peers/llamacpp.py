@@ -95,17 +95,17 @@ class LlamaServer:
 
 
 def start(log: Path, slots: int, model_len: int, threads: int | None = None,
-          extra: tuple[str, ...] = ()) -> LlamaServer:
-    """Start llama-server on the bundled GGUF on a free loopback port and wait for /health
-    (503 while it loads); RuntimeError with missing_message() when there is no binary.
-    `extra` flags (e.g. --embeddings), then $LLAMA_SERVER_ARGS (shell syntax), e.g. "--poll 0"
-    or "-t 1" on a busy box."""
+          extra: tuple[str, ...] = (), model: Path | None = None) -> LlamaServer:
+    """Start llama-server on the bundled GGUF (or `model`) on a free loopback port and wait
+    for /health (503 while it loads); RuntimeError with missing_message() when there is no
+    binary. `extra` flags (e.g. --embeddings), then $LLAMA_SERVER_ARGS (shell syntax), e.g.
+    "--poll 0" or "-t 1" on a busy box."""
     from engine.gguf_convert import bundled_gguf_path
     binary = find_binary()
     if binary is None:
         raise RuntimeError(missing_message())
     port = free_port()
-    cmd = command(binary, bundled_gguf_path(), slots, model_len, port, threads,
+    cmd = command(binary, model or bundled_gguf_path(), slots, model_len, port, threads,
                   extra=[*extra, *shlex.split(os.environ.get("LLAMA_SERVER_ARGS", ""))])
     log.parent.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
