@@ -137,3 +137,10 @@ def save_tiny_hf(kind: str, extra: dict, folder) -> torch.nn.Module:
                 p.normal_(0, 0.15)
     model.save_pretrained(folder)
     return model
+
+
+def hf_generate(hf, prompt: list[int], steps: int) -> list[int]:
+    """transformers' greedy tokens after `prompt` (no eos stop)."""
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()

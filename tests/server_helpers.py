@@ -142,3 +142,13 @@ def openai_client(url: str, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0,
                          timeout=REQUEST_TIMEOUT_S)
 
+
+
+def completion_tokens(url: str, prompt: list[int], n_predict: int) -> list[int]:
+    """The greedy token ids llama.cpp's /completion (return_tokens) answers for `prompt`."""
+    import httpx
+    r = httpx.post(url + "/completion", timeout=REQUEST_TIMEOUT_S, json={
+        "prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "ignore_eos": True,
+        "return_tokens": True})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]

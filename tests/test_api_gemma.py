@@ -11,8 +11,9 @@ import httpx
 import pytest
 import torch
 
-from tests.model_helpers import save_tiny_hf
-from tests.server_helpers import REQUEST_TIMEOUT_S, openai_client, running_server
+from tests.model_helpers import hf_generate, save_tiny_hf
+from tests.server_helpers import (REQUEST_TIMEOUT_S, completion_tokens, openai_client,
+                                  running_server)
 
 pytestmark = pytest.mark.slow
 
@@ -56,20 +57,7 @@ def test_streamed_chat_past_the_window(served):
 def test_greedy_tokens_equal_transformers_past_the_window(served):
     server, hf = served
     prompt = torch.randint(3, 49152, (60,), generator=torch.Generator().manual_seed(0)).tolist()
-    r = httpx.post(server.url + "/completion", timeout=REQUEST_TIMEOUT_S, json={
-        "prompt": prompt, "n_predict": 12, "temperature": 0.0, "ignore_eos": True,
-        "return_tokens": True})
-    assert r.status_code == 200, r.text
-    with torch.no_grad():
-        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-    assert r.json()["tokens"] == want
-
-
-def _generate(hf, prompt: list[int], steps: int) -> list[int]:
-    with torch.no_grad():
-        return hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert completion_tokens(server.url, prompt, 12) == hf_generate(hf, prompt, 12)
 
 
 def test_requests_at_once_in_a_pool_that_holds_them_only_windowed(checkpoint):
@@ -85,16 +73,9 @@ def test_requests_at_once_in_a_pool_that_holds_them_only_windowed(checkpoint):
         prompts = [torch.randint(3, 49152, (300,), generator=torch.Generator().manual_seed(i))
                    .tolist() for i in range(3)]
 
-        def complete(prompt):
-            r = httpx.post(server.url + "/completion", timeout=REQUEST_TIMEOUT_S, json={
-                "prompt": prompt, "n_predict": 40, "temperature": 0.0, "ignore_eos": True,
-                "return_tokens": True})
-            assert r.status_code == 200, r.text
-            return r.json()["tokens"]
-
         with ThreadPoolExecutor(3) as pool:
-            got = list(pool.map(complete, prompts))
+            got = list(pool.map(lambda p: completion_tokens(server.url, p, 40), prompts))
         metrics = httpx.get(server.url + "/metrics", timeout=REQUEST_TIMEOUT_S).text
     assert re.search(r"^strata_kv_pages_total 17(\.0)?$", metrics, re.M), metrics[:2000]
     for prompt, tokens in zip(prompts, got):
-        assert tokens == _generate(hf, prompt, 40)
+        assert tokens == hf_generate(hf, prompt, 40)

@@ -6,12 +6,11 @@ from __future__ import annotations
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 import torch
 
-from tests.model_helpers import save_tiny_hf
-from tests.server_helpers import REQUEST_TIMEOUT_S, openai_client, running_server
+from tests.model_helpers import hf_generate, save_tiny_hf
+from tests.server_helpers import completion_tokens, openai_client, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -48,17 +47,6 @@ def test_requests_at_once_generate_what_transformers_generates(served):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (40, 9, 23)]
 
-    def complete(prompt: list[int]) -> list[int]:
-        r = httpx.post(server.url + "/completion", timeout=REQUEST_TIMEOUT_S, json={
-            "prompt": prompt, "n_predict": 10, "temperature": 0.0, "ignore_eos": True,
-            "return_tokens": True})
-        assert r.status_code == 200, r.text
-        return r.json()["tokens"]
-
     with ThreadPoolExecutor(3) as pool:
-        got = list(pool.map(complete, prompts))
-    with torch.no_grad():
-        want = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
-                for p in prompts]
-    assert got == want
+        got = list(pool.map(lambda p: completion_tokens(server.url, p, 10), prompts))
+    assert got == [hf_generate(hf, p, 10) for p in prompts]

@@ -6,7 +6,7 @@ import torch
 
 from kvstore.page_allocator import PageAllocator
 from kvstore.window_trim import WindowTrim, id_space, window_groups
-from tests.model_helpers import save_tiny_hf
+from tests.model_helpers import hf_generate, save_tiny_hf
 
 PS = 16
 WINDOWS = (None, 20, 20)        # a full layer and two of a 20-token window
@@ -134,13 +134,6 @@ def _prompt(seed, n):
     return torch.randint(3, 256, (n,), generator=g).tolist()
 
 
-def _generate(hf, prompt, steps):
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma3-trim")
@@ -162,7 +155,7 @@ def test_a_context_past_the_whole_pages_is_served_as_transformers_generates(gemm
     engine = _engine(folder, prefix_cache="off")
     assert engine.store.capacity_tokens() == 144       # 4P - 3 (P - 5) <= 24 slots: P = 9
     got, _ = run_scored(engine, [prompt], 30)
-    assert got["r0"] == _generate(hf, prompt, 30)
+    assert got["r0"] == hf_generate(hf, prompt, 30)
     # (strata_kv_window_dropped_pages): before the last step, whose query is at 118, the
     # pages before key 99 (the window's first), less one of slack, go: 0-4, in 3 layers
     assert engine.store.stats.snapshot().window_dropped == 5 * 3
@@ -182,7 +175,7 @@ def test_prefix_reuse_with_trimmed_pages_gives_transformers_tokens(gemma):
     prompts = [shared + _prompt(3 + i, 8 + 5 * i) for i in range(3)]
     got, _ = run_scored(engine, prompts, 60)
     for i, p in enumerate(prompts):
-        assert got[f"r{i}"] == _generate(hf, p, 60), i
+        assert got[f"r{i}"] == hf_generate(hf, p, 60), i
     assert engine.scheduler.prefix_hit_tokens == 2 * 32      # the later two reuse the first's
     store = engine.store
     used, _ = store.tier_usage()["device"]
@@ -193,7 +186,7 @@ def test_prefix_reuse_with_trimmed_pages_gives_transformers_tokens(gemma):
     def hits(prompt, steps):
         before = engine.scheduler.prefix_hit_tokens
         out, _ = run_scored(engine, [prompt], steps)
-        assert out["r0"] == _generate(hf, prompt, steps)
+        assert out["r0"] == hf_generate(hf, prompt, steps)
         return engine.scheduler.prefix_hit_tokens - before
 
     # the first's 107 tokens are cached; its page 3 (tokens 48-63) lost the windowed layers
@@ -226,7 +219,7 @@ def test_a_resent_conversation_as_long_as_the_capacity_is_served(tmp_path):
                 out.extend(o.new_token_ids)
             if not engine.has_unfinished():
                 break
-        assert not engine.has_unfinished() and out == _generate(hf, prompt, steps)
+        assert not engine.has_unfinished() and out == hf_generate(hf, prompt, steps)
         return out
 
     first = _prompt(11, 64)
@@ -249,7 +242,7 @@ def test_drafts_past_the_window_keep_the_pages_they_may_roll_back_to(gemma):
     engine = _engine(folder, kv_device_gb=0.01, speculative_config=spec, prefix_cache="off")
     prompt = _prompt(21, 12) * 6                    # 72 tokens, a 12-token phrase repeated
     got, _ = run_logprobs(engine, [prompt], 40)
-    assert got["r0"] == _generate(hf, prompt, 40)
+    assert got["r0"] == hf_generate(hf, prompt, 40)
     stats = engine.spec
     assert 0 < stats.accepted_tokens < stats.draft_tokens, stats
     assert engine.store.stats.snapshot().window_dropped > 0
