@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -144,3 +146,10 @@ def hf_generate(hf, prompt: list[int], steps: int) -> list[int]:
     with torch.no_grad():
         return hf.generate(torch.tensor([prompt]), max_new_tokens=steps, do_sample=False,
                            eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def copy_tokenizer(src: Path, folder: Path) -> None:
+    """The tokenizer files of the HF folder `src` (the bundled model's) into `folder`."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).is_file():
+            shutil.copy(src / name, folder / name)

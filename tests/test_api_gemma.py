@@ -4,14 +4,13 @@ pool that holds them only without the windowed layers' old pages, requests at on
 from __future__ import annotations
 
 import re
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 import torch
 
-from tests.model_helpers import hf_generate, save_tiny_hf
+from tests.model_helpers import copy_tokenizer, hf_generate, save_tiny_hf
 from tests.server_helpers import (REQUEST_TIMEOUT_S, completion_tokens, openai_client,
                                   running_server)
 
@@ -26,9 +25,7 @@ MODEL = {"vocab_size": 49152, "num_hidden_layers": 3, "head_dim": 16, "sliding_w
 def checkpoint(smollm2_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("gemma")
     hf = save_tiny_hf("gemma3", MODEL, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).is_file():              # the bundled model's vocabulary
-            shutil.copy(smollm2_dir / name, folder / name)
+    copy_tokenizer(smollm2_dir, folder)                 # the bundled model's vocabulary
     return folder, hf
 
 

@@ -3,13 +3,12 @@ end to end: the OpenAI SDK's streamed chat, and requests at once whose greedy to
 transformers' (each row's experts whatever else is in its step)."""
 from __future__ import annotations
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tests.model_helpers import hf_generate, save_tiny_hf
+from tests.model_helpers import copy_tokenizer, hf_generate, save_tiny_hf
 from tests.server_helpers import completion_tokens, openai_client, running_server
 
 pytestmark = pytest.mark.slow
@@ -23,9 +22,7 @@ MODEL = {"vocab_size": 49152, "num_hidden_layers": 3, "head_dim": 32, "num_exper
 def served(smollm2_dir, tmp_path_factory):
     folder = tmp_path_factory.mktemp("moe")
     hf = save_tiny_hf("qwen3_moe", MODEL, folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (smollm2_dir / name).is_file():              # the bundled model's vocabulary
-            shutil.copy(smollm2_dir / name, folder / name)
+    copy_tokenizer(smollm2_dir, folder)                 # the bundled model's vocabulary
     with running_server("--model", str(folder), "--served-model-name", "moe",
                         "--dtype", "fp32", "--weights", "fp32") as s:
         yield s, hf
