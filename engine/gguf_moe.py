@@ -54,15 +54,17 @@ def split_experts(layer: int, part: str, value: torch.Tensor | GroupQuant, exper
             yield name, value[e]
 
 
-def moe_config(fields: dict, arch: str) -> dict:
+def moe_config(fields: dict, arch: str, shapes: dict[str, tuple[int, ...]]) -> dict:
     """The HF config fields of a GGUF with experts: the architecture, the expert count and
-    how many a token takes, an expert's size (and Qwen2-MoE's shared expert's), whether the
-    top-k weights are renormalised (llama.cpp's expert_weights_norm, else as its model
-    code does: Qwen3-MoE and Mixtral do, Qwen2-MoE does not)."""
+    how many a token takes, an expert's size and Qwen2-MoE's shared expert's (from the
+    tensors' `shapes` by name: files from before llama.cpp wrote them as metadata lack
+    them), whether the top-k weights are renormalised (llama.cpp's expert_weights_norm, else
+    as its model code does: Qwen3-MoE and Mixtral do, Qwen2-MoE does not)."""
     hf_arch, model_type = _ARCHS[arch]
     experts, used = expert_count(fields, arch), int(fields[f"{arch}.expert_used_count"])
-    size = int(fields.get(f"{arch}.expert_feed_forward_length")
-               or fields[f"{arch}.feed_forward_length"])
+    gate = next((v for k, v in shapes.items() if k.endswith(".ffn_gate_exps.weight")), None)
+    size = gate[1] if gate else int(fields.get(f"{arch}.expert_feed_forward_length")
+                                    or fields[f"{arch}.feed_forward_length"])
     out: dict = {"architectures": [hf_arch], "model_type": model_type,
                  "num_experts_per_tok": used}
     if arch == "llama":
@@ -70,7 +72,8 @@ def moe_config(fields: dict, arch: str) -> dict:
     norm = fields.get(f"{arch}.expert_weights_norm", arch == "qwen3moe")
     out.update(num_experts=experts, moe_intermediate_size=size, norm_topk_prob=bool(norm),
                decoder_sparse_step=1, mlp_only_layers=[])
-    shared = fields.get(f"{arch}.expert_shared_feed_forward_length")
+    shexp = next((v for k, v in shapes.items() if k.endswith(".ffn_gate_shexp.weight")), None)
+    shared = shexp[0] if shexp else fields.get(f"{arch}.expert_shared_feed_forward_length")
     if shared:
         out["shared_expert_intermediate_size"] = int(shared)
     return out
@@ -86,4 +89,4 @@ def moe_fields(path: Path) -> dict:
     """`moe_config` of the GGUF file at `path`."""
     from engine.gguf_weights import open_gguf
     file = open_gguf(path)
-    return moe_config(file.fields, file.architecture)
+    return moe_config(file.fields, file.architecture, {t.name: t.shape for t in file.tensors})

@@ -88,6 +88,9 @@ class DecoderLayer(nn.Module):
         they load (an MoE layer's experts: engine/moe.py); not here."""
         return False
 
+    def finish_codes(self) -> None:
+        """After loading (an MoE layer completes what `take_codes` kept); nothing here."""
+
     def decode_norms(self) -> tuple[torch.Tensor | None, ...]:
         """The norm weights in float32 for the C decode layers (kernels/decode_layer.py):
         input, post-attention, and Qwen3's q and k head norms (None without)."""

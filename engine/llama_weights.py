@@ -17,16 +17,6 @@ LAYER_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_l
                "post_feedforward_layernorm", "q_norm", "k_norm")
 
 
-def _fused_rows(cfg, matmul: str) -> int | None:
-    """The rows of a matmul fused from several checkpoint tensors (q|k|v, gate|up, an
-    expert's or the shared expert's gate|up), None for the others."""
-    if matmul in ("qkv", "gate_up"):
-        return matmul_rows(cfg)[matmul]
-    if matmul.endswith("gate_up"):              # experts.N.gate_up, shared.gate_up
-        return 2 * (cfg.moe.shared_size if matmul.startswith("shared") else cfg.moe.expert_size)
-    return None
-
-
 class LlamaWeights:
     """The weight loading of LlamaForCausalLM (a mixin: its parameters are the model's)."""
 
@@ -81,12 +71,11 @@ class LlamaWeights:
                 module, kind = rest.rsplit(".", 1)           # e.g. self_attn.q_proj, weight
                 leaf = module.split(".")[-1]
                 routed = layer.routed_weight(rest)          # (an MoE layer's router, experts)
-                if routed is not None:      # (a slice of `owner`, the file's codes by `matmul`)
+                if routed is not None:      # (a slice of `owner`; `matmul` may pack its codes)
                     dst, owner, matmul, start = routed
                     packed = isinstance(tensor, GroupQuant) and matmul is not None \
                         and layer.take_codes(matmul, start, tensor, decode_format)
-                    put(dst, tensor, name, start, owner=owner, packed=packed,
-                        key=None if matmul is None else (int(idx), matmul))
+                    put(dst, tensor, name, owner=owner, packed=packed)
                 elif leaf in LAYER_NORMS:
                     norm = getattr(layer, leaf, None)       # (None: not this family's)
                     put(None if norm is None else norm.weight, tensor, name)
@@ -99,16 +88,19 @@ class LlamaWeights:
                     raise ValueError(f"unexpected checkpoint tensor {name}")
             else:
                 raise ValueError(f"unexpected checkpoint tensor {name}")
+        for layer in self.layers:
+            layer.finish_codes()
         missing = [n for n, p in self.named_parameters() if filled.get(id(p), 0) != p.numel()]
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
         # a fused weight keeps the file's codes only when all its parts (or the whole, as
         # Phi-3's files have it) came quantized alike
+        rows = {k: v for k, v in matmul_rows(cfg).items() if k in ("qkv", "gate_up")}
+
         def whole(key, p) -> bool:
-            rows = _fused_rows(cfg, key[1])
             return len({g.bits for g in p.values()}) == 1 and (
-                rows is None or sum(g.shape[0] for g in p.values()) == rows)
+                key[1] not in rows or sum(g.shape[0] for g in p.values()) == rows[key[1]])
         self._quant = {key: GroupQuant.cat([p[s] for s in sorted(p)])
                        for key, p in parts.items() if whole(key, p)}
         if cfg.rope_dims != cfg.head_dim:

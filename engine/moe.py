@@ -96,6 +96,24 @@ class MoeDecoderLayer(DecoderLayer):
             self._coded[matmul] = coded_linear(GroupQuant.cat(blocks), decode_format)
         return True
 
+    def finish_codes(self) -> None:
+        """After loading: a matmul whose rows came partly as codes and partly as floats (a
+        file with mixed tensor types) was never packed; its codes are dequantized into their
+        dense slices, and it is packed from those like a float checkpoint's."""
+        for matmul, parts in self._parts.items():
+            for start, codes in parts.items():
+                dst = self._dense(matmul).narrow(0, start, codes.shape[0])
+                with torch.no_grad():
+                    dst.copy_(codes.dequantize())
+        self._parts = {}
+
+    def _dense(self, matmul: str) -> torch.Tensor:
+        """The dense weight of `matmul` (experts.N.gate_up / .down, shared.gate_up / .down)."""
+        if matmul.startswith("shared"):
+            return self.shared_gate_up if matmul.endswith("gate_up") else self.shared_down
+        e = int(matmul.split(".")[1])
+        return self.experts_gate_up[e] if matmul.endswith("gate_up") else self.experts_down[e]
+
     def routed_weight(self, name: str) -> tuple[torch.Tensor, nn.Parameter, str | None, int
                                                 ] | None:
         """Where checkpoint tensor `name` (past `model.layers.N.`) lands: the router, an
@@ -128,7 +146,8 @@ class MoeDecoderLayer(DecoderLayer):
         return None if whole is None else (whole, whole, None, 0)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's top_k experts [T, k] int64 and their weights [T, k] in x's dtype (a
+        """Each row's top_k experts [T, k] int64 and their weights [T, k] (in x's dtype,
+        or float32 where the family keeps them so: Mixtral) (a
         decode step's rows scored one by one: a GEMM's rounding depends on its rows, and a
         row's experts must not depend on its batch)."""
         if x.shape[0] < self._row_steps:
@@ -139,7 +158,7 @@ class MoeDecoderLayer(DecoderLayer):
         weights, chosen = probs.topk(self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return chosen, weights.to(x.dtype)
+        return chosen, weights.to(x.dtype) if self.moe.round_weights else weights
 
     def mlp(self, normed: torch.Tensor, lora, native: bool) -> torch.Tensor:
         """The routed MLP's output [T, hidden] of its normed inputs (engine/lora.py serves no
@@ -161,7 +180,8 @@ class MoeDecoderLayer(DecoderLayer):
         if normed.shape[0] == 1:        # a decode row: its k experts, in the experts' order
             ids = chosen[0].tolist()
             for j in sorted(range(len(ids)), key=ids.__getitem__):
-                out += self._expert(self.experts[ids[j]], normed, native) * weights[0, j]
+                y = self._expert(self.experts[ids[j]], normed, native) * weights[0, j]
+                out += y.to(out.dtype)
         else:
             self._grouped(normed, chosen, weights, out, native)
         return out
@@ -178,7 +198,7 @@ class MoeDecoderLayer(DecoderLayer):
             if n:
                 sel = rows[start:start + n]
                 y = self._expert(self.experts[e], x[sel], native) * w[start:start + n]
-                out.index_add_(0, sel, y)
+                out.index_add_(0, sel, y.to(out.dtype))
                 start += n
 
     @staticmethod

@@ -24,6 +24,9 @@ class MoeSpec:
     norm_topk_prob: bool            # the top-k probabilities renormalised to sum to 1
     shared_size: int                # Qwen2-MoE's shared expert (sigmoid-gated); 0: none
     layers: tuple[int, ...]         # the layers whose MLP is routed (the others are dense)
+    round_weights: bool = True      # the top-k weights rounded to the activations' dtype
+                                    # before they scale the experts (Qwen's; Mixtral's stay
+                                    # float32)
 
     def routed(self, layer: int) -> bool:
         return layer in self.layers
@@ -45,7 +48,7 @@ def parse_moe(cfg: Mapping[str, Any], arch: str) -> MoeSpec | None:
                          "(the config's expert count)")
     if arch == "MixtralForCausalLM":
         return MoeSpec(experts, top_k, int(cfg["intermediate_size"]), True, 0,
-                       tuple(range(layers)))
+                       tuple(range(layers)), round_weights=False)
     step = int(cfg.get("decoder_sparse_step") or 1)
     dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
     routed = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
