@@ -1,8 +1,8 @@
 """A GGUF file's tensors under their Hugging Face names, quantized tensors as they are stored.
 
 `iter_gguf_weights` yields (HF name, tensor) pairs for LlamaForCausalLM.load_weights: float
-tensors (F32, F16, BF16) as torch tensors, and Q4_0, Q4_1 and Q8_0 tensors as GroupQuant (their
-codes, and per block of 32 a scale and a zero point), so that the model can run them through
+tensors (F32, F16, BF16) as torch tensors, and Q4_0, Q4_1, Q4_K and Q8_0 tensors as GroupQuant
+(their codes, and per group of 32 a scale and a zero point), so that the model can run them through
 packed int4 / int8 matmuls without requantizing. Other quantized types are dequantized to
 float32 by the `gguf` package.
 
@@ -165,10 +165,10 @@ def open_gguf(path: Path) -> GGUFFile:
 
 def native_format(path: Path) -> str | None:
     """The packed format that runs a GGUF file's matmul weights as stored: int4 for Q4_0 /
-    Q4_1 blocks, int8 for Q8_0, None for float files (and types we dequantize)."""
+    Q4_1 / Q4_K blocks, int8 for Q8_0, None for float files (and types we dequantize)."""
     kinds = {t.kind for t in open_gguf(path).tensors
              if len(t.shape) in (2, 3) and t.name.startswith("blk.")}     # (3: experts)
-    if kinds & {"Q4_0", "Q4_1"}:
+    if kinds & {"Q4_0", "Q4_1", "Q4_K"}:
         return "int4"
     return "int8" if "Q8_0" in kinds else None
 
@@ -193,6 +193,25 @@ def decode_blocks(kind: str, raw: np.ndarray) -> GroupQuant:
     return GroupQuant(torch.from_numpy(codes).reshape(n, -1), scale, zero, 4)
 
 
+def decode_q4_k(raw: np.ndarray) -> GroupQuant:
+    """Q4_K super-blocks of one tensor, raw uint8 [N, K / 256 * 144] -> GroupQuant [N, K].
+    A super-block of 256 weights holds float16 d and dmin, 6-bit scales and mins of its eight
+    sub-blocks of 32, and 4-bit codes: weight = d * sc * q - dmin * m, one scale and one zero
+    per group of 32, as our 4-bit groups have them (ggml's `get_scale_min_k4` packing)."""
+    n = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(n, -1, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    s = b[..., 4:16]
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
+    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    q = b[..., 16:144].reshape(n, -1, 4, 1, 32)         # sub-blocks 2i (low), 2i + 1 (high)
+    codes = np.concatenate([q & 0x0F, q >> 4], axis=3).astype(np.int16).reshape(n, -1)
+    scale = torch.from_numpy((d * sc.astype(np.float32)).reshape(n, -1))
+    zero = torch.from_numpy(-(dmin * m.astype(np.float32)).reshape(n, -1))
+    return GroupQuant(torch.from_numpy(codes), scale, zero, 4)
+
+
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     """Row order undoing llama.cpp's q/k permutation (transformers' reverse_permute)."""
     dim = n_rows // n_head // 2
@@ -214,6 +233,8 @@ def iter_gguf_weights(path: Path, config: ModelConfig
             continue
         if t.kind in _BLOCK_BYTES:
             value: torch.Tensor | GroupQuant = decode_blocks(t.kind, t.data)
+        elif t.kind == "Q4_K":
+            value = decode_q4_k(t.data)
         elif t.kind == "BF16":
             value = torch.from_numpy(t.data.astype(np.int32) << 16).view(torch.float32)
         elif t.kind in _FLOAT_DTYPES:

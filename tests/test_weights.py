@@ -43,6 +43,23 @@ def test_gguf_blocks_decode_as_the_gguf_package_dequantizes_them(kind):
     assert torch.equal(got.dequantize(), torch.from_numpy(want))
 
 
+def test_q4_k_super_blocks_decode_as_the_gguf_package_dequantizes_them():
+    """Q4_K (Q4_K_M files' most common type): 144-byte super-blocks of 256 weights, random
+    6-bit scales and mins and 4-bit codes, into 4-bit groups of 32 with a scale and a zero."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from engine.gguf_weights import decode_q4_k
+    rng = np.random.default_rng(3)
+    n, nb = 24, 2
+    dd = (rng.standard_normal((n, nb, 2)) * 0.01).astype(np.float16).view(np.uint8)
+    rest = rng.integers(0, 256, (n, nb, 140), dtype=np.uint8)
+    raw = np.concatenate([dd, rest], -1).reshape(n, -1)
+    want = dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float32)
+    got = decode_q4_k(raw)
+    assert got.bits == 4 and got.shape == (n, nb * 256)
+    assert torch.equal(got.dequantize(), torch.from_numpy(want))
+
+
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "q8", "q4"])
 def test_packed_matmul_matches_its_dequantized_weight(fmt):
     gen = torch.Generator().manual_seed(1)
