@@ -6,7 +6,8 @@ The attention is the dense family's (engine/llama.py `DecoderLayer.attention`); 
 routed, as transformers' sparse MoE blocks compute it:
 - a router (a [experts, hidden] linear) scores each token; softmax in float32; the top_k
   experts are kept, their probabilities renormalised to sum to 1 where the config says
-  (`norm_topk_prob`; Mixtral always), then rounded to the activations' dtype;
+  (`norm_topk_prob`; Mixtral always), then rounded to the activations' dtype (Qwen's; Mixtral
+  keeps them float32);
 - each chosen expert, a SiLU-gated MLP of its own, runs on the tokens routed to it, and its
   output, times the token's probability for it, is added to the token's row (in the
   experts' order);
@@ -16,7 +17,10 @@ The experts are stored as two 3-D parameters ([experts, 2 x expert_size, hidden]
 [experts, hidden, expert_size] down, transformers 5's layout); each expert's slices are
 packed into matmuls of their own (`pack`), so a decode step reads only its tokens' experts'
 bytes, in the decode format the weight plan chose, and a prefill chunk's experts pick their
-form by the rows routed to them. Op by op: the C decode layers run the Llama block only.
+form by the rows routed to them. A decode step's rows each run their experts in one C call
+(kernels/_qmatmul.c `moe_row`) where the decode form is our kernel's. A GGUF file's expert
+blocks are packed as they load (`take_codes`), their dense slices never filled. The rest is
+op by op: the C decode layers run the Llama block only.
 """
 from __future__ import annotations
 
