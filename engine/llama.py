@@ -199,9 +199,15 @@ def coded_linear(quant: GroupQuant, fmt: str) -> Linear:
     else requantized."""
     if fmt in NATIVE:
         fmt = NATIVE[fmt][quant.bits]
-    if BITS.get(fmt) == quant.bits:
-        return Linear(PackedWeight.from_quant(quant, fmt))
-    return Linear(PackedWeight.from_dense(quant.dequantize(), fmt))
+    return Linear(_packed(quant, fmt, quant.dequantize))
+
+
+def _packed(quant: GroupQuant | None, fmt: str, dense) -> PackedWeight:
+    """`fmt`'s form: from the file's codes where they have its width, else from the dense
+    values `dense()`."""
+    if quant is not None and BITS.get(fmt) == quant.bits:
+        return PackedWeight.from_quant(quant, fmt)
+    return PackedWeight.from_dense(dense(), fmt)
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,
@@ -216,11 +222,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQua
         fmt = None if quant is None else NATIVE[fmt][quant.bits]
     if fmt is None or fmt == dense.fmt:
         return Linear(dense, bias)
-    if quant is not None and BITS.get(fmt) == quant.bits:
-        packed = PackedWeight.from_quant(quant, fmt)
-    else:
-        packed = PackedWeight.from_dense(weight.detach(), fmt)
-    return Linear(packed, bias, prefill=dense, prefill_rows=prefill_rows)
+    return Linear(_packed(quant, fmt, weight.detach), bias, prefill=dense,
+                  prefill_rows=prefill_rows)
 
 
 def _layer_class(cfg: ModelConfig, index: int) -> type[DecoderLayer]:
