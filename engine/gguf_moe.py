@@ -49,7 +49,7 @@ def split_experts(layer: int, part: str, value: torch.Tensor | GroupQuant, exper
         name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
         if isinstance(value, GroupQuant):
             s = slice(e * rows, (e + 1) * rows)
-            yield name, GroupQuant(value.codes[s], value.scale[s], value.zero[s], value.bits)
+            yield name, value.rows(s)
         else:
             yield name, value[e]
 

@@ -1,10 +1,10 @@
 """A GGUF file's tensors under their Hugging Face names, quantized tensors as they are stored.
 
 `iter_gguf_weights` yields (HF name, tensor) pairs for LlamaForCausalLM.load_weights: float
-tensors (F32, F16, BF16) as torch tensors, and Q4_0, Q4_1, Q4_K and Q8_0 tensors as GroupQuant
-(their codes, and per group of 32 a scale and a zero point), so that the model can run them through
-packed int4 / int8 matmuls without requantizing. Other quantized types are dequantized to
-float32 by the `gguf` package.
+tensors (F32, F16, BF16) as torch tensors, and Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and
+Q8_0 tensors as GroupQuant (their codes, and per group of 32 a scale and a zero point:
+engine/gguf_blocks.py), so that the model can run them through packed 4- / 8-bit matmuls
+without dequantizing. Other quantized types are dequantized to float32 by the `gguf` package.
 
 llama.cpp's converter permutes the rows of Llama's q and k projections (its RoPE pairs
 neighbouring dims; HF's pairs halves); the permutation is undone here, on whole rows, so
@@ -26,7 +26,8 @@ import torch
 
 from engine.gguf_moe import EXPERT_PARTS, MOE_NAMES, expert_count, split_experts
 from engine.model_config import ModelConfig
-from kernels.packed_linear import GROUP, GroupQuant
+from engine.gguf_blocks import BITS as BLOCK_BITS, decode
+from kernels.packed_linear import GroupQuant
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -43,8 +44,6 @@ _GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm",
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
-# bytes per block of 32 weights
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 # float tensors as numpy views (BF16 as its raw 16 bits, widened on read)
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
 
@@ -164,52 +163,12 @@ def open_gguf(path: Path) -> GGUFFile:
 
 
 def native_format(path: Path) -> str | None:
-    """The packed format that runs a GGUF file's matmul weights as stored: int4 for Q4_0 /
-    Q4_1 / Q4_K blocks, int8 for Q8_0, None for float files (and types we dequantize)."""
-    kinds = {t.kind for t in open_gguf(path).tensors
-             if len(t.shape) in (2, 3) and t.name.startswith("blk.")}     # (3: experts)
-    if kinds & {"Q4_0", "Q4_1", "Q4_K"}:
-        return "int4"
-    return "int8" if "Q8_0" in kinds else None
-
-
-def decode_blocks(kind: str, raw: np.ndarray) -> GroupQuant:
-    """Blocks of one tensor, raw uint8 [N, K / 32 * block bytes] -> GroupQuant [N, K]."""
-    n = raw.shape[0]
-    blocks = np.ascontiguousarray(raw).reshape(n, -1, _BLOCK_BYTES[kind])
-    scale = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
-    if kind == "Q8_0":
-        codes = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).astype(np.int16))
-        return GroupQuant(codes.reshape(n, -1), scale, torch.zeros_like(scale), 8)
-    start = 4 if kind == "Q4_1" else 2
-    qs = blocks[..., start:start + GROUP // 2]
-    # a block's byte j holds weight j in its low nibble and weight j + 16 in its high one
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
-    if kind == "Q4_1":
-        zero = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0]
-                                .astype(np.float32))
-    else:                                    # Q4_0: w = d * (q - 8)
-        zero = -8 * scale
-    return GroupQuant(torch.from_numpy(codes).reshape(n, -1), scale, zero, 4)
-
-
-def decode_q4_k(raw: np.ndarray) -> GroupQuant:
-    """Q4_K super-blocks of one tensor, raw uint8 [N, K / 256 * 144] -> GroupQuant [N, K].
-    A super-block of 256 weights holds float16 d and dmin, 6-bit scales and mins of its eight
-    sub-blocks of 32, and 4-bit codes: weight = d * sc * q - dmin * m, one scale and one zero
-    per group of 32, as our 4-bit groups have them (ggml's `get_scale_min_k4` packing)."""
-    n = raw.shape[0]
-    b = np.ascontiguousarray(raw).reshape(n, -1, 144)
-    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
-    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
-    s = b[..., 4:16]
-    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
-    m = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-    q = b[..., 16:144].reshape(n, -1, 4, 1, 32)         # sub-blocks 2i (low), 2i + 1 (high)
-    codes = np.concatenate([q & 0x0F, q >> 4], axis=3).astype(np.int16).reshape(n, -1)
-    scale = torch.from_numpy((d * sc.astype(np.float32)).reshape(n, -1))
-    zero = torch.from_numpy(-(dmin * m.astype(np.float32)).reshape(n, -1))
-    return GroupQuant(torch.from_numpy(codes), scale, zero, 4)
+    """The packed format that runs a GGUF file's matmul weights as stored: int4 where its
+    layers hold 4-bit blocks (Q4_0 / Q4_1 / Q4_K), else int8 where they hold 5- to 8-bit
+    ones (engine/gguf_blocks.py), None for float files (and types we dequantize)."""
+    bits = {BLOCK_BITS.get(t.kind) for t in open_gguf(path).tensors
+            if len(t.shape) in (2, 3) and t.name.startswith("blk.")}     # (3: experts)
+    return "int4" if 4 in bits else "int8" if 8 in bits else None
 
 
 def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
@@ -218,11 +177,24 @@ def _unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).view(n_head, dim, 2).transpose(1, 2).reshape(-1)
 
 
+def _value(t: GGUFTensor) -> torch.Tensor | GroupQuant:
+    """A tensor's values: its groups where our kernels run its blocks, else float32."""
+    quant = decode(t.kind, t.data)
+    if quant is not None:
+        return quant
+    if t.kind == "BF16":
+        return torch.from_numpy(t.data.astype(np.int32) << 16).view(torch.float32)
+    if t.kind in _FLOAT_DTYPES:
+        return torch.from_numpy(t.data.astype(np.float32))
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+    return torch.from_numpy(dequantize(np.asarray(t.data), GGMLQuantizationType[t.kind])
+                            .astype(np.float32).reshape(t.shape))
+
+
 def iter_gguf_weights(path: Path, config: ModelConfig
                       ) -> Iterator[tuple[str, torch.Tensor | GroupQuant]]:
     """(HF name, tensor or GroupQuant) for every tensor of the GGUF file the model uses."""
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize
     file = open_gguf(path)
     experts = expert_count(file.fields, file.architecture)
     for t in file.tensors:
@@ -231,17 +203,7 @@ def iter_gguf_weights(path: Path, config: ModelConfig
         part = block.group(2) if block and experts and block.group(2) in EXPERT_PARTS else None
         if name is None and part is None:
             continue
-        if t.kind in _BLOCK_BYTES:
-            value: torch.Tensor | GroupQuant = decode_blocks(t.kind, t.data)
-        elif t.kind == "Q4_K":
-            value = decode_q4_k(t.data)
-        elif t.kind == "BF16":
-            value = torch.from_numpy(t.data.astype(np.int32) << 16).view(torch.float32)
-        elif t.kind in _FLOAT_DTYPES:
-            value = torch.from_numpy(t.data.astype(np.float32))
-        else:
-            value = torch.from_numpy(dequantize(np.asarray(t.data), GGMLQuantizationType[t.kind])
-                                     .astype(np.float32).reshape(t.shape))
+        value = _value(t)
         if part is not None:            # every expert's rows of one projection
             yield from split_experts(int(block.group(1)), part, value, experts)
             continue
@@ -255,7 +217,7 @@ def iter_gguf_weights(path: Path, config: ModelConfig
             heads = config.num_attention_heads if ".q_proj." in name \
                 else config.num_key_value_heads
             order = _unpermute_rows(value.shape[0], heads)
-            value = value.permute_rows(order) if isinstance(value, GroupQuant) else value[order]
+            value = value.rows(order) if isinstance(value, GroupQuant) else value[order]
         yield name, value
 
 

@@ -46,7 +46,7 @@ class LlamaWeights:
             if not packed:
                 if isinstance(tensor, GroupQuant):
                     if key is not None:
-                        parts.setdefault(key, {})[start] = tensor
+                        parts.setdefault(key, {})[start] = tensor.groups_only()
                     tensor = tensor.dequantize()
                 with torch.no_grad():
                     dst.copy_(tensor)
@@ -95,12 +95,11 @@ class LlamaWeights:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
         # a fused weight keeps the file's codes only when all its parts (or the whole, as
-        # Phi-3's files have it) came quantized alike
+        # Phi-3's files have it) came quantized (parts of 4 and 8 bits: as 8-bit groups)
         rows = {k: v for k, v in matmul_rows(cfg).items() if k in ("qkv", "gate_up")}
 
         def whole(key, p) -> bool:
-            return len({g.bits for g in p.values()}) == 1 and (
-                key[1] not in rows or sum(g.shape[0] for g in p.values()) == rows[key[1]])
+            return key[1] not in rows or sum(g.shape[0] for g in p.values()) == rows[key[1]]
         self._quant = {key: GroupQuant.cat([p[s] for s in sorted(p)])
                        for key, p in parts.items() if whole(key, p)}
         if cfg.rope_dims != cfg.head_dim:
@@ -146,4 +145,4 @@ class LlamaWeights:
                     if norm is not None:
                         norm.weight.copy_(norm.weight[order])
             if (i, "qkv") in self._quant:
-                self._quant[(i, "qkv")] = self._quant[(i, "qkv")].permute_rows(rows)
+                self._quant[(i, "qkv")] = self._quant[(i, "qkv")].rows(rows)

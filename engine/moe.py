@@ -32,8 +32,7 @@ from torch import nn
 
 from engine.llama import DecoderLayer, coded_linear, empty_param, make_linear, silu_mul
 from engine.model_config import ModelConfig
-from kernels.packed_linear import (DENSE, GroupQuant, Linear, expert_table, moe_rows,
-                                   quantize_int8)
+from kernels.packed_linear import DENSE, GroupQuant, Linear, expert_table, moe_rows
 
 # an expert's projection as the checkpoints name it (Qwen's, and Mixtral's w1 / w3 / w2)
 _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
@@ -94,9 +93,7 @@ class MoeDecoderLayer(DecoderLayer):
         rows = 2 * size if matmul.endswith("gate_up") else self.experts_down.shape[1]
         if sum(p.shape[0] for p in parts.values()) == rows:
             del self._parts[matmul]
-            blocks = [parts[s] for s in sorted(parts)]
-            if len({b.bits for b in blocks}) > 1:       # (gate and up of different widths)
-                blocks = [quantize_int8(torch.cat([b.dequantize() for b in blocks]))]
+            blocks = [parts[s] for s in sorted(parts)]      # (gate and up may differ in width)
             self._coded[matmul] = coded_linear(GroupQuant.cat(blocks), decode_format)
         return True
 

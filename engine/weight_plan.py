@@ -12,8 +12,9 @@ model's own shapes, once per process, and logged:
                     cache is bf16 (attention is bound by its bytes; the kernels read bf16
                     into float32)
   --weights auto    the fastest over 1- and 8-row steps of the forms that keep the file's
-                    values: its own (a GGUF file's Q4_0 / Q4_1 / Q4_K blocks as 4-bit, Q8_0 as
-                    8-bit groups) and the dense dtypes --dtype allows; a float checkpoint is
+                    values: its own (a GGUF file's Q4_0 / Q4_1 / Q4_K blocks as 4-bit, Q5_0 /
+                    Q5_1 / Q5_K / Q6_K / Q8_0 as 8-bit groups: engine/gguf_blocks.py) and the
+                    dense dtypes --dtype allows; a float checkpoint is
                     never quantized unless asked (--weights int8 | int4)
 
 A width has two kernels, timed against each other too: our own (kernels/_qmatmul.c, formats

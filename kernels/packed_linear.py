@@ -52,32 +52,46 @@ QMM_SIMD = 2                # our kernel's path: 2 the best the CPU has (AVX-512
 @dataclass(frozen=True)
 class GroupQuant:
     """Codes [N, K] (int16: Q4 codes in 0..15, Q8 codes in -128..127) with w = scale * q +
-    zero per group of GROUP along K; scale and zero [N, K / GROUP] float32."""
+    zero per group of GROUP along K; scale and zero [N, K / GROUP] float32. `values`: the
+    file's own float32 values [N, K] where the groups round them (GGUF's Q6_K, whose
+    sub-blocks of 16 our groups of 32 approximate), else None."""
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
     bits: int
+    values: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight [N, K] in float32, as llama.cpp computes it (scale * q + zero in float)."""
+        """The weight [N, K] in float32, as llama.cpp computes it (scale * q + zero in float;
+        the file's values where the groups round them)."""
+        if self.values is not None:
+            return self.values
         n, k = self.codes.shape
         q = self.codes.view(n, k // GROUP, GROUP).float()
         return (q * self.scale[..., None] + self.zero[..., None]).view(n, k)
 
+    def groups_only(self) -> "GroupQuant":
+        """The groups without the file's values (what a packed form needs)."""
+        return GroupQuant(self.codes, self.scale, self.zero, self.bits)
+
     @staticmethod
     def cat(parts: list["GroupQuant"]) -> "GroupQuant":
-        """Rows of several tensors stacked (fused projections such as q|k|v)."""
-        if len({p.bits for p in parts}) != 1:
-            raise ValueError("cannot fuse tensors quantized to different widths")
+        """Rows of several tensors stacked (fused projections such as q|k|v). Parts of
+        different widths stack as 8-bit groups (a 4-bit group is one, its codes as they are:
+        Q4_K_M files hold q and k in 4 bits and some v in Q6_K)."""
+        values = None if all(p.values is None for p in parts) else \
+            torch.cat([p.dequantize() for p in parts])
         return GroupQuant(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
-                          torch.cat([p.zero for p in parts]), parts[0].bits)
+                          torch.cat([p.zero for p in parts]), max(p.bits for p in parts), values)
 
-    def permute_rows(self, order: torch.Tensor) -> "GroupQuant":
-        return GroupQuant(self.codes[order], self.scale[order], self.zero[order], self.bits)
+    def rows(self, index) -> "GroupQuant":
+        """Rows `index` (a slice or an order) of the tensor."""
+        return GroupQuant(self.codes[index], self.scale[index], self.zero[index], self.bits,
+                          None if self.values is None else self.values[index])
 
 
 def quantize_int4(w: torch.Tensor) -> GroupQuant:

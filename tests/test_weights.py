@@ -6,58 +6,59 @@ import numpy as np
 import pytest
 import torch
 
-from engine.gguf_weights import decode_blocks, iter_gguf_weights, native_format
+from engine.gguf_blocks import decode
+from engine.gguf_weights import iter_gguf_weights, native_format
 from engine.model_config import ModelConfig
 from engine.model_loader import iter_safetensors, load_model
 from engine.weight_plan import plan_weights
 from kernels.packed_linear import GroupQuant, Linear, PackedWeight, quantize_int4
+from tests.gguf_helpers import random_blocks
 from tests.model_helpers import PagedSequence, greedy, page_pool, step
 from tests.kv_cache import make_kv_cache
 
 ROWS = (1, 3, 8, 17)          # awkward step sizes
 
 
-def _blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random valid GGUF blocks of a [n, k] tensor, as the file stores them."""
-    rng = np.random.default_rng(seed)
-    nb = k // 32
-    d = (rng.random((n, nb, 1)) * 0.05 + 0.001).astype(np.float16).view(np.uint8)
-    if kind == "Q8_0":
-        qs = rng.integers(-128, 128, (n, nb, 32), dtype=np.int8).view(np.uint8)
-        return np.concatenate([d, qs], -1).reshape(n, -1)
-    qs = rng.integers(0, 256, (n, nb, 16), dtype=np.uint8)
-    if kind == "Q4_1":
-        m = (rng.standard_normal((n, nb, 1)) * 0.1).astype(np.float16).view(np.uint8)
-        return np.concatenate([d, m, qs], -1).reshape(n, -1)
-    return np.concatenate([d, qs], -1).reshape(n, -1)
+EXACT_KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"]
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", EXACT_KINDS)
 def test_gguf_blocks_decode_as_the_gguf_package_dequantizes_them(kind):
+    """Each type's groups of 32 (4-bit codes for the Q4 types, 8-bit for Q5 and Q8) give the
+    `gguf` package's dequantization bit for bit."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    raw = _blocks(kind, 48, 96)
+    raw = random_blocks(kind, 24, 512)
     want = dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32)
-    got = decode_blocks(kind, raw)
-    assert got.bits == (8 if kind == "Q8_0" else 4) and got.shape == (48, 96)
+    got = decode(kind, raw)
+    assert got.bits == (4 if kind.startswith("Q4") else 8) and got.shape == (24, 512)
     assert torch.equal(got.dequantize(), torch.from_numpy(want))
 
 
-def test_q4_k_super_blocks_decode_as_the_gguf_package_dequantizes_them():
-    """Q4_K (Q4_K_M files' most common type): 144-byte super-blocks of 256 weights, random
-    6-bit scales and mins and 4-bit codes, into 4-bit groups of 32 with a scale and a zero."""
+def test_q6_k_groups_are_exact_where_a_byte_holds_them_else_within_an_eighth_step():
+    """Q6_K: sub-blocks of 16 with int8 scales, two to a group of 32. The file's values are
+    kept for the dense form; the groups of blocks whose scales share a divisor (8, 16, 24,
+    32, either sign) are exact, of random scales within 1/8 of the group's larger sub-block
+    step."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
-    from engine.gguf_weights import decode_q4_k
-    rng = np.random.default_rng(3)
-    n, nb = 24, 2
-    dd = (rng.standard_normal((n, nb, 2)) * 0.01).astype(np.float16).view(np.uint8)
-    rest = rng.integers(0, 256, (n, nb, 140), dtype=np.uint8)
-    raw = np.concatenate([dd, rest], -1).reshape(n, -1)
-    want = dequantize(raw, GGMLQuantizationType.Q4_K).astype(np.float32)
-    got = decode_q4_k(raw)
-    assert got.bits == 4 and got.shape == (n, nb * 256)
-    assert torch.equal(got.dequantize(), torch.from_numpy(want))
+    rng = np.random.default_rng(5)
+    raw = random_blocks("Q6_K", 24, 512).reshape(24, 2, 210)
+    raw[:, 0, 192:208] = rng.choice([8, 16, 24, 32, -8, -16, -24, -32], (24, 16)
+                                    ).astype(np.int8).view(np.uint8)
+    raw[:, 1, 192:208] = rng.integers(-128, 128, (24, 16), dtype=np.int8).view(np.uint8)
+    raw = raw.reshape(24, -1)
+    want = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float32))
+    got = decode("Q6_K", raw)
+    assert got.bits == 8 and got.codes.min() >= -128 and got.codes.max() <= 127
+    assert torch.equal(got.dequantize(), want)              # the dense form: the file's values
+    err = (got.groups_only().dequantize() - want).view(24, 2, 256)
+    assert torch.equal(err[:, 0], torch.zeros_like(err[:, 0]))
+    d = raw.reshape(24, 2, 210)[:, 1, 208:210].copy().view(np.float16).astype(np.float32)
+    sc = np.abs(raw.reshape(24, 2, 210)[:, 1, 192:208].view(np.int8).astype(np.float32))
+    step = torch.from_numpy(d * sc.reshape(24, 8, 2).max(-1)).repeat_interleave(32, -1)
+    assert (err[:, 1].abs() <= step / 8 * (1 + 1e-6)).all()
+    assert err[:, 1].abs().max() > 0             # (random scales: some groups rounded)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4", "q8", "q4"])
@@ -77,10 +78,11 @@ def test_packed_matmul_matches_its_dequantized_weight(fmt):
 
 
 @pytest.mark.parametrize("kind,fmt", [("Q4_1", "int4"), ("Q4_1", "q4"), ("Q4_0", "q4"),
-                                      ("Q8_0", "q8"), ("Q8_0", "int8")])
+                                      ("Q4_K", "q4"), ("Q8_0", "q8"), ("Q8_0", "int8"),
+                                      ("Q5_K", "q8"), ("Q6_K", "q8"), ("Q5_1", "int8")])
 def test_packed_formats_keep_a_gguf_files_codes(kind, fmt):
-    q = decode_blocks(kind, _blocks(kind, 32, 64, seed=3))
-    x = torch.randn(5, 64)
+    q = decode(kind, random_blocks(kind, 32, 256, seed=3))
+    x = torch.randn(5, 256)
     want = x @ q.dequantize().T
     err = (PackedWeight.from_quant(q, fmt).mm(x) - want).abs().max() / want.abs().max()
     assert err < 1e-2
