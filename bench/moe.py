@@ -1,168 +1,26 @@
 """A mixture-of-experts model served by Strata and by llama.cpp's llama-server, from one GGUF
-file: prefill and decode speed, one stream and four.
+file: bench/gguf_peer.py on Qwen3-30B-A3B's layer shape (hidden 2048, 32 query and 4 KV heads
+of 128, 128 experts of 768, 8 a token), 6 of its 48 layers, every matrix in Q4_0 blocks (the
+router F32), random weights.
 
     .venv/bin/python bench/moe.py            # bench/results/moe.json and .png (~10 min)
     .venv/bin/python bench/moe.py --replot bench/results/moe.json
 
-The file (bench/gguf_random.py, written once): Qwen3-30B-A3B's layer shape (hidden 2048,
-32 query and 4 KV heads of 128, 128 experts of 768, 8 a token) with --layers of its 48
-layers, the bundled tokenizer's 49,152-token vocabulary, every matrix in Q4_0 blocks (the
-router F32), random weights. Each server in turn, alone on the machine and on every core
-(two cores: never both at once), with distinct random-token prompts every request (no
-prompt cache hit), greedy, ignore_eos:
-- prefill: a --prompt-token prompt, max_tokens 1 (the answer's time);
-- decode: the same prompt length with max_tokens 1 + --decode; (t - prefill t) / --decode a
-  token;
-- four requests of that at once: their tokens over the time the last one took.
---rounds rounds, the servers in turns; the median of each measure over the rounds.
+Other flags are bench/gguf_peer.py's (--prompt-tokens, --decode, --rounds, ...).
 """
 from __future__ import annotations
 
-import random
-import statistics
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (RESULTS, add_out_arg, add_replot_arg, cpu_line, machine,  # noqa: E402
-                          parser, pyplot, read_json, save_figure, write_json)
-
-GGUF = Path("/tmp/strata-bench/qwen3moe-{layers}l-q4_0.gguf")
-MODEL_LEN = 4096
-STREAMS = 4
-
-
-class Server:
-    """One engine's server on the file: its base URL, model name and request extras."""
-
-    def __init__(self, engine: str, gguf: Path, logs: Path):
-        from bench.peers import llamacpp
-        from bench.servers import start_server
-        self.engine, self.gguf = engine, gguf
-        log = logs / f"moe-{engine}.log"
-        if engine == "llama.cpp":
-            srv = llamacpp.start(log, STREAMS, MODEL_LEN, model=gguf)
-            self.proc, self.base, self.name = srv.proc, srv.base, llamacpp.MODEL_NAME
-            self.extra = {"cache_prompt": False}
-            self.version = srv.version
-        else:
-            self.proc, self.base = start_server(["--model", str(gguf), "--max-model-len",
-                                                 str(MODEL_LEN)], log)
-            self.name, self.extra, self.version = gguf.stem, {}, "this checkout"
-
-    def complete(self, prompt: list[int], tokens: int) -> float:
-        """Seconds for one request of `prompt` generating `tokens`."""
-        import httpx
-        t0 = time.perf_counter()
-        r = httpx.post(f"{self.base}/v1/completions", timeout=900, json={
-            "model": self.name, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-            "ignore_eos": True, **self.extra})
-        r.raise_for_status()
-        if r.json()["usage"]["completion_tokens"] != tokens:
-            raise RuntimeError(f"{self.engine}: {r.json()['usage']}")
-        return time.perf_counter() - t0
-
-    def stop(self) -> None:
-        from bench.servers import stop
-        stop(self.proc)
-
-
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 49000) for _ in range(n)]
-
-
-def measure(srv: Server, args, rng: random.Random) -> dict:
-    """One round of the three measures (after one untimed request)."""
-    srv.complete(_prompt(rng, 64), 4)
-    prefill = statistics.median(srv.complete(_prompt(rng, args.prompt_tokens), 1)
-                                for _ in range(2))
-    whole = srv.complete(_prompt(rng, args.prompt_tokens), 1 + args.decode)
-    with ThreadPoolExecutor(STREAMS) as pool:
-        t0 = time.perf_counter()
-        list(pool.map(lambda p: srv.complete(p, 1 + args.decode),
-                      [_prompt(rng, args.prompt_tokens) for _ in range(STREAMS)]))
-        together = time.perf_counter() - t0
-    return {"prefill_tok_s": args.prompt_tokens / prefill,
-            "decode_ms": 1e3 * (whole - prefill) / args.decode,
-            "streams_tok_s": STREAMS * (1 + args.decode) / together}
-
-
-def run(args, gguf: Path) -> dict:
-    rng, rounds = random.Random(0), {"strata": [], "llama.cpp": []}
-    logs = RESULTS / "logs"
-    versions = {}
-    for r in range(args.rounds):
-        for engine in (list(rounds) if r % 2 == 0 else list(rounds)[::-1]):
-            print(f"round {r + 1}/{args.rounds}: {engine} (starting)", file=sys.stderr)
-            srv = Server(engine, gguf, logs)
-            versions[engine] = srv.version
-            try:
-                rounds[engine].append(measure(srv, args, rng))
-            finally:
-                srv.stop()
-            print(f"  {rounds[engine][-1]}", file=sys.stderr)
-    return {engine: {"version": versions[engine], "rounds": rows,
-                     **{k: round(statistics.median(row[k] for row in rows), 2)
-                        for k in rows[0]}} for engine, rows in rounds.items()}
-
-
-def plot(rep: dict, path: Path) -> None:
-    plt = pyplot()
-    measures = [("prefill_tok_s", "prefill (tokens/s)"),
-                ("decode_tok_s", "decode, 1 stream (tokens/s)"),
-                ("streams_tok_s", f"{STREAMS} streams (tokens/s)")]
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3.6))
-    for ax, (key, label) in zip(axes, measures):
-        names = list(rep["engines"])
-        vals = [rep["engines"][n].get(key) or 1e3 / rep["engines"][n]["decode_ms"]
-                for n in names]
-        ax.bar(names, vals, color=["tab:blue", "tab:gray"])
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
-        ax.set_title(label, fontsize=9)
-    fig.suptitle(f"{rep['model']}\n{cpu_line(rep['machine'])}", fontsize=8)
-    save_figure(fig, path)
+from bench.gguf_peer import main as peer_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = parser(__doc__)
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
-    add_out_arg(ap, "moe")
-    add_replot_arg(ap)
-    args = ap.parse_args(argv)
-    if args.replot:
-        plot(read_json(args.replot), Path(args.replot).with_suffix(".png"))
-        return
-    gguf = Path(str(GGUF).format(layers=args.layers))
-    if not gguf.exists():
-        from bench.gguf_random import write
-        gguf.parent.mkdir(parents=True, exist_ok=True)
-        write("qwen3-30b-a3b", args.layers, "Q4_0", gguf)
-    top = subprocess.run(["top", "-bn1"], capture_output=True, text=True).stdout
-    rep = {"model": f"random Qwen3-30B-A3B shape, {args.layers} of 48 layers, Q4_0 GGUF",
-           "prompt_tokens": args.prompt_tokens, "decode": args.decode,
-           "machine": machine(), "load_before": top.splitlines()[:1],
-           "engines": run(args, gguf)}
-    for row in rep["engines"].values():
-        row["decode_tok_s"] = round(1e3 / row["decode_ms"], 2)
-    out = write_json(args.out or RESULTS / "moe.json", rep)
-    plot(rep, out.with_suffix(".png"))
-    print(f"{cpu_line(rep['machine'])}; {rep['model']}; {args.prompt_tokens}-token prompts, "
-          f"{args.decode} decoded")
-    print("| engine | prefill (tokens/s) | decode (ms a token) | "
-          f"{STREAMS} streams (tokens/s) |")
-    print("|---|---|---|---|")
-    for name, row in rep["engines"].items():
-        print(f"| {name} | {row['prefill_tok_s']} | {row['decode_ms']} | "
-              f"{row['streams_tok_s']} |")
-    print(f"wrote {out}")
+    peer_main(["--shape", "qwen3-30b-a3b", "--layers", "6", "--quant", "Q4_0", "--name", "moe",
+               *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -8,36 +8,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from bench.gguf_random import copy_tokenizer
+from bench.gguf_random import copy_tokenizer, random_blocks  # noqa: F401 (tests import it)
 from engine.gguf_convert import bundled_gguf_path
 from engine.model_loader import load_model
 from tests.kv_cache import make_kv_cache
 from tests.model_helpers import PagedSequence, page_pool, step
-
-# the float16 fields of each block type (byte offset, typical size): a scale d, a min m (Q4_1 /
-# Q5_1: signed) or dmin (the K types)
-_HALVES = {"Q4_0": ((0, 2.5e-3),), "Q4_1": ((0, 2.5e-3), (2, -2e-2)), "Q5_0": ((0, 1.2e-3),),
-           "Q5_1": ((0, 1.2e-3), (2, -2e-2)), "Q8_0": ((0, 3e-4),),
-           "Q4_K": ((0, 8e-5), (2, 8e-5)), "Q5_K": ((0, 4e-5), (2, 4e-5)), "Q6_K": ((208, 2e-5),)}
-
-
-def random_blocks(kind: str, n: int, k: int, seed: int = 0, size: float = 1.0) -> np.ndarray:
-    """Random valid GGUF blocks of a [n, k] tensor of `kind`, as the file stores them: random
-    codes and sub-block scales, float16 fields sized for weights of ~0.02 x `size`."""
-    from engine.gguf_blocks import BLOCK_BYTES
-    rng = np.random.default_rng(seed)
-    per = 256 if kind.endswith("_K") else 32
-    raw = rng.integers(0, 256, (n, k // per, BLOCK_BYTES[kind]), dtype=np.uint8)
-    if kind == "Q6_K":      # sub-block scales as llama.cpp's quantizer sets them: the
-        # largest -128 (d = its scale / -128), the others of similar size, either sign
-        mag = rng.integers(64, 129, (n, k // per, 16))
-        sign = rng.choice([-1, 1], (n, k // per, 16))
-        raw[..., 192:208] = np.clip(mag * sign, -128, 127).astype(np.int8).view(np.uint8)
-    for at, typical in _HALVES[kind]:
-        half = (size * typical * (0.5 + rng.random((n, k // per, 1)))).astype(np.float16)
-        raw[..., at:at + 2] = half.view(np.uint8)
-    return raw.reshape(n, -1)
-
 
 TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
        "lm_head.weight": "output.weight"}
