@@ -38,16 +38,17 @@ QUANTS = ("Q4_0", "Q8_0", "Q4_K_M")
 # scale d, a min m (Q4_1 / Q5_1: signed) or dmin (the K types)
 _HALVES = {"Q4_0": ((0, 2.5e-3),), "Q4_1": ((0, 2.5e-3), (2, -2e-2)), "Q5_0": ((0, 1.2e-3),),
            "Q5_1": ((0, 1.2e-3), (2, -2e-2)), "Q8_0": ((0, 3e-4),),
-           "Q4_K": ((0, 8e-5), (2, 8e-5)), "Q5_K": ((0, 4e-5), (2, 4e-5)), "Q6_K": ((208, 2e-5),)}
+           "Q4_K": ((0, 8e-5), (2, 8e-5)), "Q5_K": ((0, 4e-5), (2, 4e-5)), "Q6_K": ((208, 2e-5),),
+           "Q3_K": ((108, 2e-4),), "IQ4_NL": ((0, 3e-4),), "IQ4_XS": ((0, 2e-5),)}
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int = 0, size: float = 1.0) -> np.ndarray:
     """Random valid GGUF blocks of a [n, k] tensor of `kind`, as the file stores them: random
     codes and sub-block scales (Q6_K's as llama.cpp's quantizer sets them: of similar size,
     either sign), float16 fields sized for weights of ~0.02 x `size`."""
-    from engine.gguf_blocks import BLOCK_BYTES
+    from engine.gguf_blocks import BLOCK_BYTES, BLOCK_WEIGHTS
     rng = np.random.default_rng(seed)
-    per = 256 if kind.endswith("_K") else 32
+    per = BLOCK_WEIGHTS[kind]
     raw = rng.integers(0, 256, (n, k // per, BLOCK_BYTES[kind]), dtype=np.uint8)
     if kind == "Q6_K":
         mag = rng.integers(64, 129, (n, k // per, 16))

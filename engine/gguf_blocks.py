@@ -13,6 +13,9 @@ kept out (dequantized by the `gguf` package instead):
   Q5_1   d q + m                           8-bit codes q, scale d, zero m      exact
   Q5_K   d sc q - dmin m  (sub-blocks 32)  8-bit, scale d sc, zero -dmin m     exact
   Q6_K   d sc q, q 6-bit  (sub-blocks 16)  8-bit, one scale for two sub-blocks (below)
+  Q3_K   d sc q, q 3-bit, sc 6-bit (16s)   8-bit codes sc q, scale d (or -d)   exact
+  IQ4_NL d kv[q], kv a 4-bit codebook      8-bit codes kv[q], scale d          exact
+  IQ4_XS d sc kv[q]       (sub-blocks 32)  8-bit codes kv[q], scale d sc       exact
 
 "exact": the group's dequantization equals the `gguf` package's bit for bit (tests/
 test_weights.py); our kernel then holds scales and zeros as float16. Q6_K's sub-blocks of 16
@@ -34,12 +37,15 @@ import torch
 
 from kernels.packed_linear import GROUP, GroupQuant
 
-# bytes per block: 32 weights (Q4_0 .. Q8_0), 256 (the K types)
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34,
-               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# bytes per block: of 32 weights (Q4_0 .. Q8_0, IQ4_NL), of 256 (the K types, IQ4_XS)
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "IQ4_NL": 18,
+               "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_XS": 136}
+BLOCK_WEIGHTS = {k: 256 if k.endswith(("_K", "_XS")) else 32 for k in BLOCK_BYTES}
 # the width each type's codes take in our kernels
-BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8,
-        "Q6_K": 8}
+BITS = {k: 4 if k in ("Q4_0", "Q4_1", "Q4_K") else 8 for k in BLOCK_BYTES}
+# IQ4_NL / IQ4_XS's codebook (ggml's kvalues_iq4nl)
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113],
+                      np.int16)
 
 
 def decode(kind: str, raw: np.ndarray) -> GroupQuant | None:
@@ -166,5 +172,40 @@ def _q6_k(b: np.ndarray) -> GroupQuant:
                                values=torch.from_numpy(values.reshape(n, -1)))
 
 
+def _q3_k(b: np.ndarray) -> GroupQuant:
+    """Q3_K: 2 low bits in 64 bytes (two halves of 32: bit pairs 0, 2, 4, 6), a high bit in 32
+    (bits 0..7: q = low - 4 where it is clear), sixteen 6-bit scales sc - 32 packed in 12
+    bytes (low nibbles in bytes 0-7, then 2 high bits from bytes 8-11), float16 d at 108.
+    Codes sc q lie in -124..128; a group holding 128 takes step -d and negated codes."""
+    n = b.shape[0]
+    low = (b[..., 32:96].reshape(n, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None])
+    high = b[..., 0:32].reshape(n, -1, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+    q = (low & 3).reshape(n, -1, 8, 32).astype(np.int16) - 4 * (1 - (high & 1))
+    s = b[..., 96:108]
+    lo = np.concatenate([s[..., 0:8] & 0x0F, s[..., 0:8] >> 4], -1)
+    hi = (s[..., None, 8:12] >> np.array([0, 2, 4, 6], np.uint8)[:, None]).reshape(n, -1, 16)
+    sc = (lo | ((hi & 3) << 4)).astype(np.int16) - 32
+    codes = (q.reshape(n, -1, 16, 16) * sc[..., None]).reshape(n, -1, 8, 32)
+    sign = np.where((codes == 128).any(-1), -1, 1).astype(np.int16)
+    return _quant(codes * sign[..., None], _f16(b, 108)[..., None] * sign, None, 8)
+
+
+def _iq4_nl(b: np.ndarray) -> GroupQuant:
+    return _quant(IQ4_VALUES[_nibbles(b[..., 2:18])], _f16(b, 0), None, 8)
+
+
+def _iq4_xs(b: np.ndarray) -> GroupQuant:
+    """IQ4_XS: float16 d, eight 6-bit scales sc - 32 (low nibbles in bytes 4-7, sub-blocks
+    2i and 2i + 1 in byte i; 2 high bits each in the uint16 at byte 2), 16 bytes of
+    codebook indices a sub-block of 32."""
+    n = b.shape[0]
+    lo = b[..., 4:8, None] >> np.array([0, 4], np.uint8)
+    hi = b[..., 2:4].copy().view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)
+    sc = ((lo.reshape(n, -1, 8) & 0x0F) | ((hi & 3).astype(np.uint8) << 4)).astype(np.int16)
+    idx = _nibbles(b[..., 8:136].reshape(n, -1, 8, 16))
+    return _quant(IQ4_VALUES[idx], _f16(b, 0)[..., None] * (sc - 32), None, 8)
+
+
 _DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q5_1": _q5_1,
-             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+             "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q3_K": _q3_k, "IQ4_NL": _iq4_nl,
+             "IQ4_XS": _iq4_xs}

@@ -1,8 +1,8 @@
 """A GGUF as llama.cpp's K-quant mixes write one (Q4_K_M, the usual download: Q4_K for most
-matrices, Q6_K for the output head and some layers' attn_v / ffn_down; here also Q5_K, Q5_0
-and Q5_1) loads to the logits of the checkpoint holding the values its blocks dequantize to,
-and decodes in the file's own codes: 4-bit groups for Q4_K, 8-bit groups for the 5- and 6-bit
-types, and a fused q|k|v of 4- and 8-bit parts as 8-bit groups."""
+matrices, Q6_K for the output head and some layers' attn_v / ffn_down; here also Q5_K, Q5_0,
+Q5_1, Q3_K, IQ4_NL and IQ4_XS) loads to the logits of the checkpoint holding the values its
+blocks dequantize to, and decodes in the file's own codes: 4-bit groups for Q4_K, 8-bit
+groups for the others, and a fused q|k|v of 4- and 8-bit parts as 8-bit groups."""
 from __future__ import annotations
 
 import numpy as np
@@ -20,15 +20,16 @@ NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
          "post_attention_layernorm": "ffn_norm"}
-# each matrix's block type: layer 0 as Q4_K_M's "more bits" layers, layer 1 the 5-bit types
+# each matrix's block type: layer 0 as Q4_K_M's "more bits" layers, layer 1 the other types
+# our kernels run as 8-bit groups
 KINDS = {"model.embed_tokens": "Q4_K", "lm_head": "Q6_K",
          "model.layers.0.self_attn.q_proj": "Q4_K", "model.layers.0.self_attn.k_proj": "Q4_K",
          "model.layers.0.self_attn.v_proj": "Q6_K", "model.layers.0.self_attn.o_proj": "Q4_K",
          "model.layers.0.mlp.gate_proj": "Q4_K", "model.layers.0.mlp.up_proj": "Q4_K",
          "model.layers.0.mlp.down_proj": "Q6_K",
-         "model.layers.1.self_attn.q_proj": "Q5_K", "model.layers.1.self_attn.k_proj": "Q5_K",
-         "model.layers.1.self_attn.v_proj": "Q5_K", "model.layers.1.self_attn.o_proj": "Q5_0",
-         "model.layers.1.mlp.gate_proj": "Q4_K", "model.layers.1.mlp.up_proj": "Q5_1",
+         "model.layers.1.self_attn.q_proj": "Q5_K", "model.layers.1.self_attn.k_proj": "IQ4_NL",
+         "model.layers.1.self_attn.v_proj": "Q5_0", "model.layers.1.self_attn.o_proj": "Q5_1",
+         "model.layers.1.mlp.gate_proj": "Q3_K", "model.layers.1.mlp.up_proj": "IQ4_XS",
          "model.layers.1.mlp.down_proj": "Q5_K"}
 SHAPE = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_attention_heads=4,
              num_key_value_heads=2, tie_word_embeddings=False)

@@ -19,12 +19,13 @@ from tests.kv_cache import make_kv_cache
 ROWS = (1, 3, 8, 17)          # awkward step sizes
 
 
-EXACT_KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0"]
+EXACT_KINDS = ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0", "Q3_K", "IQ4_NL",
+               "IQ4_XS"]
 
 
 @pytest.mark.parametrize("kind", EXACT_KINDS)
 def test_gguf_blocks_decode_as_the_gguf_package_dequantizes_them(kind):
-    """Each type's groups of 32 (4-bit codes for the Q4 types, 8-bit for Q5 and Q8) give the
+    """Each type's groups of 32 (4-bit codes for the Q4 types, 8-bit for the others) give the
     `gguf` package's dequantization bit for bit."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -32,6 +33,7 @@ def test_gguf_blocks_decode_as_the_gguf_package_dequantizes_them(kind):
     want = dequantize(raw, GGMLQuantizationType[kind]).astype(np.float32)
     got = decode(kind, raw)
     assert got.bits == (4 if kind.startswith("Q4") else 8) and got.shape == (24, 512)
+    assert got.codes.min() >= -128 and got.codes.max() <= 127
     assert torch.equal(got.dequantize(), torch.from_numpy(want))
 
 
