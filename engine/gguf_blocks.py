@@ -30,8 +30,6 @@ Leaf module: numpy, torch and kernels/packed_linear.py.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -150,26 +148,28 @@ def _q6_k_codes(b: np.ndarray) -> np.ndarray:
 
 def _q6_k(b: np.ndarray) -> GroupQuant:
     """Q6_K: the file's values, and groups of 32 that round them: a group is two sub-blocks
-    of 16 with int8 scales sa, sb. Its step is d u:
-    u = gcd(sa, sb) where every code q s / u fits a byte (exact), else a quarter of the
-    larger scale, signed: codes 4 q in its sub-block (exact), rounded in the other (which
-    is also exact where the scales' ratio makes them whole: every ratio of 4 that overflows
-    the first choice)."""
-    q = _q6_k_codes(b)
+    of 16 with int8 scales sa, sb. Its step is d u: u = gcd(sa, sb) where every code q s / u
+    fits a byte (exact), else a quarter of the larger scale, signed: codes 4 q in its
+    sub-block (exact), rounded in the other (which is also exact where the scales' ratio
+    makes them whole: every ratio of 4 that overflows the first choice). Each sub-block's
+    codes are q f, f = s / u (whole where exact), in float32 (torch: the big tensors' passes
+    on every core)."""
+    q = torch.from_numpy(_q6_k_codes(b)).float()                # [N, blocks, 16, 16]
     n, blocks = q.shape[:2]
-    sc = b[..., 192:208].copy().view(np.int8).astype(np.int32).reshape(n, blocks, 8, 2)
-    w = q.reshape(n, blocks, 8, 2, 16).astype(np.int32) * sc[..., None]     # q s per weight
-    g = np.gcd(sc[..., 0], sc[..., 1])
-    exact = w // np.maximum(g, 1)[..., None, None]
-    fits = (exact.max((-2, -1)) <= 127) & (exact.min((-2, -1)) >= -128)
-    big = np.where(np.abs(sc[..., 0]) >= np.abs(sc[..., 1]), sc[..., 0], sc[..., 1])
-    unit = np.where(fits, np.maximum(g, 1), big / 4)       # (g 0: an all-zero group)
-    codes = np.where(fits[..., None, None], exact,
-                     np.clip(np.rint(w / unit[..., None, None]), -128, 127))
-    d = _f16(b, 208)[..., None]
-    values = (d * sc.reshape(n, blocks, 16).astype(np.float32))[..., None] * q
-    return dataclasses.replace(_quant(codes, d * unit.astype(np.float32), None, 8),
-                               values=torch.from_numpy(values.reshape(n, -1)))
+    sc = torch.from_numpy(b[..., 192:208].copy().view(np.int8)).int().view(n, blocks, 8, 2)
+    g = torch.gcd(sc[..., 0], sc[..., 1]).clamp_min(1)[..., None]  # (0: an all-zero group)
+    whole = torch.div(sc, g, rounding_mode="floor").view(n, blocks, 16, 1).float()
+    lo, hi = torch.aminmax(q, dim=-1, keepdim=True)
+    ends = torch.cat([lo * whole, hi * whole], -1).view(n, blocks, 8, 4)
+    fits = ((ends.amax(-1) <= 127) & (ends.amin(-1) >= -128))[..., None]
+    big = torch.where(sc[..., :1].abs() >= sc[..., 1:].abs(), sc[..., :1], sc[..., 1:])
+    unit = torch.where(fits, g.float(), big / 4)                       # [N, blocks, 8, 1]
+    f = (sc / unit).view(n, blocks, 16, 1)
+    codes = torch.round(q * f).clamp_(-128, 127).to(torch.int16)
+    d = torch.from_numpy(_f16(b, 208))[..., None]
+    values = (d * sc.view(n, blocks, 16).float())[..., None] * q
+    return GroupQuant(codes.view(n, -1), (d * unit[..., 0]).view(n, -1),
+                      torch.zeros(n, blocks * 8), 8, values.view(n, -1))
 
 
 def _q3_k(b: np.ndarray) -> GroupQuant:
