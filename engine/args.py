@@ -54,10 +54,10 @@ class EngineArgs:
                          "this CPU multiplies faster, timed at start-up (the KV cache is bf16 "
                          "unless fp32 is given)", DTYPES, group="model")
     weights: str = setting("auto", "weight format of decode steps: native (a GGUF file's "
-                           "4-bit blocks (Q4_0/Q4_1/Q4_K) as 4-bit groups, Q5/Q6_K/Q8_0 as 8-bit, "
-                           "through our kernel or torch's packed ones), a dense dtype, or int8/int4 (a float checkpoint "
-                           "quantized at load); auto: the fastest on this CPU, timed at "
-                           "start-up", WEIGHTS, group="model")
+                           "4-bit blocks (Q4_0/Q4_1/Q4_K) as 4-bit groups, Q5/Q6_K/Q8_0 as "
+                           "8-bit, through our kernel or torch's packed ones), a dense dtype, "
+                           "or int8/int4 (a float checkpoint quantized at load); auto: the "
+                           "fastest on this CPU, timed at start-up", WEIGHTS, group="model")
     lora_modules: str = setting("", "LoRA adapters served beside the model, each a PEFT folder "
                                 "(adapter_config.json, adapter_model.safetensors) a request "
                                 "names in `model`: name=path, comma-separated", group="model")

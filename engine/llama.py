@@ -124,9 +124,13 @@ class DecoderLayer(nn.Module):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """K (with RoPE) and V [n, KVH, D] of tokens whose normed inputs are xn [n, hidden]
         (KV recompute, kvstore/recompute.py): the k|v rows of the dense fused weight."""
-        w = self.qkv_proj[self.q_size:]
-        b = None if self.qkv_bias is None else self.qkv_bias[self.q_size:]
-        k, v = F.linear(xn.to(w.dtype), w, b).split([self.kv_size, self.kv_size], dim=-1)
+        if self.qkv_proj.numel():
+            w = self.qkv_proj[self.q_size:]
+            b = None if self.qkv_bias is None else self.qkv_bias[self.q_size:]
+            kv = F.linear(xn.to(w.dtype), w, b)
+        else:                                   # (packed only: q computed and dropped)
+            kv = self.qkv(xn)[:, self.q_size:]
+        k, v = kv.split([self.kv_size, self.kv_size], dim=-1)
         n = xn.shape[0]
         k = self._head_norm(self.k_norm, k.reshape(n, self.num_kv_heads, self.head_dim))
         if self.rope:
@@ -195,11 +199,16 @@ def silu_mul(gate_up: torch.Tensor, native: bool) -> torch.Tensor:
 
 def coded_linear(quant: GroupQuant, fmt: str) -> Linear:
     """A Linear of a file's codes alone, in decode format `fmt` for steps of any rows (no
-    dense form): at their own width where `fmt` is "native" / "native-torch" or that width,
-    else requantized."""
+    dense form)."""
+    return Linear(packed_codes(quant, fmt))
+
+
+def packed_codes(quant: GroupQuant, fmt: str) -> PackedWeight:
+    """A file's codes in decode format `fmt`: at their own width where `fmt` is "native" /
+    "native-torch" or that width, else requantized."""
     if fmt in NATIVE:
         fmt = NATIVE[fmt][quant.bits]
-    return Linear(_packed(quant, fmt, quant.dequantize))
+    return _packed(quant, fmt, quant.dequantize)
 
 
 def _packed(quant: GroupQuant | None, fmt: str, dense) -> PackedWeight:
@@ -210,14 +219,19 @@ def _packed(quant: GroupQuant | None, fmt: str, dense) -> PackedWeight:
     return PackedWeight.from_dense(dense(), fmt)
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quant: GroupQuant | None,
-                fmt: str | None, prefill_rows: int) -> Linear:
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None,
+                quant: GroupQuant | PackedWeight | None, fmt: str | None,
+                prefill_rows: int) -> Linear:
     """A Linear over the dense parameter `weight`, plus a `fmt` form for short steps (packed
-    from the file's codes `quant` when given, else from the dense values). fmt "native":
-    the file's codes at their own width in our kernels' formats (4 bits: q4, 8: q8),
-    "native-torch" in torch's (int4, int8); float tensors dense."""
-    dense = PackedWeight(next(k for k, v in DENSE.items() if v == weight.dtype),
-                         tuple(weight.shape), (weight.detach(),))
+    from the file's codes `quant` when given, else from the dense values; `quant` may be
+    that form already, packed as the file loaded). fmt "native": the file's codes at their
+    own width in our kernels' formats (4 bits: q4, 8: q8), "native-torch" in torch's (int4,
+    int8); float tensors dense. An empty `weight` (no dense copy): the packed form alone."""
+    dense = None if not weight.numel() else PackedWeight(
+        next(k for k, v in DENSE.items() if v == weight.dtype), tuple(weight.shape),
+        (weight.detach(),))
+    if isinstance(quant, PackedWeight):
+        return Linear(quant, bias, prefill=dense, prefill_rows=prefill_rows)
     if fmt in NATIVE:
         fmt = None if quant is None else NATIVE[fmt][quant.bits]
     if fmt is None or fmt == dense.fmt:

@@ -21,16 +21,24 @@ class LlamaWeights:
     """The weight loading of LlamaForCausalLM (a mixin: its parameters are the model's)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | GroupQuant]],
-                     decode_format: str | None = None) -> None:
+                     decode_format: str | None = None, keep_dense: bool = True) -> None:
         """Copy HF-named tensors (model.layers.N.self_attn.q_proj.weight, ...) into the fused
         parameters; raises if a parameter was left unfilled or a name is unknown. A
         GroupQuant (a GGUF file's blocks) fills its parameter dequantized and keeps its codes
         for `pack`; an MoE expert's blocks are packed in `decode_format` as they arrive
-        instead, their dense slice left unfilled (engine/moe.py `take_codes`)."""
+        instead, their dense slice left unfilled (engine/moe.py `take_codes`). Without
+        matmul whose rows all come as codes is packed in `decode_format` as soon as they are
+        here (their 2 bytes a weight let go; not for a partial rotary, whose rows `pack`
+        reorders); without `keep_dense` its parameter is never filled and is let go (a
+        model whose dense copy would not fit in memory; the tied embedding is filled, for
+        the lookup)."""
         cfg = self.config
+        if not keep_dense and cfg.rope_dims != cfg.head_dim:
+            raise ValueError("a partial rotary reorders the dense rows: keep_dense needed")
         fused = projection_rows(cfg)
         filled: dict[int, int] = {}
-        parts: dict[tuple[int, str], dict[int, GroupQuant]] = {}
+        parts = _Codes(self, decode_format if cfg.rope_dims == cfg.head_dim else None,
+                       keep_dense)
 
         def put(param: torch.Tensor | None, tensor, name: str, start=0, size=None, key=None,
                 owner: torch.Tensor | None = None, packed: bool = False):
@@ -43,10 +51,10 @@ class LlamaWeights:
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
                                  f"model expects {tuple(dst.shape)}")
+            if isinstance(tensor, GroupQuant) and key is not None:
+                packed = parts.add(key, start, tensor) or packed
             if not packed:
                 if isinstance(tensor, GroupQuant):
-                    if key is not None:
-                        parts.setdefault(key, {})[start] = tensor.groups_only()
                     tensor = tensor.dequantize()
                 with torch.no_grad():
                     dst.copy_(tensor)
@@ -94,14 +102,7 @@ class LlamaWeights:
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
-        # a fused weight keeps the file's codes only when all its parts (or the whole, as
-        # Phi-3's files have it) came quantized (parts of 4 and 8 bits: as 8-bit groups)
-        rows = {k: v for k, v in matmul_rows(cfg).items() if k in ("qkv", "gate_up")}
-
-        def whole(key, p) -> bool:
-            return key[1] not in rows or sum(g.shape[0] for g in p.values()) == rows[key[1]]
-        self._quant = {key: GroupQuant.cat([p[s] for s in sorted(p)])
-                       for key, p in parts.items() if whole(key, p)}
+        self._quant = parts.finish()
         if cfg.rope_dims != cfg.head_dim:
             self._reorder_rotary()
         if cfg.gemma:
@@ -146,3 +147,70 @@ class LlamaWeights:
                         norm.weight.copy_(norm.weight[order])
             if (i, "qkv") in self._quant:
                 self._quant[(i, "qkv")] = self._quant[(i, "qkv")].rows(rows)
+
+
+class _Codes:
+    """A GGUF file's codes of each matmul, by (layer, matmul) key ((-1, "head"): the output
+    head), as its tensors load. A fused weight keeps them only when all its parts (or the
+    whole, as Phi-3's files have it) came quantized (parts of 4 and 8 bits: as 8-bit
+    groups). With a `pack_format` a matmul whose rows are all here is packed at once and its
+    codes let go; without `keep_dense` its dense parameter stays unfilled, and is let go."""
+
+    def __init__(self, model, pack_format: str | None, keep_dense: bool):
+        self.model, self.fmt, self.keep_dense = model, pack_format, keep_dense
+        self.rows = dict(matmul_rows(model.config), head=model.config.vocab_size)
+        self.parts: dict[tuple[int, str], dict[int, GroupQuant]] = {}
+        self.packed: dict[tuple[int, str], object] = {}
+
+    def add(self, key: tuple[int, str], start: int, quant: GroupQuant) -> bool:
+        """Keep `quant`'s rows of `key` from `start`; True where its dense slice is left
+        unfilled (the tied embedding is always filled)."""
+        p = self.parts.setdefault(key, {})
+        p[start] = quant.groups_only()
+        if self.fmt is None:
+            return False
+        if sum(g.shape[0] for g in p.values()) == self.rows[key[1]]:
+            from engine.llama import packed_codes
+            self.packed[key] = packed_codes(self._cat(self.parts.pop(key)), self.fmt)
+        return not self.keep_dense and not self._tied(key)
+
+    def finish(self) -> dict:
+        """After loading: each key's codes (GroupQuant) or packed form (PackedWeight). Without
+        a dense copy, a matmul whose rows came partly as floats gets its codes dequantized
+        into its dense slices (and is packed from those), and the parameters of the others
+        are let go."""
+        if self.fmt is None:
+            return {key: self._cat(p) for key, p in self.parts.items()
+                    if key[1] not in ("qkv", "gate_up")
+                    or sum(g.shape[0] for g in p.values()) == self.rows[key[1]]}
+        if not self.keep_dense:
+            for key, p in self.parts.items():
+                with torch.no_grad():
+                    for start, g in p.items():
+                        self._param(key).narrow(0, start, g.shape[0]).copy_(g.dequantize())
+            for key in self.packed:
+                if not self._tied(key):
+                    self._release(key)
+        return self.packed
+
+    def _tied(self, key: tuple[int, str]) -> bool:
+        return key == (-1, "head") and self.model.lm_head is None
+
+    @staticmethod
+    def _cat(p: dict[int, GroupQuant]) -> GroupQuant:
+        return GroupQuant.cat([p[s] for s in sorted(p)])
+
+    def _param(self, key: tuple[int, str]) -> torch.Tensor:
+        m = self.model
+        if key[0] < 0:
+            return m.embed_tokens if m.lm_head is None else m.lm_head
+        return getattr(m.layers[key[0]], f"{key[1]}_proj")
+
+    def _release(self, key: tuple[int, str]) -> None:
+        """The key's (never filled) dense parameter, replaced by an empty one."""
+        old = self._param(key)
+        empty = torch.nn.Parameter(old.new_empty(0), requires_grad=False)
+        if key[0] < 0:
+            self.model.lm_head = empty
+        else:
+            setattr(self.model.layers[key[0]], f"{key[1]}_proj", empty)

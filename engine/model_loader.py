@@ -44,7 +44,8 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
 def load_model(path: str | Path, config: ModelConfig | None = None,
                dtype: torch.dtype = torch.bfloat16, device: torch.device | str = "cpu",
                max_model_len: int | None = None, gguf: Path | None = None,
-               decode_format: str | None = None, prefill_rows: int = 0) -> LlamaForCausalLM:
+               decode_format: str | None = None, prefill_rows: int = 0,
+               keep_dense: bool = True) -> LlamaForCausalLM:
     """Our model with the weights of the HF folder `path` (or, given `gguf`, of that GGUF
     file, its quantized tensors kept as they are), in `dtype` on `device`, in eval mode.
 
@@ -53,6 +54,8 @@ def load_model(path: str | Path, config: ModelConfig | None = None,
     it sizes the RoPE tables.
     decode_format: a kernels.packed_linear format for steps of fewer than `prefill_rows`
     rows (None: the dense `dtype` weights for every step).
+    keep_dense: False: a GGUF file's quantized matmuls keep their packed form alone, for
+    steps of any rows (engine/weight_plan.py `dense_copy_fits`).
     """
     t0 = time.monotonic()
     folder = Path(path)
@@ -60,7 +63,7 @@ def load_model(path: str | Path, config: ModelConfig | None = None,
     model = LlamaForCausalLM(config, dtype=dtype, device=device, max_model_len=max_model_len)
     if gguf is not None:
         from engine.gguf_weights import iter_gguf_weights
-        model.load_weights(iter_gguf_weights(gguf, config), decode_format)
+        model.load_weights(iter_gguf_weights(gguf, config), decode_format, keep_dense)
     else:
         model.load_weights(iter_safetensors(folder))
     model.pack(decode_format, prefill_rows)

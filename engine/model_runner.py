@@ -68,7 +68,7 @@ class ModelRunner:
         self.model = load_model(folder, config, dtype=self.dtype, device=self.device,
                                 max_model_len=max_model_len, gguf=gguf,
                                 decode_format=plan.decode_format if plan.two_forms else None,
-                                prefill_rows=plan.prefill_rows)
+                                prefill_rows=plan.prefill_rows, keep_dense=plan.keep_dense)
         projection = None
         if kv.selector == "lowrank":
             projection = load_or_calibrate(self.model, folder / "tokenizer.json",

@@ -22,7 +22,10 @@ q4 / q8; "native" is the file's widths in them) and torch's packed ones (int4 / 
 "native-torch").
 
 A step of at least `prefill_rows` rows uses the dense prefill form, fewer rows the decode
-form; when both are the same, one copy is kept.
+form; when both are the same, one copy is kept. A GGUF model whose dense copy would not fit
+(more than DENSE_SHARE of the memory available beside its packed weights: a 7-8B model in
+bf16 on a 24 GB machine) keeps its packed weights alone (`keep_dense` False; packed as they
+load, engine/llama_weights.py): prefill chunks then run the packed kernels too.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ PROBE_LAYERS = 6            # distinct layers a probe sweeps, so weights stream 
 DECODE_ROWS = (1, 8)
 PREFILL_PROBE_ROWS = 128
 CROSSOVER_ROWS = (16, 24, 32, 64, 128)
+DENSE_SHARE = 0.5           # of the memory available beside the packed weights, the most a
+                            # dense prefill copy may take (the rest: KV, activations, the OS)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class WeightPlan:
     decode_format: str      # a packed_linear format, or "native" / "native-torch": each
                             # tensor at its stored width, in our kernels or torch's
     prefill_rows: int       # steps with this many rows or more use the dense form
+    keep_dense: bool = True     # False: no dense form (every step runs the decode form)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -119,10 +125,12 @@ def _candidates(weights: str, dtype: str, native: str | None) -> list[str]:
 
 
 def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
-                 threads: tuple[int, int], device: str = "cpu") -> WeightPlan:
+                 threads: tuple[int, int], device: str = "cpu",
+                 available: int | None = None) -> WeightPlan:
     """Resolve --dtype and --weights for this model on this CPU (timed where there is a
     choice). threads: torch threads of (prefill, decode) steps (the probes run on the
-    first). On a GPU the weights are
+    first). available: memory bytes for `dense_copy_fits` (default: the OS's). On a GPU the
+    weights are
     dense (the packed kernels are CPU kernels) and `auto` means bf16."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
@@ -174,4 +182,39 @@ def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
         logger.info("steps of %d rows or more multiply by %s weights, fewer by %s", rows, act,
                     fmt)
     kv = "fp32" if dtype == "fp32" else "bf16"
-    return WeightPlan(act, kv, fmt, rows)
+    keep = fmt == act or native is None or fmt not in NATIVE or cfg.rope_dims != cfg.head_dim \
+        or dense_copy_fits(cfg, act, BITS[native], available)
+    return WeightPlan(act, kv, fmt, rows, keep)
+
+
+def dense_copy_fits(cfg: ModelConfig, act: str, bits: int, available: int | None = None
+                    ) -> bool:
+    """Whether the dense prefill copy of a model whose weights are `bits`-bit codes fits
+    beside them: at most DENSE_SHARE of `available` bytes (default: the OS's MemAvailable)
+    less the packed weights' (logged where it does not)."""
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    shapes = layer_shapes(cfg)
+    per_layer = sum(n * k for n, k in (shapes if cfg.moe is None else shapes[:2]))
+    params = layers * per_layer + (0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
+    dense = params * DENSE[act].itemsize
+    packed = params * (bits / 8 + 0.125)        # (+ float16 scale and zero a group of 32)
+    if available is None:
+        available = _mem_available()
+    fits = dense <= DENSE_SHARE * (available - packed)
+    if not fits:
+        logger.info("a dense %s copy of the weights (%.1f GB) does not fit beside their packed "
+                    "form (%.1f GB) in %.1f GB available: prefill runs the packed kernels too",
+                    act, dense / 1e9, packed / 1e9, available / 1e9)
+    return fits
+
+
+def _mem_available() -> int:
+    """The OS's MemAvailable in bytes (Linux; elsewhere: unbounded)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62

@@ -93,3 +93,39 @@ def test_a_k_quant_mix_loads_exactly_and_decodes_in_its_own_codes(tmp_path):
     # measured 0.024 logit standard deviations off, 0.0013 with the Q6_K tensors as Q5_K
     # (exact groups): Q6_K's groups round to 1/8 of a sub-block's step (tests/test_weights.py)
     assert ((got - ref).abs().amax(-1) / ref.std(-1)).max() < 0.05
+
+
+def test_without_a_dense_copy_every_step_runs_the_files_codes(tmp_path):
+    """keep_dense False (a model whose dense copy would not fit): the matmuls are packed as
+    they load, their dense parameters never filled and let go; prefill chunks and decode rows
+    both run the packed form, as close to the checkpoint as the decode rows were; KV recompute
+    (k|v of the fused weight) runs it too."""
+    hf = save_tiny_hf("llama", SHAPE, tmp_path / "hf")
+    path = tmp_path / "q4_k_m.gguf"
+    _write(hf, path)
+    folder = ensure_hf_folder(str(path), tmp_path / "cache")
+    cfg = ModelConfig.from_hf(folder)
+    both = load_model(folder, cfg, dtype=torch.float32, gguf=path, decode_format="native",
+                      prefill_rows=64)
+    alone = load_model(folder, cfg, dtype=torch.float32, gguf=path, decode_format="native",
+                       prefill_rows=64, keep_dense=False)
+    for layer in alone.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert getattr(layer, f"{name}_proj").numel() == 0
+            lin = getattr(layer, name)
+            assert lin.weight_for(512) is lin.decode
+    assert alone.lm_head.numel() == 0 and alone.head.weight_for(512) is alone.head.decode
+    assert alone.embed_tokens.numel() == cfg.vocab_size * cfg.hidden_size
+    tokens = torch.randint(3, cfg.vocab_size, (40,),
+                           generator=torch.Generator().manual_seed(2)).tolist()
+    (got,) = step(alone, make_kv_cache(alone, 16, 4), [(PagedSequence(tokens, page_pool(16)),
+                                                        len(tokens))])
+    with torch.no_grad():
+        ref = hf(torch.tensor([tokens])).logits[0].float()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+    assert ((got - ref).abs().amax(-1) / ref.std(-1)).max() < 0.05
+    xn = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    cos, sin = both.rope.cos_sin(torch.arange(5), torch.float32)
+    for a, b in zip(alone.layers[1].kv_from_inputs(xn, cos, sin),
+                    both.layers[1].kv_from_inputs(xn, cos, sin)):
+        torch.testing.assert_close(a, b, atol=0.02, rtol=0.02)

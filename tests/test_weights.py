@@ -123,6 +123,12 @@ def test_plan_takes_explicit_choices_and_times_only_real_choices(caplog):
     assert "--dtype auto" in caplog.text and "--weights auto" in caplog.text
     with pytest.raises(ValueError, match="--weights"):
         plan_weights(cfg, "auto", "int3", None, (1, 1))
+    # a GGUF whose dense copy would not fit keeps its packed weights alone
+    assert plan_weights(cfg, "fp32", "native", "int4", (1, 1), available=1 << 40).keep_dense
+    small = plan_weights(cfg, "fp32", "native", "int4", (1, 1), available=200_000)
+    assert not small.keep_dense and small.decode_format == "native"
+    assert "does not fit" in caplog.text
+    assert plan_weights(cfg, "fp32", "int4", None, (1, 1), available=200_000).keep_dense
     # a GPU runs dense weights: no CPU probe, no packed CPU kernels
     assert plan_weights(cfg, "auto", "auto", "int4", (1, 1), "cuda").decode_format == "bf16"
     with pytest.raises(ValueError, match="CPU only"):
