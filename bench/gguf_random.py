@@ -32,6 +32,9 @@ SHAPES = {
     "llama-3.2-1b": ("llama", dict(
         hidden=2048, heads=32, kv_heads=8, head_dim=64, layers=16, ffn=8192,
         rope_theta=5e5, eps=1e-5, context=131072, tied=True)),
+    "llama-3.1-8b": ("llama", dict(
+        hidden=4096, heads=32, kv_heads=8, head_dim=128, layers=32, ffn=14336,
+        rope_theta=5e5, eps=1e-5, context=131072)),
 }
 QUANTS = ("Q4_0", "Q8_0", "Q4_K_M")
 # the float16 fields of each block type (byte offset, typical size for weights of ~0.02): a

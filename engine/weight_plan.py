@@ -41,7 +41,9 @@ from kernels.packed_linear import BITS, DENSE, NATIVE, PackedWeight
 
 logger = logging.getLogger(__name__)
 
-PROBE_LAYERS = 6            # distinct layers a probe sweeps, so weights stream from memory
+PROBE_LAYERS = 6            # distinct layers a probe sweeps, so weights stream from memory,
+PROBE_BYTES = 256 << 20     # or fewer: as many as span this many float32 bytes (a 7-8B
+                            # model's one layer: making 6 of each format took 2.5 minutes)
 DECODE_ROWS = (1, 8)
 PREFILL_PROBE_ROWS = 128
 CROSSOVER_ROWS = (16, 24, 32, 64, 128)
@@ -77,6 +79,24 @@ def layer_shapes(cfg: ModelConfig) -> list[tuple[int, int]]:
 
 
 _PROBES: dict[tuple, float] = {}
+_WEIGHTS: dict[tuple, list[PackedWeight]] = {}      # the probes' weights, while a plan is made
+
+
+def probe_layers(shapes: list[tuple[int, int]]) -> int:
+    """How many layers of `shapes` a probe sweeps: PROBE_LAYERS, or fewer where fewer span
+    PROBE_BYTES."""
+    per_layer = 4 * sum(n * k for n, k in shapes)
+    return max(1, min(PROBE_LAYERS, -(-PROBE_BYTES // per_layer)))
+
+
+def _probe_weights(fmt: str, shapes: list[tuple[int, int]]) -> list[PackedWeight]:
+    """Random weights of `probe_layers` layers of `shapes` in `fmt` (made once a plan)."""
+    key = (fmt, tuple(shapes))
+    if key not in _WEIGHTS:
+        gen = torch.Generator().manual_seed(0)
+        _WEIGHTS[key] = [PackedWeight.from_dense(torch.randn(n, k, generator=gen) * 0.02, fmt)
+                         for _ in range(probe_layers(shapes)) for n, k in shapes]
+    return _WEIGHTS[key]
 
 
 SWEEPS = 5
@@ -84,14 +104,13 @@ SWEEPS = 5
 
 def _sweeps(fmts: list[str], shapes: list[tuple[int, int]], rows: int,
             threads: int) -> dict[str, float]:
-    """Seconds of the best sweep of rows x every weight of PROBE_LAYERS layers, per format
+    """Seconds of the best sweep of rows x every weight of `probe_layers` layers, per format
     (cached). The formats take turns, SWEEPS rounds after a warm-up one: noise from the
     machine, or a kernel's threads still spinning after its turn, falls on all of them."""
     todo = [f for f in dict.fromkeys(fmts) if (f, tuple(shapes), rows, threads) not in _PROBES]
     if todo:
-        gen = torch.Generator().manual_seed(0)
-        weights = {f: [PackedWeight.from_dense(torch.randn(n, k, generator=gen) * 0.02, f)
-                       for _ in range(PROBE_LAYERS) for n, k in shapes] for f in todo}
+        weights = {f: _probe_weights(f, shapes) for f in todo}
+        gen = torch.Generator().manual_seed(1)
         xs = {k: torch.randn(rows, k, generator=gen) for _, k in shapes}
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -136,6 +155,14 @@ def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
         raise ValueError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     if weights not in WEIGHTS:
         raise ValueError(f"--weights must be one of {WEIGHTS}, got {weights!r}")
+    try:
+        return _plan(cfg, dtype, weights, native, threads, device, available)
+    finally:
+        _WEIGHTS.clear()                        # (a 7-8B model's: several GB)
+
+
+def _plan(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
+          threads: tuple[int, int], device: str, available: int | None) -> WeightPlan:
     if torch.device(device).type != "cpu":
         if weights in ("int8", "int4"):
             raise ValueError(f"--weights {weights} runs on the CPU only (device {device})")
@@ -165,7 +192,7 @@ def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
         times = {c: sum(t[real(c)] for t in per_rows) for c in cands}
         fmt = min(times, key=times.get)
         logger.info("--weights %s: %s for decode (%s rows x %d layers: %s)", weights, fmt,
-                    "+".join(map(str, DECODE_ROWS)), PROBE_LAYERS,
+                    "+".join(map(str, DECODE_ROWS)), probe_layers(shapes),
                     ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in times.items()))
     rows = 0
     if fmt != act:
