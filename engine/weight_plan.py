@@ -206,11 +206,13 @@ def _plan(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
             return t[act] <= t[real(fmt)]
 
         rows = next((r for r in CROSSOVER_ROWS if dense_wins(r)), 2 * CROSSOVER_ROWS[-1])
+    keep = fmt == act or native is None or fmt not in NATIVE or cfg.rope_dims != cfg.head_dim \
+        or dense_copy_fits(cfg, act, BITS[native], available)
+    if fmt != act and keep:     # (without the dense copy every step runs `fmt`; an MoE
+        # layer's decode rows still go by `rows`)
         logger.info("steps of %d rows or more multiply by %s weights, fewer by %s", rows, act,
                     fmt)
     kv = "fp32" if dtype == "fp32" else "bf16"
-    keep = fmt == act or native is None or fmt not in NATIVE or cfg.rope_dims != cfg.head_dim \
-        or dense_copy_fits(cfg, act, BITS[native], available)
     return WeightPlan(act, kv, fmt, rows, keep)
 
 
