@@ -165,9 +165,9 @@ def _q6_k(b: np.ndarray) -> GroupQuant:
     big = torch.where(sc[..., :1].abs() >= sc[..., 1:].abs(), sc[..., :1], sc[..., 1:])
     unit = torch.where(fits, g.float(), big / 4)                       # [N, blocks, 8, 1]
     f = (sc / unit).view(n, blocks, 16, 1)
-    codes = torch.round(q * f).clamp_(-128, 127).to(torch.int16)
     d = torch.from_numpy(_f16(b, 208))[..., None]
     values = (d * sc.view(n, blocks, 16).float())[..., None] * q
+    codes = q.mul_(f).round_().clamp_(-128, 127).to(torch.int16)      # (in place: q is done)
     return GroupQuant(codes.view(n, -1), (d * unit[..., 0]).view(n, -1),
                       torch.zeros(n, blocks * 8), 8, values.view(n, -1))
 

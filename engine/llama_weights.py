@@ -166,7 +166,9 @@ class _Codes:
         """Keep `quant`'s rows of `key` from `start`; True where its dense slice is left
         unfilled (the tied embedding is always filled)."""
         p = self.parts.setdefault(key, {})
-        p[start] = quant.groups_only()
+        # (the file's exact values, where the groups round them, stay until the key is
+        # packed: the source of any requantized form and of a partial key's dense slices)
+        p[start] = quant if self.fmt is not None else quant.groups_only()
         if self.fmt is None:
             return False
         if sum(g.shape[0] for g in p.values()) == self.rows[key[1]]:

@@ -47,6 +47,10 @@ PROBE_BYTES = 256 << 20     # or fewer: as many as span this many float32 bytes 
 DECODE_ROWS = (1, 8)
 PREFILL_PROBE_ROWS = 128
 CROSSOVER_ROWS = (16, 24, 32, 64, 128)
+# a cgroup's memory limit and use (v2, v1): a container's room
+CGROUP_MEMORY = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                  "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
 DENSE_SHARE = 0.5           # of the memory available beside the packed weights, the most a
                             # dense prefill copy may take (the rest: KV, activations, the OS)
 
@@ -219,17 +223,19 @@ def _plan(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
 def dense_copy_fits(cfg: ModelConfig, act: str, bits: int, available: int | None = None
                     ) -> bool:
     """Whether the dense prefill copy of a model whose weights are `bits`-bit codes fits
-    beside them: at most DENSE_SHARE of `available` bytes (default: the OS's MemAvailable)
-    less the packed weights' (logged where it does not)."""
+    beside them: at most DENSE_SHARE of `available` bytes (default: the OS's MemAvailable,
+    or the cgroup's room where that is less) less the packed weights' and the (always dense)
+    embedding's (logged where it does not)."""
     h, layers = cfg.hidden_size, cfg.num_hidden_layers
     shapes = layer_shapes(cfg)
     per_layer = sum(n * k for n, k in (shapes if cfg.moe is None else shapes[:2]))
     params = layers * per_layer + (0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
     dense = params * DENSE[act].itemsize
     packed = params * (bits / 8 + 0.125)        # (+ float16 scale and zero a group of 32)
+    embedding = cfg.vocab_size * h * DENSE[act].itemsize
     if available is None:
         available = _mem_available()
-    fits = dense <= DENSE_SHARE * (available - packed)
+    fits = dense <= DENSE_SHARE * (available - packed - embedding)
     if not fits:
         logger.info("a dense %s copy of the weights (%.1f GB) does not fit beside their packed "
                     "form (%.1f GB) in %.1f GB available: prefill runs the packed kernels too",
@@ -238,12 +244,22 @@ def dense_copy_fits(cfg: ModelConfig, act: str, bits: int, available: int | None
 
 
 def _mem_available() -> int:
-    """The OS's MemAvailable in bytes (Linux; elsewhere: unbounded)."""
+    """Bytes this process may still take: the OS's MemAvailable (Linux; elsewhere
+    unbounded), or less where its cgroup (a container's memory limit, v2 or v1) leaves less."""
+    avail = 1 << 62
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    avail = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 1 << 62
+    for limit, used in CGROUP_MEMORY:
+        try:
+            with open(limit) as f, open(used) as g:
+                cap = f.read().strip()
+                if cap.isdigit() and int(cap) < 1 << 60:
+                    avail = min(avail, int(cap) - int(g.read().strip()))
+        except (OSError, ValueError):
+            continue
+    return avail

@@ -123,16 +123,31 @@ def test_plan_takes_explicit_choices_and_times_only_real_choices(caplog):
     assert "--dtype auto" in caplog.text and "--weights auto" in caplog.text
     with pytest.raises(ValueError, match="--weights"):
         plan_weights(cfg, "auto", "int3", None, (1, 1))
-    # a GGUF whose dense copy would not fit keeps its packed weights alone
-    assert plan_weights(cfg, "fp32", "native", "int4", (1, 1), available=1 << 40).keep_dense
-    small = plan_weights(cfg, "fp32", "native", "int4", (1, 1), available=200_000)
+    # a GGUF whose dense copy would not fit keeps its packed weights alone: the copy may
+    # take half of what is left beside the packed weights and the dense embedding
+    params = 2 * (128 * 64 + 64 * 64 + 256 * 64 + 64 * 128) + 64 * 64       # layers, head
+    packed, dense, embedding = params * (0.5 + 0.125), params * 4, 64 * 64 * 4
+    edge = packed + embedding + 2 * dense
+    assert plan_weights(cfg, "fp32", "native", "int4", (1, 1), available=edge + 64).keep_dense
+    small = plan_weights(cfg, "fp32", "native", "int4", (1, 1), available=edge - 64)
     assert not small.keep_dense and small.decode_format == "native"
     assert "does not fit" in caplog.text
-    assert plan_weights(cfg, "fp32", "int4", None, (1, 1), available=200_000).keep_dense
+    assert plan_weights(cfg, "fp32", "int4", None, (1, 1), available=1000).keep_dense
     # a GPU runs dense weights: no CPU probe, no packed CPU kernels
     assert plan_weights(cfg, "auto", "auto", "int4", (1, 1), "cuda").decode_format == "bf16"
     with pytest.raises(ValueError, match="CPU only"):
         plan_weights(cfg, "auto", "int4", None, (1, 1), "cuda")
+
+
+def test_a_containers_memory_limit_bounds_the_memory_available(tmp_path, monkeypatch):
+    from engine import weight_plan
+    (tmp_path / "max").write_text("1000000000\n")
+    (tmp_path / "current").write_text("200000000\n")
+    monkeypatch.setattr(weight_plan, "CGROUP_MEMORY",
+                        ((str(tmp_path / "max"), str(tmp_path / "current")),))
+    assert weight_plan._mem_available() == 800_000_000
+    (tmp_path / "max").write_text("max\n")                  # no limit: the OS's figure
+    assert weight_plan._mem_available() > 800_000_000
 
 
 # ---------------------------------------------------------------- the bundled model (slow)
@@ -196,3 +211,26 @@ def test_bundled_model_in_int4_tracks_its_float32_reference(smollm2_dir, bundled
             assert "Paris" in tok.decode(greedy(q4, make_kv_cache(q4, 32, 16), ids, 12,
                                                 page_pool(32)))
     assert agree >= agreement * steps, (agree, steps)
+
+
+@pytest.mark.slow
+def test_bundled_model_without_a_dense_copy_tracks_its_float32_reference(smollm2_dir, bundled):
+    """keep_dense False (a model too big for its dense copy): every step, prefill chunks too,
+    runs the file's own codes; the tied embedding stays dense for the lookup and the head
+    packs from its codes."""
+    from transformers import AutoTokenizer
+    path, _ = bundled
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    ref = load_model(smollm2_dir, dtype=torch.float32, max_model_len=512, gguf=path)
+    alone = load_model(smollm2_dir, dtype=torch.float32, max_model_len=512, gguf=path,
+                       decode_format="native", prefill_rows=64, keep_dense=False)
+    layer = alone.layers[0]
+    assert layer.qkv_proj.numel() == 0 and layer.qkv.weight_for(512) is layer.qkv.decode
+    assert alone.embed_tokens.numel() > 0 and alone.head.decode.fmt == "q8"
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_dict=False)
+    want = greedy(ref, make_kv_cache(ref, 32, 16), ids, 16, page_pool(32))
+    r, q = _forced_logits(ref, ids, want), _forced_logits(alone, ids, want)
+    assert ((q - r).abs().amax(-1) / r.std(-1)).max() < 0.01
+    assert "Paris" in tok.decode(greedy(alone, make_kv_cache(alone, 32, 16), ids, 12,
+                                        page_pool(32)))
