@@ -1,10 +1,11 @@
 """A GGUF file's tensors under their Hugging Face names, quantized tensors as they are stored.
 
 `iter_gguf_weights` yields (HF name, tensor) pairs for LlamaForCausalLM.load_weights: float
-tensors (F32, F16, BF16) as torch tensors, and Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K and
-Q8_0 tensors as GroupQuant (their codes, and per group of 32 a scale and a zero point:
-engine/gguf_blocks.py), so that the model can run them through packed 4- / 8-bit matmuls
-without dequantizing. Other quantized types are dequantized to float32 by the `gguf` package.
+tensors (F32, F16, BF16) as torch tensors, and the quantized types our kernels run (Q3_K to
+Q8_0, the K types, IQ4_NL / IQ4_XS) as GroupQuant (their codes, and per group of 32 a scale
+and a zero point: engine/gguf_blocks.py), so that the model can run them through packed 4- /
+8-bit matmuls without dequantizing. Other quantized types (Q2_K, the 1-3-bit IQ types) are
+dequantized to float32 by the `gguf` package.
 
 llama.cpp's converter permutes the rows of Llama's q and k projections (its RoPE pairs
 neighbouring dims; HF's pairs halves); the permutation is undone here, on whole rows, so

@@ -285,15 +285,15 @@ class LlamaForCausalLM(LlamaWeights, nn.Module):
         """Give every matmul a `fmt` form for steps of fewer than `prefill_rows` rows (decode),
         keeping the dense parameters for longer steps (None: dense only). Quantized weights
         that load_weights received (GGUF blocks) are packed from their own codes, which are
-        then let go (2 bytes a weight; a later `pack` quantizes the dense values)."""
+        then let go, whatever `fmt` (2 bytes a weight; a later `pack` quantizes the dense
+        values)."""
         for i, layer in enumerate(self.layers):
             layer.pack({name: q for (j, name), q in self._quant.items() if j == i}, fmt,
                        prefill_rows)
         self._decode_words = None       # kernels/decode_layer.py's view of them, when asked
         head = self.embed_tokens if self.lm_head is None else self.lm_head
         self.head = make_linear(head, None, self._quant.get((-1, "head")), fmt, prefill_rows)
-        if fmt is not None:
-            self._quant = {}
+        self._quant = {}
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv,

@@ -26,7 +26,7 @@ class LlamaWeights:
         parameters; raises if a parameter was left unfilled or a name is unknown. A
         GroupQuant (a GGUF file's blocks) fills its parameter dequantized and keeps its codes
         for `pack`; an MoE expert's blocks are packed in `decode_format` as they arrive
-        instead, their dense slice left unfilled (engine/moe.py `take_codes`). Without
+        instead, their dense slice left unfilled (engine/moe.py `take_codes`). Any other
         matmul whose rows all come as codes is packed in `decode_format` as soon as they are
         here (their 2 bytes a weight let go; not for a partial rotary, whose rows `pack`
         reorders); without `keep_dense` its parameter is never filled and is let go (a
