@@ -171,7 +171,7 @@ class _Codes:
         p[start] = quant if self.fmt is not None else quant.groups_only()
         if self.fmt is None:
             return False
-        if sum(g.shape[0] for g in p.values()) == self.rows[key[1]]:
+        if self._complete(key, p):
             from engine.llama import packed_codes
             self.packed[key] = packed_codes(self._cat(self.parts.pop(key)), self.fmt)
         return not self.keep_dense and not self._tied(key)
@@ -183,8 +183,7 @@ class _Codes:
         are let go."""
         if self.fmt is None:
             return {key: self._cat(p) for key, p in self.parts.items()
-                    if key[1] not in ("qkv", "gate_up")
-                    or sum(g.shape[0] for g in p.values()) == self.rows[key[1]]}
+                    if self._complete(key, p)}
         if not self.keep_dense:
             for key, p in self.parts.items():
                 with torch.no_grad():
@@ -194,6 +193,10 @@ class _Codes:
                 if not self._tied(key):
                     self._release(key)
         return self.packed
+
+    def _complete(self, key: tuple[int, str], p: dict[int, GroupQuant]) -> bool:
+        """Whether every row of `key`'s matmul came as codes."""
+        return sum(g.shape[0] for g in p.values()) == self.rows[key[1]]
 
     def _tied(self, key: tuple[int, str]) -> bool:
         return key == (-1, "head") and self.model.lm_head is None

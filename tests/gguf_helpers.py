@@ -8,7 +8,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from bench.gguf_random import copy_tokenizer, random_blocks  # noqa: F401 (tests import it)
+from bench.gguf_random import copy_tokenizer
 from engine.gguf_convert import bundled_gguf_path
 from engine.model_loader import load_model
 from tests.kv_cache import make_kv_cache

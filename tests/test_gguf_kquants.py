@@ -8,11 +8,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from bench.gguf_random import random_blocks
 from engine.gguf_convert import ensure_hf_folder
 from engine.gguf_weights import native_format
 from engine.model_config import ModelConfig
 from engine.model_loader import load_model
-from tests.gguf_helpers import assert_serves_its_logits, random_blocks, write_gguf
+from tests.gguf_helpers import assert_serves_its_logits, write_gguf
 from tests.kv_cache import make_kv_cache
 from tests.model_helpers import PagedSequence, page_pool, save_tiny_hf, step
 

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
+from bench.gguf_random import random_blocks
 from engine.gguf_blocks import decode
 from engine.gguf_weights import iter_gguf_weights, native_format
 from engine.model_config import ModelConfig
 from engine.model_loader import iter_safetensors, load_model
 from engine.weight_plan import plan_weights
 from kernels.packed_linear import GroupQuant, Linear, PackedWeight, quantize_int4
-from tests.gguf_helpers import random_blocks
 from tests.model_helpers import PagedSequence, greedy, page_pool, step
 from tests.kv_cache import make_kv_cache
 
