@@ -59,7 +59,7 @@ setup(ext_modules=[Extension("kvstore.tiers._pageio", ["kvstore/tiers/_pageio.c"
                                                  "-ffp-contract=off"]),
                    Extension("kernels._qmatmul", ["kernels/_qmatmul.c"],
                              depends=["kernels/_pool.h", "kernels/_qmatmul_tiles.h",
-                                      "kernels/_api.h"],
+                                      "kernels/_qmatmul_dequant.h", "kernels/_api.h"],
                              extra_compile_args=["-O3", "-Wall", "-fno-wrapv", "-pthread"]
                              + OPENMP,
                              extra_link_args=["-pthread"] + OPENMP),

@@ -20,7 +20,8 @@ from engine.norm import GemmaRMSNorm, RMSNorm
 from engine.rope import RotaryEmbedding
 from kernels import layer_ops
 from kernels.decode_layer import DecodeLayers, FusedLayers, layer_words
-from kernels.packed_linear import BITS, DENSE, NATIVE, GroupQuant, Linear, PackedWeight
+from kernels.packed_linear import (BITS, DENSE, NATIVE, OURS, GroupQuant, Linear, PackedWeight,
+                                   StagedWeight)
 
 _WEIGHTS = ("qkv", "o", "gate_up", "down")      # a layer's matmuls: <name>_proj, <name>_bias
 
@@ -221,17 +222,22 @@ def _packed(quant: GroupQuant | None, fmt: str, dense) -> PackedWeight:
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None,
                 quant: GroupQuant | PackedWeight | None, fmt: str | None,
-                prefill_rows: int) -> Linear:
+                prefill_rows: int, stage: bool = True) -> Linear:
     """A Linear over the dense parameter `weight`, plus a `fmt` form for short steps (packed
     from the file's codes `quant` when given, else from the dense values; `quant` may be
     that form already, packed as the file loaded). fmt "native": the file's codes at their
     own width in our kernels' formats (4 bits: q4, 8: q8), "native-torch" in torch's (int4,
-    int8); float tensors dense. An empty `weight` (no dense copy): the packed form alone."""
-    dense = None if not weight.numel() else PackedWeight(
-        next(k for k, v in DENSE.items() if v == weight.dtype), tuple(weight.shape),
-        (weight.detach(),))
+    int8); float tensors dense. An empty `weight` (no dense copy): the packed form, and for
+    long steps that form dequantized to the weight's dtype when it runs (where it is our
+    kernel's and `stage`; a StagedWeight)."""
+    dtype = next(k for k, v in DENSE.items() if v == weight.dtype)
     if isinstance(quant, PackedWeight):
+        if weight.numel():
+            dense = PackedWeight(dtype, tuple(weight.shape), (weight.detach(),))
+        else:
+            dense = StagedWeight(quant, dtype) if stage and quant.fmt in OURS else None
         return Linear(quant, bias, prefill=dense, prefill_rows=prefill_rows)
+    dense = PackedWeight(dtype, tuple(weight.shape), (weight.detach(),))
     if fmt in NATIVE:
         fmt = None if quant is None else NATIVE[fmt][quant.bits]
     if fmt is None or fmt == dense.fmt:
@@ -292,7 +298,10 @@ class LlamaForCausalLM(LlamaWeights, nn.Module):
                        prefill_rows)
         self._decode_words = None       # kernels/decode_layer.py's view of them, when asked
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        self.head = make_linear(head, None, self._quant.get((-1, "head")), fmt, prefill_rows)
+        # (no staged head: a step's logits rows are few, but prompt logprobs would stage
+        # the whole vocabulary's weight)
+        self.head = make_linear(head, None, self._quant.get((-1, "head")), fmt, prefill_rows,
+                                stage=False)
         self._quant = {}
 
     @torch.inference_mode()

@@ -37,7 +37,7 @@ import torch
 
 from engine.args import DTYPES, WEIGHTS
 from engine.model_config import ModelConfig
-from kernels.packed_linear import BITS, DENSE, NATIVE, PackedWeight
+from kernels.packed_linear import BITS, DENSE, NATIVE, OURS, PackedWeight, StagedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -93,9 +93,17 @@ def probe_layers(shapes: list[tuple[int, int]]) -> int:
     return max(1, min(PROBE_LAYERS, -(-PROBE_BYTES // per_layer)))
 
 
-def _probe_weights(fmt: str, shapes: list[tuple[int, int]]) -> list[PackedWeight]:
+def staged(act: str, fmt: str) -> str:
+    """The probes' name of `fmt` weights dequantized to `act` when they run (StagedWeight)."""
+    return f"{fmt}>{act}"
+
+
+def _probe_weights(fmt: str, shapes: list[tuple[int, int]]) -> list:
     """Random weights of `probe_layers` layers of `shapes` in `fmt` (made once a plan)."""
     key = (fmt, tuple(shapes))
+    if ">" in fmt and key not in _WEIGHTS:
+        packed, act = fmt.split(">")
+        _WEIGHTS[key] = [StagedWeight(w, act) for w in _probe_weights(packed, shapes)]
     if key not in _WEIGHTS:
         gen = torch.Generator().manual_seed(0)
         _WEIGHTS[key] = [PackedWeight.from_dense(torch.randn(n, k, generator=gen) * 0.02, fmt)
@@ -198,6 +206,12 @@ def _plan(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
         logger.info("--weights %s: %s for decode (%s rows x %d layers: %s)", weights, fmt,
                     "+".join(map(str, DECODE_ROWS)), probe_layers(shapes),
                     ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in times.items()))
+    keep = fmt == act or native is None or fmt not in NATIVE or cfg.rope_dims != cfg.head_dim \
+        or dense_copy_fits(cfg, act, BITS[native], available)
+    # without the dense copy, long steps dequantize each matmul when it runs (our kernel's
+    # formats only: torch's packed ones have no such form, and their long steps run packed)
+    stage = not keep and real(fmt) in OURS
+    long_form = staged(act, real(fmt)) if stage else act
     rows = 0
     if fmt != act:
         # NOTE: on the prefill threads: a step of more than one row per request is a prefill
@@ -206,16 +220,14 @@ def _plan(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
         # two (2-core AMD EPYC, AVX2), a 30-row step took 0.27 s in the 4-bit kernel against
         # 0.16 s dense over 30 layers
         def dense_wins(r: int) -> bool:
-            t = _sweeps([act, real(fmt)], shapes, r, prefill_t)
-            return t[act] <= t[real(fmt)]
+            t = _sweeps([long_form, real(fmt)], shapes, r, prefill_t)
+            return t[long_form] <= t[real(fmt)]
 
         rows = next((r for r in CROSSOVER_ROWS if dense_wins(r)), 2 * CROSSOVER_ROWS[-1])
-    keep = fmt == act or native is None or fmt not in NATIVE or cfg.rope_dims != cfg.head_dim \
-        or dense_copy_fits(cfg, act, BITS[native], available)
-    if fmt != act and keep:     # (without the dense copy every step runs `fmt`; an MoE
-        # layer's decode rows still go by `rows`)
-        logger.info("steps of %d rows or more multiply by %s weights, fewer by %s", rows, act,
-                    fmt)
+    if fmt != act and (keep or stage):      # (else every step runs `fmt`; an MoE layer's
+        # decode rows and a tied head's dense form still go by `rows`)
+        logger.info("steps of %d rows or more multiply by %s weights%s, fewer by %s", rows, act,
+                    "" if keep else " (each matmul dequantized when it runs)", fmt)
     kv = "fp32" if dtype == "fp32" else "bf16"
     return WeightPlan(act, kv, fmt, rows, keep)
 

@@ -78,6 +78,7 @@ typedef struct {
     int bits;
     Py_ssize_t m, k, n, t0, t1;     /* [t0, t1): this job's tiles */
     float *out;
+    int out_bf16;                   /* dequant: out holds bf16 (kernels/_qmatmul_dequant.h) */
 } job_t;
 
 /* ---- the activations, quantized ------------------------------------------------------- */
@@ -165,6 +166,8 @@ static void run_portable(const job_t *j) {
 #undef TILES_TARGET
 #undef PAIR_DOT
 #endif
+
+#include "_qmatmul_dequant.h"
 
 typedef void (*run_fn)(const job_t *);
 
@@ -256,6 +259,36 @@ static PyObject *qmm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* w [N, K] in float32 or bf16 (out_bf16) from the codes; without the GIL */
+static PyObject *dequant(PyObject *self, PyObject *args) {
+    unsigned long long codes, scale, zero, out;
+    Py_ssize_t n, k;
+    int bits, out_bf16, simd = 1, threads = 1;
+    if (!PyArg_ParseTuple(args, "KKKnniKp|ii", &codes, &scale, &zero, &n, &k, &bits, &out,
+                          &out_bf16, &simd, &threads))
+        return NULL;
+    if ((bits != 4 && bits != 8) || k % GROUP || n < 0) {
+        PyErr_Format(PyExc_ValueError, "unsupported: %d-bit codes (4 or 8), K %zd (a multiple "
+                     "of %d), N %zd", bits, k, GROUP, n);
+        return NULL;
+    }
+    job_t job = {NULL, NULL, NULL, (const uint8_t *)(uintptr_t)codes,
+                 (const uint16_t *)(uintptr_t)scale, (const uint16_t *)(uintptr_t)zero, bits,
+                 0, k, n, 0, (n + TILE - 1) / TILE, (float *)(uintptr_t)out, out_bf16};
+    run_fn fn = dequant_portable;
+#ifdef HAVE_AVX2_PATH
+    if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        fn = dequant_avx2;
+#else
+    (void)simd;
+#endif
+    Py_BEGIN_ALLOW_THREADS
+    run_parallel(fn, &job, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* One row through E experts of an MoE layer, in one call (no Python between the matmuls,
  * so the pool's threads catch each next one while they spin): for expert e of `table`
  * (int64 [E, 8]: its gate|up codes, scale, zero, bits, then its down's),
@@ -318,6 +351,11 @@ static PyObject *moe_row(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     POOL_OPENMP_METHOD,
+    {"dequant", dequant, METH_VARARGS,
+     "dequant(codes, scale, zero, N, K, bits, out, bf16[, simd, threads]): out[N, K] = scale * "
+     "q + zero (one rounding) from qmm's codes, scales and zeros (zero 0: none), float32 or "
+     "bf16 (nearest even) where bf16 is true; simd: 1 or 2 AVX2 where the CPU has it, 0 the "
+     "portable path; without the GIL"},
     {"moe_row", moe_row, METH_VARARGS,
      "moe_row(x, K, table, weights, E, I, N, out[, simd, threads, xbits]): out[N] float32 += "
      "sum over E experts of weights[e] * down_e(silu(gate_e(x)) * up_e(x)) for one float32 "

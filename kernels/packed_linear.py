@@ -24,6 +24,7 @@ Leaf module: imports only torch and its own C kernel.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +142,21 @@ class PackedWeight:
         return [codes.data_ptr(), scale.data_ptr(), 0 if zero is None else zero.data_ptr(),
                 BITS[self.fmt], self.xbits]
 
+    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
+        """This weight's values in `out` (contiguous, float32 or bf16, N x K elements), from
+        our kernel's formats (q4 / q8): scale * q + zero in one rounding; returns out [N, K]."""
+        if self.fmt not in OURS:
+            raise ValueError(f"dequantize_into reads q4 / q8, not {self.fmt}")
+        codes, scale, zero = self._data
+        (n, k), bf16 = self.shape, out.dtype == torch.bfloat16
+        if out.numel() != n * k or not out.is_contiguous() or not (bf16 or out.dtype ==
+                                                                    torch.float32):
+            raise ValueError(f"out must be {n} x {k} contiguous float32 or bf16")
+        _qmatmul.dequant(codes.data_ptr(), scale.data_ptr(),
+                         0 if zero is None else zero.data_ptr(), n, k, BITS[self.fmt],
+                         out.data_ptr(), bf16, QMM_SIMD, torch.get_num_threads())
+        return out.view(n, k)
+
     def _qmm(self, x: torch.Tensor) -> torch.Tensor:
         codes, scale, zero = self._data
         xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
@@ -206,6 +222,39 @@ class PackedWeight:
         zero = q.zero + 8 * q.scale
         scale_zero = torch.stack([q.scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
         return cls("int4", (n, k), (packed, scale_zero))
+
+
+class StagedWeight:
+    """A dense form made each time it runs, for a model that keeps no dense copy (too big
+    for the memory beside its packed weights): `mm` dequantizes the packed weight (q4 / q8)
+    into this thread's workspace, then runs the dense GEMM. On a prefill chunk of a few
+    hundred rows that GEMM runs about twice as fast as our integer kernel, for one pass over
+    the weight (kernels/_qmatmul_dequant.h); the plan times where it pays
+    (engine/weight_plan.py). The workspace is as big as the largest matmul made so, kept."""
+
+    _local = threading.local()
+
+    def __init__(self, packed: PackedWeight, dtype: str):
+        if packed.fmt not in OURS or dtype not in DENSE:
+            raise ValueError(f"a staged form reads q4 / q8 into {tuple(DENSE)}, not "
+                             f"{packed.fmt} into {dtype}")
+        self.packed, self.fmt, self.shape = packed, dtype, packed.shape
+
+    def dense(self) -> torch.Tensor:
+        """The weight [N, K] in this thread's workspace (valid until its next use)."""
+        dtype, (n, k) = DENSE[self.fmt], self.shape
+        spaces = self._local.__dict__.setdefault("spaces", {})
+        space = spaces.get(dtype)
+        if space is None or space.numel() < n * k:
+            spaces[dtype] = space = None            # (the old one goes first)
+            spaces[dtype] = space = torch.empty(n * k, dtype=dtype)
+        return self.packed.dequantize_into(space[:n * k])
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dense()
+        if x.dtype == w.dtype:
+            return F.linear(x, w)
+        return F.linear(x.to(w.dtype), w).to(x.dtype)
 
 
 def quantize_int8(w: torch.Tensor) -> GroupQuant:

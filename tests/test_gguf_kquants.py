@@ -98,9 +98,10 @@ def test_a_k_quant_mix_loads_exactly_and_decodes_in_its_own_codes(tmp_path):
 
 def test_without_a_dense_copy_every_step_runs_the_files_codes(tmp_path):
     """keep_dense False (a model whose dense copy would not fit): the matmuls are packed as
-    they load, their dense parameters never filled and let go; prefill chunks and decode rows
-    both run the packed form, as close to the checkpoint as the decode rows were; KV recompute
-    (k|v of the fused weight) runs it too."""
+    they load, their dense parameters never filled and let go; decode rows run the packed
+    form, prefill chunks that form dequantized when it runs (the head never), both as close
+    to the checkpoint as the decode rows were; KV recompute (k|v of the fused weight) runs
+    them too."""
     hf = save_tiny_hf("llama", SHAPE, tmp_path / "hf")
     path = tmp_path / "q4_k_m.gguf"
     _write(hf, path)
@@ -108,23 +109,25 @@ def test_without_a_dense_copy_every_step_runs_the_files_codes(tmp_path):
     cfg = ModelConfig.from_hf(folder)
     both = load_model(folder, cfg, dtype=torch.float32, gguf=path, decode_format="native",
                       prefill_rows=64)
-    alone = load_model(folder, cfg, dtype=torch.float32, gguf=path, decode_format="native",
-                       prefill_rows=64, keep_dense=False)
-    for layer in alone.layers:
-        for name in ("qkv", "o", "gate_up", "down"):
-            assert getattr(layer, f"{name}_proj").numel() == 0
-            lin = getattr(layer, name)
-            assert lin.weight_for(512) is lin.decode
-    assert alone.lm_head.numel() == 0 and alone.head.weight_for(512) is alone.head.decode
-    assert alone.embed_tokens.numel() == cfg.vocab_size * cfg.hidden_size
     tokens = torch.randint(3, cfg.vocab_size, (40,),
                            generator=torch.Generator().manual_seed(2)).tolist()
-    (got,) = step(alone, make_kv_cache(alone, 16, 4), [(PagedSequence(tokens, page_pool(16)),
-                                                        len(tokens))])
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0].float()
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
-    assert ((got - ref).abs().amax(-1) / ref.std(-1)).max() < 0.05
+    for rows in (64, 16):                   # the 40-token prefill packed, then staged
+        alone = load_model(folder, cfg, dtype=torch.float32, gguf=path, decode_format="native",
+                           prefill_rows=rows, keep_dense=False)
+        for layer in alone.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                assert getattr(layer, f"{name}_proj").numel() == 0
+                lin = getattr(layer, name)
+                assert lin.weight_for(rows - 1) is lin.decode
+                assert lin.weight_for(rows).packed is lin.decode        # a StagedWeight
+        assert alone.lm_head.numel() == 0 and alone.head.weight_for(512) is alone.head.decode
+        assert alone.embed_tokens.numel() == cfg.vocab_size * cfg.hidden_size
+        (got,) = step(alone, make_kv_cache(alone, 16, 4),
+                      [(PagedSequence(tokens, page_pool(16)), len(tokens))])
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+        assert ((got - ref).abs().amax(-1) / ref.std(-1)).max() < 0.05
     xn = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     cos, sin = both.rope.cos_sin(torch.arange(5), torch.float32)
     for a, b in zip(alone.layers[1].kv_from_inputs(xn, cos, sin),

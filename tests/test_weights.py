@@ -12,7 +12,7 @@ from engine.gguf_weights import iter_gguf_weights, native_format
 from engine.model_config import ModelConfig
 from engine.model_loader import iter_safetensors, load_model
 from engine.weight_plan import plan_weights
-from kernels.packed_linear import GroupQuant, Linear, PackedWeight, quantize_int4
+from kernels.packed_linear import GroupQuant, Linear, PackedWeight, StagedWeight, quantize_int4
 from tests.model_helpers import PagedSequence, greedy, page_pool, step
 from tests.kv_cache import make_kv_cache
 
@@ -132,6 +132,9 @@ def test_plan_takes_explicit_choices_and_times_only_real_choices(caplog):
     small = plan_weights(cfg, "fp32", "native", "int4", (1, 1), available=edge - 64)
     assert not small.keep_dense and small.decode_format == "native"
     assert "does not fit" in caplog.text
+    # long steps then dequantize our kernel's forms when they run, from a timed crossover
+    assert small.prefill_rows > 1
+    assert "dequantized when it runs" in caplog.text
     assert plan_weights(cfg, "fp32", "int4", None, (1, 1), available=1000).keep_dense
     # a GPU runs dense weights: no CPU probe, no packed CPU kernels
     assert plan_weights(cfg, "auto", "auto", "int4", (1, 1), "cuda").decode_format == "bf16"
@@ -215,20 +218,25 @@ def test_bundled_model_in_int4_tracks_its_float32_reference(smollm2_dir, bundled
 
 @pytest.mark.slow
 def test_bundled_model_without_a_dense_copy_tracks_its_float32_reference(smollm2_dir, bundled):
-    """keep_dense False (a model too big for its dense copy): every step, prefill chunks too,
-    runs the file's own codes; the tied embedding stays dense for the lookup and the head
-    packs from its codes."""
+    """keep_dense False (a model too big for its dense copy): decode steps run the file's own
+    codes, prefill chunks of prefill_rows or more those codes dequantized when they run; the
+    tied embedding stays dense for the lookup (and the head's long steps) and the head packs
+    from its codes."""
     from transformers import AutoTokenizer
     path, _ = bundled
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     ref = load_model(smollm2_dir, dtype=torch.float32, max_model_len=512, gguf=path)
     alone = load_model(smollm2_dir, dtype=torch.float32, max_model_len=512, gguf=path,
-                       decode_format="native", prefill_rows=64, keep_dense=False)
+                       decode_format="native", prefill_rows=16, keep_dense=False)
     layer = alone.layers[0]
-    assert layer.qkv_proj.numel() == 0 and layer.qkv.weight_for(512) is layer.qkv.decode
+    staged = layer.qkv.weight_for(16)
+    assert layer.qkv_proj.numel() == 0 and isinstance(staged, StagedWeight)
+    assert staged.packed is layer.qkv.decode and layer.qkv.weight_for(15) is layer.qkv.decode
     assert alone.embed_tokens.numel() > 0 and alone.head.decode.fmt == "q8"
+    assert alone.head.weight_for(512).fmt == "fp32"     # the tied embedding's own values
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_dict=False)
+    assert len(ids) >= 16                       # (its prefill runs the staged form)
     want = greedy(ref, make_kv_cache(ref, 32, 16), ids, 16, page_pool(32))
     r, q = _forced_logits(ref, ids, want), _forced_logits(alone, ids, want)
     assert ((q - r).abs().amax(-1) / r.std(-1)).max() < 0.01
