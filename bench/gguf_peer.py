@@ -129,7 +129,7 @@ def plot(rep: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def _file(shape: str, layers: int, quant: str) -> Path:
+def gguf_file(shape: str, layers: int, quant: str) -> Path:
     """The random GGUF of `shape` (written the first time)."""
     from bench.gguf_random import SHAPES, write
     whole = layers == SHAPES[shape][1]["layers"]
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     arch, shape = SHAPES[args.shape]
     layers = args.layers or shape["layers"]
-    gguf = _file(args.shape, layers, args.quant)
+    gguf = gguf_file(args.shape, layers, args.quant)
     top = subprocess.run(["top", "-bn1"], capture_output=True, text=True).stdout
     rep = {"model": f"random {args.shape} shape ({arch}), {layers} of {shape['layers']} "
                     f"layers, {args.quant} GGUF",

@@ -17,6 +17,7 @@ from scheduler.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "bf16", "fp32")
 WEIGHTS = ("auto", "native", "fp32", "bf16", "int8", "int4")  # kernels.packed_linear.FORMATS
+PREFILL_WEIGHTS = ("auto", "dense", "staged")
 BUNDLED_ALIAS = "bundled"
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -58,6 +59,12 @@ class EngineArgs:
                            "8-bit, through our kernel or torch's packed ones), a dense dtype, "
                            "or int8/int4 (a float checkpoint quantized at load); auto: the "
                            "fastest on this CPU, timed at start-up", WEIGHTS, group="model")
+    prefill_weights: str = setting(
+        "auto", "a GGUF model decoding in its own codes multiplies long (prefill) steps by: "
+        "dense, a dense copy of its weights kept beside the codes; staged, each matmul "
+        "dequantized when a step reaches it (no copy: less memory, prefill a little slower); "
+        "auto: dense where the copy takes at most half the memory left beside the codes",
+        PREFILL_WEIGHTS, group="model")
     lora_modules: str = setting("", "LoRA adapters served beside the model, each a PEFT folder "
                                 "(adapter_config.json, adapter_model.safetensors) a request "
                                 "names in `model`: name=path, comma-separated", group="model")

@@ -57,7 +57,8 @@ class LLMEngine:
                         self.sampling_defaults)
         native = native_format(gguf) if gguf is not None else None
         self.weight_plan = plan_weights(cfg, args.dtype, args.weights, native,
-                                        args.torch_threads(), self.device)
+                                        args.torch_threads(), self.device,
+                                        prefill=args.prefill_weights)
         # NOTE: a GGUF model's weights come from the file itself (quantized blocks as they
         # are, dequantized exactly in float32); the converted folder gives config and tokenizer
         kv = args.kv_store_config()

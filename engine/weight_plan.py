@@ -24,8 +24,10 @@ q4 / q8; "native" is the file's widths in them) and torch's packed ones (int4 / 
 A step of at least `prefill_rows` rows uses the dense prefill form, fewer rows the decode
 form; when both are the same, one copy is kept. A GGUF model whose dense copy would not fit
 (more than DENSE_SHARE of the memory available beside its packed weights: a 7-8B model in
-bf16 on a 24 GB machine) keeps its packed weights alone (`keep_dense` False; packed as they
-load, engine/llama_weights.py): prefill chunks then run the packed kernels too.
+bf16 on a 24 GB machine), or one served with --prefill-weights staged, keeps its packed
+weights alone (`keep_dense` False; packed as they load, engine/llama_weights.py): a step of `prefill_rows` or more then dequantizes each
+matmul of our kernel's formats when it runs (kernels/packed_linear.py `StagedWeight`; the
+crossover timed against that form), and torch's packed formats run every step.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.args import DTYPES, WEIGHTS
+from engine.args import DTYPES, PREFILL_WEIGHTS, WEIGHTS
 from engine.model_config import ModelConfig
 from kernels.packed_linear import BITS, DENSE, NATIVE, OURS, PackedWeight, StagedWeight
 
@@ -62,7 +64,7 @@ class WeightPlan:
     decode_format: str      # a packed_linear format, or "native" / "native-torch": each
                             # tensor at its stored width, in our kernels or torch's
     prefill_rows: int       # steps with this many rows or more use the dense form
-    keep_dense: bool = True     # False: no dense form (every step runs the decode form)
+    keep_dense: bool = True     # False: no dense copy (long steps stage one, StagedWeight)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -157,24 +159,28 @@ def _candidates(weights: str, dtype: str, native: str | None) -> list[str]:
 
 def plan_weights(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
                  threads: tuple[int, int], device: str = "cpu",
-                 available: int | None = None) -> WeightPlan:
-    """Resolve --dtype and --weights for this model on this CPU (timed where there is a
-    choice). threads: torch threads of (prefill, decode) steps (the probes run on the
-    first). available: memory bytes for `dense_copy_fits` (default: the OS's). On a GPU the
-    weights are
-    dense (the packed kernels are CPU kernels) and `auto` means bf16."""
+                 available: int | None = None, prefill: str = "auto") -> WeightPlan:
+    """Resolve --dtype, --weights and --prefill-weights for this model on this CPU (timed
+    where there is a choice). threads: torch threads of (prefill, decode) steps (the probes
+    run on the first). available: memory bytes for `dense_copy_fits` (default: the OS's).
+    On a GPU the weights are dense (the packed kernels are CPU kernels) and `auto` means
+    bf16."""
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
     if weights not in WEIGHTS:
         raise ValueError(f"--weights must be one of {WEIGHTS}, got {weights!r}")
+    if prefill not in PREFILL_WEIGHTS:
+        raise ValueError(f"--prefill-weights must be one of {PREFILL_WEIGHTS}, got {prefill!r}")
     try:
-        return _plan(cfg, dtype, weights, native, threads, device, available)
+        return _plan(cfg, dtype, weights, native, threads, device, available, prefill)
     finally:
         _WEIGHTS.clear()                        # (a 7-8B model's: several GB)
+        StagedWeight.release_workspace()        # (the staged probes': this thread steps not)
 
 
 def _plan(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
-          threads: tuple[int, int], device: str, available: int | None) -> WeightPlan:
+          threads: tuple[int, int], device: str, available: int | None,
+          prefill: str) -> WeightPlan:
     if torch.device(device).type != "cpu":
         if weights in ("int8", "int4"):
             raise ValueError(f"--weights {weights} runs on the CPU only (device {device})")
@@ -206,8 +212,7 @@ def _plan(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
         logger.info("--weights %s: %s for decode (%s rows x %d layers: %s)", weights, fmt,
                     "+".join(map(str, DECODE_ROWS)), probe_layers(shapes),
                     ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in times.items()))
-    keep = fmt == act or native is None or fmt not in NATIVE or cfg.rope_dims != cfg.head_dim \
-        or dense_copy_fits(cfg, act, BITS[native], available)
+    keep = _keep_dense(cfg, act, fmt, native, prefill, available)
     # without the dense copy, long steps dequantize each matmul when it runs (our kernel's
     # formats only: torch's packed ones have no such form, and their long steps run packed)
     stage = not keep and real(fmt) in OURS
@@ -232,6 +237,18 @@ def _plan(cfg: ModelConfig, dtype: str, weights: str, native: str | None,
     return WeightPlan(act, kv, fmt, rows, keep)
 
 
+def _keep_dense(cfg: ModelConfig, act: str, fmt: str, native: str | None, prefill: str,
+                available: int | None) -> bool:
+    """Whether the model keeps a dense copy for long steps: always where it decodes dense, or
+    from a float checkpoint, or with a partial rotary (its dense rows are reordered); else
+    as --prefill-weights says (auto: where it fits)."""
+    if fmt == act or native is None or fmt not in NATIVE or cfg.rope_dims != cfg.head_dim:
+        return True
+    if prefill != "auto":
+        return prefill == "dense"
+    return dense_copy_fits(cfg, act, BITS[native], available)
+
+
 def dense_copy_fits(cfg: ModelConfig, act: str, bits: int, available: int | None = None
                     ) -> bool:
     """Whether the dense prefill copy of a model whose weights are `bits`-bit codes fits
@@ -250,7 +267,7 @@ def dense_copy_fits(cfg: ModelConfig, act: str, bits: int, available: int | None
     fits = dense <= DENSE_SHARE * (available - packed - embedding)
     if not fits:
         logger.info("a dense %s copy of the weights (%.1f GB) does not fit beside their packed "
-                    "form (%.1f GB) in %.1f GB available: prefill runs the packed kernels too",
+                    "form (%.1f GB) in %.1f GB available: the packed form serves alone",
                     act, dense / 1e9, packed / 1e9, available / 1e9)
     return fits
 

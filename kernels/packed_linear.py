@@ -230,7 +230,8 @@ class StagedWeight:
     into this thread's workspace, then runs the dense GEMM. On a prefill chunk of a few
     hundred rows that GEMM runs about twice as fast as our integer kernel, for one pass over
     the weight (kernels/_qmatmul_dequant.h); the plan times where it pays
-    (engine/weight_plan.py). The workspace is as big as the largest matmul made so, kept."""
+    (engine/weight_plan.py). A thread's workspace is as big as the largest matmul it staged,
+    and kept (the engine's thread; the KV fetch thread's where a recompute stages)."""
 
     _local = threading.local()
 
@@ -249,6 +250,11 @@ class StagedWeight:
             spaces[dtype] = space = None            # (the old one goes first)
             spaces[dtype] = space = torch.empty(n * k, dtype=dtype)
         return self.packed.dequantize_into(space[:n * k])
+
+    @classmethod
+    def release_workspace(cls) -> None:
+        """Let this thread's workspace go (a thread that stages no more: the plan's probes)."""
+        cls._local.__dict__.pop("spaces", None)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         w = self.dense()

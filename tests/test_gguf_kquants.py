@@ -128,8 +128,9 @@ def test_without_a_dense_copy_every_step_runs_the_files_codes(tmp_path):
                       [(PagedSequence(tokens, page_pool(16)), len(tokens))])
         assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
         assert ((got - ref).abs().amax(-1) / ref.std(-1)).max() < 0.05
-    xn = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
-    cos, sin = both.rope.cos_sin(torch.arange(5), torch.float32)
-    for a, b in zip(alone.layers[1].kv_from_inputs(xn, cos, sin),
-                    both.layers[1].kv_from_inputs(xn, cos, sin)):
-        torch.testing.assert_close(a, b, atol=0.02, rtol=0.02)
+    for n in (5, 20):                       # KV recompute's k|v: packed, then staged
+        xn = torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+        cos, sin = both.rope.cos_sin(torch.arange(n), torch.float32)
+        for a, b in zip(alone.layers[1].kv_from_inputs(xn, cos, sin),
+                        both.layers[1].kv_from_inputs(xn, cos, sin)):
+            torch.testing.assert_close(a, b, atol=0.02, rtol=0.02)

@@ -46,15 +46,17 @@ def test_dequantized_values_are_the_packed_forms_own(simd, bits, dtype, n, k, mo
     assert torch.equal(got, _held(q).to(dtype))         # (bf16: nearest even, as torch rounds)
 
 
-def test_the_threads_split_the_rows_and_agree():
-    q = _quant(4, 300, 128, 1)
+@pytest.mark.parametrize("simd", [1, 0])
+def test_the_threads_split_the_rows_and_agree_and_padding_rows_are_not_written(simd):
+    q = _quant(4, 300, 128, 1)                  # 300 rows: the last tile of 8 has 4
     codes, scale, zero = PackedWeight.from_quant(q, "q4")._data
     outs = []
     for threads in (1, 4):
-        out = torch.full((300, 128), float("nan"))
+        out = torch.full((304, 128), float("nan"))
         _qmatmul.dequant(codes.data_ptr(), scale.data_ptr(), zero.data_ptr(), 300, 128, 4,
-                         out.data_ptr(), False, 1, threads)
-        outs.append(out)
+                         out.data_ptr(), False, simd, threads)
+        assert out[300:].isnan().all()
+        outs.append(out[:300])
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], _held(q))
 
 
@@ -113,3 +115,24 @@ def test_refuses_forms_it_cannot_read():
         packed.dequantize_into(torch.empty(32 * 63))
     with pytest.raises(ValueError, match="4 or 8"):
         _qmatmul.dequant(0, 0, 0, 8, 32, 5, 0, False)
+
+
+@pytest.mark.slow
+def test_an_engine_prefilling_staged_decodes_as_one_with_the_dense_copy(smollm2_dir):
+    """--prefill-weights staged on the bundled GGUF (Q4_1 and Q8_0 blocks: float16 steps, so
+    the staged values are the dense copy's own): no copy kept, and a ~700-token prompt (one
+    chunk, past any crossover) gives the dense copy's greedy tokens."""
+    from engine.args import EngineArgs
+    from engine.gguf_convert import bundled_gguf_path
+    from engine.llm_engine import LLMEngine
+    from tests.engine_helpers import code_prompt, run
+
+    prompt, got = code_prompt(smollm2_dir), {}
+    for mode in ("dense", "staged"):
+        engine = LLMEngine(EngineArgs(model=str(bundled_gguf_path()), kv_device_gb=0.1,
+                                      prefix_cache="off", prefill_weights=mode))
+        assert engine.weight_plan.keep_dense == (mode == "dense")
+        tokens, errors = run(engine, [prompt], 24)
+        assert not errors
+        got[mode] = tokens["r0"]
+    assert got["staged"] == got["dense"]

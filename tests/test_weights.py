@@ -11,6 +11,7 @@ from engine.gguf_blocks import decode
 from engine.gguf_weights import iter_gguf_weights, native_format
 from engine.model_config import ModelConfig
 from engine.model_loader import iter_safetensors, load_model
+from engine import weight_plan
 from engine.weight_plan import plan_weights
 from kernels.packed_linear import GroupQuant, Linear, PackedWeight, StagedWeight, quantize_int4
 from tests.model_helpers import PagedSequence, greedy, page_pool, step
@@ -132,9 +133,18 @@ def test_plan_takes_explicit_choices_and_times_only_real_choices(caplog):
     small = plan_weights(cfg, "fp32", "native", "int4", (1, 1), available=edge - 64)
     assert not small.keep_dense and small.decode_format == "native"
     assert "does not fit" in caplog.text
-    # long steps then dequantize our kernel's forms when they run, from a timed crossover
-    assert small.prefill_rows > 1
-    assert "dequantized when it runs" in caplog.text
+    # long steps then dequantize our kernel's forms when they run, from a crossover timed
+    # against that form
+    assert small.prefill_rows > 1 and "dequantized when it runs" in caplog.text
+    assert any(">" in fmt for fmt, *_ in weight_plan._PROBES)
+    # --prefill-weights: staged drops the copy where it would fit, dense keeps it where not
+    assert not plan_weights(cfg, "fp32", "native", "int4", (1, 1), available=edge + 64,
+                            prefill="staged").keep_dense
+    assert plan_weights(cfg, "fp32", "native", "int4", (1, 1), available=edge - 64,
+                        prefill="dense").keep_dense
+    assert plan_weights(cfg, "fp32", "int4", None, (1, 1), prefill="staged").keep_dense
+    with pytest.raises(ValueError, match="--prefill-weights"):
+        plan_weights(cfg, "fp32", "native", "int4", (1, 1), prefill="none")
     assert plan_weights(cfg, "fp32", "int4", None, (1, 1), available=1000).keep_dense
     # a GPU runs dense weights: no CPU probe, no packed CPU kernels
     assert plan_weights(cfg, "auto", "auto", "int4", (1, 1), "cuda").decode_format == "bf16"
@@ -233,7 +243,8 @@ def test_bundled_model_without_a_dense_copy_tracks_its_float32_reference(smollm2
     assert layer.qkv_proj.numel() == 0 and isinstance(staged, StagedWeight)
     assert staged.packed is layer.qkv.decode and layer.qkv.weight_for(15) is layer.qkv.decode
     assert alone.embed_tokens.numel() > 0 and alone.head.decode.fmt == "q8"
-    assert alone.head.weight_for(512).fmt == "fp32"     # the tied embedding's own values
+    head = alone.head.weight_for(512)                 # the tied embedding's own values
+    assert not isinstance(head, StagedWeight) and head.fmt == "fp32"
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                   add_generation_prompt=True, return_dict=False)
     assert len(ids) >= 16                       # (its prefill runs the staged form)
