@@ -25,9 +25,10 @@ A step of at least `prefill_rows` rows uses the dense prefill form, fewer rows t
 form; when both are the same, one copy is kept. A GGUF model whose dense copy would not fit
 (more than DENSE_SHARE of the memory available beside its packed weights: a 7-8B model in
 bf16 on a 24 GB machine), or one served with --prefill-weights staged, keeps its packed
-weights alone (`keep_dense` False; packed as they load, engine/llama_weights.py): a step of `prefill_rows` or more then dequantizes each
-matmul of our kernel's formats when it runs (kernels/packed_linear.py `StagedWeight`; the
-crossover timed against that form), and torch's packed formats run every step.
+weights alone (`keep_dense` False; packed as they load, engine/llama_weights.py): a step
+of `prefill_rows` or more then dequantizes each matmul of our kernel's formats when it runs
+(kernels/packed_linear.py `StagedWeight`; the crossover timed against that form), and
+torch's packed formats run every step.
 """
 from __future__ import annotations
 
