@@ -167,8 +167,6 @@ static void run_portable(const job_t *j) {
 #undef PAIR_DOT
 #endif
 
-#include "_qmatmul_dequant.h"
-
 typedef void (*run_fn)(const job_t *);
 
 typedef struct {
@@ -203,6 +201,8 @@ static void run_parallel(run_fn fn, const job_t *base, int threads) {
     }
     pool_run(run_task, args, threads);
 }
+
+#include "_qmatmul_dequant.h"
 
 /* out[M, N] = x[M, K] @ w.T, as qmm below but for the checks; without the GIL (the caller
  * releases it). 0, or -1 where scratch could not be allocated. kernels/_layer.c calls it
@@ -256,36 +256,6 @@ static PyObject *qmm(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     if (failed)
         return PyErr_NoMemory();
-    Py_RETURN_NONE;
-}
-
-/* w [N, K] in float32 or bf16 (out_bf16) from the codes; without the GIL */
-static PyObject *dequant(PyObject *self, PyObject *args) {
-    unsigned long long codes, scale, zero, out;
-    Py_ssize_t n, k;
-    int bits, out_bf16, simd = 1, threads = 1;
-    if (!PyArg_ParseTuple(args, "KKKnniKp|ii", &codes, &scale, &zero, &n, &k, &bits, &out,
-                          &out_bf16, &simd, &threads))
-        return NULL;
-    if ((bits != 4 && bits != 8) || k % GROUP || n < 0) {
-        PyErr_Format(PyExc_ValueError, "unsupported: %d-bit codes (4 or 8), K %zd (a multiple "
-                     "of %d), N %zd", bits, k, GROUP, n);
-        return NULL;
-    }
-    job_t job = {NULL, NULL, NULL, (const uint8_t *)(uintptr_t)codes,
-                 (const uint16_t *)(uintptr_t)scale, (const uint16_t *)(uintptr_t)zero, bits,
-                 0, k, n, 0, (n + TILE - 1) / TILE, (float *)(uintptr_t)out, out_bf16};
-    run_fn fn = dequant_portable;
-#ifdef HAVE_AVX2_PATH
-    if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-        fn = dequant_avx2;
-#else
-    (void)simd;
-#endif
-    Py_BEGIN_ALLOW_THREADS
-    run_parallel(fn, &job, threads);
-    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -351,6 +321,10 @@ static PyObject *moe_row(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     POOL_OPENMP_METHOD,
+    {"pack_codes", pack_codes, METH_VARARGS,
+     "pack_codes(codes, N, K, bits, out[, threads]): int16 codes [N, K] (4-bit 0..15, 8-bit "
+     "-128..127) into qmm's tiles of 8 rows at out (bytes: tiles x K / 32 x 128 or 256; rows "
+     "past N zero); without the GIL"},
     {"dequant", dequant, METH_VARARGS,
      "dequant(codes, scale, zero, N, K, bits, out, bf16[, simd, threads]): out[N, K] = scale * "
      "q + zero (one rounding) from qmm's codes, scales and zeros (zero 0: none), float32 or "

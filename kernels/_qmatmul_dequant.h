@@ -1,4 +1,7 @@
-/* Dense weights from kernels/_qmatmul.c's tiles (its layout), included there once:
+/* kernels/_qmatmul.c's tile layout both ways, included there once. `pack_tiles`: int16
+ * codes [N, K] (4-bit 0..15 or 8-bit -128..127) into the tiles, rows past N zero (what
+ * kernels/packed_linear.py `_our_layout` had done in several torch passes: 17 of an 8B
+ * file's 57 s of loading). And dense weights from the tiles:
  *
  *   w[n, k] = scale[n, g] * q[n, k] + zero[n, g]   (one rounding: a fused multiply-add)
  *
@@ -7,6 +10,7 @@
  * (kernels/packed_linear.py `StagedWeight`): the GEMM of a few hundred rows by a dense
  * weight runs about twice as fast as our integer kernel, and this costs one pass over the
  * weight. Uses the job's codes, scale, zero, bits, k, n, tiles [t0, t1), out and out_bf16.
+ * Included after run_parallel, with the module's Python functions `dequant` and `pack_codes`.
  * Paths: AVX2 + FMA + F16C (a tile's group is 16 units of 8 int32 lanes, one per row:
  * two 8 x 8 transposes give each row its 32 codes), portable C. */
 
@@ -14,6 +18,28 @@ static inline uint16_t dq_bf16(float f) {
     uint32_t b;
     memcpy(&b, &f, sizeof b);
     return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+/* tiles [t0, t1) of job->codes (written) from the int16 codes at job->xq ([N, K]) */
+static void pack_tiles(const job_t *j) {
+    const Py_ssize_t groups = j->k / GROUP, gb = TILE_GROUP_BYTES(j->bits);
+    uint8_t *out = (uint8_t *)j->codes;
+    for (Py_ssize_t t = j->t0; t < j->t1; t++)
+        for (Py_ssize_t g = 0; g < groups; g++) {
+            uint8_t *c = out + (t * groups + g) * gb;
+            memset(c, 0, gb);
+            for (int i = 0; i < TILE && t * TILE + i < j->n; i++) {
+                const int16_t *q = j->xq + (t * TILE + i) * j->k + g * GROUP;
+                for (int e = 0; e < GROUP; e++) {
+                    if (j->bits == 8) {
+                        c[(e >> 1) * 16 + 2 * i + (e & 1)] = (uint8_t)(int8_t)q[e];
+                    } else {
+                        const int at = (e >> 3) * 32 + ((e >> 1) & 1) * 16 + 2 * i + (e & 1);
+                        c[at] |= (uint8_t)((q[e] & 0x0f) << ((e >> 2) & 1 ? 4 : 0));
+                    }
+                }
+            }
+        }
 }
 
 static void dequant_portable(const job_t *j) {
@@ -122,3 +148,53 @@ static DQ_TARGET void dequant_avx2(const job_t *j) {
 }
 #undef DQ_TARGET
 #endif
+
+/* w [N, K] in float32 or bf16 (out_bf16) from the codes; without the GIL */
+static PyObject *dequant(PyObject *self, PyObject *args) {
+    unsigned long long codes, scale, zero, out;
+    Py_ssize_t n, k;
+    int bits, out_bf16, simd = 1, threads = 1;
+    if (!PyArg_ParseTuple(args, "KKKnniKp|ii", &codes, &scale, &zero, &n, &k, &bits, &out,
+                          &out_bf16, &simd, &threads))
+        return NULL;
+    if ((bits != 4 && bits != 8) || k % GROUP || n < 0) {
+        PyErr_Format(PyExc_ValueError, "unsupported: %d-bit codes (4 or 8), K %zd (a multiple "
+                     "of %d), N %zd", bits, k, GROUP, n);
+        return NULL;
+    }
+    job_t job = {NULL, NULL, NULL, (const uint8_t *)(uintptr_t)codes,
+                 (const uint16_t *)(uintptr_t)scale, (const uint16_t *)(uintptr_t)zero, bits,
+                 0, k, n, 0, (n + TILE - 1) / TILE, (float *)(uintptr_t)out, out_bf16};
+    run_fn fn = dequant_portable;
+#ifdef HAVE_AVX2_PATH
+    if (simd >= 1 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        fn = dequant_avx2;
+#else
+    (void)simd;
+#endif
+    Py_BEGIN_ALLOW_THREADS
+    run_parallel(fn, &job, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* int16 codes [N, K] into the tile layout (`pack_tiles`); without the GIL */
+static PyObject *pack_codes(PyObject *self, PyObject *args) {
+    unsigned long long codes, out;
+    Py_ssize_t n, k;
+    int bits, threads = 1;
+    if (!PyArg_ParseTuple(args, "KnniK|i", &codes, &n, &k, &bits, &out, &threads))
+        return NULL;
+    if ((bits != 4 && bits != 8) || k % GROUP || n < 0) {
+        PyErr_Format(PyExc_ValueError, "unsupported: %d-bit codes (4 or 8), K %zd (a multiple "
+                     "of %d), N %zd", bits, k, GROUP, n);
+        return NULL;
+    }
+    job_t job = {(const int16_t *)(uintptr_t)codes, NULL, NULL, (const uint8_t *)(uintptr_t)out,
+                 NULL, NULL, bits, 0, k, n, 0, (n + TILE - 1) / TILE, NULL, 0};
+    Py_BEGIN_ALLOW_THREADS
+    run_parallel(pack_tiles, &job, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}

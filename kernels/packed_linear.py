@@ -275,27 +275,25 @@ def quantize_int8(w: torch.Tensor) -> GroupQuant:
 
 def _our_layout(q: GroupQuant) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """kernels/_qmatmul.c's buffers, in its tiles of 8 output rows (its header lays them out;
-    N padded with zero rows): codes (4-bit: two a byte), float16 scale and zero (None where
-    every zero is 0)."""
+    N padded with zero rows): codes (4-bit: two a byte; written by `pack_codes` in one pass),
+    float16 scale and zero (None where every zero is 0)."""
     n, k = q.shape
     groups, tiles = k // GROUP, -(-n // _OUR_TILE)
 
     def rows(t: torch.Tensor) -> torch.Tensor:          # [tiles * 8, ...], padded with zeros
         return F.pad(t, (0, 0, 0, tiles * _OUR_TILE - n))
 
-    if q.bits == 4:     # element 8b + 4 nibble + 2 half + e2 -> byte [b, half, row, e2]
-        c = rows(q.codes.to(torch.uint8)).view(tiles, _OUR_TILE, groups, 4, 2, 2, 2)
-        c = c.permute(0, 2, 3, 5, 1, 6, 4)              # tile, group, b, half, row, e2, nibble
-        codes = c[..., 0] | (c[..., 1] << 4)
-    else:               # element 2p + e2 -> byte [p, row, e2]
-        codes = rows(q.codes.to(torch.int8)).view(tiles, _OUR_TILE, groups, GROUP // 2, 2)
-        codes = codes.permute(0, 2, 3, 1, 4)
+    codes = torch.empty(tiles * groups * _OUR_TILE * GROUP * q.bits // 8, dtype=torch.uint8)
+    src = q.codes if q.codes.dtype == torch.int16 and q.codes.is_contiguous() else \
+        q.codes.to(torch.int16).contiguous()
+    _qmatmul.pack_codes(src.data_ptr(), n, k, q.bits, codes.data_ptr(),
+                        torch.get_num_threads())
 
     def per_tile(v: torch.Tensor) -> torch.Tensor:      # [N, groups] -> [tiles, groups, 8]
         return rows(v).view(tiles, _OUR_TILE, groups).permute(0, 2, 1).half().contiguous()
 
     zero = None if not q.zero.any() else per_tile(q.zero)
-    return codes.contiguous().view(-1), per_tile(q.scale), zero
+    return codes, per_tile(q.scale), zero
 
 
 class Linear:
