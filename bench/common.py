@@ -286,6 +286,21 @@ def save_figure(fig, path: Path, dpi: int = 120) -> None:
     pyplot().close(fig)
 
 
+def bar_panels(names: list[str], panels: list[tuple[str, list[float]]], title: str,
+               path: Path, colors: list[str], fmt: str = ".2f") -> None:
+    """One panel per measure (its title and one value per name), bars labelled with their
+    values, side by side; written to `path`."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.5))
+    for ax, (label, vals) in zip(axes, panels):
+        ax.bar(names, vals, color=colors[:len(names)])
+        for i, v in enumerate(vals):
+            ax.text(i, v, f"{v:{fmt}}", ha="center", va="bottom", fontsize=8)
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(title, fontsize=8)
+    save_figure(fig, path)
+
+
 def plot_by_budget(score: Callable[[str, int], float | None], configs: list[str],
                    lengths: list[int], path: Path, ylabel: str, title: str,
                    markersize: int = 7) -> None:

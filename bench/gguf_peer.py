@@ -29,8 +29,8 @@ from pathlib import Path
 
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (RESULTS, add_replot_arg, cpu_line, machine,  # noqa: E402
-                          parser, pyplot, read_json, save_figure, write_json)
+from bench.common import (RESULTS, add_replot_arg, bar_panels, cpu_line,  # noqa: E402
+                          machine, parser, read_json, write_json)
 
 FILES = Path("/tmp/strata-bench")
 MODEL_LEN = 4096
@@ -112,21 +112,14 @@ def run(args, gguf: Path) -> dict:
 
 
 def plot(rep: dict, path: Path) -> None:
-    plt = pyplot()
     measures = [("prefill_tok_s", "prefill (tokens/s)"),
                 ("decode_tok_s", "decode, 1 stream (tokens/s)"),
                 ("streams_tok_s", f"{STREAMS} streams (tokens/s)")]
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3.6))
-    for ax, (key, label) in zip(axes, measures):
-        names = list(rep["engines"])
-        vals = [rep["engines"][n].get(key) or 1e3 / rep["engines"][n]["decode_ms"]
-                for n in names]
-        ax.bar(names, vals, color=["tab:blue", "tab:gray"])
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:.1f}", ha="center", va="bottom", fontsize=8)
-        ax.set_title(label, fontsize=9)
-    fig.suptitle(f"{rep['model']}\n{cpu_line(rep['machine'])}", fontsize=8)
-    save_figure(fig, path)
+    names = list(rep["engines"])
+    panels = [(label, [rep["engines"][n].get(key) or 1e3 / rep["engines"][n]["decode_ms"]
+                       for n in names]) for key, label in measures]
+    bar_panels(names, panels, f"{rep['model']}\n{cpu_line(rep['machine'])}", path,
+               ["tab:blue", "tab:gray"], fmt=".1f")
 
 
 def gguf_file(shape: str, layers: int, quant: str) -> Path:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 if not __package__:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (RESULTS, add_replot_arg, cpu_line, machine, parser,  # noqa: E402
-                          proc_memory, pyplot, read_json, save_figure, write_json)
+from bench.common import (RESULTS, add_replot_arg, bar_panels, cpu_line,  # noqa: E402
+                          machine, parser, proc_memory, read_json, time_calls, write_json)
 
 MEASURES = [("rss_gb", "RSS once built (GB)"), ("start_s", "start-up (s)"),
             ("prefill_tok_s", "prefill (tokens/s)"), ("decode_ms", "decode (ms a token)")]
@@ -58,11 +58,7 @@ def child(model: str, mode: str, prompt_tokens: int, decode: int) -> dict:
     while not engine.scheduler.get_request("r0").output_token_ids:
         engine.step()
     prefill = time.perf_counter() - t0
-    steps = []
-    for _ in range(decode):
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append(time.perf_counter() - t0)
+    steps = time_calls(engine.step, decode, warmup=0)
     return {"keep_dense": engine.weight_plan.keep_dense, "rss_gb": mem["VmRSS"] / 1e9,
             "peak_gb": proc_memory()["VmHWM"] / 1e9, "start_s": start,
             "prefill_tok_s": prompt_tokens / prefill,
@@ -84,19 +80,12 @@ def matmuls(rows: int, threads: int) -> list[dict]:
         best = {}
         for form, fn in (("packed", lambda: packed.mm(x)), ("staged", lambda: staged.mm(x)),
                          ("dequantize", staged.dense)):
-            fn()
-            best[form] = min(_timed(fn) for _ in range(3))
+            best[form] = min(time_calls(fn, 3))
         out.append({"matmul": name, "shape": [n, k], **{f: round(1e3 * t, 2)
                                                         for f, t in best.items()}})
         print(f"| {name} ({n} x {k}) | " + " | ".join(f"{1e3 * t:.1f} ms"
                                                        for t in best.values()) + " |")
     return out
-
-
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def run(args, gguf: Path) -> dict:
@@ -116,18 +105,10 @@ def run(args, gguf: Path) -> dict:
 
 
 def plot(rep: dict, path: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(MEASURES), figsize=(12, 3.4))
     names = list(rep["modes"])
-    for ax, (key, label) in zip(axes, MEASURES):
-        vals = [rep["modes"][n][key] for n in names]
-        ax.bar(names, vals, color=["tab:gray", "tab:blue"][:len(names)])
-        for i, v in enumerate(vals):
-            ax.text(i, v, f"{v:.2f}", ha="center", va="bottom", fontsize=8)
-        ax.set_title(label, fontsize=9)
-    fig.suptitle(f"--prefill-weights: {rep['model']}, {rep['prompt_tokens']}-token prompt\n"
-                 f"{cpu_line(rep['machine'])}", fontsize=8)
-    save_figure(fig, path)
+    bar_panels(names, [(label, [rep["modes"][n][key] for n in names]) for key, label in MEASURES],
+               f"--prefill-weights: {rep['model']}, {rep['prompt_tokens']}-token prompt\n"
+               f"{cpu_line(rep['machine'])}", path, ["tab:gray", "tab:blue"])
 
 
 def main(argv: list[str] | None = None) -> None:

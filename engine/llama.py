@@ -231,13 +231,12 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None,
     long steps that form dequantized to the weight's dtype when it runs (where it is our
     kernel's and `stage`; a StagedWeight)."""
     dtype = next(k for k, v in DENSE.items() if v == weight.dtype)
+    dense = None if not weight.numel() else PackedWeight(dtype, tuple(weight.shape),
+                                                         (weight.detach(),))
     if isinstance(quant, PackedWeight):
-        if weight.numel():
-            dense = PackedWeight(dtype, tuple(weight.shape), (weight.detach(),))
-        else:
-            dense = StagedWeight(quant, dtype) if stage and quant.fmt in OURS else None
+        if dense is None and stage and quant.fmt in OURS:
+            dense = StagedWeight(quant, dtype)
         return Linear(quant, bias, prefill=dense, prefill_rows=prefill_rows)
-    dense = PackedWeight(dtype, tuple(weight.shape), (weight.detach(),))
     if fmt in NATIVE:
         fmt = None if quant is None else NATIVE[fmt][quant.bits]
     if fmt is None or fmt == dense.fmt:

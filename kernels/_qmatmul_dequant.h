@@ -149,6 +149,15 @@ static DQ_TARGET void dequant_avx2(const job_t *j) {
 #undef DQ_TARGET
 #endif
 
+/* whether codes of this width and shape are ours (else a ValueError is set) */
+static int codes_ok(int bits, Py_ssize_t k, Py_ssize_t n) {
+    if ((bits == 4 || bits == 8) && k % GROUP == 0 && n >= 0)
+        return 1;
+    PyErr_Format(PyExc_ValueError, "unsupported: %d-bit codes (4 or 8), K %zd (a multiple of "
+                 "%d), N %zd", bits, k, GROUP, n);
+    return 0;
+}
+
 /* w [N, K] in float32 or bf16 (out_bf16) from the codes; without the GIL */
 static PyObject *dequant(PyObject *self, PyObject *args) {
     unsigned long long codes, scale, zero, out;
@@ -157,11 +166,8 @@ static PyObject *dequant(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KKKnniKp|ii", &codes, &scale, &zero, &n, &k, &bits, &out,
                           &out_bf16, &simd, &threads))
         return NULL;
-    if ((bits != 4 && bits != 8) || k % GROUP || n < 0) {
-        PyErr_Format(PyExc_ValueError, "unsupported: %d-bit codes (4 or 8), K %zd (a multiple "
-                     "of %d), N %zd", bits, k, GROUP, n);
+    if (!codes_ok(bits, k, n))
         return NULL;
-    }
     job_t job = {NULL, NULL, NULL, (const uint8_t *)(uintptr_t)codes,
                  (const uint16_t *)(uintptr_t)scale, (const uint16_t *)(uintptr_t)zero, bits,
                  0, k, n, 0, (n + TILE - 1) / TILE, (float *)(uintptr_t)out, out_bf16};
@@ -186,11 +192,8 @@ static PyObject *pack_codes(PyObject *self, PyObject *args) {
     int bits, threads = 1;
     if (!PyArg_ParseTuple(args, "KnniK|i", &codes, &n, &k, &bits, &out, &threads))
         return NULL;
-    if ((bits != 4 && bits != 8) || k % GROUP || n < 0) {
-        PyErr_Format(PyExc_ValueError, "unsupported: %d-bit codes (4 or 8), K %zd (a multiple "
-                     "of %d), N %zd", bits, k, GROUP, n);
+    if (!codes_ok(bits, k, n))
         return NULL;
-    }
     job_t job = {(const int16_t *)(uintptr_t)codes, NULL, NULL, (const uint8_t *)(uintptr_t)out,
                  NULL, NULL, bits, 0, k, n, 0, (n + TILE - 1) / TILE, NULL, 0};
     Py_BEGIN_ALLOW_THREADS
